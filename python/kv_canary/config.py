@@ -1,0 +1,192 @@
+"""Canary configuration: built once from server args + ``SGLANG_KV_CANARY_*`` env vars.
+
+Nothing below this module reads the environment: ``CanaryConfig`` is frozen and
+passed down. Every env var the canary knows is listed in ``ENV_VARS``; an unknown
+``SGLANG_KV_CANARY_*`` name or a malformed value is a ``CanaryConfigError`` at
+startup, so a typo never silently turns a feature off.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+ENV_PREFIX = "SGLANG_KV_CANARY_"
+FLAG_MODE = "--kv-canary"
+FLAG_SWEEP_INTERVAL = "--kv-canary-sweep-interval"
+
+
+class CanaryConfigError(ValueError):
+    """A flag or env var of the canary has a value it cannot run with."""
+
+
+class CanaryMode(str, enum.Enum):
+    NONE = "none"
+    LOG = "log"
+    RAISE = "raise"
+
+    @property
+    def enabled(self) -> bool:
+        return self is not CanaryMode.NONE
+
+
+class KernelBackend(str, enum.Enum):
+    AUTO = "auto"  # triton on CUDA; on CPU triton if TRITON_INTERPRET=1, else torch
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+def _parse_int(lo: int, hi: Optional[int] = None) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise CanaryConfigError(f"{name}={raw!r}: expected an integer") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise CanaryConfigError(f"{name}={raw!r}: expected an integer {bound}")
+        return value
+
+    return parse
+
+
+def _parse_prob(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise CanaryConfigError(f"{name}={raw!r}: expected a probability in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:
+        raise CanaryConfigError(f"{name}={raw!r}: expected a probability in [0, 1]")
+    return value
+
+
+def _parse_layers(name: str, raw: str) -> Tuple[int, ...]:
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if not parts:
+        raise CanaryConfigError(f"{name}={raw!r}: expected layer ids like '0' or '0,15,31'")
+    layers = tuple(_parse_int(0)(name, p) for p in parts)
+    if len(set(layers)) != len(layers):
+        raise CanaryConfigError(f"{name}={raw!r}: layer ids repeat")
+    return layers
+
+
+def _parse_hash_bytes(name: str, raw: str) -> int:
+    value = _parse_int(4, 4096)(name, raw)
+    if value % 4:
+        raise CanaryConfigError(f"{name}={raw!r}: expected a multiple of 4 bytes")
+    return value
+
+
+def _parse_backend(name: str, raw: str) -> KernelBackend:
+    try:
+        return KernelBackend(raw.strip().lower())
+    except ValueError:
+        choices = ", ".join(b.value for b in KernelBackend)
+        raise CanaryConfigError(f"{name}={raw!r}: expected one of {choices}") from None
+
+
+# env var suffix -> (config field, parser, help)
+ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
+    "KV_HASH_BYTES": ("kv_hash_bytes", _parse_hash_bytes,
+                      "bytes of K and of V hashed per slot and layer (multiple of 4, default 16)"),
+    "KV_HASH_LAYERS": ("kv_hash_layers", _parse_layers,
+                       "comma-separated layer ids whose K/V bytes are hashed (default 0)"),
+    "RING_CAPACITY": ("ring_capacity", _parse_int(16, 1 << 20),
+                      "violation records kept on the device between host reads (default 1024)"),
+    "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
+                        "forwards between a device counter copy and its host read (default 2)"),
+    "KERNEL_BACKEND": ("kernel_backend", _parse_backend, "auto | triton | torch (default auto)"),
+    "STATS_PRINT_EVERY_N_STEPS": ("stats_print_every_n_steps", _parse_int(0),
+                                  "forwards between kv_canary_stats= lines; 0 = off (default 100)"),
+    "MAX_LOGGED_VIOLATIONS": ("max_logged_violations", _parse_int(1),
+                              "violation lines logged per host read; the rest are counted (default 64)"),
+    "PERTURB_REAL_KV_USED_PROB": ("perturb_real_kv_used_prob", _parse_prob,
+                                  "per-forward probability of flipping a K/V byte of a slot the forward reads"),
+    "PERTURB_WARMUP_STEPS": ("perturb_warmup_steps", _parse_int(0),
+                             "forwards before any perturbation (default 50)"),
+    "PERTURB_SEED": ("perturb_seed", _parse_int(0), "seed of the perturbation RNG (default 0)"),
+}
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """Everything the canary needs to know, fixed at startup."""
+
+    mode: CanaryMode = CanaryMode.NONE
+    sweep_interval: int = 0
+    kv_hash_bytes: int = 16
+    kv_hash_layers: Tuple[int, ...] = (0,)
+    ring_capacity: int = 1024
+    d2h_delay_steps: int = 2
+    kernel_backend: KernelBackend = KernelBackend.AUTO
+    stats_print_every_n_steps: int = 100
+    max_logged_violations: int = 64
+    perturb_real_kv_used_prob: float = 0.0
+    perturb_warmup_steps: int = 50
+    perturb_seed: int = 0
+    env_overrides: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode.enabled
+
+    @property
+    def any_perturbation(self) -> bool:
+        return self.perturb_real_kv_used_prob > 0.0
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        mode: Any,
+        sweep_interval: Any = 0,
+        environ: Mapping[str, str],
+        disable_piecewise_cuda_graph: bool = True,
+    ) -> "CanaryConfig":
+        """Validate the flags and env vars; raise ``CanaryConfigError`` naming the bad one."""
+        try:
+            parsed_mode = CanaryMode(str(mode).strip().lower())
+        except ValueError:
+            choices = ", ".join(m.value for m in CanaryMode)
+            raise CanaryConfigError(f"{FLAG_MODE} {mode!r}: expected one of {choices}") from None
+        sweep = _parse_int(0)(FLAG_SWEEP_INTERVAL, str(sweep_interval))
+        if sweep > 0 and not parsed_mode.enabled:
+            raise CanaryConfigError(
+                f"{FLAG_SWEEP_INTERVAL} {sweep} needs the canary on: add {FLAG_MODE} log or "
+                f"{FLAG_MODE} raise, or drop {FLAG_SWEEP_INTERVAL}"
+            )
+        values: Dict[str, Any] = {}
+        seen = []
+        for name in sorted(environ):
+            if not name.startswith(ENV_PREFIX):
+                continue
+            suffix = name[len(ENV_PREFIX):]
+            if suffix not in ENV_VARS:
+                known = ", ".join(ENV_PREFIX + s for s in sorted(ENV_VARS))
+                raise CanaryConfigError(f"unknown env var {name}; the canary knows: {known}")
+            field_name, parse, _ = ENV_VARS[suffix]
+            values[field_name] = parse(name, environ[name])
+            seen.append((name, environ[name]))
+        config = cls(mode=parsed_mode, sweep_interval=sweep, env_overrides=tuple(seen), **values)
+        if config.enabled and not disable_piecewise_cuda_graph:
+            raise CanaryConfigError(
+                f"{FLAG_MODE} {parsed_mode.value} cannot run inside piecewise CUDA graphs: "
+                "pass --disable-piecewise-cuda-graph"
+            )
+        if config.any_perturbation and not config.enabled:
+            raise CanaryConfigError(
+                "SGLANG_KV_CANARY_PERTURB_* is set but the canary is off: "
+                f"add {FLAG_MODE} log or {FLAG_MODE} raise"
+            )
+        return config
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        return (
+            f"mode={self.mode.value} sweep_interval={self.sweep_interval} "
+            f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
+            f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
+            f"kernel_backend={self.kernel_backend.value} "
+            f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob}"
+        )

@@ -1,0 +1,92 @@
+"""The per-slot fingerprint: record layout, reason codes and the hash functions.
+
+A record is ``int64[RECORD_WIDTH]`` per KV slot and buffer group:
+
+    [TOKEN, POSITION, CHAIN, KV_HASH]
+
+* ``CHAIN`` of position p is ``CHAIN(p-1) + g(token_p, p)`` (wrapping int64
+  addition), anchored at ``CHAIN_ANCHOR`` before position 0. Two prefixes that
+  differ anywhere before p therefore differ at p (unless a 2^-64 collision), a
+  slot's link to its predecessor is checked locally (verify is parallel over
+  slots), and writing a chunk is a prefix sum (parallel over tokens).
+* ``KV_HASH`` mixes the first ``kv_hash_bytes`` bytes of the slot's K and V rows
+  in the hashed layers, read from the live pool.
+
+All arithmetic is wrapping int64 with logical shifts expressed as arithmetic
+shift + mask, so the torch reference and the Triton kernels agree bit for bit.
+The functions here operate on torch tensors; the Triton kernels re-implement the
+same formulas with the same constants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RECORD_WIDTH = 4
+F_TOKEN, F_POSITION, F_CHAIN, F_KV_HASH = 0, 1, 2, 3
+
+# Violation reasons (bit flags; one ring row carries the OR of all that failed).
+R_POSITION = 1  # record's position differs from the position the request reads it at
+R_CHAIN = 2  # chain link to the predecessor slot broken (foreign or reordered prefix)
+R_KV_HASH = 4  # live K/V bytes no longer hash to the recorded value
+R_TOKEN = 8  # recorded token differs from the request's own token at that position
+R_SLOT = 16  # req_to_token points at the padding slot or outside the pool
+
+REASON_NAMES = {
+    R_POSITION: "position",
+    R_CHAIN: "chain",
+    R_KV_HASH: "kv_hash",
+    R_TOKEN: "token",
+    R_SLOT: "slot",
+}
+
+CHAIN_ANCHOR = 0x1B873593CC9E2D51  # < 2**63: the same value as int64 everywhere
+G_TOKEN_MUL = 0x1F8B3C5D7E9A0B2D
+G_POS_MUL = 0x3C6EF372FE94F82B
+G_ADD = 0x2545F4914F6CDD1D
+MIX_M1 = 0x62A9D9ED799705F5
+MIX_M2 = 0x4BE98134A5976FD3
+WORD_MUL = 0x5851F42D4C957F2D
+HASH_SEED = 0x14057B7EF767814F
+
+MASK_31 = (1 << 31) - 1
+MASK_32 = (1 << 32) - 1
+MASK_35 = (1 << 35) - 1
+
+# Device counters (int64[NUM_COUNTERS], one tensor per manager).
+C_VIOLATIONS = 0  # violation rows ever appended to the ring
+C_SLOTS_VERIFIED = 1
+C_SLOTS_WRITTEN = 2
+C_VERIFY_LAUNCHES = 3
+C_WRITE_LAUNCHES = 4
+C_FORWARD_INDEX = 5  # forwards completed (bumped by the last TAIL launch of a forward)
+C_REPORT_ENABLED = 6  # 0 while capturing/warming up: violations are counted nowhere
+NUM_COUNTERS = 8
+
+# Violation ring rows (int64[capacity, RING_WIDTH]).
+V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)
+RING_WIDTH = 8
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """Bijective int64 -> int64 finaliser (xor-shift-multiply), wrapping."""
+    x = x ^ ((x >> 29) & MASK_35)
+    x = x * MIX_M1
+    x = x ^ ((x >> 32) & MASK_32)
+    x = x * MIX_M2
+    x = x ^ ((x >> 33) & MASK_31)
+    return x
+
+
+def chain_term(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """g(token, position): int64 tensors of equal shape -> int64."""
+    return mix64(token.to(torch.int64) * G_TOKEN_MUL + position.to(torch.int64) * G_POS_MUL + G_ADD)
+
+
+def kv_hash_from_words(words: torch.Tensor) -> torch.Tensor:
+    """words: int32[n, W] (all hashed words of n slots, in canonical order) -> int64[n]."""
+    n, width = words.shape
+    idx = torch.arange(width, device=words.device, dtype=torch.int64)
+    terms = mix64((words.to(torch.int64) & MASK_32) + (idx + 1) * WORD_MUL)
+    return mix64(terms.sum(dim=1) ^ HASH_SEED)
+

@@ -1,0 +1,100 @@
+"""Torch reference of the HEAD-verify and TAIL-write kernels.
+
+Same inputs, same outputs, same formulas as ``triton_kernels``; ring rows may
+be in a different order (the Triton kernels append them atomically). Not
+graph-safe (it reads lengths on the host): it is the oracle for tests and the
+``SGLANG_KV_CANARY_KERNEL_BACKEND=torch`` fallback on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import fingerprint as fp
+from ..fingerprint import chain_term, kv_hash_from_words
+
+
+def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
+    return kv_hash_from_words(group.hashed_words(slots))
+
+
+def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0) -> None:
+    del programs_per_req, block  # grid shape is a Triton concern
+    bs = view.batch_size
+    device = group.records.device
+    rows = view.req_pool_indices[:bs].to(torch.int64)
+    prefix = (view.seq_lens[:bs].to(torch.int64) - view.new_lens[:bs].to(torch.int64)).clamp(min=0)
+    width = int(prefix.max().item()) if bs else 0
+    if width > 0:
+        pos = torch.arange(width, device=device, dtype=torch.int64).expand(bs, width)
+        m = pos < prefix[:, None]
+        raw_slot = req_to_token[rows][:, :width].to(torch.int64)
+        slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
+        slot = torch.where(slot_ok, raw_slot, 0)
+        raw_pred = torch.zeros_like(raw_slot)
+        raw_pred[:, 1:] = raw_slot[:, :-1]
+        pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
+        rec = group.records[slot]  # [bs, width, RECORD_WIDTH]
+        rec_token, rec_pos = rec[..., fp.F_TOKEN], rec[..., fp.F_POSITION]
+        rec_chain, rec_hash = rec[..., fp.F_CHAIN], rec[..., fp.F_KV_HASH]
+        pred_chain = torch.where(pos > 0, group.records[pred][..., fp.F_CHAIN], fp.CHAIN_ANCHOR)
+        want_chain = pred_chain + chain_term(rec_token, pos)
+        live_hash = _live_hash(group, slot.reshape(-1)).reshape(bs, width)
+        bad_slot = ~slot_ok
+        bad_pos = slot_ok & (rec_pos != pos)
+        bad_chain = slot_ok & (rec_chain != want_chain)
+        bad_hash = slot_ok & (live_hash != rec_hash)
+        reason = (bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN) | (bad_hash * fp.R_KV_HASH)
+        report = counters[fp.C_REPORT_ENABLED] != 0
+        bad = m & (reason != 0) & report
+        stored = torch.where(bad_slot, raw_slot, torch.where(bad_pos, rec_pos, torch.where(bad_chain, rec_chain, rec_hash)))
+        expected = torch.where(
+            bad_slot, torch.zeros_like(pos), torch.where(bad_pos, pos, torch.where(bad_chain, want_chain, live_hash))
+        )
+        batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None].expand(bs, width)
+        rows_2d = rows[:, None].expand(bs, width)
+        forward_index = counters[fp.C_FORWARD_INDEX].expand(bs, width)
+        fields = [reason.to(torch.int64), raw_slot, pos, batch_index, rows_2d, stored, expected, forward_index]
+        table = torch.stack([f[bad] for f in fields], dim=1)
+        n_bad = table.shape[0]
+        if n_bad:
+            base = int(counters[fp.C_VIOLATIONS].item())
+            at = (base + torch.arange(n_bad, device=device)) % ring.shape[0]
+            ring[at] = table
+            counters[fp.C_VIOLATIONS] += n_bad
+        counters[fp.C_SLOTS_VERIFIED] += m.sum()
+    counters[fp.C_VERIFY_LAUNCHES] += 1
+
+
+def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0) -> None:
+    del block  # grid shape is a Triton concern
+    bs = view.batch_size
+    device = group.records.device
+    if bs:
+        rows = view.req_pool_indices[:bs].to(torch.int64)
+        n = view.new_lens[:bs].to(torch.int64)
+        starts = view.new_starts[:bs].to(torch.int64)
+        p0 = view.seq_lens[:bs].to(torch.int64) - n
+        req_of = torch.repeat_interleave(torch.arange(bs, device=device), n.clamp(min=0))
+        k = torch.arange(req_of.numel(), device=device) - (torch.cumsum(n.clamp(min=0), 0) - n.clamp(min=0))[req_of]
+        tok_index = starts[req_of] + k
+        tok = view.input_ids[tok_index].to(torch.int64)
+        pos = p0[req_of] + k
+        g = chain_term(tok, pos)
+        # Segmented inclusive prefix sum of g per request.
+        csum = torch.cumsum(g, 0)
+        seg_start = torch.cumsum(n.clamp(min=0), 0) - n.clamp(min=0)
+        before = torch.where(seg_start > 0, csum[(seg_start - 1).clamp(min=0)], torch.zeros_like(seg_start))
+        raw_pred = req_to_token[rows, (p0 - 1).clamp(min=0)].to(torch.int64)
+        pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
+        carry = torch.where(p0 > 0, group.records[pred, fp.F_CHAIN], fp.CHAIN_ANCHOR)
+        chain = carry[req_of] + (csum - before[req_of])
+        slot = view.out_cache_loc[tok_index].to(torch.int64)
+        wm = (slot > 0) & (slot < group.num_slots) & (p0[req_of] >= 0)
+        slot, tok, pos, chain = slot[wm], tok[wm], pos[wm], chain[wm]
+        live_hash = _live_hash(group, slot)
+        group.records[slot] = torch.stack([tok, pos, chain, live_hash], dim=1)
+        counters[fp.C_SLOTS_WRITTEN] += wm.sum()
+    counters[fp.C_WRITE_LAUNCHES] += 1
+    if bump_forward:
+        counters[fp.C_FORWARD_INDEX] += 1

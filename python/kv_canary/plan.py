@@ -1,0 +1,72 @@
+"""Plain-tensor descriptions of one forward and of the fixed launch capacities.
+
+Nothing here names sglang: ``ForwardView`` is what the adapter layer extracts
+from sglang's ``ForwardBatch``; ``LaunchCapacities`` is fixed at install so every
+grid the canary launches is known before CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardView:
+    """What one model forward reads and writes, as device tensors.
+
+    Request ``i`` (of ``batch_size``) owns row ``req_pool_indices[i]`` of
+    req_to_token, has ``seq_lens[i]`` tokens after this forward, of which the
+    last ``new_lens[i]`` are computed now: their ids/slots are
+    ``input_ids/out_cache_loc[new_starts[i] : new_starts[i] + new_lens[i]]``.
+    Attention reads positions ``[0, seq_lens[i])``; the first
+    ``seq_lens[i] - new_lens[i]`` were written by earlier forwards and are the
+    slots HEAD verifies.
+
+    input_ids, out_cache_loc: int32/int64[num_tokens]
+    req_pool_indices, seq_lens, new_starts, new_lens: int32/int64[batch_size]
+    """
+
+    input_ids: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    new_starts: torch.Tensor
+    new_lens: torch.Tensor
+    batch_size: int
+    max_new_len: int  # host-side bound on new_lens (sizes the TAIL grid)
+    rids: Optional[Sequence[str]] = None  # host-side request ids, batch order (reports only)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class LaunchCapacities:
+    """Upper bounds fixed at install; a forward beyond them is an error, never a skip."""
+
+    max_batch_size: int  # requests per forward (sizes the uniform index buffers)
+    max_context_len: int  # positions per request (req_to_token width)
+    verify_programs_target: int  # total verify programs to aim for per launch
+
+    def verify_programs_per_request(self, batch_size: int, block: int) -> int:
+        """Programs per request for a HEAD launch; depends only on batch size (graph-safe)."""
+        by_target = max(1, self.verify_programs_target // max(1, batch_size))
+        by_context = max(1, -(-self.max_context_len // block))
+        return min(by_target, by_context)
+
+    def check(self, view: ForwardView) -> None:
+        """Raise ``CanaryCapacityError`` when ``view`` exceeds a capacity."""
+        if view.batch_size > self.max_batch_size:
+            raise CanaryCapacityError(
+                f"kv-canary: forward has {view.batch_size} requests, capacity max_batch_size="
+                f"{self.max_batch_size}; raise --max-running-requests (or --cuda-graph-max-bs) "
+                "at startup so the canary sizes its buffers for it"
+            )
+
+
+class CanaryCapacityError(RuntimeError):
+    """A forward exceeded a launch capacity fixed at install."""

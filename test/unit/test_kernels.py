@@ -1,0 +1,190 @@
+"""Triton kernels (under TRITON_INTERPRET=1) against the torch reference on random pools.
+
+The scenario drives real forwards through both backends on identical pools:
+chunked prefill of several requests, two of which share a prefix (the second
+reuses the first's slots, as the radix cache does), then decode steps; then
+corruptions of each kind, and checks both backends report the same violations.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kv_canary import fingerprint as fp
+from kv_canary.config import CanaryConfig
+from kv_canary.kernels import reference as ref
+from kv_canary.kernels import triton_kernels as tk
+from kv_canary.plan import ForwardView
+from kv_canary.pool_patcher import PoolLayout, build_group
+
+NUM_SLOTS = 600
+CTX = 160
+LAYERS = 3
+
+
+class Sim:
+    """A tiny KV pool + req_to_token + a slot allocator, driven like sglang does."""
+
+    def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True):
+        g = torch.Generator().manual_seed(seed)
+        self.backend = backend
+        self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g) for _ in range(LAYERS)]
+        self.v = [torch.randn(NUM_SLOTS, 2, 8, generator=g) for _ in range(LAYERS)] if with_v else None
+        config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes)
+        self.group = build_group(PoolLayout("full", self.k, self.v), config, torch.device("cpu"))
+        self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64)
+        self.counters[fp.C_REPORT_ENABLED] = 1
+        self.ring = torch.zeros(256, fp.RING_WIDTH, dtype=torch.int64)
+        self.next_slot = 1
+        self.rng = torch.Generator().manual_seed(seed + 1)
+
+    def alloc(self, n):
+        slots = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int64)
+        self.next_slot += n
+        return slots
+
+    def forward(self, reqs):
+        """reqs: list of (row, prefix_len, new_token_ids). Fills KV for new tokens, then TAIL-writes."""
+        ids, locs, rows, seqs, starts, lens = [], [], [], [], [], []
+        for row, prefix, toks in reqs:
+            slots = self.alloc(len(toks))
+            self.r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32)
+            starts.append(len(ids))
+            ids += toks
+            locs += slots.tolist()
+            rows.append(row)
+            seqs.append(prefix + len(toks))
+            lens.append(len(toks))
+        view = ForwardView(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            out_cache_loc=torch.tensor(locs, dtype=torch.int64),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+            seq_lens=torch.tensor(seqs, dtype=torch.int64),
+            new_starts=torch.tensor(starts, dtype=torch.int32),
+            new_lens=torch.tensor(lens, dtype=torch.int32),
+            batch_size=len(reqs),
+            max_new_len=max(lens),
+        )
+        self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 2, 16)
+        # "attention" writes K/V of the new slots
+        for layer in range(LAYERS):
+            loc = view.out_cache_loc
+            self.k[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng)
+            if self.v is not None:
+                self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng)
+        self.backend.launch_write(self.group, view, self.r2t, self.counters, True, block=16)
+        return view
+
+    def verify_all(self, reqs):
+        """reqs: list of (row, length): HEAD-verify positions [0, length) (as a decode forward would)."""
+        view = ForwardView(
+            input_ids=torch.zeros(len(reqs), dtype=torch.int64),
+            out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64),
+            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64),
+            seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64),
+            new_starts=torch.arange(len(reqs), dtype=torch.int64),
+            new_lens=torch.ones(len(reqs), dtype=torch.int64),
+            batch_size=len(reqs),
+            max_new_len=1,
+        )
+        before = int(self.counters[fp.C_VIOLATIONS])
+        self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 3, 16)
+        n = int(self.counters[fp.C_VIOLATIONS]) - before
+        rows = [self.ring[(before + i) % self.ring.shape[0]].tolist() for i in range(n)]
+        return sorted(tuple(r) for r in rows)
+
+
+def _scenario(sim: Sim):
+    g = torch.Generator().manual_seed(7)
+    tok = lambda n: torch.randint(1, 500, (n,), generator=g).tolist()  # noqa: E731
+    shared = tok(40)
+    # chunked prefill: row 1 gets 40 + 50 tokens in two chunks, row 2 a 70-token prompt in one
+    sim.forward([(1, 0, shared), (2, 0, tok(70))])
+    sim.forward([(1, 40, tok(50)), (3, 0, tok(33))])
+    # row 4 shares row 1's first 40 slots (a radix hit), then extends with its own tokens
+    sim.r2t[4, :40] = sim.r2t[1, :40]
+    sim.forward([(4, 40, tok(37))])
+    # decode steps for everybody
+    for step in range(3):
+        sim.forward([(1, 90 + step, tok(1)), (2, 70 + step, tok(1)), (4, 77 + step, tok(1))])
+    return {1: 93, 2: 73, 3: 33, 4: 80}
+
+
+@pytest.mark.parametrize("hash_layers,hash_bytes,with_v", [((0,), 16, True), ((0, 2), 32, True), ((1,), 64, False)])
+def test_triton_matches_reference_clean_then_corrupted(hash_layers, hash_bytes, with_v):
+    sims = [Sim(tk, hash_layers=hash_layers, hash_bytes=hash_bytes, with_v=with_v),
+            Sim(ref, hash_layers=hash_layers, hash_bytes=hash_bytes, with_v=with_v)]
+    lengths = [_scenario(s) for s in sims][0]
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    assert int(sims[0].counters[fp.C_SLOTS_WRITTEN]) == int(sims[1].counters[fp.C_SLOTS_WRITTEN]) > 0
+    everyone = list(lengths.items())
+    assert [s.verify_all(everyone) for s in sims] == [[], []]
+    assert int(sims[0].counters[fp.C_SLOTS_VERIFIED]) == int(sims[1].counters[fp.C_SLOTS_VERIFIED])
+
+    layer = hash_layers[0]
+    for s in sims:
+        # kv_hash: flip one bit in the hashed bytes of row 2, position 10
+        s.group.k_views[0][int(s.r2t[2, 10]), 0] ^= 1 << 5
+        # chain/position: row 3 position 5 now points at row 2's slot of position 5
+        s.r2t[3, 5] = s.r2t[2, 5]
+        # slot: row 1 position 60 points at the padding slot
+        s.r2t[1, 60] = 0
+    found = [s.verify_all(everyone) for s in sims]
+    assert found[0] == found[1]
+    by_reason = {}
+    for row in found[0]:
+        by_reason.setdefault((row[fp.V_ROW], row[fp.V_POSITION]), 0)
+        by_reason[(row[fp.V_ROW], row[fp.V_POSITION])] |= row[fp.V_REASON]
+    assert by_reason[(2, 10)] == fp.R_KV_HASH
+    assert by_reason[(3, 5)] & fp.R_CHAIN  # same position, foreign prefix
+    assert by_reason[(3, 6)] == fp.R_CHAIN  # successor's link to the foreign slot
+    assert by_reason[(1, 60)] == fp.R_SLOT
+    assert by_reason[(1, 61)] == fp.R_CHAIN
+    # row 4 shares row 1's prefix slots, but not position 60: clean
+    assert all(r != 4 for r, _ in by_reason)
+    assert layer in hash_layers
+
+
+def test_shared_prefix_verifies_for_every_sharer():
+    sim = Sim(tk)
+    lengths = _scenario(sim)
+    assert torch.equal(sim.r2t[4, :40], sim.r2t[1, :40])
+    assert sim.verify_all([(4, lengths[4]), (1, lengths[1])]) == []
+
+
+def test_position_shift_is_detected():
+    sim = Sim(tk)
+    _scenario(sim)
+    # row 2 reads its slots shifted by one position (positions 20..29 point one slot later)
+    sim.r2t[2, 20:30] = sim.r2t[2, 21:31].clone()
+    found = sim.verify_all([(2, 73)])
+    positions = sorted({r[fp.V_POSITION] for r in found})
+    assert positions[:10] == list(range(20, 30))
+    assert all(r[fp.V_REASON] & fp.R_POSITION for r in found if 20 <= r[fp.V_POSITION] < 30)
+
+
+def test_report_disabled_counts_nothing():
+    sim = Sim(tk)
+    lengths = _scenario(sim)
+    sim.group.k_views[0][int(sim.r2t[2, 3]), 0] ^= 1
+    sim.counters[fp.C_REPORT_ENABLED] = 0
+    assert sim.verify_all(list(lengths.items())) == []
+    sim.counters[fp.C_REPORT_ENABLED] = 1
+    assert len(sim.verify_all(list(lengths.items()))) == 1
+
+
+def test_long_chunk_written_by_several_blocks_matches_reference():
+    sims = [Sim(tk), Sim(ref)]
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(1, 500, (150,), generator=g).tolist()
+    for s in sims:
+        s.forward([(5, 0, toks[:17]), (6, 0, toks[:3])])
+        s.forward([(5, 17, toks[17:150]), (6, 3, toks[3:4])])  # 133 new tokens: 9 blocks of 16
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    assert sims[0].verify_all([(5, 150), (6, 4)]) == []
