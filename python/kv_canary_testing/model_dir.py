@@ -1,0 +1,134 @@
+"""Write a model folder for the tiny external model: config.json plus a local tokenizer.
+
+Nothing is downloaded: the tokenizer is a ``tokenizers`` WordLevel model over a
+fixed vocabulary of words ``w0`` .. ``w{N-1}`` plus four special tokens, split on
+whitespace. Weights are not written; the server runs with ``--load-format dummy``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from kv_canary_testing import default_cache_dir
+
+ARCHITECTURE = "KvcTinyForCausalLM"
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
+NUM_WORDS = 508  # 4 specials + 508 words = vocab_size 512: every id decodes
+FIRST_WORD_ID = len(SPECIAL_TOKENS)
+
+DEFAULT_CONFIG = {
+    "architectures": [ARCHITECTURE],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    # Seed for the deterministic re-initialisation done after a dummy load.
+    "kvc_init_seed": 20240501,
+}
+
+
+def word(i: int) -> str:
+    """Return the i-th vocabulary word (``w{i}``)."""
+    return f"w{i}"
+
+
+def word_token_id(i: int) -> int:
+    """Return the token id of the i-th vocabulary word."""
+    return FIRST_WORD_ID + i
+
+
+def vocabulary(num_words: int = NUM_WORDS) -> dict[str, int]:
+    """Return the token -> id map of the tokenizer."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for i in range(num_words):
+        vocab[word(i)] = word_token_id(i)
+    return vocab
+
+
+def _build_tokenizer_json(num_words: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab=vocabulary(num_words), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok.to_str(pretty=True)
+
+
+def _tokenizer_config(max_len: int) -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "model_max_length": max_len,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if path.is_file() and path.read_text() == text:
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_model_dir(
+    path: str | os.PathLike | None = None,
+    config_overrides: dict | None = None,
+    num_words: int = NUM_WORDS,
+) -> Path:
+    """Write (idempotently) a model folder for ``KvcTinyForCausalLM`` and return its path.
+
+    ``path`` defaults to ``<cache>/tiny-model``; ``config_overrides`` updates the
+    config (e.g. ``{"num_hidden_layers": 4}``).
+    """
+    config = dict(DEFAULT_CONFIG)
+    config.update(config_overrides or {})
+    if num_words + FIRST_WORD_ID > config["vocab_size"]:
+        raise ValueError(
+            f"vocab_size {config['vocab_size']} is smaller than the tokenizer "
+            f"({num_words + FIRST_WORD_ID} tokens)"
+        )
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model"
+    out.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(out / "config.json", json.dumps(config, indent=2) + "\n")
+    _write_if_changed(
+        out / "generation_config.json",
+        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+                    "pad_token_id": PAD_ID}, indent=2) + "\n",
+    )
+    _write_if_changed(out / "tokenizer.json", _build_tokenizer_json(num_words) + "\n")
+    _write_if_changed(
+        out / "tokenizer_config.json",
+        json.dumps(_tokenizer_config(config["max_position_embeddings"]), indent=2) + "\n",
+    )
+    _write_if_changed(
+        out / "special_tokens_map.json",
+        json.dumps({"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+                    "pad_token": "<pad>"}, indent=2) + "\n",
+    )
+    return out
