@@ -1,0 +1,295 @@
+"""Launch a real sglang 0.5.12 HTTP server (``python -m sglang.launch_server``) for tests.
+
+``SglangServer`` picks a free loopback port, starts the server in its own process
+group with stdout+stderr going to a log file, waits until it answers, and kills
+the whole process tree on ``stop()``. Default arguments depend on the device:
+
+* ``device="cpu"``: the tiny external model with dummy weights, torch_native
+  attention, no CUDA graphs, and a stand-in ``libcuda.so.1`` on LD_LIBRARY_PATH
+  (see ``libcuda_stub``); flags from the project's sglang 0.5.12 runbook.
+* ``device="cuda"``: triton attention with CUDA graphs on (piecewise graphs off).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import requests
+
+from kv_canary_testing import default_cache_dir
+from kv_canary_testing.libcuda_stub import ensure_libcuda_stub
+from kv_canary_testing.model_dir import write_model_dir
+
+TINY_MODEL_PACKAGE = "kv_canary_testing.tiny_model"
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+DEVICE_ARGS = {
+    "cpu": [
+        "--device", "cpu",
+        "--attention-backend", "torch_native",
+        "--disable-cuda-graph",
+        # Not auto-disabled on CPU unless SGLANG_USE_CPU_ENGINE=1 (which we can't
+        # use); with --chunked-prefill-size set it would try to capture graphs.
+        "--disable-piecewise-cuda-graph",
+        "--sampling-backend", "pytorch",
+        "--load-format", "dummy",
+        "--skip-server-warmup",
+        "--dtype", "float32",
+    ],
+    "cuda": [
+        "--attention-backend", "triton",
+        "--sampling-backend", "pytorch",
+        "--grammar-backend", "none",
+        "--disable-piecewise-cuda-graph",
+        "--load-format", "dummy",
+    ],
+}
+
+DEFAULT_MAX_TOTAL_TOKENS = {"cpu": 4096, "cuda": 65536}
+
+
+class ServerError(RuntimeError):
+    """The server failed to start or died."""
+
+
+# sglang 0.5.12 derives a gRPC port as --port + 10000 and rejects the server if it
+# exceeds 65535, so ports come from a range below the usual ephemeral one.
+PORT_RANGE = (20000, 32000)
+
+
+def free_port(host: str = "127.0.0.1", port_range: tuple[int, int] = PORT_RANGE) -> int:
+    """Return a TCP port in ``port_range`` that is free on ``host`` right now."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(*port_range)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise ServerError(f"no free port found in {port_range} on {host}")
+
+
+def _flag_given(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _prepend_path(value: str | None, entry: str) -> str:
+    parts = [p for p in (value or "").split(os.pathsep) if p]
+    return os.pathsep.join([entry] + [p for p in parts if p != entry])
+
+
+class SglangServer:
+    """A sglang server process for tests; usable as a context manager.
+
+    ``extra_args`` go after the defaults; a flag given there replaces the default
+    of the same name (for ``--max-total-tokens``, ``--dtype``, ... ). ``env``
+    updates the inherited environment. ``model_path`` defaults to the tiny model
+    folder written by ``write_model_dir``.
+    """
+
+    def __init__(
+        self,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        port: int | None = None,
+        *,
+        device: str = "cpu",
+        model_path: str | os.PathLike | None = None,
+        max_total_tokens: int | None = None,
+        python: str | None = None,
+        host: str = "127.0.0.1",
+    ):
+        if device not in DEVICE_ARGS:
+            raise ValueError(f"device must be one of {sorted(DEVICE_ARGS)}, not {device!r}")
+        self.device = device
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.base_url = f"http://{host}:{self.port}"
+        self.model_path = Path(model_path) if model_path is not None else None
+        self.extra_args = list(extra_args)
+        self.max_total_tokens = (
+            max_total_tokens if max_total_tokens is not None else DEFAULT_MAX_TOTAL_TOKENS[device]
+        )
+        self.python = python or sys.executable
+        self.user_env = dict(env or {})
+        if log_path is None:
+            log_dir = default_cache_dir() / "logs"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = log_dir / f"sglang-{device}-{self.port}-{int(time.time())}.log"
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+        self._log_file = None
+
+    # ---- command and environment -------------------------------------------------
+
+    def command(self) -> list[str]:
+        """Return the full server command line."""
+        model_path = self.model_path or write_model_dir()
+        defaults = [
+            "--model-path", str(model_path),
+            "--host", self.host,
+            "--port", str(self.port),
+            *DEVICE_ARGS[self.device],
+            "--max-total-tokens", str(self.max_total_tokens),
+        ]
+        # Drop defaults that the caller overrides in extra_args.
+        merged: list[str] = []
+        i = 0
+        while i < len(defaults):
+            flag = defaults[i]
+            has_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("--")
+            if not _flag_given(self.extra_args, flag):
+                merged.append(flag)
+                if has_value:
+                    merged.append(defaults[i + 1])
+            i += 2 if has_value else 1
+        return [self.python, "-m", "sglang.launch_server", *merged, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        """Return the environment the server process runs with."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _prepend_path(env.get("PYTHONPATH"), PACKAGE_PARENT)
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", TINY_MODEL_PACKAGE)
+        if self.device == "cpu":
+            env["LD_LIBRARY_PATH"] = _prepend_path(
+                env.get("LD_LIBRARY_PATH"), str(ensure_libcuda_stub())
+            )
+            env.pop("SGLANG_USE_CPU_ENGINE", None)  # needs a CPU sgl_kernel build
+            env.setdefault("CUDA_VISIBLE_DEVICES", "")
+            env.setdefault("NO_PROXY", "127.0.0.1,localhost")
+            env.setdefault("no_proxy", "127.0.0.1,localhost")
+        env.update(self.user_env)
+        return env
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def start(self, timeout: float = 300.0, check_generate: bool = True) -> "SglangServer":
+        """Launch the server and wait until it serves; raise ServerError with the log tail."""
+        if self.proc is not None:
+            raise ServerError("server already started")
+        cmd = self.command()
+        env = self.environment()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() kills the tree
+        )
+        try:
+            self._wait_ready(t0 + timeout, check_generate)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_ready(self, deadline: float, check_generate: bool) -> None:
+        session = requests.Session()
+        session.trust_env = False
+        path = "/health"
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(
+                    f"sglang server exited with code {code} during startup; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"sglang server not ready before timeout; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            try:
+                r = session.get(self.base_url + path, timeout=30)
+                if r.status_code == 200:
+                    if path == "/health" and check_generate:
+                        path = "/health_generate"
+                        continue
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+
+    def is_running(self) -> bool:
+        """True while the server process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_exit(self, timeout: float | None = None) -> int:
+        """Wait for the server process to exit by itself; return its exit code."""
+        if self.proc is None:
+            raise ServerError("server was never started")
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise ServerError(
+                f"sglang server still running after {timeout}s; log tail:\n{self.log_tail()}"
+            ) from e
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Terminate the server's process group (SIGTERM, then SIGKILL); return the exit code."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
+        if self.proc.poll() is None:
+            self._signal_group(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Kill leftovers (scheduler/detokenizer children) in the group either way.
+        self._signal_group(pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return self.proc.returncode
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ---- logs ----------------------------------------------------------------------
+
+    def log_text(self) -> str:
+        """Return the whole server log (stdout + stderr) so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        """Return the last ``lines`` lines of the server log."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def __enter__(self) -> "SglangServer":
+        if self.proc is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
