@@ -1,0 +1,47 @@
+"""Smoke check of the CPU test fixture: a real sglang 0.5.12 server (no kv-canary flag)
+serving a small mixed workload with prefix sharing, chunked prefill, aborts and eviction."""
+
+import pytest
+
+from kv_canary_testing.server import SglangServer
+from kv_canary_testing.workload import build_workload, run_requests
+
+CHUNKED_PREFILL_SIZE = 128
+MAX_TOTAL_TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    srv = SglangServer(
+        ["--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE)],
+        log_path=log,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+    )
+    srv.start(timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.e2e
+def test_mixed_workload_smoke(server):
+    specs = build_workload(30, seed=1, n_aborts=2)
+    kinds = [s.kind for s in specs]
+    assert kinds.count("shared") >= 3, kinds
+    assert kinds.count("abort") == 2, kinds
+    assert any(len(s.words) > CHUNKED_PREFILL_SIZE for s in specs if s.kind == "long"), kinds
+
+    result = run_requests(server.base_url, specs, concurrency=8, abort_mode="mixed")
+
+    assert result.failed == 0, "\n".join(result.errors) + "\n" + server.log_tail()
+    assert result.aborted == 2
+    assert result.succeeded == 28
+    for outcome in result.outcomes:
+        if outcome.status == "ok":
+            assert outcome.output_ids, outcome
+            assert outcome.text.strip(), outcome
+    assert result.cached_tokens > 0, "no radix-cache prefix hits"
+    assert max(o.prompt_tokens for o in result.outcomes) > CHUNKED_PREFILL_SIZE
+    assert result.uncached_prompt_tokens > MAX_TOTAL_TOKENS, "workload too small to force eviction"
+    assert server.is_running()
+    assert "Traceback" not in server.log_text()
