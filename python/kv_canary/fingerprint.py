@@ -66,6 +66,7 @@ NUM_COUNTERS = 8
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)
 RING_WIDTH = 8
+GROUP_SHIFT = 8  # V_REASON = reason bits | (buffer group index << GROUP_SHIFT)
 
 
 def mix64(x: torch.Tensor) -> torch.Tensor:

@@ -70,3 +70,20 @@ class LaunchCapacities:
 
 class CanaryCapacityError(RuntimeError):
     """A forward exceeded a launch capacity fixed at install."""
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """Host copy of a batch's layout (built only when needed: perturbation, reports).
+
+    rows/seq_lens/new_lens: one int per request, batch order; rids likewise.
+    """
+
+    rows: Sequence[int]
+    seq_lens: Sequence[int]
+    new_lens: Sequence[int]
+    rids: Sequence[str]
+
+    def read_positions(self, i: int) -> range:
+        """Positions request ``i`` reads that earlier forwards wrote (what HEAD verifies)."""
+        return range(0, max(0, self.seq_lens[i] - self.new_lens[i]))

@@ -18,7 +18,8 @@ def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
     return kv_hash_from_words(group.hashed_words(slots))
 
 
-def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0) -> None:
+def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0,
+                  group_index: int = 0) -> None:
     del programs_per_req, block  # grid shape is a Triton concern
     bs = view.batch_size
     device = group.records.device
@@ -54,7 +55,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None].expand(bs, width)
         rows_2d = rows[:, None].expand(bs, width)
         forward_index = counters[fp.C_FORWARD_INDEX].expand(bs, width)
-        fields = [reason.to(torch.int64), raw_slot, pos, batch_index, rows_2d, stored, expected, forward_index]
+        fields = [reason.to(torch.int64) | (group_index << fp.GROUP_SHIFT), raw_slot, pos, batch_index, rows_2d, stored, expected, forward_index]
         table = torch.stack([f[bad] for f in fields], dim=1)
         n_bad = table.shape[0]
         if n_bad:

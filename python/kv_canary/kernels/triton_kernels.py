@@ -85,6 +85,7 @@ def verify_kernel(
     C_VIOLATIONS: tl.constexpr, C_SLOTS_VERIFIED: tl.constexpr, C_VERIFY_LAUNCHES: tl.constexpr,
     C_FORWARD_INDEX: tl.constexpr, C_REPORT_ENABLED: tl.constexpr,
     R_POSITION: tl.constexpr, R_CHAIN: tl.constexpr, R_KV_HASH: tl.constexpr, R_SLOT: tl.constexpr,
+    GROUP_BITS: tl.constexpr,
     NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
@@ -135,7 +136,7 @@ def verify_kernel(
         if n_bad > 0:
             base = tl.atomic_add(counters + C_VIOLATIONS, n_bad)
             at = ((base + tl.cumsum(bad_i, axis=0) - 1) % ring_capacity) * _VW
-            tl.store(ring + at + 0, reason.to(tl.int64), mask=bad)
+            tl.store(ring + at + 0, reason.to(tl.int64) | GROUP_BITS, mask=bad)
             tl.store(ring + at + 1, tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64),
                      mask=bad)
             tl.store(ring + at + 2, pos, mask=bad)
@@ -202,7 +203,8 @@ def write_kernel(
             tl.atomic_add(counters + C_FORWARD_INDEX, 1)
 
 
-def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256) -> None:
+def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256,
+                  group_index: int = 0) -> None:
     k, v, nl = _hash_args(group)
     verify_kernel[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
@@ -212,6 +214,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         C_VERIFY_LAUNCHES=fp.C_VERIFY_LAUNCHES, C_FORWARD_INDEX=fp.C_FORWARD_INDEX,
         C_REPORT_ENABLED=fp.C_REPORT_ENABLED,
         R_POSITION=fp.R_POSITION, R_CHAIN=fp.R_CHAIN, R_KV_HASH=fp.R_KV_HASH, R_SLOT=fp.R_SLOT,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT,
         NUM_LAYERS=nl, HAS_V=group.has_v, NW=group.hash_words, BLOCK=block,
     )
 

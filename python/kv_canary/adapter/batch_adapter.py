@@ -1,0 +1,86 @@
+"""sglang ``ForwardBatch`` -> ``ForwardView`` (device) and ``HostBatch`` (host).
+
+Extend-like batches (EXTEND, MIXED, DRAFT_EXTEND) carry per-request extend
+lengths and start offsets; decode-like batches (DECODE, TARGET_VERIFY, and
+every CUDA-graph capture) have the same number of new tokens per request, whose
+start/length tensors come from preallocated buffers so a captured graph reads
+fixed addresses. Reading attributes only: no sglang import.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ..plan import ForwardView, HostBatch
+
+_EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "SPLIT_PREFILL")
+
+
+class SglangBatchAdapter:
+    def __init__(self, *, max_batch_size: int, device: torch.device):
+        self._max_bs = max_batch_size
+        self._device = device
+        self._uniform: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._uniform_buffers(1)
+
+    def _uniform_buffers(self, tokens_per_req: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(starts, lens): int64[max_bs] = (i * n, n); allocated once per n."""
+        bufs = self._uniform.get(tokens_per_req)
+        if bufs is None:
+            idx = torch.arange(self._max_bs, dtype=torch.int64, device=self._device)
+            bufs = (idx * tokens_per_req, torch.full_like(idx, tokens_per_req))
+            self._uniform[tokens_per_req] = bufs
+        return bufs
+
+    @staticmethod
+    def _is_extend(fb) -> bool:
+        return fb.forward_mode.name in _EXTEND_MODES and fb.extend_seq_lens is not None
+
+    def batch_size(self, fb) -> int:
+        if fb.forward_mode.is_idle():
+            return 0
+        return int(fb.batch_size)
+
+    def rids(self, fb) -> Optional[Sequence[str]]:
+        return getattr(fb, "rids", None)
+
+    def view(self, fb) -> ForwardView:
+        bs = self.batch_size(fb)
+        if self._is_extend(fb):
+            starts, lens = fb.extend_start_loc, fb.extend_seq_lens
+            lens_cpu = fb.extend_seq_lens_cpu
+            max_new = max(lens_cpu) if lens_cpu else int(fb.input_ids.shape[0])
+        else:
+            n = int(fb.input_ids.shape[0]) // bs if bs else 1
+            starts, lens = self._uniform_buffers(n)
+            starts, lens = starts[:bs], lens[:bs]
+            max_new = n
+        return ForwardView(
+            input_ids=fb.input_ids,
+            out_cache_loc=fb.out_cache_loc,
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            new_starts=starts,
+            new_lens=lens,
+            batch_size=bs,
+            max_new_len=max_new,
+            rids=self.rids(fb),
+        )
+
+    def host_batch(self, fb) -> Optional[HostBatch]:
+        """Host copy of the layout; syncs the device (perturbation and debugging only)."""
+        bs = self.batch_size(fb)
+        if bs == 0:
+            return None
+        rows = [int(x) for x in fb.req_pool_indices[:bs].tolist()]
+        seq = fb.seq_lens_cpu if getattr(fb, "seq_lens_cpu", None) is not None else fb.seq_lens
+        seq_lens = [int(x) for x in seq[:bs].tolist()]
+        if self._is_extend(fb) and fb.extend_seq_lens_cpu is not None:
+            new_lens = [int(x) for x in fb.extend_seq_lens_cpu]
+        else:
+            n = int(fb.input_ids.shape[0]) // bs
+            new_lens = [n] * bs
+        rids = list(self.rids(fb) or ["?"] * bs)
+        return HostBatch(rows=rows, seq_lens=seq_lens, new_lens=new_lens, rids=rids)

@@ -1,0 +1,130 @@
+"""Public entry: ``install_canary`` and the ``model.forward`` patch.
+
+``install_canary(server_args=..., model_runner=...)`` is called by the plugin
+right after sglang's ``ModelRunner.init_memory_pool``. It returns None for
+``--kv-canary none`` (and then nothing of the canary ever runs), otherwise it
+attaches canary buffers to the KV pool, builds the ``CanaryManager`` and patches
+``model.forward`` so every forward is bracketed by HEAD verify and TAIL write.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from .adapter.batch_adapter import SglangBatchAdapter
+from .adapter.pools import register_sglang_pools
+from .config import CanaryConfig, CanaryConfigError
+from .kernels import select_kernels
+from .plan import LaunchCapacities
+from .pool_patcher import attach_canary_buffers
+from .runner import CanaryManager
+
+logger = logging.getLogger("kv_canary")
+
+
+def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
+    """The one place flags and env vars become a ``CanaryConfig``."""
+    return CanaryConfig.build(
+        mode=getattr(server_args, "kv_canary", "none"),
+        sweep_interval=getattr(server_args, "kv_canary_sweep_interval", 0),
+        environ=os.environ if environ is None else environ,
+        disable_piecewise_cuda_graph=bool(getattr(server_args, "disable_piecewise_cuda_graph", True))
+        or str(getattr(server_args, "device", "cuda")) == "cpu",
+    )
+
+
+def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
+    config = config_from_server_args(server_args)
+    if not config.enabled:
+        return None
+    if getattr(model_runner, "is_draft_worker", False):
+        logger.warning(
+            "kv_canary: the speculative draft model's KV pool is not verified yet "
+            "(EAGLE draft support comes next); verifying the target model only"
+        )
+        return None
+    device = torch.device(model_runner.device)
+    register_sglang_pools()
+    groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device)
+    req_to_token = model_runner.req_to_token_pool.req_to_token
+    capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)
+    kernels = select_kernels(config.kernel_backend, device)
+    if device.type == "cuda" and not kernels.graph_safe and not getattr(server_args, "disable_cuda_graph", False):
+        raise CanaryConfigError(
+            "SGLANG_KV_CANARY_KERNEL_BACKEND=torch cannot run inside CUDA graphs: "
+            "use the triton backend or pass --disable-cuda-graph"
+        )
+    manager = CanaryManager(
+        config=config,
+        groups=groups,
+        kernels=kernels,
+        req_to_token=req_to_token,
+        capacities=capacities,
+        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device),
+        device=device,
+    )
+    _patch_model_forward(model_runner.model, manager)
+    logger.info(
+        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d",
+        config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),
+        groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len,
+    )
+    return manager
+
+
+def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:
+    req_pool = model_runner.req_to_token_pool
+    max_bs = max(int(req_pool.size), int(getattr(server_args, "cuda_graph_max_bs", 0) or 0)) + 1
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * sms
+    else:
+        target = 1  # CPU/interpreter: one program per request
+    return LaunchCapacities(
+        max_batch_size=max_bs,
+        max_context_len=int(req_pool.req_to_token.shape[1]),
+        verify_programs_target=target,
+    )
+
+
+def _extract_forward_batch(args: tuple, kwargs: dict) -> Any:
+    """Find the ForwardBatch among ``model.forward``'s arguments (sglang passes it third)."""
+    fb = kwargs.get("forward_batch")
+    if fb is not None:
+        return fb
+    for arg in args:
+        if hasattr(arg, "forward_mode") and hasattr(arg, "out_cache_loc"):
+            return arg
+    raise TypeError("kv-canary: model.forward was called without a ForwardBatch argument")
+
+
+def _with_canary_bracketing(forward: Callable, manager: CanaryManager) -> Callable:
+    """Wrap ``forward``: plan + HEAD before, TAIL after; nested calls share the outer bracket."""
+    depth = [0]
+
+    @functools.wraps(forward)
+    def bracketed(*args, **kwargs):
+        if depth[0]:
+            return forward(*args, **kwargs)
+        depth[0] += 1
+        try:
+            view = manager.pre_ops_maybe_inside_graph(_extract_forward_batch(args, kwargs))
+            out = forward(*args, **kwargs)
+            manager.post_ops_maybe_inside_graph(view)
+            return out
+        finally:
+            depth[0] -= 1
+
+    bracketed.__kv_canary_original__ = forward
+    return bracketed
+
+
+def _patch_model_forward(model: torch.nn.Module, manager: CanaryManager) -> None:
+    if getattr(model.forward, "__kv_canary_original__", None) is not None:
+        raise RuntimeError("kv-canary: model.forward is already patched (install_canary ran twice)")
+    model.forward = _with_canary_bracketing(model.forward, manager)

@@ -1,0 +1,80 @@
+"""Delayed device->host copies of the canary counters: no forward waits for the host.
+
+After each forward, ``snapshot()`` copies the counters tensor (int64[n]) into
+one of ``delay + 2`` pinned host slots on a side stream and records an event.
+``ready()`` returns, oldest first, the snapshots whose copy has finished
+(``event.query()``, never a blocking wait) and that are at least ``delay``
+forwards old. So the host learns of a violation from forward N while handling
+forward N + delay (or a little later if the copy is still in flight, bounded by
+``delay + 2`` slots: the oldest is waited for rather than overwritten).
+
+On CPU the copy is immediate and ``delay`` still applies, so the step at which
+``raise`` fires is the same on both devices.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, List, Optional, Tuple
+
+import torch
+
+
+class DelayedDeviceHostHandler:
+    def __init__(self, source: torch.Tensor, delay: int):
+        self._source = source
+        self._delay = delay
+        self._is_cuda = source.device.type == "cuda"
+        n = delay + 2
+        pin = self._is_cuda
+        self._slots = [torch.zeros_like(source, device="cpu").pin_memory() if pin else
+                       torch.zeros_like(source, device="cpu") for _ in range(n)]
+        self._events = [torch.cuda.Event() if self._is_cuda else None for _ in range(n)]
+        self._stream = torch.cuda.Stream(device=source.device) if self._is_cuda else None
+        self._pending: Deque[Tuple[int, int]] = deque()  # (step, slot index)
+        self._next_slot = 0
+
+    def snapshot(self, step: int) -> None:
+        """Queue a copy of the counters as they are after forward ``step``."""
+        if len(self._pending) == len(self._slots):
+            # All slots in flight: wait for the oldest (only when the host runs far ahead).
+            old_step, old_slot = self._pending[0]
+            if self._events[old_slot] is not None:
+                self._events[old_slot].synchronize()
+        idx = self._next_slot
+        self._next_slot = (idx + 1) % len(self._slots)
+        if self._pending and self._pending[0][1] == idx:
+            # Counters are cumulative: dropping an unread snapshot loses nothing.
+            self._pending.popleft()
+        if self._is_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self._source.device))
+            with torch.cuda.stream(self._stream):
+                self._slots[idx].copy_(self._source, non_blocking=True)
+                self._events[idx].record(self._stream)
+        else:
+            self._slots[idx].copy_(self._source)
+        self._pending.append((step, idx))
+
+    def ready(self, current_step: int) -> List[Tuple[int, torch.Tensor]]:
+        """(step, host counters) for each finished copy at least ``delay`` forwards old."""
+        out = []
+        while self._pending:
+            step, idx = self._pending[0]
+            if current_step - step < self._delay:
+                break
+            event = self._events[idx]
+            if event is not None and not event.query():
+                break
+            out.append((step, self._slots[idx].clone()))
+            self._pending.popleft()
+        return out
+
+    def drain(self) -> List[Tuple[int, torch.Tensor]]:
+        """Wait for every queued copy (shutdown, tests)."""
+        for _, idx in self._pending:
+            if self._events[idx] is not None:
+                self._events[idx].synchronize()
+        return self.ready(current_step=1 << 62)
+
+    def latest_pending_step(self) -> Optional[int]:
+        return self._pending[-1][0] if self._pending else None

@@ -1,0 +1,299 @@
+"""``CanaryManager``: the canary's outer step, and the one place the per-forward flow reads top-down.
+
+Per outer step (one ``ModelRunner.forward``, or one EAGLE draft phase of several
+inner forwards), the engine wiring does::
+
+    with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+        with manager.with_active_single_forward_manager(0):
+            model.forward(...)        # patched; eager or replayed from a CUDA graph
+
+and the patched ``model.forward`` (``api._with_canary_bracketing``) does::
+
+    view = manager.pre_ops_maybe_inside_graph(fb)     # plan + HEAD verify
+    out = original_forward(...)                       # attention reads / writes KV
+    manager.post_ops_maybe_inside_graph(view)         # TAIL write
+
+So a forward is: outside pre-ops (bracket checks, perturbation) -> plan ->
+HEAD -> forward -> TAIL -> outside post-ops (count the forward, queue the
+async counter copy, read copies a few forwards old, log/raise violations,
+stats). Everything between the outside pre- and post-ops may be captured in
+a CUDA graph; the outside ops never are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict
+from typing import Iterator, List, Optional, Protocol, Sequence
+
+import torch
+
+from .. import fingerprint as fp
+from ..config import CanaryConfig, CanaryMode
+from ..d2h import DelayedDeviceHostHandler
+from ..kernels import CanaryKernels
+from ..perturb import PerturbManager
+from ..plan import ForwardView, HostBatch, LaunchCapacities
+from ..pool_patcher import CanaryBufferGroup
+from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line
+from .single_forward import SingleForwardManager
+
+logger = logging.getLogger("kv_canary")
+
+RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
+
+
+class CanaryBracketError(RuntimeError):
+    """The engine wiring used the canary's context managers out of order."""
+
+
+class BatchAdapter(Protocol):
+    """Translates the engine's batch object (sglang's ForwardBatch) to plain views."""
+
+    def view(self, forward_batch: object) -> ForwardView: ...
+
+    def batch_size(self, forward_batch: object) -> int: ...
+
+    def rids(self, forward_batch: object) -> Optional[Sequence[str]]: ...
+
+    def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
+
+
+class CanaryManager:
+    def __init__(
+        self,
+        *,
+        config: CanaryConfig,
+        groups: Sequence[CanaryBufferGroup],
+        kernels: CanaryKernels,
+        req_to_token: torch.Tensor,
+        capacities: LaunchCapacities,
+        batch_adapter: BatchAdapter,
+        device: torch.device,
+        num_single_forward_managers: int = 1,
+    ):
+        if config.mode is CanaryMode.NONE:
+            raise ValueError("CanaryManager needs --kv-canary log or raise")
+        self.config = config
+        self.groups = list(groups)
+        self.kernels = kernels
+        self.capacities = capacities
+        self._adapter = batch_adapter
+        self._req_to_token = req_to_token
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
+        self.ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
+        self.single_forward_managers = [
+            SingleForwardManager(
+                index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
+                counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
+            )
+            for i in range(num_single_forward_managers)
+        ]
+        self.perturb = PerturbManager(config=config, groups=self.groups, req_to_token=req_to_token)
+        self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps)
+        self.init_finished = False
+        self._capturing = 0
+        self._active: List[int] = []  # stack of active single-forward-manager indices
+        self._in_outside_bracket = False
+        self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
+        self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
+        self.outer_steps = 0
+        self._rids: "OrderedDict[int, Sequence[str]]" = OrderedDict()
+        self._violations_seen = 0
+        self.violations_reported = 0
+        self.violations_lost = 0
+        self.last_counters: Optional[torch.Tensor] = None
+        self._last_stats_forward = 0
+
+    # ------------------------------------------------------------------ engine wiring
+
+    @contextlib.contextmanager
+    def with_ops_outside_graph(
+        self, *, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: object
+    ) -> Iterator[None]:
+        """Host work around one outer step; never captured into a CUDA graph."""
+        if self._in_outside_bracket:
+            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
+        for i in single_forward_indices:
+            self._check_index(i)
+        fb = maybe_inaccurate_forward_batch
+        self._in_outside_bracket = True
+        self._eager_tails = 0
+        try:
+            self._pre_ops_outside_graph(fb)
+            yield
+            self._post_ops_outside_graph(fb, len(single_forward_indices))
+        finally:
+            self._in_outside_bracket = False
+
+    @contextlib.contextmanager
+    def with_active_single_forward_manager(self, index: int) -> Iterator[None]:
+        """Route the patched model.forward calls in this block to single-forward manager ``index``."""
+        self._check_index(index)
+        self._active.append(index)
+        try:
+            yield
+        finally:
+            self._active.pop()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """CUDA-graph warmup + capture: kernels are recorded, but nothing is reported or counted."""
+        self._capturing += 1
+        self.counters[fp.C_REPORT_ENABLED] = 0
+        try:
+            yield
+        finally:
+            self._capturing -= 1
+            if self._capturing == 0:
+                self.counters[fp.C_REPORT_ENABLED] = 1 if self.init_finished else 0
+
+    def mark_init_finished(self) -> None:
+        """Warmup and graph capture are over: forget their synthetic data and start reporting."""
+        if self.counters.device.type == "cuda":
+            torch.cuda.synchronize(self.counters.device)
+        self.counters.zero_()
+        self.ring.zero_()
+        self.counters[fp.C_REPORT_ENABLED] = 1
+        self._d2h.drain()
+        self.forwards = 0
+        self.outer_steps = 0
+        self._rids.clear()
+        self._violations_seen = 0
+        self.init_finished = True
+        logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
+                    ",".join(g.name for g in self.groups), self.kernels.name)
+
+    # ------------------------------------------------------------------ inside (maybe captured)
+
+    def pre_ops_maybe_inside_graph(self, forward_batch: object) -> Optional[ForwardView]:
+        """Plan + HEAD verify for the forward about to run; None when no manager is active."""
+        sfm = self._active_sfm()
+        if sfm is None:
+            return None
+        view = self._adapter.view(forward_batch)
+        sfm.pre_ops_maybe_inside_graph(view)
+        return view
+
+    def post_ops_maybe_inside_graph(self, view: Optional[ForwardView]) -> None:
+        """TAIL write for the forward that just ran."""
+        sfm = self._active_sfm()
+        if sfm is None or view is None:
+            return
+        sfm.post_ops_maybe_inside_graph(view)
+
+    def _active_sfm(self) -> Optional[SingleForwardManager]:
+        if not self._active:
+            if self.init_finished and not self._capturing:
+                raise CanaryBracketError(
+                    "kv-canary: model.forward ran with no active single-forward manager after init; "
+                    "this forward path is not wired (it would write KV the canary never fingerprints)"
+                )
+            return None
+        return self.single_forward_managers[self._active[-1]]
+
+    def _on_eager_tail(self) -> None:
+        if not self._capturing:
+            self._eager_tails += 1
+
+    # ------------------------------------------------------------------ outside (host)
+
+    def _pre_ops_outside_graph(self, fb: object) -> None:
+        if not self.init_finished:
+            return
+        if self.perturb.active:
+            self.perturb.perturb_pre_forward(
+                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb)
+            )
+
+    def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
+        if not self.init_finished:
+            return
+        self.outer_steps += 1
+        if self._eager_tails:
+            ran = self._eager_tails
+        else:  # a CUDA-graph replay: the TAIL ran inside the graph
+            ran = expected_forwards if self._adapter.batch_size(fb) > 0 else 0
+        if ran == 0:
+            return
+        rids = self._adapter.rids(fb) or ()
+        for _ in range(ran):
+            self._rids[self.forwards] = rids
+            self.forwards += 1
+        while len(self._rids) > RID_HISTORY:
+            self._rids.popitem(last=False)
+        self._d2h.snapshot(self.forwards)
+        self.poll()
+
+    def poll(self, *, drain: bool = False) -> None:
+        """Handle every counter copy that has landed; log or raise on new violations."""
+        ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
+        for _, host_counters in ready:
+            self._handle_counters(host_counters)
+
+    def _handle_counters(self, host_counters: torch.Tensor) -> None:
+        self.last_counters = host_counters
+        total = int(host_counters[fp.C_VIOLATIONS])
+        new = total - self._violations_seen
+        if new > 0:
+            violations, lost = self._read_ring(self._violations_seen, total)
+            self._violations_seen = total
+            self.violations_lost += lost
+            self._report(violations, lost)
+        every = self.config.stats_print_every_n_steps
+        forward = int(host_counters[fp.C_FORWARD_INDEX])
+        if (every and forward - self._last_stats_forward >= every) or new > 0:
+            self._last_stats_forward = forward
+            logger.info(self.stats_line(host_counters))
+
+    def _read_ring(self, first: int, end: int):
+        cap = self.ring.shape[0]
+        lost = max(0, end - first - cap)
+        first += lost
+        ring = self.ring.cpu()  # a sync, but only when there is something to report
+        index = torch.arange(first, end) % cap
+        return decode_rows(ring[index], first, [g.name for g in self.groups], self._rid_of), lost
+
+    def _rid_of(self, forward: int, batch_index: int) -> str:
+        rids = self._rids.get(forward)
+        if rids is None or not 0 <= batch_index < len(rids):
+            return "?"
+        return str(rids[batch_index])
+
+    def _report(self, violations: List[Violation], lost: int) -> None:
+        limit = self.config.max_logged_violations
+        for v in violations[:limit]:
+            logger.error(v.format())
+        hidden = max(0, len(violations) - limit) + lost
+        if hidden:
+            logger.error("kv_canary_violation_summary=%d not_itemized=%d", len(violations) + lost, hidden)
+        self.violations_reported += len(violations) + lost
+        if self.config.mode is CanaryMode.RAISE:
+            raise CanaryViolationError(violations[:limit], lost=hidden)
+
+    def stats_line(self, host_counters: Optional[torch.Tensor] = None) -> str:
+        c = self.last_counters if host_counters is None else host_counters
+        values = [0] * fp.NUM_COUNTERS if c is None else [int(x) for x in c.tolist()]
+        return format_line(
+            STATS_PREFIX,
+            values[fp.C_FORWARD_INDEX],
+            {
+                "mode": self.config.mode.value,
+                "outer_steps": self.outer_steps,
+                "forwards_host": self.forwards,
+                "slots_written": values[fp.C_SLOTS_WRITTEN],
+                "slots_verified": values[fp.C_SLOTS_VERIFIED],
+                "verify_launches": values[fp.C_VERIFY_LAUNCHES],
+                "write_launches": values[fp.C_WRITE_LAUNCHES],
+                "violations": values[fp.C_VIOLATIONS],
+                "perturbations": len(self.perturb.injections),
+            },
+        )
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self.single_forward_managers):
+            raise CanaryBracketError(
+                f"kv-canary: single-forward manager index {index} out of range "
+                f"(0..{len(self.single_forward_managers) - 1})"
+            )

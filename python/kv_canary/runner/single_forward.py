@@ -1,0 +1,62 @@
+"""``SingleForwardManager``: the canary work of one model forward, safe inside a CUDA graph.
+
+HEAD (before the forward): one verify launch per buffer group over every slot
+attention will read. TAIL (after the forward): one write launch per group over
+every slot the forward filled; the last group's launch also bumps the device
+forward counter. Both only launch kernels on preallocated buffers: no host
+sync, no allocation, grids fixed by the batch size (see ``LaunchCapacities``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..kernels import VERIFY_BLOCK, CanaryKernels
+from ..plan import ForwardView, LaunchCapacities
+from ..pool_patcher import CanaryBufferGroup
+
+
+class SingleForwardManager:
+    def __init__(
+        self,
+        *,
+        index: int,
+        groups: Sequence[CanaryBufferGroup],
+        kernels: CanaryKernels,
+        req_to_token: torch.Tensor,
+        counters: torch.Tensor,
+        ring: torch.Tensor,
+        capacities: LaunchCapacities,
+        on_tail: Callable[[], None],
+    ):
+        self.index = index
+        self._groups = list(groups)
+        self._kernels = kernels
+        self._req_to_token = req_to_token
+        self._counters = counters
+        self._ring = ring
+        self._capacities = capacities
+        self._on_tail = on_tail  # host callback: counts eager forwards
+
+    def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
+        """HEAD: verify every slot the forward's attention reads (before it reads them)."""
+        if view.batch_size == 0:
+            return
+        self._capacities.check(view)
+        programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
+        for group_index, group in enumerate(self._groups):
+            self._kernels.verify(
+                group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
+                group_index=group_index,
+            )
+
+    def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
+        """TAIL: fingerprint every slot the forward filled."""
+        if view.batch_size == 0:
+            return
+        last = len(self._groups) - 1
+        for group_index, group in enumerate(self._groups):
+            self._kernels.write(group, view, self._req_to_token, self._counters, group_index == last)
+        self._on_tail()

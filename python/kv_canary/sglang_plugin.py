@@ -1,0 +1,153 @@
+"""The sglang plugin: entry point ``register()`` (group ``sglang.srt.plugins``) and its hooks.
+
+sglang 0.5.12 calls ``load_plugins()`` in ``sglang serve``, ``python -m
+sglang.launch_server``, ``Engine`` and every scheduler process; ``register``
+then registers hooks with sglang's ``HookRegistry``:
+
+* ``ServerArgs.add_cli_args`` / ``from_cli_args``: the ``--kv-canary`` flag,
+  validated (with the ``SGLANG_KV_CANARY_*`` env vars) before any process starts;
+* ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
+* ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
+* ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
+* ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
+  manager 0 active, so the canary's kernels are recorded into the graph.
+
+Draft workers (speculative decoding) are excluded everywhere for now.
+On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
+plugin logs one line and registers nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+
+logger = logging.getLogger("kv_canary")
+
+SUPPORTED_SGLANG = "0.5.12"
+_registered = False
+
+
+def version_gate() -> str:
+    """'' when this sglang is supported, else the reason it is not."""
+    try:
+        from sglang.version import __version__ as version
+    except ImportError:  # pragma: no cover - sglang always ships it
+        return "cannot read sglang's version"
+    if version != SUPPORTED_SGLANG:
+        return f"sglang {version} is not {SUPPORTED_SGLANG}"
+    if importlib.util.find_spec("sglang.srt.kv_canary") is not None:
+        return "this sglang ships its own in-tree kv_canary; use its --kv-canary instead"
+    return ""
+
+
+def register() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    reason = version_gate()
+    if reason:
+        logger.warning("kv_canary plugin inactive: %s; --kv-canary is not available", reason)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = [
+        ("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER),
+        ("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool", _after_init_memory_pool,
+         HookType.AFTER),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.initialize", _around_initialize, HookType.AROUND),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND),
+        ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
+         _around_capture_one_batch_size, HookType.AROUND),
+    ]
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
+    _registered = True
+
+
+# ---------------------------------------------------------------- server args
+
+
+def _after_add_cli_args(_result, parser) -> None:
+    from .config import CanaryMode
+
+    group = parser.add_argument_group("kv-canary")
+    group.add_argument(
+        "--kv-canary",
+        type=str,
+        default=CanaryMode.NONE.value,
+        choices=[m.value for m in CanaryMode],
+        help="KV-cache integrity canary: 'log' logs each violation and keeps serving, 'raise' stops "
+        "the server with a report, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
+        "on GPU. Tuned by SGLANG_KV_CANARY_* env vars (see the sglang-kv-canary README).",
+    )
+
+
+def _around_from_cli_args(original, cls, args):
+    server_args = original(cls, args)
+    server_args.kv_canary = getattr(args, "kv_canary", "none")
+    from .api import config_from_server_args
+
+    config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
+    if config.enabled:
+        logger.info("kv_canary: %s", config.describe())
+    return server_args
+
+
+# ---------------------------------------------------------------- model runner
+
+
+def _canary_of(model_runner):
+    """The runner's manager, or None (canary off, draft worker, or not installed)."""
+    if getattr(model_runner, "is_draft_worker", False):
+        return None
+    return getattr(model_runner, "canary_manager", None)
+
+
+def _after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:
+    from .api import install_canary
+
+    model_runner.canary_manager = install_canary(server_args=model_runner.server_args, model_runner=model_runner)
+
+
+def _around_initialize(original, model_runner, *args, **kwargs):
+    model_runner.canary_manager = None
+    result = original(model_runner, *args, **kwargs)
+    manager = _canary_of(model_runner)
+    if manager is not None:
+        manager.mark_init_finished()
+    return result
+
+
+def _around_forward(original, model_runner, forward_batch, *args, **kwargs):
+    manager = _canary_of(model_runner)
+    if manager is None:
+        return original(model_runner, forward_batch, *args, **kwargs)
+    with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=forward_batch):
+        with manager.with_active_single_forward_manager(0):
+            return original(model_runner, forward_batch, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def _around_capture_one_batch_size(original, graph_runner, *args, **kwargs):
+    manager = _canary_of(graph_runner.model_runner)
+    ctx = (
+        contextlib.nullcontext()
+        if manager is None
+        else _stacked(manager.capturing(), manager.with_active_single_forward_manager(0))
+    )
+    with ctx:
+        return original(graph_runner, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _stacked(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield

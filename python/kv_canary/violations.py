@@ -1,0 +1,117 @@
+"""Violation records: the device ring, host-side decoding, and the parseable log lines.
+
+Device side: ``int64[capacity, RING_WIDTH]`` rows appended by the HEAD kernel at
+``counters[C_VIOLATIONS] % capacity``. Host side: ``Violation`` (one decoded row
+plus the request id the host remembered for that forward) and the
+``kv_canary_violation=`` / ``kv_canary_stats=`` / ``kv_canary_perturb=`` lines,
+each ``prefix=<value>`` followed by space-separated ``key=value`` fields.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Dict, Iterable, List, Optional
+
+from . import fingerprint as fp
+
+VIOLATION_PREFIX = "kv_canary_violation"
+STATS_PREFIX = "kv_canary_stats"
+PERTURB_PREFIX = "kv_canary_perturb"
+GROUP_SHIFT = fp.GROUP_SHIFT
+
+
+def reason_names(bits: int) -> str:
+    names = [name for bit, name in sorted(fp.REASON_NAMES.items()) if bits & bit]
+    return "+".join(names) if names else "none"
+
+
+@dataclass(frozen=True)
+class Violation:
+    seq: int  # global violation number (counters[C_VIOLATIONS] order)
+    kind: str  # '+'-joined reason names, e.g. "kv_hash" or "position+chain"
+    group: str
+    slot: int
+    position: int
+    rid: str
+    row: int  # req_to_token row
+    batch_index: int
+    stored: int
+    expected: int
+    forward: int  # canary forward index (0 = first forward after init)
+
+    def format(self) -> str:
+        return format_line(VIOLATION_PREFIX, self.seq, asdict(self), skip=("seq",))
+
+
+def format_line(prefix: str, head: object, fields: Dict[str, object], skip: Iterable[str] = ()) -> str:
+    """``prefix=head k=v k=v``; values must not contain spaces (they are replaced by '_')."""
+    parts = [f"{prefix}={head}"]
+    for key, value in fields.items():
+        if key in skip:
+            continue
+        parts.append(f"{key}={str(value).replace(' ', '_')}")
+    return " ".join(parts)
+
+
+_LINE = re.compile(r"(kv_canary_[a-z]+)=(\S+)((?: [A-Za-z_]+=\S*)*)")
+
+
+def parse_line(line: str, prefix: str) -> Optional[Dict[str, str]]:
+    """Parse one ``prefix=head k=v ...`` occurrence in ``line`` (None if absent)."""
+    for m in _LINE.finditer(line):
+        if m.group(1) != prefix:
+            continue
+        out = {prefix: m.group(2)}
+        for item in m.group(3).split():
+            key, _, value = item.partition("=")
+            out[key] = value
+        return out
+    return None
+
+
+def parse_lines(text: str, prefix: str) -> List[Dict[str, str]]:
+    found = []
+    for line in text.splitlines():
+        parsed = parse_line(line, prefix)
+        if parsed is not None:
+            found.append(parsed)
+    return found
+
+
+def decode_rows(rows, first_seq: int, group_names, rid_lookup) -> List[Violation]:
+    """rows: int64 host tensor [n, RING_WIDTH] in sequence order starting at ``first_seq``."""
+    out = []
+    for k, r in enumerate(rows.tolist()):
+        reason = r[fp.V_REASON]
+        group_index = reason >> GROUP_SHIFT
+        forward = r[fp.V_FORWARD]
+        out.append(
+            Violation(
+                seq=first_seq + k,
+                kind=reason_names(reason & ((1 << GROUP_SHIFT) - 1)),
+                group=group_names[group_index] if 0 <= group_index < len(group_names) else str(group_index),
+                slot=r[fp.V_SLOT],
+                position=r[fp.V_POSITION],
+                rid=rid_lookup(forward, r[fp.V_BATCH_INDEX]),
+                row=r[fp.V_ROW],
+                batch_index=r[fp.V_BATCH_INDEX],
+                stored=r[fp.V_STORED],
+                expected=r[fp.V_EXPECTED],
+                forward=forward,
+            )
+        )
+    return out
+
+
+class CanaryViolationError(RuntimeError):
+    """Raised by ``--kv-canary raise`` when the KV cache failed verification."""
+
+    def __init__(self, violations: List[Violation], lost: int = 0):
+        self.violations = violations
+        lines = "\n".join(v.format() for v in violations)
+        extra = f"\n({lost} more violations were not itemized: the device ring overflowed)" if lost else ""
+        super().__init__(
+            f"kv-canary detected {len(violations) + lost} KV-cache violation(s); serving stopped "
+            f"(--kv-canary raise):\n{lines}{extra}"
+        )

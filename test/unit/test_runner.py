@@ -1,0 +1,182 @@
+"""The per-forward flow of CanaryManager on real sglang ForwardBatch objects.
+
+The kernels are the real torch reference wrapped by spies that record the call
+order; the "model" writes K/V at out_cache_loc the way attention does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kv_canary import fingerprint as fp
+from kv_canary.adapter.batch_adapter import SglangBatchAdapter
+from kv_canary.api import _patch_model_forward
+from kv_canary.config import CanaryConfig, CanaryMode
+from kv_canary.kernels import CanaryKernels
+from kv_canary.kernels import reference as ref
+from kv_canary.plan import LaunchCapacities
+from kv_canary.pool_patcher import PoolLayout, build_group
+from kv_canary.runner import CanaryBracketError, CanaryManager
+from kv_canary.violations import VIOLATION_PREFIX, CanaryViolationError, parse_lines
+
+sglang_fb = pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
+ForwardBatch, ForwardMode = sglang_fb.ForwardBatch, sglang_fb.ForwardMode
+
+SLOTS, CTX = 256, 64
+
+
+class TinyAttentionModel(torch.nn.Module):
+    def __init__(self, k, v, events):
+        super().__init__()
+        self.k, self.v, self.events = k, v, events
+        self.nested = False
+
+    def forward(self, input_ids, positions, forward_batch):
+        self.events.append("forward")
+        loc = forward_batch.out_cache_loc
+        self.k[loc] = input_ids.float()[:, None, None] + positions.float()[:, None, None] / 100
+        self.v[loc] = -self.k[loc]
+        if self.nested:
+            self.nested = False
+            self.forward(input_ids, positions, forward_batch)  # a re-entrant call: no second bracket
+        return input_ids
+
+
+class Harness:
+    def __init__(self, mode=CanaryMode.RAISE, delay=0):
+        self.events = []
+        self.k = torch.zeros(SLOTS, 1, 4)
+        self.v = torch.zeros(SLOTS, 1, 4)
+        config = CanaryConfig(mode=mode, d2h_delay_steps=delay, stats_print_every_n_steps=0)
+        group = build_group(PoolLayout("full", [self.k], [self.v]), config, torch.device("cpu"))
+        self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
+
+        def spy(name, fn):
+            def wrapped(*a, **kw):
+                self.events.append(name)
+                return fn(*a, **kw)
+
+            return wrapped
+
+        kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write), False)
+        self.manager = CanaryManager(
+            config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
+            capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
+            batch_adapter=SglangBatchAdapter(max_batch_size=9, device=torch.device("cpu")),
+            device=torch.device("cpu"),
+        )
+        self.model = TinyAttentionModel(self.k, self.v, self.events)
+        _patch_model_forward(self.model, self.manager)
+        self.next_slot = 1
+        self.lens = {}
+
+    def batch(self, rows_tokens, decode=False):
+        """rows_tokens: {row: [new token ids]} -> a real ForwardBatch (EXTEND or DECODE)."""
+        ids, locs, pos, rows, seqs, ext, pre = [], [], [], [], [], [], []
+        for row, toks in rows_tokens.items():
+            start = self.lens.get(row, 0)
+            slots = list(range(self.next_slot, self.next_slot + len(toks)))
+            self.next_slot += len(toks)
+            self.r2t[row, start : start + len(toks)] = torch.tensor(slots, dtype=torch.int32)
+            ids += toks
+            locs += slots
+            pos += list(range(start, start + len(toks)))
+            rows.append(row)
+            seqs.append(start + len(toks))
+            ext.append(len(toks))
+            pre.append(start)
+            self.lens[row] = start + len(toks)
+        kw = {}
+        if not decode:
+            kw = dict(
+                extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre),
+                extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))]),
+                extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre, extend_num_tokens=sum(ext),
+            )
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            batch_size=len(rows), input_ids=torch.tensor(ids), req_pool_indices=torch.tensor(rows),
+            seq_lens=torch.tensor(seqs), out_cache_loc=torch.tensor(locs), seq_lens_sum=sum(seqs),
+            seq_lens_cpu=torch.tensor(seqs), positions=torch.tensor(pos), rids=[f"r{r}" for r in rows], **kw,
+        )
+
+    def step(self, fb):
+        """What the ModelRunner.forward hook does."""
+        m = self.manager
+        with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+            with m.with_active_single_forward_manager(0):
+                return self.model(fb.input_ids, fb.positions, fb)
+
+
+def test_per_forward_orchestrates_plan_head_forward_tail():
+    h = Harness()
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
+    h.step(h.batch({1: [10], 2: [11]}, decode=True))
+    assert h.events == ["verify", "forward", "write"] * 2
+    c = h.manager.last_counters
+    assert int(c[fp.C_SLOTS_WRITTEN]) == 7 and int(c[fp.C_SLOTS_VERIFIED]) == 5
+    assert h.manager.forwards == 2 and int(c[fp.C_FORWARD_INDEX]) == 2
+
+
+def test_nested_model_forward_shares_the_outer_bracket():
+    h = Harness()
+    h.manager.mark_init_finished()
+    h.model.nested = True
+    h.step(h.batch({1: [5, 6]}))
+    assert h.events == ["verify", "forward", "forward", "write"]
+
+
+def test_forward_without_active_manager_after_init_is_an_error():
+    h = Harness()
+    fb = h.batch({1: [5]})
+    h.model(fb.input_ids, fb.positions, fb)  # before init finished: warmup forwards pass through
+    h.manager.mark_init_finished()
+    with pytest.raises(CanaryBracketError, match="no active single-forward manager"):
+        h.model(fb.input_ids, fb.positions, fb)
+
+
+def test_bracket_misuse_errors():
+    h = Harness()
+    h.manager.mark_init_finished()
+    fb = h.batch({1: [5]})
+    with pytest.raises(CanaryBracketError, match="out of range"):
+        with h.manager.with_active_single_forward_manager(3):
+            pass
+    with h.manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+        with pytest.raises(CanaryBracketError, match="entered twice"):
+            with h.manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+                pass
+
+
+def test_raise_mode_stops_within_the_stated_delay():
+    delay = 2
+    h = Harness(mode=CanaryMode.RAISE, delay=delay)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7, 8]}))
+    h.k[int(h.r2t[1, 2]), 0, 0] += 1.0  # corrupt a hashed byte of position 2
+    h.step(h.batch({1: [9]}, decode=True))  # forward 1 detects it on the device
+    for _ in range(delay - 1):
+        h.step(h.batch({1: [9]}, decode=True))  # the host has not read the copy yet
+    with pytest.raises(CanaryViolationError) as info:
+        h.step(h.batch({1: [9]}, decode=True))
+    lines = parse_lines(str(info.value), VIOLATION_PREFIX)
+    assert lines and lines[0]["kind"] == "kv_hash" and lines[0]["position"] == "2"
+    assert lines[0]["rid"] == "r1" and lines[0]["forward"] == "1"
+
+
+def test_log_mode_logs_each_violation_and_keeps_serving(caplog):
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [1, 2, 3]}))
+    h.r2t[2, 1] = h.r2t[1, 1]  # request 2 now reads request 1's slot at position 1
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: [8], 2: [4]}, decode=True))
+        h.step(h.batch({1: [9], 2: [5]}, decode=True))
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert {(v["rid"], v["position"]) for v in found} == {("r2", "1"), ("r2", "2")}
+    assert all(v["kind"] == "chain" for v in found)
+    assert h.manager.violations_reported == 4  # both decode forwards read the bad slots
