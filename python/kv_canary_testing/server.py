@@ -169,6 +169,10 @@ class SglangServer:
             )
             env.pop("SGLANG_USE_CPU_ENGINE", None)  # needs a CPU sgl_kernel build
             env.setdefault("CUDA_VISIBLE_DEVICES", "")
+            # One intra-op thread per process: on a small machine the scheduler's
+            # OpenMP threads otherwise fight the HTTP/tokenizer processes and the
+            # client, and step times swing by 5-10x.
+            env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("NO_PROXY", "127.0.0.1,localhost")
             env.setdefault("no_proxy", "127.0.0.1,localhost")
         env.update(self.user_env)

@@ -183,7 +183,9 @@ class _Client:
         self._local = threading.local()
 
     def rid(self, spec: RequestSpec) -> str:
-        return f"kvc-{self.run_id}-{spec.index}"
+        # Fixed width: sglang's /abort_request aborts every request whose rid
+        # *starts with* the given rid, so no rid may be a prefix of another.
+        return f"kvc-{self.run_id}-{spec.index:08d}"
 
     def plan(self, specs: Sequence[RequestSpec]) -> None:
         """Number the abort requests, so "mixed" alternates disconnect/api among them."""

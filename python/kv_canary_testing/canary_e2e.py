@@ -1,0 +1,106 @@
+"""Shared pieces of the kv-canary e2e tests: server flags per device and log readers.
+
+A canary server is an ``SglangServer`` with ``--kv-canary MODE`` and the
+``SGLANG_KV_CANARY_*`` env vars; on CPU the Triton kernels run under
+``TRITON_INTERPRET=1``. Everything the tests assert on comes from the server log:
+``kv_canary_violation=`` / ``kv_canary_perturb=`` / ``kv_canary_stats=`` lines.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from kv_canary.violations import PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
+from kv_canary_testing.server import SglangServer
+
+CHUNKED_PREFILL_SIZE = 128
+MAX_TOTAL_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+def e2e_device() -> str:
+    """``cpu`` unless ``KVC_TEST_DEVICE=cuda`` (set by the CUDA suite runner)."""
+    return os.environ.get("KVC_TEST_DEVICE", "cpu")
+
+
+def cuda_skip_reason() -> Optional[str]:
+    """Why the CUDA flavour cannot run here (None when it can)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (the CUDA suite runs on the GPU host)"
+    return None
+
+
+def canary_server(
+    mode: str,
+    *,
+    log_path,
+    env: Optional[Mapping[str, str]] = None,
+    extra_args: Sequence[str] = (),
+    device: Optional[str] = None,
+    stats_every: int = 20,
+) -> SglangServer:
+    device = device or e2e_device()
+    full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
+    if device == "cpu":
+        full_env["TRITON_INTERPRET"] = "1"
+    full_env.update(env or {})
+    args = ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
+    return SglangServer(args, env=full_env, log_path=log_path, device=device,
+                        max_total_tokens=MAX_TOTAL_TOKENS[device])
+
+
+@dataclass(frozen=True)
+class CanaryLog:
+    """What a server log says about the canary."""
+
+    violations: List[Dict[str, str]]
+    perturbations: List[Dict[str, str]]
+    stats: List[Dict[str, str]]
+    text: str
+
+    @classmethod
+    def read(cls, server: SglangServer) -> "CanaryLog":
+        text = server.log_text()
+        return cls(
+            violations=parse_lines(text, VIOLATION_PREFIX),
+            perturbations=parse_lines(text, PERTURB_PREFIX),
+            stats=parse_lines(text, STATS_PREFIX),
+            text=text,
+        )
+
+    def last_stat(self, key: str) -> int:
+        if not self.stats:
+            raise AssertionError("no kv_canary_stats= line in the server log")
+        return int(self.stats[-1][key])
+
+    @property
+    def installed(self) -> bool:
+        return "kv_canary_installed=1" in self.text and "kv_canary_ready=1" in self.text
+
+    def unmatched_injections(self) -> List[Dict[str, str]]:
+        """Injections with no violation naming the same slot at or after the injection's forward."""
+        detected = {}
+        for v in self.violations:
+            key = (v["group"], v["slot"])
+            detected.setdefault(key, []).append(int(v["forward"]))
+        missing = []
+        for p in self.perturbations:
+            forwards = detected.get((p["group"], p["slot"]), [])
+            if not any(f >= int(p["forward"]) for f in forwards):
+                missing.append(p)
+        return missing
+
+    def detection_latencies(self) -> List[int]:
+        """Forwards from each injection to the first violation on its slot."""
+        out = []
+        for p in self.perturbations:
+            fs = [int(v["forward"]) for v in self.violations
+                  if (v["group"], v["slot"]) == (p["group"], p["slot"]) and int(v["forward"]) >= int(p["forward"])]
+            if fs:
+                out.append(min(fs) - int(p["forward"]))
+        return out

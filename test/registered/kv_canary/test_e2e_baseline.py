@@ -1,0 +1,55 @@
+"""Baseline: a real sglang 0.5.12 server with ``--kv-canary raise`` serves a hard mixed
+workload (concurrency, radix prefix hits, chunked prefill, aborts, eviction) with zero
+violations, and the canary demonstrably verified slots."""
+
+import pytest
+
+from kv_canary_testing.canary_e2e import CHUNKED_PREFILL_SIZE, MAX_TOTAL_TOKENS, CanaryLog, canary_server, e2e_device
+from kv_canary_testing.workload import build_workload, run_requests
+
+try:
+    from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+except ImportError:  # pragma: no cover - sglang 0.5.12 ships it
+    register_cpu_ci = register_cuda_ci = lambda *a, **k: None
+
+register_cpu_ci(est_time=240, suite="kv-canary-cpu")
+register_cuda_ci(est_time=240, suite="kv-canary-cuda")
+
+N_REQUESTS = 200
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = canary_server("raise", log_path=tmp_path_factory.mktemp("baseline") / "server.log")
+    srv.start(timeout=600)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.e2e
+def test_mixed_workload_has_no_violation(server):
+    specs = build_workload(N_REQUESTS, seed=2026, n_aborts=12)
+    result = run_requests(server.base_url, specs, concurrency=16, abort_mode="mixed", timeout=300)
+    log = CanaryLog.read(server)
+    print(f"kv_canary_e2e_baseline device={e2e_device()} {result.summary()} "
+          f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
+          f"violations={len(log.violations)}")
+
+    assert log.installed, server.log_tail()
+    assert result.sent >= N_REQUESTS
+    assert result.failed == 0, "\n".join(result.errors[:10]) + "\n" + server.log_tail()
+    assert result.aborted == 12 and result.succeeded == N_REQUESTS - 12
+    # The workload really exercised what the canary must survive:
+    assert result.cached_tokens > 0, "no radix-cache prefix hits"
+    assert max(o.prompt_tokens for o in result.outcomes) > CHUNKED_PREFILL_SIZE, "no chunked prefill"
+    assert result.uncached_prompt_tokens > MAX_TOTAL_TOKENS[e2e_device()], "no eviction forced"
+    # ... and verified everything with zero violations.
+    assert server.is_running(), server.log_tail()
+    assert log.violations == [], log.violations[:5]
+    assert log.last_stat("violations") == 0
+    assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_written") > 0
+    assert "Traceback" not in log.text
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))

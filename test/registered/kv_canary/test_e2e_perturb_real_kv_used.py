@@ -1,0 +1,69 @@
+"""Perturbation real_kv_used: flipped K/V bytes of slots a forward reads are reported,
+matched injection-by-injection; ``log`` keeps serving, ``raise`` stops the server."""
+
+import time
+
+import pytest
+
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server
+from kv_canary_testing.workload import build_workload, run_requests
+
+try:
+    from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+except ImportError:  # pragma: no cover - sglang 0.5.12 ships it
+    register_cpu_ci = register_cuda_ci = lambda *a, **k: None
+
+register_cpu_ci(est_time=180, suite="kv-canary-cpu")
+register_cuda_ci(est_time=180, suite="kv-canary-cuda")
+
+PERTURB_ENV = {
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.1",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
+    "SGLANG_KV_CANARY_PERTURB_SEED": "7",
+}
+
+
+@pytest.mark.e2e
+def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
+    srv = canary_server("log", log_path=tmp_path / "server.log", env=PERTURB_ENV)
+    with srv:
+        result = run_requests(srv.base_url, build_workload(60, seed=11, n_aborts=2), concurrency=8, timeout=300)
+        assert result.failed == 0, "\n".join(result.errors[:10]) + "\n" + srv.log_tail()
+        # still serving after the corruption was reported
+        again = run_requests(srv.base_url, build_workload(4, seed=12, n_aborts=0), concurrency=2, timeout=120)
+        assert again.failed == 0 and srv.is_running()
+        log = CanaryLog.read(srv)
+    print(f"kv_canary_e2e_perturb_log injections={len(log.perturbations)} violations={len(log.violations)} "
+          f"latencies={log.detection_latencies()}")
+    assert log.perturbations, "no injection happened: raise the probability or the workload"
+    assert log.unmatched_injections() == []
+    assert all(v["kind"] == "kv_hash" for v in log.violations)
+    injected = {(p["group"], p["slot"]) for p in log.perturbations}
+    assert {(v["group"], v["slot"]) for v in log.violations} <= injected  # no false positives
+    assert max(log.detection_latencies()) == 0  # caught by the HEAD of the very forward that read it
+    assert log.last_stat("violations") >= len(log.perturbations)
+
+
+@pytest.mark.e2e
+def test_raise_mode_stops_the_server_with_the_report(tmp_path):
+    srv = canary_server("raise", log_path=tmp_path / "server.log", env=PERTURB_ENV)
+    srv.start(timeout=600)
+    try:
+        t0 = time.monotonic()
+        result = run_requests(srv.base_url, build_workload(60, seed=11, n_aborts=0), concurrency=8, timeout=120)
+        elapsed = time.monotonic() - t0
+        code = srv.wait_exit(timeout=120)
+        log = CanaryLog.read(srv)
+    finally:
+        srv.stop()
+    assert log.perturbations, srv.log_tail()
+    assert code != 0
+    assert "CanaryViolationError" in log.text and "serving stopped (--kv-canary raise)" in log.text
+    first = log.perturbations[0]
+    assert any(v["slot"] == first["slot"] and v["kind"] == "kv_hash" for v in log.violations), log.violations
+    # No request hangs: the ones in flight failed fast when the scheduler stopped.
+    assert result.failed > 0 and elapsed < 120
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))

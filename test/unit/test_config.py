@@ -1,0 +1,86 @@
+"""CanaryConfig: flags + SGLANG_KV_CANARY_* env vars, and their errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_canary.config import ENV_VARS, CanaryConfig, CanaryConfigError, CanaryMode, KernelBackend
+
+
+def build(mode="raise", env=None, **kw):
+    return CanaryConfig.build(mode=mode, environ=env or {}, **kw)
+
+
+def test_defaults_and_modes():
+    assert build("none").mode is CanaryMode.NONE and not build("none").enabled
+    c = build("LOG")
+    assert c.mode is CanaryMode.LOG and c.enabled
+    assert (c.kv_hash_bytes, c.kv_hash_layers, c.d2h_delay_steps) == (16, (0,), 2)
+    assert c.perturb_warmup_steps == 50 and c.perturb_real_kv_used_prob == 0.0
+
+
+def test_bad_mode_names_the_flag():
+    with pytest.raises(CanaryConfigError, match="--kv-canary 'loud'"):
+        build("loud")
+
+
+def test_env_values_are_parsed():
+    c = build(env={
+        "SGLANG_KV_CANARY_KV_HASH_BYTES": "32",
+        "SGLANG_KV_CANARY_KV_HASH_LAYERS": "0, 3",
+        "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.25",
+        "SGLANG_KV_CANARY_KERNEL_BACKEND": "torch",
+        "OTHER_VAR": "ignored: not ours",
+    })
+    assert c.kv_hash_bytes == 32 and c.kv_hash_layers == (0, 3)
+    assert c.perturb_real_kv_used_prob == 0.25 and c.kernel_backend is KernelBackend.TORCH
+    assert ("SGLANG_KV_CANARY_KV_HASH_BYTES", "32") in c.env_overrides
+
+
+@pytest.mark.parametrize(
+    "name,value,match",
+    [
+        ("SGLANG_KV_CANARY_KV_HASH_BYTES", "18", "multiple of 4"),
+        ("SGLANG_KV_CANARY_KV_HASH_BYTES", "lots", "expected an integer"),
+        ("SGLANG_KV_CANARY_KV_HASH_LAYERS", "0,0", "repeat"),
+        ("SGLANG_KV_CANARY_KV_HASH_LAYERS", "", "layer ids"),
+        ("SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB", "1.5", r"probability in \[0, 1\]"),
+        ("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS", "-1", ">= 0"),
+        ("SGLANG_KV_CANARY_KERNEL_BACKEND", "cuda", "auto, triton, torch"),
+        ("SGLANG_KV_CANARY_D2H_DELAY_STEPS", "100", r"in \[0, 64\]"),
+    ],
+)
+def test_malformed_env_values_name_the_variable(name, value, match):
+    with pytest.raises(CanaryConfigError, match=match) as info:
+        build(env={name: value})
+    assert name in str(info.value)
+
+
+def test_unknown_env_var_is_an_error_listing_known_ones():
+    with pytest.raises(CanaryConfigError, match="unknown env var SGLANG_KV_CANARY_PERTURB_REAL_KV_USD_PROB") as info:
+        build(env={"SGLANG_KV_CANARY_PERTURB_REAL_KV_USD_PROB": "0.1"})
+    for suffix in ENV_VARS:
+        assert "SGLANG_KV_CANARY_" + suffix in str(info.value)
+
+
+def test_piecewise_cuda_graph_needs_to_be_disabled():
+    with pytest.raises(CanaryConfigError, match="pass --disable-piecewise-cuda-graph"):
+        build("raise", disable_piecewise_cuda_graph=False)
+    assert build("none", disable_piecewise_cuda_graph=False).mode is CanaryMode.NONE
+    assert isinstance(CanaryConfigError("x"), ValueError)
+
+
+def test_perturbation_without_canary_is_an_error():
+    with pytest.raises(CanaryConfigError, match="canary is off"):
+        build("none", env={"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.5"})
+
+
+def test_sweep_interval_needs_canary():
+    with pytest.raises(CanaryConfigError, match="--kv-canary-sweep-interval 5 needs the canary on"):
+        build("none", sweep_interval=5)
+
+
+def test_config_is_frozen():
+    c = build()
+    with pytest.raises(Exception):
+        c.mode = CanaryMode.NONE  # type: ignore[misc]

@@ -1,0 +1,67 @@
+"""pool_patcher on a real sglang MHATokenToKVPool (CPU), page size 1 and > 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_canary.adapter.pools import register_sglang_pools
+from kv_canary.config import CanaryConfig, CanaryConfigError
+from kv_canary.pool_patcher import attach_canary_buffers, int32_row_view
+
+memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+
+
+def mha_pool(page_size=1, dtype=torch.float32, size=64, layers=3):
+    return memory_pool.MHATokenToKVPool(
+        size=size, page_size=page_size, dtype=dtype, head_num=2, head_dim=8, layer_num=layers,
+        device="cpu", enable_memory_saver=False, enable_alt_stream=False,
+    )
+
+
+@pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.bfloat16)])
+def test_mha_pool_gets_one_full_group_viewing_live_kv(page_size, dtype):
+    register_sglang_pools()
+    pool = mha_pool(page_size=page_size, dtype=dtype)
+    config = CanaryConfig(kv_hash_layers=(0, 2), kv_hash_bytes=16)
+    groups = attach_canary_buffers(pool, config, torch.device("cpu"))
+    assert pool.kv_canary_groups is groups and [g.name for g in groups] == ["full"]
+    g = groups[0]
+    assert g.num_slots == pool.size + page_size and g.records.shape == (pool.size + page_size, 4)
+    assert g.has_v and g.hash_words == 4 and g.hashed_layers == (0, 2)
+    # The views alias the pool: a write to the pool shows in the view.
+    before = g.k_views[1][5].clone()
+    pool.k_buffer[2][5, 0, 0] = 3.0
+    assert not torch.equal(before, g.k_views[1][5])
+    assert g.k_views[1].data_ptr() == pool.k_buffer[2].data_ptr()
+    words = g.hashed_words(torch.tensor([5, 6]))
+    assert words.shape == (2, 2 * 2 * 4)
+
+
+def test_hash_bytes_are_capped_by_the_row():
+    register_sglang_pools()
+    pool = mha_pool()
+    g = attach_canary_buffers(pool, CanaryConfig(kv_hash_bytes=4096), torch.device("cpu"))[0]
+    assert g.hash_words == 2 * 8  # a float32 row of 2 heads x 8 dims = 16 words
+
+
+def test_hashed_layer_out_of_range_names_the_env_var():
+    register_sglang_pools()
+    with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_KV_HASH_LAYERS names layer 7"):
+        attach_canary_buffers(mha_pool(), CanaryConfig(kv_hash_layers=(7,)), torch.device("cpu"))
+
+
+def test_unsupported_pool_class_is_named():
+    class SomeOtherPool:
+        pass
+
+    with pytest.raises(CanaryConfigError, match="does not support the KV pool class SomeOtherPool"):
+        attach_canary_buffers(SomeOtherPool(), CanaryConfig(), torch.device("cpu"))
+
+
+def test_int32_row_view_is_zero_copy():
+    buf = torch.zeros(10, 2, 4, dtype=torch.bfloat16)
+    v = int32_row_view(buf)
+    assert v.shape == (10, 4) and v.data_ptr() == buf.data_ptr()
+    with pytest.raises(CanaryConfigError, match="not contiguous"):
+        int32_row_view(torch.zeros(4, 10, 2).transpose(0, 1))
