@@ -92,7 +92,8 @@ class SglangServer:
     """A sglang server process for tests; usable as a context manager.
 
     ``extra_args`` go after the defaults; a flag given there replaces the default
-    of the same name (for ``--max-total-tokens``, ``--dtype``, ... ). ``env``
+    of the same name (for ``--max-total-tokens``, ``--dtype``, ... ), and flags in
+    ``drop_default_args`` (e.g. ``"--skip-server-warmup"``) are left out. ``env``
     updates the inherited environment. ``model_path`` defaults to the tiny model
     folder written by ``write_model_dir``.
     """
@@ -109,6 +110,7 @@ class SglangServer:
         max_total_tokens: int | None = None,
         python: str | None = None,
         host: str = "127.0.0.1",
+        drop_default_args: Sequence[str] = (),
     ):
         if device not in DEVICE_ARGS:
             raise ValueError(f"device must be one of {sorted(DEVICE_ARGS)}, not {device!r}")
@@ -118,6 +120,7 @@ class SglangServer:
         self.base_url = f"http://{host}:{self.port}"
         self.model_path = Path(model_path) if model_path is not None else None
         self.extra_args = list(extra_args)
+        self.drop_default_args = set(drop_default_args)
         self.max_total_tokens = (
             max_total_tokens if max_total_tokens is not None else DEFAULT_MAX_TOTAL_TOKENS[device]
         )
@@ -150,7 +153,7 @@ class SglangServer:
         while i < len(defaults):
             flag = defaults[i]
             has_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("--")
-            if not _flag_given(self.extra_args, flag):
+            if not _flag_given(self.extra_args, flag) and flag not in self.drop_default_args:
                 merged.append(flag)
                 if has_value:
                     merged.append(defaults[i + 1])
@@ -248,13 +251,23 @@ class SglangServer:
                 f"sglang server still running after {timeout}s; log tail:\n{self.log_tail()}"
             ) from e
 
-    def stop(self, grace: float = 10.0) -> int | None:
-        """Terminate the server's process group (SIGTERM, then SIGKILL); return the exit code."""
+    def stop(self, grace: float = 10.0, graceful: bool = False) -> int | None:
+        """Stop the server and every process of its group; return the leader's exit code.
+
+        Default: SIGTERM to the whole group (about 1 s; sglang's scheduler then
+        exits -15 and the leader kills the tree, so the code is usually -9).
+        ``graceful=True``: SIGTERM to the leader only, letting sglang drain
+        requests (it polls every 5 s) before the group is killed after ``grace``.
+        Either way the group gets SIGKILL at the end, so nothing is left behind.
+        """
         if self.proc is None:
             return None
         pgid = self.proc.pid  # start_new_session: the group id is the leader's pid
         if self.proc.poll() is None:
-            self._signal_group(pgid, signal.SIGTERM)
+            if graceful:
+                self.proc.send_signal(signal.SIGTERM)
+            else:
+                self._signal_group(pgid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
@@ -265,10 +278,21 @@ class SglangServer:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
+        self._wait_group_gone(pgid, grace)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
         return self.proc.returncode
+
+    @staticmethod
+    def _wait_group_gone(pgid: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     @staticmethod
     def _signal_group(pgid: int, sig: int) -> None:
