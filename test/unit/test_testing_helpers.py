@@ -1,0 +1,61 @@
+"""Fast checks of kv_canary_testing helpers that need no server."""
+
+import ctypes
+import json
+
+from kv_canary_testing.libcuda_stub import STUB_SYMBOLS, ensure_libcuda_stub
+from kv_canary_testing.model_dir import ARCHITECTURE, write_model_dir
+from kv_canary_testing.server import SglangServer, free_port
+from kv_canary_testing.workload import build_workload
+
+
+def test_model_dir_is_idempotent_and_tokenizes_words(tmp_path):
+    path = write_model_dir(tmp_path / "m")
+    before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    assert write_model_dir(tmp_path / "m") == path
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE]
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tok.encode("w0 w1 w507").ids == [4, 5, 511]
+    assert tok.get_vocab_size() == config["vocab_size"]
+
+
+def test_libcuda_stub_exports_symbols(tmp_path):
+    lib_dir = ensure_libcuda_stub(tmp_path)
+    assert ensure_libcuda_stub(tmp_path) == lib_dir
+    lib = ctypes.CDLL(str(lib_dir / "libcuda.so.1"))
+    for name in STUB_SYMBOLS:
+        assert getattr(lib, name) is not None
+    msg = ctypes.c_char_p()
+    assert lib.cuGetErrorString(0, ctypes.byref(msg)) == 999
+
+
+def test_server_command_overrides_and_devices(tmp_path):
+    port = free_port()
+    assert 20000 <= port < 32000
+    srv = SglangServer(["--max-total-tokens", "999", "--kv-canary", "raise"],
+                       model_path=tmp_path, port=port, log_path=tmp_path / "log")
+    cmd = srv.command()
+    assert cmd.count("--max-total-tokens") == 1 and "999" in cmd
+    assert cmd[cmd.index("--port") + 1] == str(port)
+    assert "--disable-piecewise-cuda-graph" in cmd and "torch_native" in cmd
+    env = srv.environment()
+    assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "kv_canary_testing.tiny_model"
+    assert "libcuda-stub-" in env["LD_LIBRARY_PATH"]
+
+    gpu = SglangServer(model_path=tmp_path, device="cuda", log_path=tmp_path / "log",
+                       drop_default_args=["--load-format"])
+    gcmd = gpu.command()
+    assert "triton" in gcmd and "--disable-cuda-graph" not in gcmd
+    assert "--load-format" not in gcmd
+
+
+def test_workload_plan_is_deterministic():
+    a = build_workload(50, seed=3)
+    assert a == build_workload(50, seed=3)
+    assert a != build_workload(50, seed=4)
+    assert {s.kind for s in a} == {"shared", "long", "short", "abort"}
