@@ -41,6 +41,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
     config = config_from_server_args(server_args)
     if not config.enabled:
+        logger.info("kv_canary_off=1 (--kv-canary none): no canary buffers, no device work")
         return None
     if getattr(model_runner, "is_draft_worker", False):
         logger.warning(

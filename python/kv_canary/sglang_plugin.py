@@ -10,7 +10,9 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
-  manager 0 active, so the canary's kernels are recorded into the graph.
+  manager 0 active, so the canary's kernels are recorded into the graph;
+* ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
+  last forwards before an idle period are reported without waiting for traffic.
 
 Draft workers (speculative decoding) are excluded everywhere for now.
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
@@ -62,6 +64,7 @@ def register() -> None:
         ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND),
         ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
          _around_capture_one_batch_size, HookType.AROUND),
+        ("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_scheduler_on_idle, HookType.AFTER),
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
@@ -129,6 +132,17 @@ def _around_forward(original, model_runner, forward_batch, *args, **kwargs):
     with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=forward_batch):
         with manager.with_active_single_forward_manager(0):
             return original(model_runner, forward_batch, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
+    """Idle: read every counter copy still in flight, so the last forwards' violations surface now."""
+    worker = getattr(scheduler, "tp_worker", None)
+    manager = _canary_of(getattr(worker, "model_runner", None)) if worker is not None else None
+    if manager is not None and manager.init_finished:
+        manager.poll(drain=True)
 
 
 # ---------------------------------------------------------------- CUDA graphs

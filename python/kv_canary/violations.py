@@ -39,6 +39,7 @@ class Violation:
     stored: int
     expected: int
     forward: int  # canary forward index (0 = first forward after init)
+    cuda_graph: Optional[bool]  # that forward was replayed from a CUDA graph (None: unknown)
 
     def format(self) -> str:
         return format_line(VIOLATION_PREFIX, self.seq, asdict(self), skip=("seq",))
@@ -79,13 +80,17 @@ def parse_lines(text: str, prefix: str) -> List[Dict[str, str]]:
     return found
 
 
-def decode_rows(rows, first_seq: int, group_names, rid_lookup) -> List[Violation]:
-    """rows: int64 host tensor [n, RING_WIDTH] in sequence order starting at ``first_seq``."""
+def decode_rows(rows, first_seq: int, group_names, describe_forward) -> List[Violation]:
+    """rows: int64 host tensor [n, RING_WIDTH] in sequence order starting at ``first_seq``.
+
+    ``describe_forward(forward, batch_index) -> (rid, cuda_graph)`` supplies what the host remembers.
+    """
     out = []
     for k, r in enumerate(rows.tolist()):
         reason = r[fp.V_REASON]
         group_index = reason >> GROUP_SHIFT
         forward = r[fp.V_FORWARD]
+        rid, cuda_graph = describe_forward(forward, r[fp.V_BATCH_INDEX])
         out.append(
             Violation(
                 seq=first_seq + k,
@@ -93,12 +98,13 @@ def decode_rows(rows, first_seq: int, group_names, rid_lookup) -> List[Violation
                 group=group_names[group_index] if 0 <= group_index < len(group_names) else str(group_index),
                 slot=r[fp.V_SLOT],
                 position=r[fp.V_POSITION],
-                rid=rid_lookup(forward, r[fp.V_BATCH_INDEX]),
+                rid=rid,
                 row=r[fp.V_ROW],
                 batch_index=r[fp.V_BATCH_INDEX],
                 stored=r[fp.V_STORED],
                 expected=r[fp.V_EXPECTED],
                 forward=forward,
+                cuda_graph=cuda_graph,
             )
         )
     return out

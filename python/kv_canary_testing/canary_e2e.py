@@ -9,6 +9,7 @@ A canary server is an ``SglangServer`` with ``--kv-canary MODE`` and the
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -62,6 +63,19 @@ class CanaryLog:
     perturbations: List[Dict[str, str]]
     stats: List[Dict[str, str]]
     text: str
+
+    @classmethod
+    def read_settled(cls, server: SglangServer, timeout: float = 60.0) -> "CanaryLog":
+        """Wait until the server went idle and its canary read every device counter, then read."""
+        deadline = time.monotonic() + timeout
+        while True:
+            log = cls.read(server)
+            last = log.stats[-1] if log.stats else None
+            if last is not None and last.get("settled") == "1":
+                return log
+            if time.monotonic() > deadline or not server.is_running():
+                return log
+            time.sleep(0.5)
 
     @classmethod
     def read(cls, server: SglangServer) -> "CanaryLog":

@@ -1,7 +1,17 @@
 """Smoke check of the CPU test fixture: a real sglang 0.5.12 server (no kv-canary flag)
-serving a small mixed workload with prefix sharing, chunked prefill, aborts and eviction."""
+serving a small mixed workload with prefix sharing, chunked prefill, aborts and eviction.
+
+It doubles as the ``--kv-canary none`` test: the plugin is installed and loaded,
+but the default mode must install nothing and run nothing."""
 
 import pytest
+
+try:
+    from sglang.test.ci.ci_register import register_cpu_ci
+except ImportError:  # pragma: no cover - sglang 0.5.12 ships it
+    register_cpu_ci = lambda *a, **k: None  # noqa: E731
+
+register_cpu_ci(est_time=60, suite="kv-canary-cpu")
 
 from kv_canary_testing.server import SglangServer
 from kv_canary_testing.workload import build_workload, run_requests
@@ -44,4 +54,12 @@ def test_mixed_workload_smoke(server):
     assert max(o.prompt_tokens for o in result.outcomes) > CHUNKED_PREFILL_SIZE
     assert result.uncached_prompt_tokens > MAX_TOTAL_TOKENS, "workload too small to force eviction"
     assert server.is_running()
-    assert "Traceback" not in server.log_text()
+    log = server.log_text()
+    assert "Traceback" not in log
+    # --kv-canary none (the default): the plugin loaded, yet nothing of the canary was installed.
+    assert "kv_canary_off=1" in log
+    assert "kv_canary_installed" not in log and "kv_canary_stats" not in log
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v"]))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Iterator, List, Optional, Protocol, Sequence
+from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -99,12 +99,15 @@ class CanaryManager:
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
         self.outer_steps = 0
-        self._rids: "OrderedDict[int, Sequence[str]]" = OrderedDict()
+        # forward index -> (request ids in batch order, replayed from a CUDA graph)
+        self._forward_info: "OrderedDict[int, Tuple[Sequence[str], bool]]" = OrderedDict()
+        self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
         self._violations_seen = 0
         self.violations_reported = 0
         self.violations_lost = 0
         self.last_counters: Optional[torch.Tensor] = None
         self._last_stats_forward = 0
+        self._settled_forward = 0
 
     # ------------------------------------------------------------------ engine wiring
 
@@ -159,8 +162,11 @@ class CanaryManager:
         self._d2h.drain()
         self.forwards = 0
         self.outer_steps = 0
-        self._rids.clear()
+        self._forward_info.clear()
+        self.graph_forwards = 0
         self._violations_seen = 0
+        self._settled_forward = 0
+        self._last_stats_forward = 0
         self.init_finished = True
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
                     ",".join(g.name for g in self.groups), self.kernels.name)
@@ -211,18 +217,20 @@ class CanaryManager:
         if not self.init_finished:
             return
         self.outer_steps += 1
-        if self._eager_tails:
-            ran = self._eager_tails
-        else:  # a CUDA-graph replay: the TAIL ran inside the graph
+        replayed = self._eager_tails == 0
+        if replayed:  # a CUDA-graph replay: the TAIL ran inside the graph
             ran = expected_forwards if self._adapter.batch_size(fb) > 0 else 0
+            self.graph_forwards += ran
+        else:
+            ran = self._eager_tails
         if ran == 0:
             return
         rids = self._adapter.rids(fb) or ()
         for _ in range(ran):
-            self._rids[self.forwards] = rids
+            self._forward_info[self.forwards] = (rids, replayed)
             self.forwards += 1
-        while len(self._rids) > RID_HISTORY:
-            self._rids.popitem(last=False)
+        while len(self._forward_info) > RID_HISTORY:
+            self._forward_info.popitem(last=False)
         self._d2h.snapshot(self.forwards)
         self.poll()
 
@@ -231,6 +239,11 @@ class CanaryManager:
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
         for _, host_counters in ready:
             self._handle_counters(host_counters)
+        if drain and self.forwards != self._settled_forward:
+            # Settled: the host has read everything the device counted up to now.
+            self._settled_forward = self.forwards
+            self._last_stats_forward = self.forwards
+            logger.info(self.stats_line() + " settled=1")
 
     def _handle_counters(self, host_counters: torch.Tensor) -> None:
         self.last_counters = host_counters
@@ -253,13 +266,13 @@ class CanaryManager:
         first += lost
         ring = self.ring.cpu()  # a sync, but only when there is something to report
         index = torch.arange(first, end) % cap
-        return decode_rows(ring[index], first, [g.name for g in self.groups], self._rid_of), lost
+        return decode_rows(ring[index], first, [g.name for g in self.groups], self._describe_forward), lost
 
-    def _rid_of(self, forward: int, batch_index: int) -> str:
-        rids = self._rids.get(forward)
-        if rids is None or not 0 <= batch_index < len(rids):
-            return "?"
-        return str(rids[batch_index])
+    def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
+        """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
+        rids, replayed = self._forward_info.get(forward, ((), None))
+        rid = str(rids[batch_index]) if 0 <= batch_index < len(rids) else "?"
+        return rid, replayed
 
     def _report(self, violations: List[Violation], lost: int) -> None:
         limit = self.config.max_logged_violations
@@ -282,6 +295,7 @@ class CanaryManager:
                 "mode": self.config.mode.value,
                 "outer_steps": self.outer_steps,
                 "forwards_host": self.forwards,
+                "graph_forwards": self.graph_forwards,
                 "slots_written": values[fp.C_SLOTS_WRITTEN],
                 "slots_verified": values[fp.C_SLOTS_VERIFIED],
                 "verify_launches": values[fp.C_VERIFY_LAUNCHES],

@@ -30,7 +30,7 @@ def server(tmp_path_factory):
 def test_mixed_workload_has_no_violation(server):
     specs = build_workload(N_REQUESTS, seed=2026, n_aborts=12)
     result = run_requests(server.base_url, specs, concurrency=16, abort_mode="mixed", timeout=300)
-    log = CanaryLog.read(server)
+    log = CanaryLog.read_settled(server)
     print(f"kv_canary_e2e_baseline device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"violations={len(log.violations)}")

@@ -32,7 +32,7 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
         # still serving after the corruption was reported
         again = run_requests(srv.base_url, build_workload(4, seed=12, n_aborts=0), concurrency=2, timeout=120)
         assert again.failed == 0 and srv.is_running()
-        log = CanaryLog.read(srv)
+        log = CanaryLog.read_settled(srv)
     print(f"kv_canary_e2e_perturb_log injections={len(log.perturbations)} violations={len(log.violations)} "
           f"latencies={log.detection_latencies()}")
     assert log.perturbations, "no injection happened: raise the probability or the workload"
@@ -53,7 +53,7 @@ def test_raise_mode_stops_the_server_with_the_report(tmp_path):
         result = run_requests(srv.base_url, build_workload(60, seed=11, n_aborts=0), concurrency=8, timeout=120)
         elapsed = time.monotonic() - t0
         code = srv.wait_exit(timeout=120)
-        log = CanaryLog.read(srv)
+        log = CanaryLog.read_settled(srv)
     finally:
         srv.stop()
     assert log.perturbations, srv.log_tail()

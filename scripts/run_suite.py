@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Run the registered e2e tests (``register_cpu_ci`` / ``register_cuda_ci``) with pytest.
+
+    python scripts/run_suite.py --hw cpu  [--suite kv-canary-cpu]  [--with-unit]  [-- PYTEST ARGS]
+    python scripts/run_suite.py --hw cuda [--suite kv-canary-cuda] [-- PYTEST ARGS]
+
+Files under test/registered/ are parsed with sglang's own ``collect_tests`` (the
+registration calls are AST markers); the selected files run in one pytest
+process, longest estimate first. ``--hw cuda`` sets ``KVC_TEST_DEVICE=cuda`` so
+the same tests drive a GPU server (they skip with a reason where there is none).
+``--with-unit`` adds test/unit to the same pytest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def collect(hw: str, suite: str | None):
+    from sglang.test.ci.ci_register import HWBackend, collect_tests
+
+    files = sorted(glob.glob(str(ROOT / "test" / "registered" / "**" / "test_*.py"), recursive=True))
+    backend = {"cpu": HWBackend.CPU, "cuda": HWBackend.CUDA}[hw]
+    regs = [r for r in collect_tests(files, sanity_check=False) if r.backend == backend and not r.disabled]
+    if suite:
+        regs = [r for r in regs if r.effective_suite == suite]
+    regs.sort(key=lambda r: (-r.est_time, r.filename))
+    return regs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hw", choices=["cpu", "cuda"], required=True)
+    parser.add_argument("--suite", default=None, help="only this suite (default: every suite of --hw)")
+    parser.add_argument("--with-unit", action="store_true", help="also run test/unit in the same pytest run")
+    parser.add_argument("--list", action="store_true", help="print the selected files and exit")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+
+    regs = collect(args.hw, args.suite)
+    if not regs:
+        print(f"run_suite: no registered test for --hw {args.hw} --suite {args.suite}", file=sys.stderr)
+        return 2
+    est = sum(r.est_time for r in regs)
+    print(f"run_suite: {len(regs)} registered file(s) for {args.hw} (estimated {est:.0f}s):")
+    for r in regs:
+        print(f"  {os.path.relpath(r.filename, ROOT)}  suite={r.effective_suite}  est={r.est_time:.0f}s")
+    if args.list:
+        return 0
+    env = dict(os.environ)
+    env["KVC_TEST_DEVICE"] = args.hw
+    targets = (["test/unit"] if args.with_unit else []) + [os.path.relpath(r.filename, ROOT) for r in regs]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", *targets, *args.pytest_args]
+    print("run_suite: $ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtualenv and install the plugin into it.
+#
+#   source scripts/setup_env.sh      # sets KVC_PY to the venv's python
+#
+# The venv lives outside the checkout ($KVC_VENV, default
+# ~/.cache/sglang-kv-canary/venv-<hash>), keyed by a hash of the dependency pins
+# below, so CI and later runs reuse it; it is built from nothing when absent
+# (sglang 0.5.12 pulls the CUDA build of torch 2.11: ~9 GB, ~4 min). The plugin
+# itself is (re)installed editable every time (seconds, no download).
+set -euo pipefail
+kvc_pip() {  # pip, quiet unless it fails (this machine's pip config adds noisy local-index warnings)
+  local log; log="$(mktemp)"
+  if ! "$@" > "$log" 2>&1; then grep -v "^WARNING: Location" "$log" | tail -40; rm -f "$log"; return 1; fi
+  rm -f "$log"
+}
+KVC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+KVC_DEPS=("sglang==0.5.12" "kernels==0.14.1" "torch==2.11.0" "pytest>=8" "requests>=2.31" "hatchling>=1.25" "editables>=0.5")
+KVC_PYTHON="${KVC_PYTHON:-python3}"
+kvc_hash="$(printf '%s\n' "${KVC_DEPS[@]}" "$("$KVC_PYTHON" -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-12)"
+KVC_VENV="${KVC_VENV:-$HOME/.cache/sglang-kv-canary/venv-$kvc_hash}"
+if [ ! -f "$KVC_VENV/.kvc-ready" ]; then
+  echo "setup_env: building $KVC_VENV (sglang 0.5.12 + CUDA torch wheels; a few minutes)"
+  rm -rf "$KVC_VENV"
+  mkdir -p "$(dirname "$KVC_VENV")"
+  "$KVC_PYTHON" -m venv "$KVC_VENV"
+  kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check "${KVC_DEPS[@]}"
+  "$KVC_VENV/bin/python" -c "import sglang, torch, triton, pytest, requests" # fail here, not later
+  touch "$KVC_VENV/.kvc-ready"
+else
+  echo "setup_env: reusing $KVC_VENV"
+fi
+kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e "$KVC_ROOT"
+"$KVC_VENV/bin/python" -c "import kv_canary.sglang_plugin, kv_canary_testing"
+KVC_PY="$KVC_VENV/bin/python"
+export KVC_PY KVC_ROOT
