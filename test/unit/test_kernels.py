@@ -1,6 +1,8 @@
-"""Triton kernels (under TRITON_INTERPRET=1) against the torch reference on random pools.
+"""Triton kernels against the torch reference on random pools.
 
-The scenario drives real forwards through both backends on identical pools:
+On CPU the Triton kernels run under TRITON_INTERPRET=1; on a GPU host (CUDA
+available and TRITON_INTERPRET unset or 0) the same tests run compiled kernels on
+CUDA tensors, plus a CUDA-graph capture/replay test. The scenario drives real forwards through both backends on identical pools:
 chunked prefill of several requests, two of which share a prefix (the second
 reuses the first's slots, as the radix cache does), then decode steps; then
 corruptions of each kind, and checks both backends report the same violations.
@@ -10,10 +12,13 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
+import pytest  # noqa: E402
 
 from kv_canary import fingerprint as fp
 from kv_canary.config import CanaryConfig
@@ -33,14 +38,14 @@ class Sim:
     def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True):
         g = torch.Generator().manual_seed(seed)
         self.backend = backend
-        self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g) for _ in range(LAYERS)]
-        self.v = [torch.randn(NUM_SLOTS, 2, 8, generator=g) for _ in range(LAYERS)] if with_v else None
+        self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)]
+        self.v = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)] if with_v else None
         config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes)
-        self.group = build_group(PoolLayout("full", self.k, self.v), config, torch.device("cpu"))
-        self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
-        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64)
+        self.group = build_group(PoolLayout("full", self.k, self.v), config, DEVICE)
+        self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=DEVICE)
         self.counters[fp.C_REPORT_ENABLED] = 1
-        self.ring = torch.zeros(256, fp.RING_WIDTH, dtype=torch.int64)
+        self.ring = torch.zeros(256, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
         self.next_slot = 1
         self.rng = torch.Generator().manual_seed(seed + 1)
 
@@ -54,7 +59,7 @@ class Sim:
         ids, locs, rows, seqs, starts, lens = [], [], [], [], [], []
         for row, prefix, toks in reqs:
             slots = self.alloc(len(toks))
-            self.r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32)
+            self.r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32).to(DEVICE)
             starts.append(len(ids))
             ids += toks
             locs += slots.tolist()
@@ -62,12 +67,12 @@ class Sim:
             seqs.append(prefix + len(toks))
             lens.append(len(toks))
         view = ForwardView(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            out_cache_loc=torch.tensor(locs, dtype=torch.int64),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-            seq_lens=torch.tensor(seqs, dtype=torch.int64),
-            new_starts=torch.tensor(starts, dtype=torch.int32),
-            new_lens=torch.tensor(lens, dtype=torch.int32),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=DEVICE),
+            out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=DEVICE),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
+            seq_lens=torch.tensor(seqs, dtype=torch.int64, device=DEVICE),
+            new_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            new_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
             batch_size=len(reqs),
             max_new_len=max(lens),
         )
@@ -75,21 +80,21 @@ class Sim:
         # "attention" writes K/V of the new slots
         for layer in range(LAYERS):
             loc = view.out_cache_loc
-            self.k[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng)
+            self.k[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
             if self.v is not None:
-                self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng)
+                self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
         self.backend.launch_write(self.group, view, self.r2t, self.counters, True, block=16)
         return view
 
     def verify_all(self, reqs):
         """reqs: list of (row, length): HEAD-verify positions [0, length) (as a decode forward would)."""
         view = ForwardView(
-            input_ids=torch.zeros(len(reqs), dtype=torch.int64),
-            out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64),
-            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64),
-            seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64),
-            new_starts=torch.arange(len(reqs), dtype=torch.int64),
-            new_lens=torch.ones(len(reqs), dtype=torch.int64),
+            input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
+            out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
+            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64, device=DEVICE),
+            seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64, device=DEVICE),
+            new_starts=torch.arange(len(reqs), dtype=torch.int64, device=DEVICE),
+            new_lens=torch.ones(len(reqs), dtype=torch.int64, device=DEVICE),
             batch_size=len(reqs),
             max_new_len=1,
         )
@@ -188,3 +193,61 @@ def test_long_chunk_written_by_several_blocks_matches_reference():
         s.forward([(5, 17, toks[17:150]), (6, 3, toks[3:4])])  # 133 new tokens: 9 blocks of 16
     assert torch.equal(sims[0].group.records, sims[1].group.records)
     assert sims[0].verify_all([(5, 150), (6, 4)]) == []
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA-graph capture needs a GPU (this runs on the GPU host)")
+def test_verify_and_write_replay_from_a_cuda_graph():
+    """Capture HEAD+TAIL once for a decode batch, replay it with new data each step: same records as eager."""
+    graph_sim, eager_sim = Sim(tk), Sim(ref)
+    lengths = [_scenario(s) for s in (graph_sim, eager_sim)][0]
+    rows = [1, 2, 4]
+    bs = len(rows)
+    static = dict(
+        input_ids=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.ones(bs, dtype=torch.int64, device=DEVICE),
+    )
+    view = ForwardView(**static, new_starts=torch.arange(bs, device=DEVICE), new_lens=torch.ones(bs, dtype=torch.int64,
+                       device=DEVICE), batch_size=bs, max_new_len=1)
+    s = graph_sim
+
+    def head_tail():
+        tk.launch_verify(s.group, view, s.r2t, s.counters, s.ring, 2, 16)
+        tk.launch_write(s.group, view, s.r2t, s.counters, True, block=16)
+
+    s.counters[fp.C_REPORT_ENABLED] = 0  # warmup + capture on padding data, as sglang's capture does
+    head_tail()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        head_tail()
+    s.counters[fp.C_REPORT_ENABLED] = 1
+    base = {k: int(s.counters[k]) for k in (fp.C_VIOLATIONS, fp.C_SLOTS_VERIFIED)}
+
+    g = torch.Generator().manual_seed(99)
+    for step in range(4):
+        toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+        reqs = [(row, lengths[row] + step, [t]) for row, t in zip(rows, toks)]
+        eager_sim.forward(reqs)
+        # the graph side: allocate, map, "attention" writes K/V, then replay HEAD+TAIL
+        slots = s.alloc(bs)
+        for (row, prefix, _), slot in zip(reqs, slots.tolist()):
+            s.r2t[row, prefix] = slot
+        for layer in range(LAYERS):
+            s.k[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
+            s.v[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
+        static["input_ids"].copy_(torch.tensor(toks))
+        static["out_cache_loc"].copy_(slots)
+        static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_sim.group.records.cpu(), eager_sim.group.records.cpu())
+    assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS]
+    assert int(s.counters[fp.C_SLOTS_VERIFIED]) > base[fp.C_SLOTS_VERIFIED]
+    # A corrupted prefix byte is caught by the next replay.
+    s.group.k_views[0][int(s.r2t[2, 7]), 0] ^= 1 << 3
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS] + 1
+    row = s.ring[base[fp.C_VIOLATIONS] % s.ring.shape[0]].tolist()
+    assert (row[fp.V_REASON], row[fp.V_ROW], row[fp.V_POSITION]) == (fp.R_KV_HASH, 2, 7)

@@ -33,7 +33,8 @@ def test_mixed_workload_has_no_violation(server):
     log = CanaryLog.read_settled(server)
     print(f"kv_canary_e2e_baseline device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
-          f"violations={len(log.violations)}")
+          f"violations={len(log.violations)} graph_forwards={log.last_stat('graph_forwards')} "
+          f"forwards={log.last_stat('forwards_host')}")
 
     assert log.installed, server.log_tail()
     assert result.sent >= N_REQUESTS
@@ -48,6 +49,12 @@ def test_mixed_workload_has_no_violation(server):
     assert log.violations == [], log.violations[:5]
     assert log.last_stat("violations") == 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_written") > 0
+    # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).
+    assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
+    if e2e_device() == "cuda":
+        # Verification ran inside replayed CUDA graphs, not only in eager forwards.
+        assert "cuda graph: True" in log.text
+        assert log.last_stat("graph_forwards") > 0
     assert "Traceback" not in log.text
 
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device
 from kv_canary_testing.workload import build_workload, run_requests
 
 try:
@@ -42,6 +42,8 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
     assert {(v["group"], v["slot"]) for v in log.violations} <= injected  # no false positives
     assert max(log.detection_latencies()) == 0  # caught by the HEAD of the very forward that read it
     assert log.last_stat("violations") >= len(log.perturbations)
+    if e2e_device() == "cuda":  # caught by HEAD inside a replayed decode graph
+        assert any(v["cuda_graph"] == "True" for v in log.violations), log.violations[:5]
 
 
 @pytest.mark.e2e
@@ -60,7 +62,9 @@ def test_raise_mode_stops_the_server_with_the_report(tmp_path):
     assert code != 0
     assert "CanaryViolationError" in log.text and "serving stopped (--kv-canary raise)" in log.text
     first = log.perturbations[0]
-    assert any(v["slot"] == first["slot"] and v["kind"] == "kv_hash" for v in log.violations), log.violations
+    hits = [v for v in log.violations if v["slot"] == first["slot"] and v["kind"] == "kv_hash"]
+    assert hits, log.violations
+    print(f"kv_canary_e2e_perturb_raise exit_code={code} first_violation_cuda_graph={hits[0]['cuda_graph']}")
     # No request hangs: the ones in flight failed fast when the scheduler stopped.
     assert result.failed > 0 and elapsed < 120
 
