@@ -110,6 +110,14 @@ def decode_rows(rows, first_seq: int, group_names, describe_forward) -> List[Vio
     return out
 
 
+def health_violation(what: str, device_value: int, host_value: int, forward: int) -> Violation:
+    """The canary itself did not run as the host launched it (``kind=health``)."""
+    return Violation(
+        seq=-1, kind=f"health:{what}", group="*", slot=-1, position=-1, rid="?", row=-1, batch_index=-1,
+        stored=device_value, expected=host_value, forward=forward, cuda_graph=None,
+    )
+
+
 class CanaryViolationError(RuntimeError):
     """Raised by ``--kv-canary raise`` when the KV cache failed verification."""
 

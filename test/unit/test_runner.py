@@ -150,6 +150,27 @@ def test_bracket_misuse_errors():
         with pytest.raises(CanaryBracketError, match="entered twice"):
             with h.manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
                 pass
+        with h.manager.with_active_single_forward_manager(0):
+            h.model(fb.input_ids, fb.positions, fb)
+
+
+def test_a_forward_that_skipped_the_canary_is_a_health_violation(caplog):
+    """Like a CUDA graph replayed without the canary's kernels: the host counted it, the device did not."""
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6]}))
+    fb = h.batch({1: [7]}, decode=True)
+    original = h.model.forward.__kv_canary_original__
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        with h.manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+            original(fb.input_ids, fb.positions, fb)  # no HEAD, no TAIL
+        h.step(h.batch({1: [8]}, decode=True))
+    kinds = {v["kind"] for v in parse_lines(caplog.text, VIOLATION_PREFIX)}
+    assert {"health:forwards", "health:verify_launches", "health:write_launches", "health:slots_written"} <= kinds
+    assert h.manager.health_violations == 4
+    # reported once: the next clean forwards add no new health violation
+    h.step(h.batch({1: [9]}, decode=True))
+    assert h.manager.health_violations == 4
 
 
 def test_raise_mode_stops_within_the_stated_delay():

@@ -43,6 +43,10 @@ class SglangBatchAdapter:
             return 0
         return int(fb.batch_size)
 
+    def num_tokens(self, fb) -> int:
+        """Real (unpadded) new tokens of the batch: the slots its TAIL must write per group."""
+        return 0 if fb.forward_mode.is_idle() else int(fb.input_ids.shape[0])
+
     def rids(self, fb) -> Optional[Sequence[str]]:
         return getattr(fb, "rids", None)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -36,7 +36,7 @@ from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
 from ..plan import ForwardView, HostBatch, LaunchCapacities
 from ..pool_patcher import CanaryBufferGroup
-from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line
+from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
@@ -56,6 +56,8 @@ class BatchAdapter(Protocol):
     def batch_size(self, forward_batch: object) -> int: ...
 
     def rids(self, forward_batch: object) -> Optional[Sequence[str]]: ...
+
+    def num_tokens(self, forward_batch: object) -> int: ...
 
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
 
@@ -108,6 +110,10 @@ class CanaryManager:
         self.last_counters: Optional[torch.Tensor] = None
         self._last_stats_forward = 0
         self._settled_forward = 0
+        self._expected_written = 0  # host's count of slots the TAIL launches should have written
+        self._expected_written_at: Dict[int, int] = {}
+        self._health_drift: Dict[str, int] = {}
+        self.health_violations = 0
 
     # ------------------------------------------------------------------ engine wiring
 
@@ -167,6 +173,10 @@ class CanaryManager:
         self._violations_seen = 0
         self._settled_forward = 0
         self._last_stats_forward = 0
+        self._expected_written = 0
+        self._expected_written_at.clear()
+        self._health_drift.clear()
+        self.health_violations = 0
         self.init_finished = True
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
                     ",".join(g.name for g in self.groups), self.kernels.name)
@@ -226,18 +236,21 @@ class CanaryManager:
         if ran == 0:
             return
         rids = self._adapter.rids(fb) or ()
+        self._expected_written += ran * self._adapter.num_tokens(fb) * len(self.groups)
         for _ in range(ran):
             self._forward_info[self.forwards] = (rids, replayed)
             self.forwards += 1
         while len(self._forward_info) > RID_HISTORY:
             self._forward_info.popitem(last=False)
+        self._expected_written_at[self.forwards] = self._expected_written
         self._d2h.snapshot(self.forwards)
         self.poll()
 
     def poll(self, *, drain: bool = False) -> None:
         """Handle every counter copy that has landed; log or raise on new violations."""
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
-        for _, host_counters in ready:
+        for step, host_counters in ready:
+            self._check_health(step, host_counters)
             self._handle_counters(host_counters)
         if drain and self.forwards != self._settled_forward:
             # Settled: the host has read everything the device counted up to now.
@@ -259,6 +272,40 @@ class CanaryManager:
         if (every and forward - self._last_stats_forward >= every) or new > 0:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
+
+    def _check_health(self, step: int, c: torch.Tensor) -> None:
+        """The device must have run HEAD and TAIL for every forward the host counted up to ``step``.
+
+        A canary that silently stopped running (a graph replayed without its
+        kernels, an unwired forward path) shows here as a ``kind=health``
+        violation, reported once per new discrepancy.
+        """
+        groups = len(self.groups)
+        want = {
+            "forwards": step,
+            "verify_launches": step * groups,
+            "write_launches": step * groups,
+            "slots_written": self._expected_written_at.pop(step, None),
+        }
+        for old in [k for k in self._expected_written_at if k < step]:
+            del self._expected_written_at[old]
+        got = {
+            "forwards": int(c[fp.C_FORWARD_INDEX]),
+            "verify_launches": int(c[fp.C_VERIFY_LAUNCHES]),
+            "write_launches": int(c[fp.C_WRITE_LAUNCHES]),
+            "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
+        }
+        bad = []
+        for key, expected in want.items():
+            if expected is None:
+                continue
+            drift = got[key] - expected
+            if drift != self._health_drift.get(key, 0):
+                bad.append(health_violation(key, got[key], expected, step))
+                self._health_drift[key] = drift
+        if bad:
+            self.health_violations += len(bad)
+            self._report(bad, 0)
 
     def _read_ring(self, first: int, end: int):
         cap = self.ring.shape[0]
@@ -301,6 +348,7 @@ class CanaryManager:
                 "verify_launches": values[fp.C_VERIFY_LAUNCHES],
                 "write_launches": values[fp.C_WRITE_LAUNCHES],
                 "violations": values[fp.C_VIOLATIONS],
+                "health_violations": self.health_violations,
                 "perturbations": len(self.perturb.injections),
             },
         )
