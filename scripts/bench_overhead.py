@@ -138,7 +138,7 @@ REQUEST_TIMEOUT_S = 900.0
 SETTLE_TIMEOUT_S = 30.0  # wait for the canary's idle "settled=1" stats line
 STOP_GRACE_S = 10.0
 
-CUDA_GRAPH_LINE = re.compile(r"Decode batch.*?cuda graph: (True|False)")
+CUDA_GRAPH_LINE = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: (True|False)")
 
 
 def write_llama_dir(path: Path) -> Path:
@@ -302,7 +302,8 @@ def run_config(label: str, mode: str, plan: dict, args, rows: Sequence[Row], log
             }
             _progress(f"[{label}] {row.name:<12} {row.describe():<28} median {statistics.median(times):8.3f}s "
                       f"(reps {', '.join(f'{t:.3f}' for t in times)})")
-        wait_settled(server, SETTLE_TIMEOUT_S)
+        if mode != "none":
+            wait_settled(server, SETTLE_TIMEOUT_S)
     except Exception as exc:  # keep the other configs' results: record and go on
         result["error"] = f"{type(exc).__name__}: {exc}"
         _progress(f"[{label}] FAILED: {result['error'][:2000]}")
@@ -348,6 +349,8 @@ def markdown_table(runs: Sequence[dict], rows: Sequence[Row], summary: dict) -> 
     on_labels = [r["label"] for r in runs if r["kv_canary"] != "none"]
     base = next((s["baseline"] for s in summary.values() if s["baseline"]), None)
     spread_labels = [r["label"] for r in runs if r["kv_canary"] == "none" and r["label"] != base]
+    if base is None:  # no "off" config: nothing to compare against
+        on_labels = spread_labels = []
     head = (["row", "shape"] + [f"{lb} median s" for lb in labels]
             + [f"{lb} vs {base}" for lb in on_labels] + [f"{lb} vs {base} (noise)" for lb in spread_labels])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

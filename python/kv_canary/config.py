@@ -61,6 +61,15 @@ def _parse_prob(name: str, raw: str) -> float:
     return value
 
 
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise CanaryConfigError(f"{name}={raw!r}: expected 1/0 (true/false)")
+
+
 def _parse_layers(name: str, raw: str) -> Tuple[int, ...]:
     parts = [p.strip() for p in raw.split(",") if p.strip()]
     if not parts:
@@ -92,6 +101,8 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                       "bytes of K and of V hashed per slot and layer (multiple of 4, default 16)"),
     "KV_HASH_LAYERS": ("kv_hash_layers", _parse_layers,
                        "comma-separated layer ids whose K/V bytes are hashed (default 0)"),
+    "ENABLE_VERIFY_TOKEN_ASSERT": ("verify_tokens", _parse_bool,
+                                   "check each verified slot's token against the request's own token (default 1)"),
     "RING_CAPACITY": ("ring_capacity", _parse_int(16, 1 << 20),
                       "violation records kept on the device between host reads (default 1024)"),
     "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
@@ -117,6 +128,7 @@ class CanaryConfig:
     sweep_interval: int = 0
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
+    verify_tokens: bool = True
     ring_capacity: int = 1024
     d2h_delay_steps: int = 2
     kernel_backend: KernelBackend = KernelBackend.AUTO
@@ -187,6 +199,6 @@ class CanaryConfig:
             f"mode={self.mode.value} sweep_interval={self.sweep_interval} "
             f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
-            f"kernel_backend={self.kernel_backend.value} "
+            f"kernel_backend={self.kernel_backend.value} verify_tokens={int(self.verify_tokens)} "
             f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob}"
         )

@@ -9,6 +9,7 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
+* ``ForwardBatch.init_new``: keep the batch's Req objects (cached-prefix tokens for the token check);
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
@@ -65,6 +66,8 @@ def register() -> None:
         ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
          _around_capture_one_batch_size, HookType.AROUND),
         ("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_scheduler_on_idle, HookType.AFTER),
+        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init_new,
+         HookType.AFTER),
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
@@ -123,6 +126,12 @@ def _around_initialize(original, model_runner, *args, **kwargs):
     if manager is not None:
         manager.mark_init_finished()
     return result
+
+
+def _after_forward_batch_init_new(forward_batch, _cls, batch, model_runner, *args, **kwargs) -> None:
+    """Keep the scheduler's Req objects on the batch: the token check needs cached prefixes' tokens."""
+    if _canary_of(model_runner) is not None:
+        forward_batch.kv_canary_reqs = getattr(batch, "reqs", None)
 
 
 def _around_forward(original, model_runner, forward_batch, *args, **kwargs):

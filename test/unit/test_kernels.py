@@ -43,6 +43,7 @@ class Sim:
         config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes)
         self.group = build_group(PoolLayout("full", self.k, self.v), config, DEVICE)
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
+        self.tokens = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)  # each row's own tokens
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=DEVICE)
         self.counters[fp.C_REPORT_ENABLED] = 1
         self.ring = torch.zeros(256, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
@@ -76,14 +77,16 @@ class Sim:
             batch_size=len(reqs),
             max_new_len=max(lens),
         )
-        self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 2, 16)
+        self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 2, 16,
+                                   expected_tokens=self.tokens)
         # "attention" writes K/V of the new slots
         for layer in range(LAYERS):
             loc = view.out_cache_loc
             self.k[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
             if self.v is not None:
                 self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
-        self.backend.launch_write(self.group, view, self.r2t, self.counters, True, block=16)
+        self.backend.launch_write(self.group, view, self.r2t, self.counters, True, block=16,
+                                  expected_tokens=self.tokens)
         return view
 
     def verify_all(self, reqs):
@@ -99,7 +102,8 @@ class Sim:
             max_new_len=1,
         )
         before = int(self.counters[fp.C_VIOLATIONS])
-        self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 3, 16)
+        self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 3, 16,
+                                   expected_tokens=self.tokens)
         n = int(self.counters[fp.C_VIOLATIONS]) - before
         rows = [self.ring[(before + i) % self.ring.shape[0]].tolist() for i in range(n)]
         return sorted(tuple(r) for r in rows)
@@ -114,6 +118,7 @@ def _scenario(sim: Sim):
     sim.forward([(1, 40, tok(50)), (3, 0, tok(33))])
     # row 4 shares row 1's first 40 slots (a radix hit), then extends with its own tokens
     sim.r2t[4, :40] = sim.r2t[1, :40]
+    sim.tokens[4, :40] = sim.tokens[1, :40]  # what the host fills from the new request's own prompt
     sim.forward([(4, 40, tok(37))])
     # decode steps for everybody
     for step in range(3):
@@ -174,6 +179,19 @@ def test_position_shift_is_detected():
     assert all(r[fp.V_REASON] & fp.R_POSITION for r in found if 20 <= r[fp.V_POSITION] < 30)
 
 
+def test_foreign_prefix_with_consistent_chain_fails_the_token_check():
+    """A radix hit on the wrong prompt: the slots are self-consistent, only the token check sees it."""
+    sims = [Sim(tk), Sim(ref)]
+    for s in sims:
+        lengths = _scenario(s)
+        s.tokens[4, 10] += 1  # request 4's own prompt differs from the cached prefix at position 10
+    found = [s.verify_all(list(lengths.items())) for s in sims]
+    assert found[0] == found[1]
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(4, 10, fp.R_TOKEN)]
+    row = found[0][0]
+    assert row[fp.V_EXPECTED] == row[fp.V_STORED] + 1
+
+
 def test_report_disabled_counts_nothing():
     sim = Sim(tk)
     lengths = _scenario(sim)
@@ -213,8 +231,8 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     s = graph_sim
 
     def head_tail():
-        tk.launch_verify(s.group, view, s.r2t, s.counters, s.ring, 2, 16)
-        tk.launch_write(s.group, view, s.r2t, s.counters, True, block=16)
+        tk.launch_verify(s.group, view, s.r2t, s.counters, s.ring, 2, 16, expected_tokens=s.tokens)
+        tk.launch_write(s.group, view, s.r2t, s.counters, True, block=16, expected_tokens=s.tokens)
 
     s.counters[fp.C_REPORT_ENABLED] = 0  # warmup + capture on padding data, as sglang's capture does
     head_tail()

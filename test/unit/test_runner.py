@@ -198,6 +198,8 @@ def test_log_mode_logs_each_violation_and_keeps_serving(caplog):
         h.step(h.batch({1: [8], 2: [4]}, decode=True))
         h.step(h.batch({1: [9], 2: [5]}, decode=True))
     found = parse_lines(caplog.text, VIOLATION_PREFIX)
-    assert {(v["rid"], v["position"]) for v in found} == {("r2", "1"), ("r2", "2")}
-    assert all(v["kind"] == "chain" for v in found)
+    assert {(v["rid"], v["position"], v["kind"]) for v in found} == {
+        ("r2", "1", "chain+token"),  # a foreign slot: another prefix and not request 2's own token
+        ("r2", "2", "chain"),  # request 2's own slot, but its link now points at the foreign one
+    }
     assert h.manager.violations_reported == 4  # both decode forwards read the bad slots

@@ -73,6 +73,22 @@ class SglangBatchAdapter:
             rids=self.rids(fb),
         )
 
+    def extend_requests(self, fb):
+        """(row, rid, prefix_len, prefix_tokens()) per request of an extend batch; [] otherwise.
+
+        Needs the scheduler's Req objects, attached as ``fb.kv_canary_reqs`` by the
+        plugin's ``ForwardBatch.init_new`` hook (``req.fill_ids`` = prompt + outputs).
+        """
+        reqs = getattr(fb, "kv_canary_reqs", None)
+        if not self._is_extend(fb) or reqs is None or fb.extend_prefix_lens_cpu is None:
+            return []
+        out = []
+        for req, prefix_len in zip(reqs, fb.extend_prefix_lens_cpu):
+            fill_ids = req.fill_ids
+            out.append((int(req.req_pool_idx), str(req.rid), int(prefix_len),
+                        lambda ids=fill_ids, n=int(prefix_len): ids[:n]))
+        return out
+
     def host_batch(self, fb) -> Optional[HostBatch]:
         """Host copy of the layout; syncs the device (perturbation and debugging only)."""
         bs = self.batch_size(fb)

@@ -19,7 +19,7 @@ def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0,
-                  group_index: int = 0) -> None:
+                  group_index: int = 0, expected_tokens=None) -> None:
     del programs_per_req, block  # grid shape is a Triton concern
     bs = view.batch_size
     device = group.records.device
@@ -45,13 +45,19 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         bad_pos = slot_ok & (rec_pos != pos)
         bad_chain = slot_ok & (rec_chain != want_chain)
         bad_hash = slot_ok & (live_hash != rec_hash)
-        reason = (bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN) | (bad_hash * fp.R_KV_HASH)
+        if expected_tokens is not None:
+            want_token = expected_tokens[rows][:, :width].to(torch.int64)
+        else:
+            want_token = rec_token
+        bad_token = slot_ok & (rec_token != want_token)
+        reason = ((bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN)
+                  | (bad_token * fp.R_TOKEN) | (bad_hash * fp.R_KV_HASH))
         report = counters[fp.C_REPORT_ENABLED] != 0
         bad = m & (reason != 0) & report
-        stored = torch.where(bad_slot, raw_slot, torch.where(bad_pos, rec_pos, torch.where(bad_chain, rec_chain, rec_hash)))
-        expected = torch.where(
-            bad_slot, torch.zeros_like(pos), torch.where(bad_pos, pos, torch.where(bad_chain, want_chain, live_hash))
-        )
+        stored = torch.where(bad_slot, raw_slot, torch.where(bad_pos, rec_pos, torch.where(
+            bad_chain, rec_chain, torch.where(bad_token, rec_token, rec_hash))))
+        expected = torch.where(bad_slot, torch.zeros_like(pos), torch.where(bad_pos, pos, torch.where(
+            bad_chain, want_chain, torch.where(bad_token, want_token, live_hash))))
         batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None].expand(bs, width)
         rows_2d = rows[:, None].expand(bs, width)
         forward_index = counters[fp.C_FORWARD_INDEX].expand(bs, width)
@@ -67,7 +73,8 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     counters[fp.C_VERIFY_LAUNCHES] += 1
 
 
-def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0) -> None:
+def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0,
+                 expected_tokens=None) -> None:
     del block  # grid shape is a Triton concern
     bs = view.batch_size
     device = group.records.device
@@ -92,6 +99,8 @@ def launch_write(group, view, req_to_token, counters, bump_forward: bool, block:
         chain = carry[req_of] + (csum - before[req_of])
         slot = view.out_cache_loc[tok_index].to(torch.int64)
         wm = (slot > 0) & (slot < group.num_slots) & (p0[req_of] >= 0)
+        if expected_tokens is not None:  # padding tokens (slot 0) carry stale rows: never store them
+            expected_tokens[rows[req_of][wm], pos[wm]] = tok[wm].to(expected_tokens.dtype)
         slot, tok, pos, chain = slot[wm], tok[wm], pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
         group.records[slot] = torch.stack([tok, pos, chain, live_hash], dim=1)

@@ -81,11 +81,11 @@ def _kv_hash(slot, mask, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
 def verify_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens,
     k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
-    counters, ring, ring_capacity, num_slots, programs_per_req,
+    counters, ring, ring_capacity, num_slots, programs_per_req, expected_tokens, et_stride,
     C_VIOLATIONS: tl.constexpr, C_SLOTS_VERIFIED: tl.constexpr, C_VERIFY_LAUNCHES: tl.constexpr,
     C_FORWARD_INDEX: tl.constexpr, C_REPORT_ENABLED: tl.constexpr,
     R_POSITION: tl.constexpr, R_CHAIN: tl.constexpr, R_KV_HASH: tl.constexpr, R_SLOT: tl.constexpr,
-    GROUP_BITS: tl.constexpr,
+    R_TOKEN: tl.constexpr, CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr,
     NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
@@ -126,11 +126,19 @@ def verify_kernel(
         bad_pos = slot_ok & (rec_pos != pos)
         bad_chain = slot_ok & (rec_chain != want_chain)
         bad_hash = slot_ok & (live_hash != rec_hash)
+        if CHECK_TOKENS:
+            want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
+        else:
+            want_token = rec_token
+        bad_token = slot_ok & (rec_token != want_token)
         reason = (tl.where(bad_slot, R_SLOT, 0) | tl.where(bad_pos, R_POSITION, 0)
-                  | tl.where(bad_chain, R_CHAIN, 0) | tl.where(bad_hash, R_KV_HASH, 0))
+                  | tl.where(bad_chain, R_CHAIN, 0) | tl.where(bad_token, R_TOKEN, 0)
+                  | tl.where(bad_hash, R_KV_HASH, 0))
         bad = m & (reason != 0) & (report != 0)
-        stored = tl.where(bad_slot, slot, tl.where(bad_pos, rec_pos, tl.where(bad_chain, rec_chain, rec_hash)))
-        expected = tl.where(bad_slot, 0, tl.where(bad_pos, pos, tl.where(bad_chain, want_chain, live_hash)))
+        stored = tl.where(bad_slot, slot, tl.where(bad_pos, rec_pos, tl.where(
+            bad_chain, rec_chain, tl.where(bad_token, rec_token, rec_hash))))
+        expected = tl.where(bad_slot, 0, tl.where(bad_pos, pos, tl.where(
+            bad_chain, want_chain, tl.where(bad_token, want_token, live_hash))))
         bad_i = bad.to(tl.int64)
         n_bad = tl.sum(bad_i, axis=0)
         if n_bad > 0:
@@ -156,9 +164,9 @@ def write_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens, new_starts,
     input_ids, out_cache_loc,
     k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
-    counters, num_slots,
+    counters, num_slots, expected_tokens, et_stride,
     C_SLOTS_WRITTEN: tl.constexpr, C_WRITE_LAUNCHES: tl.constexpr, C_FORWARD_INDEX: tl.constexpr,
-    BUMP_FORWARD: tl.constexpr,
+    BUMP_FORWARD: tl.constexpr, STORE_TOKENS: tl.constexpr,
     NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
@@ -196,6 +204,9 @@ def write_kernel(
     tl.store(records + slot * _RW + 1, pos, mask=wm)
     tl.store(records + slot * _RW + 2, chain, mask=wm)
     tl.store(records + slot * _RW + 3, live_hash, mask=wm)
+    if STORE_TOKENS:  # the request's own token at each new position, for HEAD's token check
+        # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
+        tl.store(expected_tokens + row * et_stride + pos, tok.to(tl.int32), mask=wm)
     tl.atomic_add(counters + C_SLOTS_WRITTEN, tl.sum(wm.to(tl.int64), axis=0))
     if (i == 0) & (b == 0):
         tl.atomic_add(counters + C_WRITE_LAUNCHES, 1)
@@ -204,31 +215,34 @@ def write_kernel(
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256,
-                  group_index: int = 0) -> None:
+                  group_index: int = 0, expected_tokens=None) -> None:
     k, v, nl = _hash_args(group)
+    tokens = req_to_token if expected_tokens is None else expected_tokens
     verify_kernel[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
         *_interleave(k, v), k[0].stride(0), v[0].stride(0),
-        counters, ring, ring.shape[0], group.num_slots, programs_per_req,
+        counters, ring, ring.shape[0], group.num_slots, programs_per_req, tokens, tokens.stride(0),
         C_VIOLATIONS=fp.C_VIOLATIONS, C_SLOTS_VERIFIED=fp.C_SLOTS_VERIFIED,
         C_VERIFY_LAUNCHES=fp.C_VERIFY_LAUNCHES, C_FORWARD_INDEX=fp.C_FORWARD_INDEX,
         C_REPORT_ENABLED=fp.C_REPORT_ENABLED,
         R_POSITION=fp.R_POSITION, R_CHAIN=fp.R_CHAIN, R_KV_HASH=fp.R_KV_HASH, R_SLOT=fp.R_SLOT,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT,
+        R_TOKEN=fp.R_TOKEN, CHECK_TOKENS=expected_tokens is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT,
         NUM_LAYERS=nl, HAS_V=group.has_v, NW=group.hash_words, BLOCK=block,
     )
 
 
-def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0) -> None:
+def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0,
+                 expected_tokens=None) -> None:
     block = block or write_block(view.max_new_len)
     k, v, nl = _hash_args(group)
+    tokens = req_to_token if expected_tokens is None else expected_tokens
     write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.out_cache_loc,
         *_interleave(k, v), k[0].stride(0), v[0].stride(0),
-        counters, group.num_slots,
+        counters, group.num_slots, tokens, tokens.stride(0),
         C_SLOTS_WRITTEN=fp.C_SLOTS_WRITTEN, C_WRITE_LAUNCHES=fp.C_WRITE_LAUNCHES,
-        C_FORWARD_INDEX=fp.C_FORWARD_INDEX, BUMP_FORWARD=bump_forward,
+        C_FORWARD_INDEX=fp.C_FORWARD_INDEX, BUMP_FORWARD=bump_forward, STORE_TOKENS=expected_tokens is not None,
         NUM_LAYERS=nl, HAS_V=group.has_v, NW=group.hash_words, BLOCK=block,
     )
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -59,6 +59,10 @@ class BatchAdapter(Protocol):
 
     def num_tokens(self, forward_batch: object) -> int: ...
 
+    def extend_requests(self, forward_batch: object) -> Sequence[Tuple[int, str, int, Callable[[], Sequence[int]]]]:
+        """(row, rid, prefix_len, prefix_tokens()) of each request an extend batch admits/continues."""
+        ...
+
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
 
 
@@ -85,10 +89,17 @@ class CanaryManager:
         self._req_to_token = req_to_token
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
+        # Each req_to_token row's own tokens by position: TAIL stores new tokens, the host fills
+        # cached prefixes once per admitted request, HEAD compares with the slots' recorded tokens.
+        self.expected_tokens = (
+            torch.zeros(req_to_token.shape, dtype=torch.int32, device=device) if config.verify_tokens else None
+        )
+        self._row_owner: Dict[int, str] = {}  # req_to_token row -> rid whose tokens it holds
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
+                expected_tokens=self.expected_tokens,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -169,6 +180,9 @@ class CanaryManager:
         self.forwards = 0
         self.outer_steps = 0
         self._forward_info.clear()
+        self._row_owner.clear()
+        if self.expected_tokens is not None:
+            self.expected_tokens.zero_()
         self.graph_forwards = 0
         self._violations_seen = 0
         self._settled_forward = 0
@@ -218,10 +232,27 @@ class CanaryManager:
     def _pre_ops_outside_graph(self, fb: object) -> None:
         if not self.init_finished:
             return
+        if self.expected_tokens is not None:
+            self._fill_prefix_tokens(fb)
         if self.perturb.active:
             self.perturb.perturb_pre_forward(
                 forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb)
             )
+
+    def _fill_prefix_tokens(self, fb: object) -> None:
+        """Copy a newly admitted request's cached-prefix tokens (from its own prompt) into its row.
+
+        Positions a request computes itself are stored by TAIL from input_ids; only a
+        radix-cache prefix is never in this request's input_ids. One small H2D copy per
+        admitted request with a prefix; continuation chunks and decodes copy nothing.
+        """
+        for row, rid, prefix_len, prefix_tokens in self._adapter.extend_requests(fb):
+            if self._row_owner.get(row) == rid:
+                continue
+            self._row_owner[row] = rid
+            if prefix_len > 0:
+                tokens = torch.tensor(prefix_tokens(), dtype=torch.int32)
+                self.expected_tokens[row, :prefix_len].copy_(tokens, non_blocking=False)
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:

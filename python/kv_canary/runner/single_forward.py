@@ -9,7 +9,7 @@ sync, no allocation, grids fixed by the batch size (see ``LaunchCapacities``).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ class SingleForwardManager:
         ring: torch.Tensor,
         capacities: LaunchCapacities,
         on_tail: Callable[[], None],
+        expected_tokens: Optional[torch.Tensor] = None,
     ):
         self.index = index
         self._groups = list(groups)
@@ -39,6 +40,7 @@ class SingleForwardManager:
         self._ring = ring
         self._capacities = capacities
         self._on_tail = on_tail  # host callback: counts eager forwards
+        self._expected_tokens = expected_tokens  # int32[rows, ctx]: each row's own tokens (None: no token check)
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads (before it reads them)."""
@@ -49,7 +51,7 @@ class SingleForwardManager:
         for group_index, group in enumerate(self._groups):
             self._kernels.verify(
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
-                group_index=group_index,
+                group_index=group_index, expected_tokens=self._expected_tokens,
             )
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
@@ -58,5 +60,8 @@ class SingleForwardManager:
             return
         last = len(self._groups) - 1
         for group_index, group in enumerate(self._groups):
-            self._kernels.write(group, view, self._req_to_token, self._counters, group_index == last)
+            self._kernels.write(
+                group, view, self._req_to_token, self._counters, group_index == last,
+                expected_tokens=self._expected_tokens if group_index == 0 else None,
+            )
         self._on_tail()
