@@ -61,6 +61,7 @@ C_VERIFY_LAUNCHES = 3
 C_WRITE_LAUNCHES = 4
 C_FORWARD_INDEX = 5  # forwards completed (bumped by the last TAIL launch of a forward)
 C_REPORT_ENABLED = 6  # 0 while capturing/warming up: violations are counted nowhere
+C_SLOTS_SWEPT = 7  # cached slots checked by radix-cache sweeps
 NUM_COUNTERS = 8
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).

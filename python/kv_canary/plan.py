@@ -87,3 +87,21 @@ class HostBatch:
     def read_positions(self, i: int) -> range:
         """Positions request ``i`` reads that earlier forwards wrote (what HEAD verifies)."""
         return range(0, max(0, self.seq_lens[i] - self.new_lens[i]))
+
+
+@dataclass(frozen=True)
+class SweepEntries:
+    """Slots held by the prefix cache, flattened: int64 device tensors of equal length.
+
+    preds[k] is the slot of position positions[k] - 1 in the same cached sequence
+    (0 at position 0); tokens[k] is the cache key's token at that position.
+    """
+
+    slots: torch.Tensor
+    preds: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.slots.shape[0])

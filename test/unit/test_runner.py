@@ -61,7 +61,8 @@ class Harness:
 
             return wrapped
 
-        kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write), False)
+        kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
+                                spy("sweep", ref.launch_sweep), False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),

@@ -3,8 +3,9 @@
 ``select_kernels`` returns a ``CanaryKernels`` with two functions of the same
 signature in both backends:
 
-    verify(group, view, req_to_token, counters, ring, programs_per_req, block)
-    write(group, view, req_to_token, counters, bump_forward)
+    verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, expected_tokens=)
+    write(group, view, req_to_token, counters, bump_forward, expected_tokens=)
+    sweep(group, entries, counters, ring, group_index=)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class CanaryKernels:
     name: str
     verify: Callable[..., None]
     write: Callable[..., None]
+    sweep: Callable[..., None]
     graph_safe: bool
 
 
@@ -41,7 +43,7 @@ def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKern
     if backend is KernelBackend.TRITON:
         from . import triton_kernels as tk
 
-        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, graph_safe=True)
+        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_sweep, graph_safe=True)
     from . import reference as ref
 
-    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, graph_safe=False)
+    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_sweep, graph_safe=False)

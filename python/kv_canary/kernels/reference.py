@@ -1,4 +1,4 @@
-"""Torch reference of the HEAD-verify and TAIL-write kernels.
+"""Torch reference of the HEAD-verify, TAIL-write and SWEEP kernels.
 
 Same inputs, same outputs, same formulas as ``triton_kernels``; ring rows may
 be in a different order (the Triton kernels append them atomically). Not
@@ -18,6 +18,46 @@ def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
     return kv_hash_from_words(group.hashed_words(slots))
 
 
+def _check_slots(group, raw_slot, raw_pred, pos, want_token):
+    """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0."""
+    slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
+    slot = torch.where(slot_ok, raw_slot, 0)
+    pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
+    rec = group.records[slot]
+    rec_token, rec_pos = rec[..., fp.F_TOKEN], rec[..., fp.F_POSITION]
+    rec_chain, rec_hash = rec[..., fp.F_CHAIN], rec[..., fp.F_KV_HASH]
+    pred_chain = torch.where(pos > 0, group.records[pred][..., fp.F_CHAIN], fp.CHAIN_ANCHOR)
+    want_chain = pred_chain + chain_term(rec_token, pos)
+    live_hash = _live_hash(group, slot.reshape(-1)).reshape(slot.shape)
+    if want_token is None:
+        want_token = rec_token
+    bad_slot = ~slot_ok
+    bad_pos = slot_ok & (rec_pos != pos)
+    bad_chain = slot_ok & (rec_chain != want_chain)
+    bad_token = slot_ok & (rec_token != want_token)
+    bad_hash = slot_ok & (live_hash != rec_hash)
+    reason = ((bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN)
+              | (bad_token * fp.R_TOKEN) | (bad_hash * fp.R_KV_HASH))
+    stored = torch.where(bad_slot, raw_slot, torch.where(bad_pos, rec_pos, torch.where(
+        bad_chain, rec_chain, torch.where(bad_token, rec_token, rec_hash))))
+    expected = torch.where(bad_slot, torch.zeros_like(pos), torch.where(bad_pos, pos, torch.where(
+        bad_chain, want_chain, torch.where(bad_token, want_token, live_hash))))
+    return reason.to(torch.int64), stored, expected
+
+
+def _append_violations(counters, ring, bad, fields) -> None:
+    """fields: the RING_WIDTH per-lane tensors; appends rows where ``bad``, in lane order."""
+    if counters[fp.C_REPORT_ENABLED] == 0:
+        return
+    table = torch.stack([f.expand(bad.shape)[bad] for f in fields], dim=1)
+    n_bad = table.shape[0]
+    if n_bad:
+        base = int(counters[fp.C_VIOLATIONS].item())
+        at = (base + torch.arange(n_bad, device=ring.device)) % ring.shape[0]
+        ring[at] = table
+        counters[fp.C_VIOLATIONS] += n_bad
+
+
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0,
                   group_index: int = 0, expected_tokens=None) -> None:
     del programs_per_req, block  # grid shape is a Triton concern
@@ -30,47 +70,32 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         pos = torch.arange(width, device=device, dtype=torch.int64).expand(bs, width)
         m = pos < prefix[:, None]
         raw_slot = req_to_token[rows][:, :width].to(torch.int64)
-        slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
-        slot = torch.where(slot_ok, raw_slot, 0)
         raw_pred = torch.zeros_like(raw_slot)
         raw_pred[:, 1:] = raw_slot[:, :-1]
-        pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
-        rec = group.records[slot]  # [bs, width, RECORD_WIDTH]
-        rec_token, rec_pos = rec[..., fp.F_TOKEN], rec[..., fp.F_POSITION]
-        rec_chain, rec_hash = rec[..., fp.F_CHAIN], rec[..., fp.F_KV_HASH]
-        pred_chain = torch.where(pos > 0, group.records[pred][..., fp.F_CHAIN], fp.CHAIN_ANCHOR)
-        want_chain = pred_chain + chain_term(rec_token, pos)
-        live_hash = _live_hash(group, slot.reshape(-1)).reshape(bs, width)
-        bad_slot = ~slot_ok
-        bad_pos = slot_ok & (rec_pos != pos)
-        bad_chain = slot_ok & (rec_chain != want_chain)
-        bad_hash = slot_ok & (live_hash != rec_hash)
-        if expected_tokens is not None:
-            want_token = expected_tokens[rows][:, :width].to(torch.int64)
-        else:
-            want_token = rec_token
-        bad_token = slot_ok & (rec_token != want_token)
-        reason = ((bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN)
-                  | (bad_token * fp.R_TOKEN) | (bad_hash * fp.R_KV_HASH))
-        report = counters[fp.C_REPORT_ENABLED] != 0
-        bad = m & (reason != 0) & report
-        stored = torch.where(bad_slot, raw_slot, torch.where(bad_pos, rec_pos, torch.where(
-            bad_chain, rec_chain, torch.where(bad_token, rec_token, rec_hash))))
-        expected = torch.where(bad_slot, torch.zeros_like(pos), torch.where(bad_pos, pos, torch.where(
-            bad_chain, want_chain, torch.where(bad_token, want_token, live_hash))))
-        batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None].expand(bs, width)
-        rows_2d = rows[:, None].expand(bs, width)
-        forward_index = counters[fp.C_FORWARD_INDEX].expand(bs, width)
-        fields = [reason.to(torch.int64) | (group_index << fp.GROUP_SHIFT), raw_slot, pos, batch_index, rows_2d, stored, expected, forward_index]
-        table = torch.stack([f[bad] for f in fields], dim=1)
-        n_bad = table.shape[0]
-        if n_bad:
-            base = int(counters[fp.C_VIOLATIONS].item())
-            at = (base + torch.arange(n_bad, device=device)) % ring.shape[0]
-            ring[at] = table
-            counters[fp.C_VIOLATIONS] += n_bad
+        want_token = None if expected_tokens is None else expected_tokens[rows][:, :width].to(torch.int64)
+        reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, want_token)
+        batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None]
+        _append_violations(counters, ring, m & (reason != 0), [
+            reason | (group_index << fp.GROUP_SHIFT), raw_slot, pos, batch_index, rows[:, None], stored, expected,
+            counters[fp.C_FORWARD_INDEX],
+        ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
     counters[fp.C_VERIFY_LAUNCHES] += 1
+
+
+def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: int = 0) -> None:
+    del block
+    if entries.slots.numel() == 0:
+        return
+    slots, preds = entries.slots.to(torch.int64), entries.preds.to(torch.int64)
+    pos, tokens = entries.positions.to(torch.int64), entries.tokens.to(torch.int64)
+    reason, stored, expected = _check_slots(group, slots, preds, pos, tokens)
+    minus_one = torch.full_like(pos, -1)
+    _append_violations(counters, ring, reason != 0, [
+        reason | (group_index << fp.GROUP_SHIFT), slots, pos, minus_one, minus_one, stored, expected,
+        counters[fp.C_FORWARD_INDEX],
+    ])
+    counters[fp.C_SLOTS_SWEPT] += slots.numel()
 
 
 def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0,

@@ -27,6 +27,19 @@ _HASH_SEED = tl.constexpr(fp.HASH_SEED)
 _ANCHOR = tl.constexpr(fp.CHAIN_ANCHOR)
 _RW = tl.constexpr(fp.RECORD_WIDTH)
 _VW = tl.constexpr(fp.RING_WIDTH)
+_R_POSITION = tl.constexpr(fp.R_POSITION)
+_R_CHAIN = tl.constexpr(fp.R_CHAIN)
+_R_KV_HASH = tl.constexpr(fp.R_KV_HASH)
+_R_TOKEN = tl.constexpr(fp.R_TOKEN)
+_R_SLOT = tl.constexpr(fp.R_SLOT)
+_C_VIOLATIONS = tl.constexpr(fp.C_VIOLATIONS)
+_C_SLOTS_VERIFIED = tl.constexpr(fp.C_SLOTS_VERIFIED)
+_C_SLOTS_WRITTEN = tl.constexpr(fp.C_SLOTS_WRITTEN)
+_C_VERIFY_LAUNCHES = tl.constexpr(fp.C_VERIFY_LAUNCHES)
+_C_WRITE_LAUNCHES = tl.constexpr(fp.C_WRITE_LAUNCHES)
+_C_FORWARD_INDEX = tl.constexpr(fp.C_FORWARD_INDEX)
+_C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
+_C_SLOTS_SWEPT = tl.constexpr(fp.C_SLOTS_SWEPT)
 
 
 @triton.jit
@@ -78,14 +91,69 @@ def _kv_hash(slot, mask, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
 
 
 @triton.jit
+def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots,
+                 k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
+                 CHECK_TOKENS: tl.constexpr, NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr):
+    """Check lanes ``m`` of (slot, predecessor slot, position, expected token) against the records.
+
+    raw_pred must be 0 where pos == 0. Returns (reason bits, stored, expected) per lane;
+    stored/expected describe the first failing check in the order slot, position,
+    chain, token, kv_hash.
+    """
+    slot_ok = (raw_slot > 0) & (raw_slot < num_slots)
+    slot = tl.where(slot_ok, raw_slot, 0)
+    has_pred = m & (pos > 0)
+    pred = tl.where((raw_pred > 0) & (raw_pred < num_slots), raw_pred, 0)
+    rec_token = tl.load(records + slot * _RW + 0, mask=m, other=0)
+    rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
+    rec_chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
+    rec_hash = tl.load(records + slot * _RW + 3, mask=m, other=0)
+    pred_chain = tl.load(records + pred * _RW + 2, mask=has_pred, other=0)
+    pred_chain = tl.where(pos > 0, pred_chain, _ANCHOR)
+    want_chain = pred_chain + _chain_term(rec_token, pos)
+    live_hash = _kv_hash(slot, m & slot_ok, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, NUM_LAYERS, HAS_V, NW)
+    if not CHECK_TOKENS:
+        want_token = rec_token
+    bad_slot = ~slot_ok
+    bad_pos = slot_ok & (rec_pos != pos)
+    bad_chain = slot_ok & (rec_chain != want_chain)
+    bad_token = slot_ok & (rec_token != want_token)
+    bad_hash = slot_ok & (live_hash != rec_hash)
+    reason = (tl.where(bad_slot, _R_SLOT, 0) | tl.where(bad_pos, _R_POSITION, 0) | tl.where(bad_chain, _R_CHAIN, 0)
+              | tl.where(bad_token, _R_TOKEN, 0) | tl.where(bad_hash, _R_KV_HASH, 0))
+    stored = tl.where(bad_slot, raw_slot, tl.where(bad_pos, rec_pos, tl.where(
+        bad_chain, rec_chain, tl.where(bad_token, rec_token, rec_hash))))
+    expected = tl.where(bad_slot, 0, tl.where(bad_pos, pos, tl.where(
+        bad_chain, want_chain, tl.where(bad_token, want_token, live_hash))))
+    return tl.where(m, reason, 0), stored, expected
+
+
+@triton.jit
+def _append_violations(counters, ring, ring_capacity, bad, reason_bits, slot, pos, batch_index, row, stored,
+                       expected, forward_index):
+    """Append one ring row per ``bad`` lane at an atomically reserved offset."""
+    bad_i = bad.to(tl.int64)
+    n_bad = tl.sum(bad_i, axis=0)
+    if n_bad > 0:
+        base = tl.atomic_add(counters + _C_VIOLATIONS, n_bad)
+        at = ((base + tl.cumsum(bad_i, axis=0) - 1) % ring_capacity) * _VW
+        zero = tl.zeros_like(pos)
+        tl.store(ring + at + 0, reason_bits, mask=bad)
+        tl.store(ring + at + 1, slot, mask=bad)
+        tl.store(ring + at + 2, pos, mask=bad)
+        tl.store(ring + at + 3, zero + batch_index, mask=bad)
+        tl.store(ring + at + 4, zero + row, mask=bad)
+        tl.store(ring + at + 5, stored, mask=bad)
+        tl.store(ring + at + 6, expected, mask=bad)
+        tl.store(ring + at + 7, zero + forward_index, mask=bad)
+
+
+@triton.jit
 def verify_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens,
     k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
     counters, ring, ring_capacity, num_slots, programs_per_req, expected_tokens, et_stride,
-    C_VIOLATIONS: tl.constexpr, C_SLOTS_VERIFIED: tl.constexpr, C_VERIFY_LAUNCHES: tl.constexpr,
-    C_FORWARD_INDEX: tl.constexpr, C_REPORT_ENABLED: tl.constexpr,
-    R_POSITION: tl.constexpr, R_CHAIN: tl.constexpr, R_KV_HASH: tl.constexpr, R_SLOT: tl.constexpr,
-    R_TOKEN: tl.constexpr, CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr,
+    CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr,
     NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
@@ -99,64 +167,56 @@ def verify_kernel(
     row = tl.load(req_pool_indices + i).to(tl.int64)
     prefix = tl.load(seq_lens + i).to(tl.int64) - tl.load(new_lens + i).to(tl.int64)
     prefix = tl.maximum(prefix, 0)
-    report = tl.load(counters + C_REPORT_ENABLED)
-    forward_index = tl.load(counters + C_FORWARD_INDEX)
+    report = tl.load(counters + _C_REPORT_ENABLED)
+    forward_index = tl.load(counters + _C_FORWARD_INDEX)
     num_blocks = tl.cdiv(prefix, BLOCK)
     lanes = tl.arange(0, BLOCK)
     verified = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in range(j, num_blocks, programs_per_req):
         pos = b * BLOCK + lanes
         m = pos < prefix
-        slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
-        slot_ok = (slot > 0) & (slot < num_slots)
-        slot = tl.where(slot_ok, slot, 0)
-        has_pred = m & (pos > 0)
-        pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=has_pred, other=0).to(tl.int64)
-        pred = tl.where((pred > 0) & (pred < num_slots), pred, 0)
-        rec_token = tl.load(records + slot * _RW + 0, mask=m, other=0)
-        rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
-        rec_chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
-        rec_hash = tl.load(records + slot * _RW + 3, mask=m, other=0)
-        pred_chain = tl.load(records + pred * _RW + 2, mask=has_pred, other=0)
-        pred_chain = tl.where(pos > 0, pred_chain, _ANCHOR)
-        want_chain = pred_chain + _chain_term(rec_token, pos)
-        live_hash = _kv_hash(slot, m & slot_ok, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
-                             NUM_LAYERS, HAS_V, NW)
-        bad_slot = ~slot_ok
-        bad_pos = slot_ok & (rec_pos != pos)
-        bad_chain = slot_ok & (rec_chain != want_chain)
-        bad_hash = slot_ok & (live_hash != rec_hash)
-        if CHECK_TOKENS:
-            want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
-        else:
-            want_token = rec_token
-        bad_token = slot_ok & (rec_token != want_token)
-        reason = (tl.where(bad_slot, R_SLOT, 0) | tl.where(bad_pos, R_POSITION, 0)
-                  | tl.where(bad_chain, R_CHAIN, 0) | tl.where(bad_token, R_TOKEN, 0)
-                  | tl.where(bad_hash, R_KV_HASH, 0))
-        bad = m & (reason != 0) & (report != 0)
-        stored = tl.where(bad_slot, slot, tl.where(bad_pos, rec_pos, tl.where(
-            bad_chain, rec_chain, tl.where(bad_token, rec_token, rec_hash))))
-        expected = tl.where(bad_slot, 0, tl.where(bad_pos, pos, tl.where(
-            bad_chain, want_chain, tl.where(bad_token, want_token, live_hash))))
-        bad_i = bad.to(tl.int64)
-        n_bad = tl.sum(bad_i, axis=0)
-        if n_bad > 0:
-            base = tl.atomic_add(counters + C_VIOLATIONS, n_bad)
-            at = ((base + tl.cumsum(bad_i, axis=0) - 1) % ring_capacity) * _VW
-            tl.store(ring + at + 0, reason.to(tl.int64) | GROUP_BITS, mask=bad)
-            tl.store(ring + at + 1, tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64),
-                     mask=bad)
-            tl.store(ring + at + 2, pos, mask=bad)
-            tl.store(ring + at + 3, tl.zeros_like(pos) + i, mask=bad)
-            tl.store(ring + at + 4, tl.zeros_like(pos) + row, mask=bad)
-            tl.store(ring + at + 5, stored, mask=bad)
-            tl.store(ring + at + 6, expected, mask=bad)
-            tl.store(ring + at + 7, tl.zeros_like(pos) + forward_index, mask=bad)
+        raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
+        raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
+        want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
+        reason, stored, expected = _check_slots(
+            records, raw_slot, raw_pred, pos, want_token, m, num_slots,
+            k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, CHECK_TOKENS, NUM_LAYERS, HAS_V, NW)
+        bad = (reason != 0) & (report != 0)
+        _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
+                           i, row, stored, expected, forward_index)
         verified += m.to(tl.int64)
-    tl.atomic_add(counters + C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
+    tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
     if (i == 0) & (j == 0):
-        tl.atomic_add(counters + C_VERIFY_LAUNCHES, 1)
+        tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1)
+
+
+@triton.jit
+def sweep_kernel(
+    records, slots, preds, positions, tokens, num_entries,
+    k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
+    counters, ring, ring_capacity, num_slots,
+    GROUP_BITS: tl.constexpr, NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """SWEEP: verify a flat list of cached slots (slot, predecessor slot, position, token).
+
+    Ring rows get batch_index = row = -1 (held by the cache, not by a request).
+    """
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    m = idx < num_entries
+    raw_slot = tl.load(slots + idx, mask=m, other=0).to(tl.int64)
+    raw_pred = tl.load(preds + idx, mask=m, other=0).to(tl.int64)
+    pos = tl.load(positions + idx, mask=m, other=0).to(tl.int64)
+    want_token = tl.load(tokens + idx, mask=m, other=0).to(tl.int64)
+    reason, stored, expected = _check_slots(
+        records, raw_slot, raw_pred, pos, want_token, m, num_slots,
+        k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, True, NUM_LAYERS, HAS_V, NW)
+    report = tl.load(counters + _C_REPORT_ENABLED)
+    forward_index = tl.load(counters + _C_FORWARD_INDEX)
+    _append_violations(counters, ring, ring_capacity, (reason != 0) & (report != 0),
+                       reason.to(tl.int64) | GROUP_BITS, raw_slot, pos, -1, -1, stored, expected, forward_index)
+    tl.atomic_add(counters + _C_SLOTS_SWEPT, tl.sum(m.to(tl.int64), axis=0))
 
 
 @triton.jit
@@ -165,7 +225,6 @@ def write_kernel(
     input_ids, out_cache_loc,
     k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
     counters, num_slots, expected_tokens, et_stride,
-    C_SLOTS_WRITTEN: tl.constexpr, C_WRITE_LAUNCHES: tl.constexpr, C_FORWARD_INDEX: tl.constexpr,
     BUMP_FORWARD: tl.constexpr, STORE_TOKENS: tl.constexpr,
     NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -207,43 +266,47 @@ def write_kernel(
     if STORE_TOKENS:  # the request's own token at each new position, for HEAD's token check
         # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
         tl.store(expected_tokens + row * et_stride + pos, tok.to(tl.int32), mask=wm)
-    tl.atomic_add(counters + C_SLOTS_WRITTEN, tl.sum(wm.to(tl.int64), axis=0))
+    tl.atomic_add(counters + _C_SLOTS_WRITTEN, tl.sum(wm.to(tl.int64), axis=0))
     if (i == 0) & (b == 0):
-        tl.atomic_add(counters + C_WRITE_LAUNCHES, 1)
+        tl.atomic_add(counters + _C_WRITE_LAUNCHES, 1)
         if BUMP_FORWARD:
-            tl.atomic_add(counters + C_FORWARD_INDEX, 1)
+            tl.atomic_add(counters + _C_FORWARD_INDEX, 1)
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256,
                   group_index: int = 0, expected_tokens=None) -> None:
-    k, v, nl = _hash_args(group)
     tokens = req_to_token if expected_tokens is None else expected_tokens
     verify_kernel[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
-        *_interleave(k, v), k[0].stride(0), v[0].stride(0),
-        counters, ring, ring.shape[0], group.num_slots, programs_per_req, tokens, tokens.stride(0),
-        C_VIOLATIONS=fp.C_VIOLATIONS, C_SLOTS_VERIFIED=fp.C_SLOTS_VERIFIED,
-        C_VERIFY_LAUNCHES=fp.C_VERIFY_LAUNCHES, C_FORWARD_INDEX=fp.C_FORWARD_INDEX,
-        C_REPORT_ENABLED=fp.C_REPORT_ENABLED,
-        R_POSITION=fp.R_POSITION, R_CHAIN=fp.R_CHAIN, R_KV_HASH=fp.R_KV_HASH, R_SLOT=fp.R_SLOT,
-        R_TOKEN=fp.R_TOKEN, CHECK_TOKENS=expected_tokens is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT,
-        NUM_LAYERS=nl, HAS_V=group.has_v, NW=group.hash_words, BLOCK=block,
+        *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, programs_per_req,
+        tokens, tokens.stride(0),
+        CHECK_TOKENS=expected_tokens is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT,
+        **_hash_meta(group), BLOCK=block,
     )
 
 
 def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0,
                  expected_tokens=None) -> None:
     block = block or write_block(view.max_new_len)
-    k, v, nl = _hash_args(group)
     tokens = req_to_token if expected_tokens is None else expected_tokens
     write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.out_cache_loc,
-        *_interleave(k, v), k[0].stride(0), v[0].stride(0),
-        counters, group.num_slots, tokens, tokens.stride(0),
-        C_SLOTS_WRITTEN=fp.C_SLOTS_WRITTEN, C_WRITE_LAUNCHES=fp.C_WRITE_LAUNCHES,
-        C_FORWARD_INDEX=fp.C_FORWARD_INDEX, BUMP_FORWARD=bump_forward, STORE_TOKENS=expected_tokens is not None,
-        NUM_LAYERS=nl, HAS_V=group.has_v, NW=group.hash_words, BLOCK=block,
+        *_hash_args(group), counters, group.num_slots, tokens, tokens.stride(0),
+        BUMP_FORWARD=bump_forward, STORE_TOKENS=expected_tokens is not None,
+        **_hash_meta(group), BLOCK=block,
+    )
+
+
+def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: int = 256) -> None:
+    """entries: ``SweepEntries`` (flat int64 device tensors of equal length)."""
+    n = int(entries.slots.shape[0])
+    if n == 0:
+        return
+    sweep_kernel[(triton.cdiv(n, block),)](
+        group.records, entries.slots, entries.preds, entries.positions, entries.tokens, n,
+        *_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, **_hash_meta(group), BLOCK=block,
     )
 
 
@@ -253,14 +316,15 @@ def write_block(max_new_len: int) -> int:
 
 
 def _hash_args(group):
+    """k0, v0, ..., k3, v3, k_stride, v_stride (unused layers repeat the last; MLA passes K as V)."""
     k = list(group.k_views)
     v = list(group.v_views) if group.has_v else list(group.k_views)
-    return k, v, len(k)
-
-
-def _interleave(k, v):
     out = []
     for idx in range(4):
         src = min(idx, len(k) - 1)
         out += [k[src], v[src]]
-    return out
+    return out + [k[0].stride(0), v[0].stride(0)]
+
+
+def _hash_meta(group):
+    return dict(NUM_LAYERS=len(group.k_views), HAS_V=group.has_v, NW=group.hash_words)

@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""Microbenchmark of the kv-canary's HEAD-verify and TAIL-write kernels on decode-shaped forwards (no server).
+
+For each batch size x context length it builds what the runtime has after a
+prefill: a KV pool with the Llama-3-8B row shape (8 KV heads x 128 dims bf16;
+only the hashed layers are allocated, since the kernels read nothing else),
+fingerprint records written by the real TAIL kernel, and req_to_token rows
+whose slots are scattered over the pool as after churn (``--slot-layout``).
+It then times one decode forward's canary work, launched exactly as
+``SingleForwardManager`` does: ``launch_verify`` over every request's
+``ctx`` cached slots (programs per request from
+``LaunchCapacities.verify_programs_per_request``) and ``launch_write`` of one
+new token per request.
+
+Timing (CUDA): each kernel is captured into a CUDA graph (as in the server's
+decode graphs); every timed replay follows an L2 flush, between CUDA events
+("cold", like a forward whose model layers evicted L2). "hot" is the same work
+replayed back to back, several launches per graph. The graph floor (cold replay
+of a one-kernel graph) is printed: it is included in every cold number.
+Bandwidth counts bytes a verified slot needs (req_to_token entry + its
+predecessor entry, the 32-byte record, the predecessor's chain, hashed K/V
+bytes) against the device's nominal HBM bandwidth.
+
+    export PYTHONPATH=/tmp/site:$PWD/python
+    python scripts/bench_kernels.py --out bench_kernels.json
+    TRITON_INTERPRET=1 python scripts/bench_kernels.py --smoke      # CPU: proves it runs; timings meaningless
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+BATCH_SIZES = (1, 8, 32, 64, 128, 256)
+CONTEXTS = (512, 2048, 8192, 32768)
+SMOKE_BATCH_SIZES = (1, 3)
+SMOKE_CONTEXTS = (16, 300)  # 300: more than one verify block
+
+KV_HEADS = 8  # Llama-3-8B
+HEAD_DIM = 128
+KV_DTYPE_BYTES = 2  # bf16
+REQ_TO_TOKEN_ENTRY_BYTES = 4  # int32, as sglang's req_to_token
+CHAIN_BYTES = 8
+RECORD_BYTES = 32  # int64[RECORD_WIDTH]
+INT64_BYTES = 8
+
+DEFAULT_MAX_CONTEXT_LEN = 131072  # req_to_token width (sglang: the model's context length)
+DEFAULT_MEM_BUDGET_GIB = 24.0
+VERIFY_PROGRAMS_PER_SM = 2  # kv_canary.api.compute_capacities: target = 2 * SMs on CUDA
+CPU_VERIFY_PROGRAMS_TARGET = 1  # same function, CPU/interpreter
+RING_CAPACITY = 1024  # CanaryConfig default
+L2_FLUSH_MIN_BYTES = 256 << 20
+L2_FLUSH_FACTOR = 4  # flush buffer = max(256 MiB, 4 x L2)
+COPY_PROBE_BYTES = 1 << 30
+COPY_PROBE_REPS = 10
+GIB = 1 << 30
+
+# Nominal HBM bandwidth (GB/s) by device-name substring, most specific first.
+HBM_GBPS = (
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),  # SXM
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100-SXM4-40GB", 1555.0),
+    ("A100 80GB PCIe", 1935.0),
+)
+
+
+def nominal_hbm_gbps(name: str) -> Optional[float]:
+    for key, gbps in HBM_GBPS:
+        if key in name:
+            return gbps
+    return None
+
+
+@dataclass(frozen=True)
+class Case:
+    bs: int
+    ctx: int
+
+    @property
+    def slots_verified(self) -> int:
+        return self.bs * self.ctx
+
+    @property
+    def pool_slots(self) -> int:
+        return self.bs * (self.ctx + 1) + 1  # + the new token per request, + padding slot 0
+
+
+def case_bytes(case: Case, hashed_layers: int, r2t_width: int) -> int:
+    """Device bytes one case allocates (K/V of the hashed layers, records, req_to_token, setup tensors)."""
+    row = KV_HEADS * HEAD_DIM * KV_DTYPE_BYTES
+    pool = case.pool_slots * (2 * hashed_layers * row + RECORD_BYTES)
+    r2t = (case.bs + 1) * r2t_width * REQ_TO_TOKEN_ENTRY_BYTES
+    setup = case.slots_verified * 3 * INT64_BYTES  # prefill ids, slots, permutation
+    return pool + r2t + setup
+
+
+def verify_bytes_per_slot(hash_words: int, hashed_layers: int) -> int:
+    """Bytes HEAD verify needs per slot: 2 req_to_token entries, record, predecessor chain, hashed K and V."""
+    return 2 * REQ_TO_TOKEN_ENTRY_BYTES + RECORD_BYTES + CHAIN_BYTES + 2 * hashed_layers * hash_words * 4
+
+
+class Timer:
+    """CUDA: graphs + events with an L2 flush before each timed replay. CPU: eager calls, wall clock."""
+
+    def __init__(self, torch, device, iters: int, hot_launches: int, use_graphs: bool):
+        self.torch = torch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.iters = iters
+        self.hot_launches = hot_launches
+        self.use_graphs = use_graphs and self.cuda
+        self.flush_buf = None
+        if self.cuda:
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
+            nbytes = max(L2_FLUSH_MIN_BYTES, L2_FLUSH_FACTOR * l2)
+            self.flush_buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
+
+    def _capture(self, fn: Callable[[], None], launches: int):
+        torch = self.torch
+        fn()  # compile / warm up outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                fn()
+        torch.cuda.synchronize()
+        return graph.replay, graph
+
+    def cold_us(self, fn: Callable[[], None]) -> float:
+        """Median µs of one call after an L2 flush."""
+        torch = self.torch
+        if not self.cuda:
+            fn()
+            times = []
+            for _ in range(self.iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) * 1e6
+        run, keep = self._capture(fn, 1) if self.use_graphs else (fn, None)
+        if not self.use_graphs:
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
+        for i in range(self.iters):
+            self.flush_buf.zero_()
+            starts[i].record()
+            run()
+            ends[i].record()
+        torch.cuda.synchronize()
+        del keep
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+    def hot_us(self, fn: Callable[[], None]) -> Optional[float]:
+        """µs per call, ``hot_launches`` calls per graph replayed back to back (CUDA only)."""
+        if not self.cuda:
+            return None
+        torch = self.torch
+        run, keep = self._capture(fn, self.hot_launches) if self.use_graphs else (None, None)
+        if run is None:
+            def run():
+                for _ in range(self.hot_launches):
+                    fn()
+        run()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.iters):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        del keep
+        return start.elapsed_time(end) * 1e3 / (self.iters * self.hot_launches)
+
+
+class CaseRig:
+    """Pool, records, req_to_token and the two decode-forward launches of one case."""
+
+    def __init__(self, torch, device, case: Case, args, capacities_cls, view_cls):
+        from kv_canary import fingerprint as fp
+        from kv_canary.config import CanaryConfig
+        from kv_canary.kernels import VERIFY_BLOCK
+        from kv_canary.kernels import triton_kernels as tk
+        from kv_canary.pool_patcher import PoolLayout, build_group
+
+        self.torch, self.fp, self.tk, self.case = torch, fp, tk, case
+        bs, ctx = case.bs, case.ctx
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        n = case.pool_slots
+        layers = args.hash_layers
+
+        def kv_buffer():
+            buf = torch.empty((n, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device)
+            buf.view(torch.int16).random_(generator=gen)  # arbitrary bytes: only hashed, never used as numbers
+            return buf
+
+        k = [kv_buffer() for _ in range(layers)]
+        v = [kv_buffer() for _ in range(layers)]
+        config = CanaryConfig(kv_hash_bytes=args.hash_bytes, kv_hash_layers=tuple(range(layers)))
+        self.group = build_group(PoolLayout("full", k, v), config, device)
+
+        # Slots 1..n-1, one row of ctx + 1 per request (ctx cached tokens + the new one).
+        if args.slot_layout == "shuffled":
+            slots = torch.randperm(n - 1, generator=gen, device=device) + 1
+        else:
+            slots = torch.arange(1, n, device=device)
+        slots = slots.view(bs, ctx + 1)
+        width = max(args.max_context_len, ctx + 1)
+        self.r2t = torch.zeros((bs + 1, width), dtype=torch.int32, device=device)
+        rows = torch.arange(1, bs + 1, dtype=torch.int64, device=device)  # row 0 unused, as in sglang
+        self.r2t[1:, : ctx + 1] = slots.to(torch.int32)
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
+        self.counters[fp.C_REPORT_ENABLED] = 1
+        self.ring = torch.zeros((RING_CAPACITY, fp.RING_WIDTH), dtype=torch.int64, device=device)
+        target = (VERIFY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+                  if device.type == "cuda" else CPU_VERIFY_PROGRAMS_TARGET)
+        self.capacities = capacities_cls(max_batch_size=max(args.batch_sizes) + 1, max_context_len=width,
+                                         verify_programs_target=target)
+        self.block = VERIFY_BLOCK
+        self.programs = self.capacities.verify_programs_per_request(bs, VERIFY_BLOCK)
+
+        def ids(count):
+            return torch.randint(1, args.vocab, (count,), generator=gen, device=device, dtype=torch.int64)
+
+        # Prefill: the real TAIL kernel fingerprints positions [0, ctx) of every request.
+        prefill = view_cls(
+            input_ids=ids(bs * ctx),
+            out_cache_loc=slots[:, :ctx].reshape(-1).to(torch.int64).contiguous(),
+            req_pool_indices=rows,
+            seq_lens=torch.full((bs,), ctx, dtype=torch.int64, device=device),
+            new_starts=torch.arange(bs, dtype=torch.int64, device=device) * ctx,
+            new_lens=torch.full((bs,), ctx, dtype=torch.int64, device=device),
+            batch_size=bs,
+            max_new_len=ctx,
+        )
+        tk.launch_write(self.group, prefill, self.r2t, self.counters, True)
+        del prefill
+        # Decode: one new token per request at position ctx; HEAD verifies the ctx cached slots.
+        self.view = view_cls(
+            input_ids=ids(bs),
+            out_cache_loc=slots[:, ctx].to(torch.int64).contiguous(),
+            req_pool_indices=rows,
+            seq_lens=torch.full((bs,), ctx + 1, dtype=torch.int64, device=device),
+            new_starts=torch.arange(bs, dtype=torch.int64, device=device),
+            new_lens=torch.ones(bs, dtype=torch.int64, device=device),
+            batch_size=bs,
+            max_new_len=1,
+        )
+        self.check_clean(first=True)
+
+    def verify(self) -> None:
+        self.tk.launch_verify(self.group, self.view, self.r2t, self.counters, self.ring, self.programs, self.block,
+                              group_index=0)
+
+    def write(self) -> None:
+        self.tk.launch_write(self.group, self.view, self.r2t, self.counters, True)
+
+    def forward(self) -> None:
+        self.verify()
+        self.write()
+
+    def check_clean(self, first: bool = False) -> None:
+        """The timed path must be the clean one: every slot verified, no violation."""
+        fp = self.fp
+        before = int(self.counters[fp.C_SLOTS_VERIFIED])
+        self.verify()
+        verified = int(self.counters[fp.C_SLOTS_VERIFIED]) - before
+        violations = int(self.counters[fp.C_VIOLATIONS])
+        if violations or verified != self.case.slots_verified:
+            raise RuntimeError(
+                f"bs={self.case.bs} ctx={self.case.ctx}: verify saw {violations} violations and checked "
+                f"{verified} slots (expected 0 and {self.case.slots_verified}){' after setup' if first else ''}"
+            )
+
+
+def device_info(torch, device) -> dict:
+    if device.type != "cuda":
+        return {"device_name": "cpu (Triton interpreter)", "sms": None, "l2_bytes": None}
+    p = torch.cuda.get_device_properties(device)
+    return {"device_name": torch.cuda.get_device_name(device), "sms": p.multi_processor_count,
+            "l2_bytes": getattr(p, "L2_cache_size", None), "memory_gib": round(p.total_memory / GIB, 1)}
+
+
+def measured_copy_gbps(torch, device) -> Optional[float]:
+    """Device-to-device copy bandwidth (read + write bytes / time): the practical HBM ceiling."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(COPY_PROBE_BYTES // 4, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(COPY_PROBE_REPS):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / COPY_PROBE_REPS
+    del src, dst
+    torch.cuda.empty_cache()
+    return round(2 * COPY_PROBE_BYTES / seconds / 1e9, 1)
+
+
+def graph_floor_us(torch, timer: Timer) -> Optional[float]:
+    """Cold replay time of a graph holding one trivial kernel: the floor included in every cold number."""
+    if not timer.cuda:
+        return None
+    x = torch.zeros(1, device=timer.device)
+    return timer.cold_us(lambda: x.add_(1))
+
+
+def run_case(torch, device, case: Case, args, timer: Timer, bytes_per_slot: int, hbm: Optional[float],
+             capacities_cls, view_cls) -> dict:
+    rig = CaseRig(torch, device, case, args, capacities_cls, view_cls)
+    verify_us = timer.cold_us(rig.verify)
+    write_us = timer.cold_us(rig.write)
+    total_us = timer.cold_us(rig.forward)
+    total_hot_us = timer.hot_us(rig.forward)
+    rig.check_clean()
+    secs = verify_us / 1e6
+    gbps = bytes_per_slot * case.slots_verified / secs / 1e9 if secs > 0 else None
+    out = {
+        "bs": case.bs, "ctx": case.ctx, "slots_verified": case.slots_verified,
+        "verify_programs_per_request": rig.programs,
+        "verify_us": round(verify_us, 2), "write_us": round(write_us, 2), "total_us": round(total_us, 2),
+        "total_hot_us": None if total_hot_us is None else round(total_hot_us, 2),
+        "gslots_per_s": round(case.slots_verified / secs / 1e9, 3) if secs > 0 else None,
+        "verify_gbps": None if gbps is None else round(gbps, 1),
+        "verify_pct_of_hbm": None if gbps is None or not hbm else round(100 * gbps / hbm, 1),
+    }
+    del rig
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _cell(v, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def markdown_table(results: Sequence[dict]) -> str:
+    head = ["bs", "ctx", "slots verified", "verify µs", "write µs", "total µs", "total hot µs",
+            "Gslots/s", "verify GB/s", "% of HBM"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in results:
+        if r.get("skipped"):
+            lines.append(f"| {r['bs']} | {r['ctx']} | {r['bs'] * r['ctx']} | skipped: {r['skipped']} |"
+                         + " |" * (len(head) - 4))
+            continue
+        lines.append("| " + " | ".join([
+            str(r["bs"]), str(r["ctx"]), str(r["slots_verified"]),
+            _cell(r["verify_us"], ".1f"), _cell(r["write_us"], ".1f"), _cell(r["total_us"], ".1f"),
+            _cell(r["total_hot_us"], ".1f"), _cell(r["gslots_per_s"], ".2f"),
+            _cell(r["verify_gbps"], ".0f"), _cell(r["verify_pct_of_hbm"], ".1f"),
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU run under TRITON_INTERPRET=1 on a tiny grid (proves the script runs; timings meaningless)")
+    p.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help=f"comma-separated batch sizes (default {','.join(map(str, BATCH_SIZES))})")
+    p.add_argument("--contexts", type=_int_list, default=None,
+                   help=f"comma-separated cached tokens per request (default {','.join(map(str, CONTEXTS))})")
+    p.add_argument("--mem-budget-gib", type=float, default=DEFAULT_MEM_BUDGET_GIB,
+                   help=f"skip cases needing more device memory than this (default {DEFAULT_MEM_BUDGET_GIB:g})")
+    p.add_argument("--hash-bytes", type=int, default=16,
+                   help="bytes of K and of V hashed per slot and layer (SGLANG_KV_CANARY_KV_HASH_BYTES; default 16)")
+    p.add_argument("--hash-layers", type=int, default=1,
+                   help="number of hashed layers (SGLANG_KV_CANARY_KV_HASH_LAYERS count, 1..4; default 1)")
+    p.add_argument("--max-context-len", type=int, default=DEFAULT_MAX_CONTEXT_LEN,
+                   help=f"req_to_token width, which caps verify programs per request (default {DEFAULT_MAX_CONTEXT_LEN})")
+    p.add_argument("--slot-layout", choices=["shuffled", "contiguous"], default="shuffled",
+                   help="slots of a request scattered over the pool (after churn) or consecutive (default shuffled)")
+    p.add_argument("--iters", type=int, default=None, help="timed replays per measurement (default 100; smoke 3)")
+    p.add_argument("--hot-launches", type=int, default=20, help="launches per graph for the hot number (default 20)")
+    p.add_argument("--no-graphs", action="store_true", help="time eager launches instead of CUDA-graph replays")
+    p.add_argument("--vocab", type=int, default=128256, help="token ids are drawn from [1, vocab) (default 128256)")
+    p.add_argument("--hbm-gbps", type=float, default=None, help="nominal HBM GB/s (default: by device name)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_kernels.json", help="JSON results file (default bench_kernels.json)")
+    args = p.parse_args(argv)
+    args.batch_sizes = args.batch_sizes or list(SMOKE_BATCH_SIZES if args.smoke else BATCH_SIZES)
+    args.contexts = args.contexts or list(SMOKE_CONTEXTS if args.smoke else CONTEXTS)
+    args.iters = args.iters or (3 if args.smoke else 100)
+    if not 1 <= args.hash_layers <= 4:
+        p.error("--hash-layers must be in 1..4")
+    if args.hash_bytes < 4 or args.hash_bytes % 4:
+        p.error("--hash-bytes must be a positive multiple of 4")
+    if args.iters < 1 or args.hot_launches < 1:
+        p.error("--iters and --hot-launches must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.smoke:
+        # Must be set before triton.jit decorates the kernels (at import of kv_canary.kernels.triton_kernels).
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from kv_canary.kernels import triton_kernels  # noqa: F401  (imported here: after TRITON_INTERPRET is set)
+    from kv_canary.plan import ForwardView, LaunchCapacities
+
+    if args.smoke:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        device = torch.device("cuda")
+    else:
+        raise SystemExit("no CUDA device (or TRITON_INTERPRET=1 is set): run on a GPU, or pass --smoke on CPU")
+
+    info = device_info(torch, device)
+    hbm = args.hbm_gbps or nominal_hbm_gbps(info["device_name"])
+    timer = Timer(torch, device, args.iters, args.hot_launches, use_graphs=not args.no_graphs)
+    hash_words = args.hash_bytes // 4  # build_group caps this at the row size; Llama rows are 256 bytes
+    bytes_per_slot = verify_bytes_per_slot(hash_words, args.hash_layers)
+    floor = graph_floor_us(torch, timer)
+    copy_gbps = measured_copy_gbps(torch, device)
+    print(f"device: {info['device_name']}  nominal HBM: {_cell(hbm, '.0f')} GB/s  measured copy: "
+          f"{_cell(copy_gbps, '.0f')} GB/s  graph floor: {_cell(floor, '.1f')} µs  "
+          f"bytes per verified slot: {bytes_per_slot}", flush=True)
+    if args.smoke:
+        print("note: Triton interpreter on CPU: this proves the script runs; the timings are meaningless.", flush=True)
+
+    results = []
+    budget = args.mem_budget_gib * GIB
+    for ctx in args.contexts:
+        for bs in args.batch_sizes:
+            case = Case(bs, ctx)
+            need = case_bytes(case, args.hash_layers, max(args.max_context_len, ctx + 1))
+            if need > budget:
+                results.append({"bs": bs, "ctx": ctx, "skipped": f"needs {need / GIB:.1f} GiB > budget"})
+                print(f"bs={bs:<4} ctx={ctx:<6} skipped (needs {need / GIB:.1f} GiB)", flush=True)
+                continue
+            r = run_case(torch, device, case, args, timer, bytes_per_slot, hbm, LaunchCapacities, ForwardView)
+            results.append(r)
+            print(f"bs={bs:<4} ctx={ctx:<6} verify {r['verify_us']:9.1f} µs  write {r['write_us']:7.1f} µs  "
+                  f"total {r['total_us']:9.1f} µs  {_cell(r['verify_gbps'], '.0f')} GB/s", flush=True)
+
+    table = markdown_table(results)
+    report = {
+        "benchmark": "kv_canary kernel microbenchmark (decode-shaped forwards)",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "host": platform.node(),
+        "device": info,
+        "versions": {"torch": torch.__version__, "triton": _triton_version(), "python": platform.python_version()},
+        "smoke_interpreter": args.smoke,
+        "timing": ("CUDA graph replay after an L2 flush, CUDA events, median of iters (cold); hot = back-to-back "
+                   "launches in one graph" if device.type == "cuda" and not args.no_graphs else
+                   "eager launches" + (" after an L2 flush, CUDA events" if device.type == "cuda" else
+                                       ", wall clock (Triton interpreter: meaningless)")),
+        "graph_floor_us": floor,
+        "nominal_hbm_gbps": hbm,
+        "measured_copy_gbps": copy_gbps,
+        "verify_bytes_per_slot": bytes_per_slot,
+        "kv_row": {"heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+        "params": {k: v for k, v in vars(args).items() if k != "out"},
+        "results": results,
+        "table_markdown": table,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n## kv-canary kernels per decode forward ({info['device_name']}; hash {args.hash_bytes} B x "
+          f"{args.hash_layers} layer(s); {report['timing']})\n")
+    print(table)
+    print(f"\nverify GB/s counts {bytes_per_slot} B per verified slot; % of HBM is against "
+          f"{_cell(hbm, '.0f')} GB/s nominal. Cold numbers include the graph floor ({_cell(floor, '.1f')} µs).")
+    if args.smoke:
+        print("note: Triton interpreter on CPU: the timings above are meaningless.")
+    print(f"results: {Path(args.out).resolve()}")
+    return 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
