@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -49,7 +49,9 @@ SMOKE_CONTEXTS = (16, 300)  # 300: more than one verify block
 KV_HEADS = 8  # Llama-3-8B
 HEAD_DIM = 128
 KV_DTYPE_BYTES = 2  # bf16
+KV_ROW_BYTES = KV_HEADS * HEAD_DIM * KV_DTYPE_BYTES
 REQ_TO_TOKEN_ENTRY_BYTES = 4  # int32, as sglang's req_to_token
+EXPECTED_TOKEN_BYTES = 4  # int32 per position, same shape as req_to_token (token check)
 CHAIN_BYTES = 8
 RECORD_BYTES = 32  # int64[RECORD_WIDTH]
 INT64_BYTES = 8
@@ -58,7 +60,6 @@ DEFAULT_MAX_CONTEXT_LEN = 131072  # req_to_token width (sglang: the model's cont
 DEFAULT_MEM_BUDGET_GIB = 24.0
 VERIFY_PROGRAMS_PER_SM = 2  # kv_canary.api.compute_capacities: target = 2 * SMs on CUDA
 CPU_VERIFY_PROGRAMS_TARGET = 1  # same function, CPU/interpreter
-RING_CAPACITY = 1024  # CanaryConfig default
 L2_FLUSH_MIN_BYTES = 256 << 20
 L2_FLUSH_FACTOR = 4  # flush buffer = max(256 MiB, 4 x L2)
 COPY_PROBE_BYTES = 1 << 30
@@ -98,18 +99,19 @@ class Case:
         return self.bs * (self.ctx + 1) + 1  # + the new token per request, + padding slot 0
 
 
-def case_bytes(case: Case, hashed_layers: int, r2t_width: int) -> int:
-    """Device bytes one case allocates (K/V of the hashed layers, records, req_to_token, setup tensors)."""
-    row = KV_HEADS * HEAD_DIM * KV_DTYPE_BYTES
-    pool = case.pool_slots * (2 * hashed_layers * row + RECORD_BYTES)
-    r2t = (case.bs + 1) * r2t_width * REQ_TO_TOKEN_ENTRY_BYTES
+def case_bytes(case: Case, hashed_layers: int, r2t_width: int, verify_tokens: bool) -> int:
+    """Device bytes one case allocates (K/V of the hashed layers, records, req_to_token, tokens, setup tensors)."""
+    pool = case.pool_slots * (2 * hashed_layers * KV_ROW_BYTES + RECORD_BYTES)
+    r2t = (case.bs + 1) * r2t_width * REQ_TO_TOKEN_ENTRY_BYTES * (2 if verify_tokens else 1)
     setup = case.slots_verified * 3 * INT64_BYTES  # prefill ids, slots, permutation
     return pool + r2t + setup
 
 
-def verify_bytes_per_slot(hash_words: int, hashed_layers: int) -> int:
-    """Bytes HEAD verify needs per slot: 2 req_to_token entries, record, predecessor chain, hashed K and V."""
-    return 2 * REQ_TO_TOKEN_ENTRY_BYTES + RECORD_BYTES + CHAIN_BYTES + 2 * hashed_layers * hash_words * 4
+def verify_bytes_per_slot(hash_words: int, hashed_layers: int, verify_tokens: bool) -> int:
+    """Bytes HEAD verify needs per slot: 2 req_to_token entries, record, predecessor chain, hashed K and V,
+    and the request's expected token when the token check is on."""
+    tokens = EXPECTED_TOKEN_BYTES if verify_tokens else 0
+    return 2 * REQ_TO_TOKEN_ENTRY_BYTES + RECORD_BYTES + CHAIN_BYTES + 2 * hashed_layers * hash_words * 4 + tokens
 
 
 class Timer:
@@ -150,9 +152,11 @@ class Timer:
                 fn()
                 times.append(time.perf_counter() - t0)
             return statistics.median(times) * 1e6
-        run, keep = self._capture(fn, 1) if self.use_graphs else (fn, None)
-        if not self.use_graphs:
-            fn()
+        if self.use_graphs:
+            run, keep = self._capture(fn, 1)
+        else:
+            run, keep = fn, None
+            fn()  # compile / warm up
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         for i in range(self.iters):
@@ -169,12 +173,15 @@ class Timer:
         if not self.cuda:
             return None
         torch = self.torch
-        run, keep = self._capture(fn, self.hot_launches) if self.use_graphs else (None, None)
-        if run is None:
+        if self.use_graphs:
+            run, keep = self._capture(fn, self.hot_launches)
+        else:
+            keep = None
+
             def run():
                 for _ in range(self.hot_launches):
                     fn()
-        run()
+        run()  # warm up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(self.iters):
@@ -186,29 +193,35 @@ class Timer:
 
 
 class CaseRig:
-    """Pool, records, req_to_token and the two decode-forward launches of one case."""
+    """Pool, records, req_to_token and a ``SingleForwardManager`` for one case.
 
-    def __init__(self, torch, device, case: Case, args, capacities_cls, view_cls):
+    HEAD and TAIL go through ``SingleForwardManager.pre_ops/post_ops_maybe_inside_graph``,
+    so the launches (programs per request, token check, group loop) are exactly the runtime's.
+    """
+
+    def __init__(self, torch, device, case: Case, args, config):
         from kv_canary import fingerprint as fp
-        from kv_canary.config import CanaryConfig
-        from kv_canary.kernels import VERIFY_BLOCK
-        from kv_canary.kernels import triton_kernels as tk
+        from kv_canary.config import KernelBackend
+        from kv_canary.kernels import VERIFY_BLOCK, select_kernels
+        from kv_canary.plan import ForwardView, LaunchCapacities
         from kv_canary.pool_patcher import PoolLayout, build_group
+        from kv_canary.runner import SingleForwardManager
 
-        self.torch, self.fp, self.tk, self.case = torch, fp, tk, case
+        self.fp, self.case = fp, case
         bs, ctx = case.bs, case.ctx
         gen = torch.Generator(device=device).manual_seed(args.seed)
         n = case.pool_slots
-        layers = args.hash_layers
 
         def kv_buffer():
             buf = torch.empty((n, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device)
             buf.view(torch.int16).random_(generator=gen)  # arbitrary bytes: only hashed, never used as numbers
             return buf
 
-        k = [kv_buffer() for _ in range(layers)]
-        v = [kv_buffer() for _ in range(layers)]
-        config = CanaryConfig(kv_hash_bytes=args.hash_bytes, kv_hash_layers=tuple(range(layers)))
+        # Only hashed layers get a real buffer; the others are one-slot stand-ins the kernels never read.
+        stand_in = torch.zeros((1, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=device)
+        hashed = set(config.kv_hash_layers)
+        k = [kv_buffer() if i in hashed else stand_in for i in range(max(hashed) + 1)]
+        v = [kv_buffer() if i in hashed else stand_in for i in range(max(hashed) + 1)]
         self.group = build_group(PoolLayout("full", k, v), config, device)
 
         # Slots 1..n-1, one row of ctx + 1 per request (ctx cached tokens + the new one).
@@ -218,24 +231,29 @@ class CaseRig:
             slots = torch.arange(1, n, device=device)
         slots = slots.view(bs, ctx + 1)
         width = max(args.max_context_len, ctx + 1)
-        self.r2t = torch.zeros((bs + 1, width), dtype=torch.int32, device=device)
+        r2t = torch.zeros((bs + 1, width), dtype=torch.int32, device=device)
         rows = torch.arange(1, bs + 1, dtype=torch.int64, device=device)  # row 0 unused, as in sglang
-        self.r2t[1:, : ctx + 1] = slots.to(torch.int32)
+        r2t[1:, : ctx + 1] = slots.to(torch.int32)
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.counters[fp.C_REPORT_ENABLED] = 1
-        self.ring = torch.zeros((RING_CAPACITY, fp.RING_WIDTH), dtype=torch.int64, device=device)
+        ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
+        expected_tokens = torch.zeros(r2t.shape, dtype=torch.int32, device=device) if config.verify_tokens else None
         target = (VERIFY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else CPU_VERIFY_PROGRAMS_TARGET)
-        self.capacities = capacities_cls(max_batch_size=max(args.batch_sizes) + 1, max_context_len=width,
-                                         verify_programs_target=target)
-        self.block = VERIFY_BLOCK
-        self.programs = self.capacities.verify_programs_per_request(bs, VERIFY_BLOCK)
+        capacities = LaunchCapacities(max_batch_size=max(args.batch_sizes) + 1, max_context_len=width,
+                                      verify_programs_target=target)
+        self.programs = capacities.verify_programs_per_request(bs, VERIFY_BLOCK)
+        self.sfm = SingleForwardManager(
+            index=0, groups=[self.group], kernels=select_kernels(KernelBackend.TRITON, device), req_to_token=r2t,
+            counters=self.counters, ring=ring, capacities=capacities, on_tail=lambda: None,
+            expected_tokens=expected_tokens,
+        )
 
         def ids(count):
             return torch.randint(1, args.vocab, (count,), generator=gen, device=device, dtype=torch.int64)
 
-        # Prefill: the real TAIL kernel fingerprints positions [0, ctx) of every request.
-        prefill = view_cls(
+        # Prefill: the real TAIL fingerprints positions [0, ctx) of every request (and stores their tokens).
+        prefill = ForwardView(
             input_ids=ids(bs * ctx),
             out_cache_loc=slots[:, :ctx].reshape(-1).to(torch.int64).contiguous(),
             req_pool_indices=rows,
@@ -245,10 +263,10 @@ class CaseRig:
             batch_size=bs,
             max_new_len=ctx,
         )
-        tk.launch_write(self.group, prefill, self.r2t, self.counters, True)
+        self.sfm.post_ops_maybe_inside_graph(prefill)
         del prefill
         # Decode: one new token per request at position ctx; HEAD verifies the ctx cached slots.
-        self.view = view_cls(
+        self.view = ForwardView(
             input_ids=ids(bs),
             out_cache_loc=slots[:, ctx].to(torch.int64).contiguous(),
             req_pool_indices=rows,
@@ -261,11 +279,10 @@ class CaseRig:
         self.check_clean(first=True)
 
     def verify(self) -> None:
-        self.tk.launch_verify(self.group, self.view, self.r2t, self.counters, self.ring, self.programs, self.block,
-                              group_index=0)
+        self.sfm.pre_ops_maybe_inside_graph(self.view)
 
     def write(self) -> None:
-        self.tk.launch_write(self.group, self.view, self.r2t, self.counters, True)
+        self.sfm.post_ops_maybe_inside_graph(self.view)
 
     def forward(self) -> None:
         self.verify()
@@ -320,9 +337,9 @@ def graph_floor_us(torch, timer: Timer) -> Optional[float]:
     return timer.cold_us(lambda: x.add_(1))
 
 
-def run_case(torch, device, case: Case, args, timer: Timer, bytes_per_slot: int, hbm: Optional[float],
-             capacities_cls, view_cls) -> dict:
-    rig = CaseRig(torch, device, case, args, capacities_cls, view_cls)
+def run_case(torch, device, case: Case, args, config, timer: Timer, bytes_per_slot: int,
+             hbm: Optional[float]) -> dict:
+    rig = CaseRig(torch, device, case, args, config)
     verify_us = timer.cold_us(rig.verify)
     write_us = timer.cold_us(rig.write)
     total_us = timer.cold_us(rig.forward)
@@ -387,10 +404,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated cached tokens per request (default {','.join(map(str, CONTEXTS))})")
     p.add_argument("--mem-budget-gib", type=float, default=DEFAULT_MEM_BUDGET_GIB,
                    help=f"skip cases needing more device memory than this (default {DEFAULT_MEM_BUDGET_GIB:g})")
-    p.add_argument("--hash-bytes", type=int, default=16,
-                   help="bytes of K and of V hashed per slot and layer (SGLANG_KV_CANARY_KV_HASH_BYTES; default 16)")
-    p.add_argument("--hash-layers", type=int, default=1,
-                   help="number of hashed layers (SGLANG_KV_CANARY_KV_HASH_LAYERS count, 1..4; default 1)")
+    p.add_argument("--canary-env", action="append", default=[], metavar="SGLANG_KV_CANARY_X=V",
+                   help="canary setting as its env var, parsed by CanaryConfig.build (repeatable; default: the "
+                        "canary's defaults), e.g. SGLANG_KV_CANARY_KV_HASH_BYTES=64 or "
+                        "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=0")
     p.add_argument("--max-context-len", type=int, default=DEFAULT_MAX_CONTEXT_LEN,
                    help=f"req_to_token width, which caps verify programs per request (default {DEFAULT_MAX_CONTEXT_LEN})")
     p.add_argument("--slot-layout", choices=["shuffled", "contiguous"], default="shuffled",
@@ -406,10 +423,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or list(SMOKE_BATCH_SIZES if args.smoke else BATCH_SIZES)
     args.contexts = args.contexts or list(SMOKE_CONTEXTS if args.smoke else CONTEXTS)
     args.iters = args.iters or (3 if args.smoke else 100)
-    if not 1 <= args.hash_layers <= 4:
-        p.error("--hash-layers must be in 1..4")
-    if args.hash_bytes < 4 or args.hash_bytes % 4:
-        p.error("--hash-bytes must be a positive multiple of 4")
+    args.canary_environ = {}
+    for pair in args.canary_env:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.startswith("SGLANG_KV_CANARY_"):
+            p.error(f"--canary-env expects SGLANG_KV_CANARY_NAME=VALUE, got {pair!r}")
+        args.canary_environ[key] = value
     if args.iters < 1 or args.hot_launches < 1:
         p.error("--iters and --hot-launches must be >= 1")
     return args
@@ -422,8 +441,12 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from kv_canary.kernels import triton_kernels  # noqa: F401  (imported here: after TRITON_INTERPRET is set)
-    from kv_canary.plan import ForwardView, LaunchCapacities
+    from kv_canary.config import CanaryConfig, CanaryConfigError
+
+    try:  # the same parser and defaults as the server's SGLANG_KV_CANARY_* env vars
+        config = CanaryConfig.build(mode="log", environ=args.canary_environ)
+    except CanaryConfigError as exc:
+        raise SystemExit(f"--canary-env: {exc}") from None
 
     if args.smoke:
         device = torch.device("cpu")
@@ -435,13 +458,16 @@ def main(argv=None) -> int:
     info = device_info(torch, device)
     hbm = args.hbm_gbps or nominal_hbm_gbps(info["device_name"])
     timer = Timer(torch, device, args.iters, args.hot_launches, use_graphs=not args.no_graphs)
-    hash_words = args.hash_bytes // 4  # build_group caps this at the row size; Llama rows are 256 bytes
-    bytes_per_slot = verify_bytes_per_slot(hash_words, args.hash_layers)
+    layers = len(config.kv_hash_layers)
+    hash_words = min(config.kv_hash_bytes, KV_ROW_BYTES) // 4  # build_group caps it at the row size
+    bytes_per_slot = verify_bytes_per_slot(hash_words, layers, config.verify_tokens)
+    setup = (f"kv_hash_bytes={config.kv_hash_bytes} kv_hash_layers={','.join(map(str, config.kv_hash_layers))} "
+             f"verify_tokens={int(config.verify_tokens)} slots={args.slot_layout}")
     floor = graph_floor_us(torch, timer)
     copy_gbps = measured_copy_gbps(torch, device)
     print(f"device: {info['device_name']}  nominal HBM: {_cell(hbm, '.0f')} GB/s  measured copy: "
           f"{_cell(copy_gbps, '.0f')} GB/s  graph floor: {_cell(floor, '.1f')} µs  "
-          f"bytes per verified slot: {bytes_per_slot}", flush=True)
+          f"bytes per verified slot: {bytes_per_slot}\ncanary: {setup}", flush=True)
     if args.smoke:
         print("note: Triton interpreter on CPU: this proves the script runs; the timings are meaningless.", flush=True)
 
@@ -450,12 +476,13 @@ def main(argv=None) -> int:
     for ctx in args.contexts:
         for bs in args.batch_sizes:
             case = Case(bs, ctx)
-            need = case_bytes(case, args.hash_layers, max(args.max_context_len, ctx + 1))
+            need = case_bytes(case, layers, max(args.max_context_len, ctx + 1), config.verify_tokens)
             if need > budget:
-                results.append({"bs": bs, "ctx": ctx, "skipped": f"needs {need / GIB:.1f} GiB > budget"})
-                print(f"bs={bs:<4} ctx={ctx:<6} skipped (needs {need / GIB:.1f} GiB)", flush=True)
+                reason = f"needs {need / GIB:.2f} GiB > {args.mem_budget_gib:g} GiB budget"
+                results.append({"bs": bs, "ctx": ctx, "skipped": reason})
+                print(f"bs={bs:<4} ctx={ctx:<6} skipped ({reason})", flush=True)
                 continue
-            r = run_case(torch, device, case, args, timer, bytes_per_slot, hbm, LaunchCapacities, ForwardView)
+            r = run_case(torch, device, case, args, config, timer, bytes_per_slot, hbm)
             results.append(r)
             print(f"bs={bs:<4} ctx={ctx:<6} verify {r['verify_us']:9.1f} µs  write {r['write_us']:7.1f} µs  "
                   f"total {r['total_us']:9.1f} µs  {_cell(r['verify_gbps'], '.0f')} GB/s", flush=True)
@@ -477,14 +504,15 @@ def main(argv=None) -> int:
         "nominal_hbm_gbps": hbm,
         "measured_copy_gbps": copy_gbps,
         "verify_bytes_per_slot": bytes_per_slot,
+        "canary_config": {"kv_hash_bytes": config.kv_hash_bytes, "kv_hash_layers": list(config.kv_hash_layers),
+                          "verify_tokens": config.verify_tokens, "ring_capacity": config.ring_capacity},
         "kv_row": {"heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-        "params": {k: v for k, v in vars(args).items() if k != "out"},
+        "params": {k: v for k, v in vars(args).items() if k not in ("out", "canary_env")},
         "results": results,
         "table_markdown": table,
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\n## kv-canary kernels per decode forward ({info['device_name']}; hash {args.hash_bytes} B x "
-          f"{args.hash_layers} layer(s); {report['timing']})\n")
+    print(f"\n## kv-canary kernels per decode forward ({info['device_name']}; {setup}; {report['timing']})\n")
     print(table)
     print(f"\nverify GB/s counts {bytes_per_slot} B per verified slot; % of HBM is against "
           f"{_cell(hbm, '.0f')} GB/s nominal. Cold numbers include the graph floor ({_cell(floor, '.1f')} µs).")
