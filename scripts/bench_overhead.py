@@ -6,16 +6,18 @@ One run starts a real sglang server once per entry of ``--configs`` (default
 ``SGLANG_KV_CANARY_*`` settings, ``none`` again to show run-to-run noise) and,
 on each, times every row: one ``/generate`` request carrying a batch of
 ``input_ids`` (exact concurrency), ``ignore_eos``, temperature 0, fixed
-``max_new_tokens``. Every repetition uses fresh random prompts, whose first
-token is unique per request of the server's life, so there are no radix-cache
-hits (the cached tokens reported by sglang are recorded as proof). One untimed
-warmup repetition per row precedes ``--reps`` timed ones.
+``max_new_tokens``. Every repetition uses fresh random prompts whose first two
+tokens encode a per-server request counter (with the 8B vocabulary the first
+token alone is unique), so there are no radix-cache hits (the cached tokens
+reported by sglang are recorded as proof). One untimed warmup repetition per
+row precedes ``--reps`` timed ones.
 
 GPU (default): sglang's own ``LlamaForCausalLM`` with the Llama-3-8B shape and
-dummy weights (a model folder holding only config.json), no tokenizer
-(``--skip-tokenizer-init``). CPU (``--device cpu``): the bundled tiny model,
-sizes scaled down by ``--scale``; the canary's Triton kernels run under
-``TRITON_INTERPRET=1``. CPU timings only prove the script works.
+dummy weights (a model folder holding only config.json and
+generation_config.json), no tokenizer (``--skip-tokenizer-init``). CPU
+(``--device cpu``): the bundled tiny model, sizes scaled down by ``--scale``;
+the canary's Triton kernels run under ``TRITON_INTERPRET=1``. CPU timings only
+prove the script works.
 
 Reported per row: the median wall time per config, the overhead of each "on"
 config against the first "off" one, and the spread of later "off" configs
@@ -128,6 +130,7 @@ GPU_MAX_PREFILL_TOKENS = 16384
 GPU_MEM_FRACTION_STATIC = 0.8
 GPU_MAX_TOTAL_TOKENS = 131072  # 16 GiB of Llama-3-8B KV: fits H100 and H200 next to 16 GB of weights
 CPU_MAX_TOTAL_TOKENS = 4096
+CPU_MIN_CHUNKED_PREFILL = 256
 CPU_DEFAULT_SCALE = 1 / 64  # CPU smoke: the Triton interpreter verifies slowly
 KV_HEADROOM = 1.25  # pool size over the largest row's tokens
 KV_ROUND = 1024
@@ -136,6 +139,8 @@ GPU_STARTUP_TIMEOUT_S = 600.0
 CPU_STARTUP_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 900.0
 SETTLE_TIMEOUT_S = 30.0  # wait for the canary's idle "settled=1" stats line
+SETTLE_QUIET_S = 2.0
+SETTLE_POLL_S = 0.25
 STOP_GRACE_S = 10.0
 
 CUDA_GRAPH_LINE = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: (True|False)")
@@ -175,7 +180,7 @@ def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
             "env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""},
             "startup_timeout": GPU_STARTUP_TIMEOUT_S,
         }
-    chunk = max(KV_ROUND // 4, round(GPU_CHUNKED_PREFILL * scale))
+    chunk = max(CPU_MIN_CHUNKED_PREFILL, round(GPU_CHUNKED_PREFILL * scale))
     return {
         "model_path": write_model_dir(),
         "token_range": (FIRST_WORD_ID, FIRST_WORD_ID + NUM_WORDS),
@@ -257,13 +262,21 @@ def log_facts(text: str) -> dict:
 
 
 def wait_settled(server: SglangServer, timeout: float) -> None:
-    """Give the canary's idle drain time to log its final ``settled=1`` stats line."""
+    """Wait for the canary's final ``settled=1`` stats line (written by its idle drain after the last request).
+
+    An earlier idle gap also logs one, so the last stats line must be settled and unchanged for
+    ``SETTLE_QUIET_S`` (the server is idle now: a newer line would come within milliseconds).
+    """
     deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
     while time.monotonic() < deadline and server.is_running():
         stats = parse_lines(server.log_text(), STATS_PREFIX)
-        if stats and stats[-1].get("settled") == "1":
+        line = stats[-1] if stats else None
+        if line != last:
+            last, since = line, time.monotonic()
+        elif line is not None and line.get("settled") == "1" and time.monotonic() - since >= SETTLE_QUIET_S:
             return
-        time.sleep(0.5)
+        time.sleep(SETTLE_POLL_S)
 
 
 def run_config(label: str, mode: str, plan: dict, args, rows: Sequence[Row], log_dir: Path,
