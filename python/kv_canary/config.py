@@ -114,6 +114,17 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                               "violation lines logged per host read; the rest are counted (default 64)"),
     "PERTURB_REAL_KV_USED_PROB": ("perturb_real_kv_used_prob", _parse_prob,
                                   "per-forward probability of flipping a K/V byte of a slot the forward reads"),
+    "PERTURB_REQ_TO_TOKEN_PROB": ("perturb_req_to_token_prob", _parse_prob,
+                                  "per-forward probability of pointing one read req_to_token entry at another "
+                                  "slot of the same request for that forward"),
+    "PERTURB_REAL_KV_UNUSED_CACHE_PROB": ("perturb_real_kv_unused_cache_prob", _parse_prob,
+                                          "per-forward probability of flipping a K/V byte of a slot only the radix "
+                                          "cache holds (needs --kv-canary-sweep-interval > 0)"),
+    "PERTURB_REAL_KV_POST_FORWARD_PROB": ("perturb_real_kv_post_forward_prob", _parse_prob,
+                                          "per-forward probability of flipping a K/V byte of a slot the forward "
+                                          "just wrote, after its TAIL write"),
+    "PERTURB_TARGET_GROUP": ("perturb_target_group", lambda name, raw: raw.strip(),
+                             "buffer group the K/V perturbations hit (default: the first, 'full')"),
     "PERTURB_WARMUP_STEPS": ("perturb_warmup_steps", _parse_int(0),
                              "forwards before any perturbation (default 50)"),
     "PERTURB_SEED": ("perturb_seed", _parse_int(0), "seed of the perturbation RNG (default 0)"),
@@ -135,6 +146,10 @@ class CanaryConfig:
     stats_print_every_n_steps: int = 100
     max_logged_violations: int = 64
     perturb_real_kv_used_prob: float = 0.0
+    perturb_req_to_token_prob: float = 0.0
+    perturb_real_kv_unused_cache_prob: float = 0.0
+    perturb_real_kv_post_forward_prob: float = 0.0
+    perturb_target_group: str = ""
     perturb_warmup_steps: int = 50
     perturb_seed: int = 0
     env_overrides: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
@@ -145,7 +160,8 @@ class CanaryConfig:
 
     @property
     def any_perturbation(self) -> bool:
-        return self.perturb_real_kv_used_prob > 0.0
+        return any(p > 0.0 for p in (self.perturb_real_kv_used_prob, self.perturb_req_to_token_prob,
+                                     self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob))
 
     @classmethod
     def build(
@@ -191,6 +207,11 @@ class CanaryConfig:
                 "SGLANG_KV_CANARY_PERTURB_* is set but the canary is off: "
                 f"add {FLAG_MODE} log or {FLAG_MODE} raise"
             )
+        if config.perturb_real_kv_unused_cache_prob > 0 and config.sweep_interval == 0:
+            raise CanaryConfigError(
+                "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB corrupts slots only the radix cache holds, "
+                f"which only the sweep can check: add {FLAG_SWEEP_INTERVAL} N (N > 0)"
+            )
         return config
 
     def describe(self) -> str:
@@ -200,5 +221,8 @@ class CanaryConfig:
             f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
             f"kernel_backend={self.kernel_backend.value} verify_tokens={int(self.verify_tokens)} "
-            f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob}"
+            f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob} "
+            f"perturb_req_to_token_prob={self.perturb_req_to_token_prob} "
+            f"perturb_real_kv_unused_cache_prob={self.perturb_real_kv_unused_cache_prob} "
+            f"perturb_real_kv_post_forward_prob={self.perturb_real_kv_post_forward_prob}"
         )

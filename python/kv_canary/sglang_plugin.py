@@ -12,6 +12,7 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``ForwardBatch.init_new``: keep the batch's Req objects (cached-prefix tokens for the token check);
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;
+* ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic.
 
@@ -66,6 +67,7 @@ def register() -> None:
         ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
          _around_capture_one_batch_size, HookType.AROUND),
         ("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_scheduler_on_idle, HookType.AFTER),
+        ("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init, HookType.AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init_new,
          HookType.AFTER),
     ]
@@ -90,11 +92,20 @@ def _after_add_cli_args(_result, parser) -> None:
         "the server with a report, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
         "on GPU. Tuned by SGLANG_KV_CANARY_* env vars (see the sglang-kv-canary README).",
     )
+    group.add_argument(
+        "--kv-canary-sweep-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Every N forwards, also verify every slot held by the radix cache, including cached prefixes "
+        "no running request uses (0 = off, the default). Needs --kv-canary log or raise.",
+    )
 
 
 def _around_from_cli_args(original, cls, args):
     server_args = original(cls, args)
     server_args.kv_canary = getattr(args, "kv_canary", "none")
+    server_args.kv_canary_sweep_interval = getattr(args, "kv_canary_sweep_interval", 0)
     from .api import config_from_server_args
 
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
@@ -146,10 +157,32 @@ def _around_forward(original, model_runner, forward_batch, *args, **kwargs):
 # ---------------------------------------------------------------- scheduler
 
 
+def _scheduler_canary(scheduler):
+    worker = getattr(scheduler, "tp_worker", None)
+    return _canary_of(getattr(worker, "model_runner", None)) if worker is not None else None
+
+
+def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
+    """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
+    manager = _scheduler_canary(scheduler)
+    if manager is None:
+        return
+    from .adapter.radix import RadixCacheView
+    from .config import FLAG_SWEEP_INTERVAL, CanaryConfigError
+
+    tree = getattr(scheduler, "tree_cache", None)
+    if RadixCacheView.supports(tree):
+        manager.attach_prefix_cache(RadixCacheView(tree))
+    elif manager.config.sweep_interval > 0:
+        raise CanaryConfigError(
+            f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
+            f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
+        )
+
+
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
     """Idle: read every counter copy still in flight, so the last forwards' violations surface now."""
-    worker = getattr(scheduler, "tp_worker", None)
-    manager = _canary_of(getattr(worker, "model_runner", None)) if worker is not None else None
+    manager = _scheduler_canary(scheduler)
     if manager is not None and manager.init_finished:
         manager.poll(drain=True)
 

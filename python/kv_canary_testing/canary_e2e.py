@@ -44,6 +44,7 @@ def canary_server(
     extra_args: Sequence[str] = (),
     device: Optional[str] = None,
     stats_every: int = 20,
+    max_total_tokens: Optional[int] = None,
 ) -> SglangServer:
     device = device or e2e_device()
     full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
@@ -52,7 +53,7 @@ def canary_server(
     full_env.update(env or {})
     args = ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
     return SglangServer(args, env=full_env, log_path=log_path, device=device,
-                        max_total_tokens=MAX_TOTAL_TOKENS[device])
+                        max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device])
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,10 @@ class SglangBatchAdapter:
         """Real (unpadded) new tokens of the batch: the slots its TAIL must write per group."""
         return 0 if fb.forward_mode.is_idle() else int(fb.input_ids.shape[0])
 
+    def written_slots(self, fb) -> Sequence[int]:
+        """Host copy of out_cache_loc (syncs; perturbation only)."""
+        return [] if fb.forward_mode.is_idle() else [int(x) for x in fb.out_cache_loc.tolist()]
+
     def rids(self, fb) -> Optional[Sequence[str]]:
         return getattr(fb, "rids", None)
 

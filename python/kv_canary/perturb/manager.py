@@ -1,8 +1,18 @@
-"""``PerturbManager``: runs the enabled perturbation modes in the outside-graph pre-ops.
+"""``PerturbManager``: deliberate KV corruption that proves the canary detects each class.
 
-Each injection is logged as one parseable ``kv_canary_perturb=`` line carrying
-the mode, group, slot, request, position and forward index, so tests can match
-it to the violation the canary must report.
+Modes (env-var probabilities per forward, after a warmup gate):
+
+* ``req_to_token`` (pre-forward): one read entry of a running request points at
+  another slot of the same request for the duration of this forward, then is
+  restored (a transient mapping bug; restoring keeps sglang's allocator sound).
+* ``real_kv_used`` (pre-forward): flip a hashed byte of a slot this forward reads.
+* ``real_kv_unused_cache`` (pre-forward): flip a hashed byte of a slot only the
+  radix cache holds; only the sweep (or a later prefix hit) reads it.
+* ``real_kv_post_forward`` (post-forward): flip a hashed byte of a slot this
+  forward just wrote, stream-ordered after its TAIL write; the next read catches it.
+
+Every injection is one parseable ``kv_canary_perturb=<mode>`` line with the
+group, slot, request, position and forward index.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from ..config import CanaryConfig
+from ..config import CanaryConfig, CanaryConfigError
 from ..plan import HostBatch
 from ..pool_patcher import CanaryBufferGroup
 from ..violations import PERTURB_PREFIX, format_line
@@ -36,45 +46,109 @@ class WarmupGate:
 class PerturbManager:
     def __init__(self, *, config: CanaryConfig, groups: Sequence[CanaryBufferGroup], req_to_token: torch.Tensor):
         self._config = config
-        self._groups = list(groups)
         self._req_to_token = req_to_token
         self._rng = random.Random(config.perturb_seed)
         self._gate = WarmupGate(config.perturb_warmup_steps)
+        self._group = self._target_group(groups, config.perturb_target_group)
+        self._prefix_cache = None  # RadixCacheView, attached by the adapter
+        self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
+
+    @staticmethod
+    def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
+        if not name:
+            return groups[0]
+        for g in groups:
+            if g.name == name:
+                return g
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP={name!r}: this pool has groups "
+            f"{', '.join(g.name for g in groups)}"
+        )
 
     @property
     def active(self) -> bool:
         return self._config.any_perturbation
 
+    def attach_prefix_cache(self, prefix_cache) -> None:
+        self._prefix_cache = prefix_cache
+
+    def _draw(self, prob: float) -> bool:
+        return prob > 0 and self._rng.random() < prob
+
+    # ------------------------------------------------------------------ pre-forward
+
     def perturb_pre_forward(self, *, forward_index: int, host_batch: Callable[[], Optional[HostBatch]]) -> None:
-        """Run the pre-forward modes for the forward about to run as ``forward_index``."""
+        """The pre-forward modes, for the forward about to run as ``forward_index``."""
         if not self._gate.is_open(forward_index):
             return
-        if self._config.perturb_real_kv_used_prob > 0 and self._rng.random() < self._config.perturb_real_kv_used_prob:
-            batch = host_batch()
+        c = self._config
+        batch: Optional[HostBatch] = None
+        if self._draw(c.perturb_req_to_token_prob):
+            batch = batch or host_batch()
+            if batch is not None:
+                self._req_to_token_mode(batch, forward_index)
+        if self._draw(c.perturb_real_kv_used_prob):
+            batch = batch or host_batch()
             if batch is not None:
                 self._real_kv_used(batch, forward_index)
+        if self._draw(c.perturb_real_kv_unused_cache_prob) and self._prefix_cache is not None:
+            self._real_kv_unused_cache(forward_index)
+
+    def _req_to_token_mode(self, batch: HostBatch, forward_index: int) -> None:
+        entry = pick_read_slot(batch, self._req_to_token, self._rng)
+        if entry is None:
+            return
+        read = batch.read_positions(entry.batch_index)
+        if entry.position == len(read) - 1:
+            # The last read slot is also the predecessor this forward's TAIL links new tokens to;
+            # corrupting it would leave a wrong chain behind after the restore. Skip this draw.
+            return
+        others = [q for q in read if q != entry.position]
+        q = self._rng.choice(others)
+        row, pos = entry.row, entry.position
+        new_slot = int(self._req_to_token[row, q].item())
+        self._req_to_token[row, pos] = new_slot
+        original = entry.slot
+        self._restore.append(lambda: self._req_to_token.__setitem__((row, pos), original))
+        self._log("req_to_token", slot=new_slot, rid=entry.rid, position=pos, forward=forward_index,
+                  row=row, original_slot=original, from_position=q)
 
     def _real_kv_used(self, batch: HostBatch, forward_index: int) -> None:
         entry = pick_read_slot(batch, self._req_to_token, self._rng)
         if entry is None:
             return
-        group = self._groups[0]
-        flip = flip_hashed_byte(group, entry.slot, self._rng)
-        line = format_line(
-            PERTURB_PREFIX,
-            "real_kv_used",
-            {
-                "group": group.name,
-                "slot": entry.slot,
-                "rid": entry.rid,
-                "position": entry.position,
-                "forward": forward_index,
-                "half": flip.half,
-                "layer": flip.layer,
-                "byte": flip.byte,
-            },
-        )
+        flip = flip_hashed_byte(self._group, entry.slot, self._rng)
+        self._log("real_kv_used", slot=entry.slot, rid=entry.rid, position=entry.position, forward=forward_index,
+                  half=flip.half, layer=flip.layer, byte=flip.byte)
+
+    def _real_kv_unused_cache(self, forward_index: int) -> None:
+        picked = self._prefix_cache.pick_unused_slot(self._rng)
+        if picked is None:
+            return
+        slot, position = picked
+        flip = flip_hashed_byte(self._group, slot, self._rng)
+        self._log("real_kv_unused_cache", slot=slot, rid="cache", position=position, forward=forward_index,
+                  half=flip.half, layer=flip.layer, byte=flip.byte)
+
+    # ------------------------------------------------------------------ post-forward
+
+    def perturb_post_forward(self, *, forward_index: int, written: Callable[[], Sequence[int]]) -> None:
+        """Undo transient pre-forward corruption; run the post-forward mode for forward ``forward_index``."""
+        while self._restore:
+            self._restore.pop()()
+        if not self._gate.is_open(forward_index) or not self._draw(self._config.perturb_real_kv_post_forward_prob):
+            return
+        slots = [s for s in written() if s > 0]
+        if not slots:
+            return
+        slot = self._rng.choice(slots)
+        flip = flip_hashed_byte(self._group, slot, self._rng)
+        self._log("real_kv_post_forward", slot=slot, rid="?", position=-1, forward=forward_index,
+                  half=flip.half, layer=flip.layer, byte=flip.byte)
+
+    def _log(self, mode: str, **fields) -> None:
+        line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})
         logger.warning(line)
         self.injections.append(line)
         del self.injections[:-1000]

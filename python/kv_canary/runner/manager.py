@@ -59,6 +59,8 @@ class BatchAdapter(Protocol):
 
     def num_tokens(self, forward_batch: object) -> int: ...
 
+    def written_slots(self, forward_batch: object) -> Sequence[int]: ...
+
     def extend_requests(self, forward_batch: object) -> Sequence[Tuple[int, str, int, Callable[[], Sequence[int]]]]:
         """(row, rid, prefix_len, prefix_tokens()) of each request an extend batch admits/continues."""
         ...
@@ -125,6 +127,9 @@ class CanaryManager:
         self._expected_written_at: Dict[int, int] = {}
         self._health_drift: Dict[str, int] = {}
         self.health_violations = 0
+        self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
+        self._swept_at = 0
+        self.sweeps = 0
 
     # ------------------------------------------------------------------ engine wiring
 
@@ -191,6 +196,8 @@ class CanaryManager:
         self._expected_written_at.clear()
         self._health_drift.clear()
         self.health_violations = 0
+        self._swept_at = 0
+        self.sweeps = 0
         self.init_finished = True
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
                     ",".join(g.name for g in self.groups), self.kernels.name)
@@ -254,9 +261,17 @@ class CanaryManager:
                 tokens = torch.tensor(prefix_tokens(), dtype=torch.int32)
                 self.expected_tokens[row, :prefix_len].copy_(tokens, non_blocking=False)
 
+    def attach_prefix_cache(self, prefix_cache) -> None:
+        """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
+        self._prefix_cache = prefix_cache
+        self.perturb.attach_prefix_cache(prefix_cache)
+
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
             return
+        if self.perturb.active:
+            self.perturb.perturb_post_forward(forward_index=self.forwards,
+                                              written=lambda: self._adapter.written_slots(fb))
         self.outer_steps += 1
         replayed = self._eager_tails == 0
         if replayed:  # a CUDA-graph replay: the TAIL ran inside the graph
@@ -274,8 +289,26 @@ class CanaryManager:
         while len(self._forward_info) > RID_HISTORY:
             self._forward_info.popitem(last=False)
         self._expected_written_at[self.forwards] = self._expected_written
+        if self._sweep_due():
+            self.sweep()
         self._d2h.snapshot(self.forwards)
         self.poll()
+
+    def _sweep_due(self) -> bool:
+        every = self.config.sweep_interval
+        return bool(every) and self._prefix_cache is not None and self.forwards // every > self._swept_at // every
+
+    def sweep(self) -> None:
+        """Verify every slot the prefix cache holds (eager, outside any graph).
+
+        Bound: one launch per group over at most the pool's slot count (the cache
+        holds distinct slots); host work is one walk of the resident tree nodes.
+        """
+        entries = self._prefix_cache.sweep_entries(self.counters.device)
+        for group_index, group in enumerate(self.groups):
+            self.kernels.sweep(group, entries, self.counters, self.ring, group_index=group_index)
+        self._swept_at = self.forwards
+        self.sweeps += 1
 
     def poll(self, *, drain: bool = False) -> None:
         """Handle every counter copy that has landed; log or raise on new violations."""
@@ -349,7 +382,9 @@ class CanaryManager:
     def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
         """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
         rids, replayed = self._forward_info.get(forward, ((), None))
-        rid = str(rids[batch_index]) if 0 <= batch_index < len(rids) else "?"
+        if batch_index < 0:
+            return "cache", None  # a sweep row: the slot is held by the prefix cache
+        rid = str(rids[batch_index]) if batch_index < len(rids) else "?"
         return rid, replayed
 
     def _report(self, violations: List[Violation], lost: int) -> None:
@@ -378,6 +413,8 @@ class CanaryManager:
                 "slots_verified": values[fp.C_SLOTS_VERIFIED],
                 "verify_launches": values[fp.C_VERIFY_LAUNCHES],
                 "write_launches": values[fp.C_WRITE_LAUNCHES],
+                "sweeps": self.sweeps,
+                "slots_swept": values[fp.C_SLOTS_SWEPT],
                 "violations": values[fp.C_VIOLATIONS],
                 "health_violations": self.health_violations,
                 "perturbations": len(self.perturb.injections),

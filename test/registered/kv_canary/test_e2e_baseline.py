@@ -16,11 +16,13 @@ register_cpu_ci(est_time=240, suite="kv-canary-cpu")
 register_cuda_ci(est_time=240, suite="kv-canary-cuda")
 
 N_REQUESTS = 200
+SWEEP_INTERVAL = 8
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = canary_server("raise", log_path=tmp_path_factory.mktemp("baseline") / "server.log")
+    srv = canary_server("raise", log_path=tmp_path_factory.mktemp("baseline") / "server.log",
+                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)])
     srv.start(timeout=600)
     yield srv
     srv.stop()
@@ -33,6 +35,7 @@ def test_mixed_workload_has_no_violation(server):
     log = CanaryLog.read_settled(server)
     print(f"kv_canary_e2e_baseline device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
+          f"sweeps={log.last_stat('sweeps')} slots_swept={log.last_stat('slots_swept')} "
           f"violations={len(log.violations)} graph_forwards={log.last_stat('graph_forwards')} "
           f"forwards={log.last_stat('forwards_host')}")
 
@@ -49,6 +52,8 @@ def test_mixed_workload_has_no_violation(server):
     assert log.violations == [], log.violations[:5]
     assert log.last_stat("violations") == 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_written") > 0
+    assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0  # the cache sweep found nothing
+    assert log.last_stat("health_violations") == 0
     # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
     if e2e_device() == "cuda":

@@ -1,0 +1,106 @@
+"""Every other perturbation mode, in ``log`` and ``raise`` mode, against a real sglang server.
+
+* req_to_token: a read req_to_token entry points at another slot of the same
+  request for one forward -> caught by that forward's HEAD (position/chain).
+* real_kv_unused_cache: a byte of a slot only the radix cache holds -> caught by
+  the sweep (``--kv-canary-sweep-interval``).
+* real_kv_post_forward: a byte of a slot the forward just wrote, after TAIL ->
+  caught by the next read (HEAD or sweep).
+
+Each injection line is matched to a violation; in log mode every violation must
+be explained by an injection (no false positives) and the server keeps serving.
+"""
+
+import pytest
+
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server
+from kv_canary_testing.workload import build_workload, run_requests
+
+try:
+    from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+except ImportError:  # pragma: no cover - sglang 0.5.12 ships it
+    register_cpu_ci = register_cuda_ci = lambda *a, **k: None
+
+register_cpu_ci(est_time=420, suite="kv-canary-cpu")
+register_cuda_ci(est_time=420, suite="kv-canary-cuda")
+
+SWEEP_INTERVAL = 4
+# A pool big enough that cached slots are not evicted and recycled between an injection and
+# the next sweep: a corrupted slot that is freed and rewritten before anything reads it is
+# harmless and, by design, never reported (test_e2e_baseline covers eviction).
+ROOMY_POOL_TOKENS = 32768
+MODES = {
+    "req_to_token": "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB",
+    "real_kv_unused_cache": "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB",
+    "real_kv_post_forward": "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB",
+}
+
+
+def _env(mode):
+    return {MODES[mode]: "0.1", "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10", "SGLANG_KV_CANARY_PERTURB_SEED": "3"}
+
+
+def explains(injection, violation) -> bool:
+    """Does this injection account for this violation?"""
+    if injection["kv_canary_perturb"] == "req_to_token":
+        # the redirected position (position/chain/token) and its successor's chain link, in that forward
+        return (violation["rid"] == injection["rid"] and violation["forward"] == injection["forward"]
+                and int(violation["position"]) - int(injection["position"]) in (0, 1))
+    return (violation["group"], violation["slot"]) == (injection["group"], injection["slot"]) and int(
+        violation["forward"]) >= int(injection["forward"])
+
+
+def run_mode(tmp_path, mode, canary_mode, n_requests=60):
+    srv = canary_server(canary_mode, log_path=tmp_path / "server.log", env=_env(mode),
+                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)],
+                        max_total_tokens=ROOMY_POOL_TOKENS)
+    srv.start(timeout=600)
+    try:
+        # no aborts: an aborted request's freshly written slots are freed unread, so a
+        # post-forward flip there is harmless and (by design) never reported
+        result = run_requests(srv.base_url, build_workload(n_requests, seed=21, n_aborts=0), concurrency=8,
+                              timeout=300)
+        log = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+        code = None if running else srv.wait_exit(timeout=60)
+    finally:
+        srv.stop()
+    return result, log, running, code
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_log_mode_detects_every_injection(tmp_path, mode):
+    result, log, running, _ = run_mode(tmp_path, mode, "log")
+    injections = [p for p in log.perturbations if p["kv_canary_perturb"] == mode]
+    missed = [p for p in injections if not any(explains(p, v) for v in log.violations)]
+    unexplained = [v for v in log.violations if not any(explains(p, v) for p in injections)]
+    latencies = [min(int(v["forward"]) - int(p["forward"]) for v in log.violations if explains(p, v))
+                 for p in injections if p not in missed]
+    print(f"kv_canary_e2e_mode mode={mode} injections={len(injections)} detected={len(injections) - len(missed)} "
+          f"violations={len(log.violations)} latency_forwards={sorted(latencies)} sweeps={log.last_stat('sweeps')}")
+    assert result.failed == 0 and running, "\n".join(result.errors[:5])
+    assert injections, "no injection happened"
+    assert missed == [], missed[:3]
+    assert unexplained == [], unexplained[:3]
+    if mode == "req_to_token":
+        assert max(latencies) == 0
+    if mode == "real_kv_unused_cache":
+        assert log.last_stat("sweeps") > 0 and max(latencies) <= SWEEP_INTERVAL
+        assert any(v["rid"] == "cache" for v in log.violations)  # found by the sweep
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_raise_mode_stops_on_the_first_detection(tmp_path, mode):
+    result, log, running, code = run_mode(tmp_path, mode, "raise")
+    injections = [p for p in log.perturbations if p["kv_canary_perturb"] == mode]
+    assert injections, log.text[-3000:]
+    assert not running and code != 0
+    assert "CanaryViolationError" in log.text
+    assert log.violations and any(explains(injections[0], v) for v in log.violations), log.violations[:3]
+    assert result.failed > 0  # in-flight requests failed instead of hanging
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
