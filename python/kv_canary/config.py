@@ -104,7 +104,7 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "ENABLE_VERIFY_TOKEN_ASSERT": ("verify_tokens", _parse_bool,
                                    "check each verified slot's token against the request's own token (default 1)"),
     "RING_CAPACITY": ("ring_capacity", _parse_int(16, 1 << 20),
-                      "violation records kept on the device between host reads (default 1024)"),
+                      "violation records kept on the device between host reads (default 4096)"),
     "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
                         "forwards between a device counter copy and its host read (default 2)"),
     "KERNEL_BACKEND": ("kernel_backend", _parse_backend, "auto | triton | torch (default auto)"),
@@ -140,7 +140,7 @@ class CanaryConfig:
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
     verify_tokens: bool = True
-    ring_capacity: int = 1024
+    ring_capacity: int = 4096
     d2h_delay_steps: int = 2
     kernel_backend: KernelBackend = KernelBackend.AUTO
     stats_print_every_n_steps: int = 100

@@ -42,6 +42,7 @@ from .single_forward import SingleForwardManager
 logger = logging.getLogger("kv_canary")
 
 RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
+REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
 
 
 class CanaryBracketError(RuntimeError):
@@ -120,6 +121,8 @@ class CanaryManager:
         self._violations_seen = 0
         self.violations_reported = 0
         self.violations_lost = 0
+        self.violations_repeated = 0
+        self._reported: "OrderedDict[tuple, None]" = OrderedDict()
         self.last_counters: Optional[torch.Tensor] = None
         self._last_stats_forward = 0
         self._settled_forward = 0
@@ -388,15 +391,27 @@ class CanaryManager:
         return rid, replayed
 
     def _report(self, violations: List[Violation], lost: int) -> None:
+        """Log each new violation once; repeats (the same corrupt slot read again) are only counted."""
+        new = []
+        for v in violations:
+            key = (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
+            if key in self._reported:
+                self._reported.move_to_end(key)
+                self.violations_repeated += 1
+                continue
+            self._reported[key] = None
+            new.append(v)
+        while len(self._reported) > REPORTED_MEMORY:
+            self._reported.popitem(last=False)
         limit = self.config.max_logged_violations
-        for v in violations[:limit]:
+        for v in new[:limit]:
             logger.error(v.format())
-        hidden = max(0, len(violations) - limit) + lost
+        hidden = max(0, len(new) - limit) + lost
         if hidden:
             logger.error("kv_canary_violation_summary=%d not_itemized=%d", len(violations) + lost, hidden)
         self.violations_reported += len(violations) + lost
         if self.config.mode is CanaryMode.RAISE:
-            raise CanaryViolationError(violations[:limit], lost=hidden)
+            raise CanaryViolationError(new[:limit] or violations[:limit], lost=hidden)
 
     def stats_line(self, host_counters: Optional[torch.Tensor] = None) -> str:
         c = self.last_counters if host_counters is None else host_counters
@@ -416,6 +431,7 @@ class CanaryManager:
                 "sweeps": self.sweeps,
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
                 "violations": values[fp.C_VIOLATIONS],
+                "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,
                 "perturbations": len(self.perturb.injections),
             },
