@@ -55,8 +55,8 @@ class DelayedDeviceHostHandler:
             self._slots[idx].copy_(self._source)
         self._pending.append((step, idx))
 
-    def ready(self, current_step: int) -> List[Tuple[int, torch.Tensor]]:
-        """(step, host counters) for each finished copy at least ``delay`` forwards old."""
+    def ready(self, current_step: int) -> List[Tuple[int, List[int]]]:
+        """(step, counters as a list of ints) for each finished copy at least ``delay`` forwards old."""
         out = []
         while self._pending:
             step, idx = self._pending[0]
@@ -65,11 +65,11 @@ class DelayedDeviceHostHandler:
             event = self._events[idx]
             if event is not None and not event.query():
                 break
-            out.append((step, self._slots[idx].clone()))
+            out.append((step, self._slots[idx].tolist()))
             self._pending.popleft()
         return out
 
-    def drain(self) -> List[Tuple[int, torch.Tensor]]:
+    def drain(self) -> List[Tuple[int, List[int]]]:
         """Wait for every queued copy (shutdown, tests)."""
         for _, idx in self._pending:
             if self._events[idx] is not None:

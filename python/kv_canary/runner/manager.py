@@ -123,7 +123,7 @@ class CanaryManager:
         self.violations_lost = 0
         self.violations_repeated = 0
         self._reported: "OrderedDict[tuple, None]" = OrderedDict()
-        self.last_counters: Optional[torch.Tensor] = None
+        self.last_counters: Optional[List[int]] = None  # the newest counter copy the host has read
         self._last_stats_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
@@ -325,7 +325,7 @@ class CanaryManager:
             self._last_stats_forward = self.forwards
             logger.info(self.stats_line() + " settled=1")
 
-    def _handle_counters(self, host_counters: torch.Tensor) -> None:
+    def _handle_counters(self, host_counters: List[int]) -> None:
         self.last_counters = host_counters
         total = int(host_counters[fp.C_VIOLATIONS])
         new = total - self._violations_seen
@@ -340,7 +340,7 @@ class CanaryManager:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
 
-    def _check_health(self, step: int, c: torch.Tensor) -> None:
+    def _check_health(self, step: int, c: List[int]) -> None:
         """The device must have run HEAD and TAIL for every forward the host counted up to ``step``.
 
         A canary that silently stopped running (a graph replayed without its
@@ -413,9 +413,9 @@ class CanaryManager:
         if self.config.mode is CanaryMode.RAISE:
             raise CanaryViolationError(new[:limit] or violations[:limit], lost=hidden)
 
-    def stats_line(self, host_counters: Optional[torch.Tensor] = None) -> str:
+    def stats_line(self, host_counters: Optional[List[int]] = None) -> str:
         c = self.last_counters if host_counters is None else host_counters
-        values = [0] * fp.NUM_COUNTERS if c is None else [int(x) for x in c.tolist()]
+        values = [0] * fp.NUM_COUNTERS if c is None else list(c)
         return format_line(
             STATS_PREFIX,
             values[fp.C_FORWARD_INDEX],

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Per-decode-step host cost of the canary (no server): the outside-graph ops around a graph replay.
+
+Builds a real ``CanaryManager`` on a synthetic Llama-3-8B-row pool, captures the
+canary's HEAD+TAIL for a decode batch into a CUDA graph (as sglang's decode
+graphs do), then times on the host, per step:
+
+* ``replay``: ``graph.replay()`` alone;
+* ``bracketed``: the same replay inside ``with_ops_outside_graph`` +
+  ``with_active_single_forward_manager`` (what the ModelRunner.forward hook adds):
+  bracket checks, forward accounting, the async counter copy, reading landed copies.
+
+The difference is the canary's host work per decode step. GPU time of the
+canary kernels per step is in ``bench_kernels.py``.
+
+    export PYTHONPATH=/tmp/site:$PWD/python
+    python scripts/bench_host_ops.py [--steps 3000] [--bs 1] [--ctx 1536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+class _Mode:
+    name = "DECODE"
+
+    @staticmethod
+    def is_idle() -> bool:
+        return False
+
+
+class DecodeBatch:
+    """The ForwardBatch fields the canary's adapter reads, for a decode step."""
+
+    forward_mode = _Mode()
+    extend_seq_lens = None
+    extend_prefix_lens_cpu = None
+
+    def __init__(self, torch, bs, ctx, device):
+        self.batch_size = bs
+        self.input_ids = torch.randint(1, 1000, (bs,), device=device)
+        self.out_cache_loc = torch.arange(1, bs + 1, device=device) + bs * ctx
+        self.req_pool_indices = torch.arange(1, bs + 1, device=device)
+        self.seq_lens = torch.full((bs,), ctx + 1, device=device)
+        self.rids = [f"r{i}" for i in range(bs)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--bs", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=1536)
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: eager, TRITON_INTERPRET=1, only proves the script runs")
+    args = p.parse_args()
+
+    import logging
+
+    import torch
+
+    logging.getLogger("kv_canary").setLevel(logging.CRITICAL)  # replay-only steps desync the health check
+    from kv_canary.adapter.batch_adapter import SglangBatchAdapter
+    from kv_canary.config import CanaryConfig, CanaryMode
+    from kv_canary.kernels import select_kernels
+    from kv_canary.plan import LaunchCapacities
+    from kv_canary.pool_patcher import PoolLayout, build_group
+    from kv_canary.runner import CanaryManager
+
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    bs, ctx = args.bs, args.ctx
+    slots = bs * (ctx + 2) + 1
+    k = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16)]
+    v = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16)]
+    config = CanaryConfig(mode=CanaryMode.LOG)
+    group = build_group(PoolLayout("full", k, v), config, device)
+    r2t = torch.zeros(bs + 1, 16384, dtype=torch.int32, device=device)
+    for i in range(bs):
+        r2t[i + 1, : ctx + 1] = torch.arange(1 + i * (ctx + 1), 1 + (i + 1) * (ctx + 1), device=device)
+    caps = LaunchCapacities(max_batch_size=bs + 1, max_context_len=r2t.shape[1],
+                            verify_programs_target=2 * torch.cuda.get_device_properties(device).multi_processor_count
+                            if on_gpu else 1)
+    m = CanaryManager(config=config, groups=[group], kernels=select_kernels(config.kernel_backend, device),
+                      req_to_token=r2t, capacities=caps, batch_adapter=SglangBatchAdapter(max_batch_size=bs + 1,
+                      device=device), device=device)
+    fb = DecodeBatch(torch, bs, ctx, device)
+    def head_tail():
+        view = m.pre_ops_maybe_inside_graph(fb)
+        m.post_ops_maybe_inside_graph(view)
+
+    with m.capturing(), m.with_active_single_forward_manager(0):
+        head_tail()
+        if on_gpu:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                head_tail()
+    replay = graph.replay if on_gpu else head_tail  # CPU: eager, counted as eager forwards
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    m.mark_init_finished()
+    # Records (and expected tokens) for the prefix: one extend-like TAIL pass per request.
+    from kv_canary.plan import ForwardView
+    for i in range(bs):
+        view = ForwardView(
+            input_ids=torch.randint(1, 1000, (ctx,), device=device),
+            out_cache_loc=r2t[i + 1, :ctx].to(torch.int64), req_pool_indices=fb.req_pool_indices[i:i + 1],
+            seq_lens=torch.tensor([ctx], device=device), new_starts=torch.zeros(1, dtype=torch.int64, device=device),
+            new_lens=torch.tensor([ctx], device=device), batch_size=1, max_new_len=ctx)
+        m.kernels.write(group, view, r2t, m.counters, False, expected_tokens=m.expected_tokens)
+    sync()
+
+    def run(bracketed: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            if bracketed:
+                with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+                    with m.with_active_single_forward_manager(0):
+                        replay()
+            else:
+                with m.with_active_single_forward_manager(0):
+                    replay()
+        cpu = (time.perf_counter() - t0) / args.steps * 1e6
+        sync()
+        return cpu
+
+    samples = {"replay": [], "bracketed": []}
+    for _ in range(5):
+        samples["replay"].append(run(False))
+        samples["bracketed"].append(run(True))
+    m.poll(drain=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    result = {
+        "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)", "bs": bs, "ctx": ctx, "steps": args.steps,
+        "host_us_per_step_replay_only": round(med["replay"], 2),
+        "host_us_per_step_bracketed": round(med["bracketed"], 2),
+        "canary_host_us_per_step": round(med["bracketed"] - med["replay"], 2),
+        "stats": m.stats_line(),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
