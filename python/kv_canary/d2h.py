@@ -1,7 +1,9 @@
 """Delayed device->host copies of the canary counters: no forward waits for the host.
 
 After each forward, ``snapshot()`` copies the counters tensor (int64[n]) into
-one of ``delay + 2`` pinned host slots on a side stream and records an event.
+one of ``delay + 2`` pinned host slots, asynchronously on the current stream
+(ordered after the forward that produced them: 64 bytes, no cross-stream
+waits), and records an event.
 ``ready()`` returns, oldest first, the snapshots whose copy has finished
 (``event.query()``, never a blocking wait) and that are at least ``delay``
 forwards old. So the host learns of a violation from forward N while handling
@@ -30,7 +32,6 @@ class DelayedDeviceHostHandler:
         self._slots = [torch.zeros_like(source, device="cpu").pin_memory() if pin else
                        torch.zeros_like(source, device="cpu") for _ in range(n)]
         self._events = [torch.cuda.Event() if self._is_cuda else None for _ in range(n)]
-        self._stream = torch.cuda.Stream(device=source.device) if self._is_cuda else None
         self._pending: Deque[Tuple[int, int]] = deque()  # (step, slot index)
         self._next_slot = 0
 
@@ -47,10 +48,8 @@ class DelayedDeviceHostHandler:
             # Counters are cumulative: dropping an unread snapshot loses nothing.
             self._pending.popleft()
         if self._is_cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(self._source.device))
-            with torch.cuda.stream(self._stream):
-                self._slots[idx].copy_(self._source, non_blocking=True)
-                self._events[idx].record(self._stream)
+            self._slots[idx].copy_(self._source, non_blocking=True)
+            self._events[idx].record()
         else:
             self._slots[idx].copy_(self._source)
         self._pending.append((step, idx))

@@ -42,6 +42,7 @@ from .single_forward import SingleForwardManager
 logger = logging.getLogger("kv_canary")
 
 RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
+HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
 
 
@@ -128,7 +129,7 @@ class CanaryManager:
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
         self._expected_written_at: Dict[int, int] = {}
-        self._health_drift: Dict[str, int] = {}
+        self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
         self._swept_at = 0
@@ -197,7 +198,7 @@ class CanaryManager:
         self._last_stats_forward = 0
         self._expected_written = 0
         self._expected_written_at.clear()
-        self._health_drift.clear()
+        self._health_drift = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
         self._swept_at = 0
         self.sweeps = 0
@@ -348,31 +349,22 @@ class CanaryManager:
         violation, reported once per new discrepancy.
         """
         groups = len(self.groups)
-        want = {
-            "forwards": step,
-            "verify_launches": step * groups,
-            "write_launches": step * groups,
-            "slots_written": self._expected_written_at.pop(step, None),
-        }
+        written = self._expected_written_at.pop(step, None)
         for old in [k for k in self._expected_written_at if k < step]:
             del self._expected_written_at[old]
-        got = {
-            "forwards": int(c[fp.C_FORWARD_INDEX]),
-            "verify_launches": int(c[fp.C_VERIFY_LAUNCHES]),
-            "write_launches": int(c[fp.C_WRITE_LAUNCHES]),
-            "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
-        }
-        bad = []
-        for key, expected in want.items():
-            if expected is None:
-                continue
-            drift = got[key] - expected
-            if drift != self._health_drift.get(key, 0):
-                bad.append(health_violation(key, got[key], expected, step))
-                self._health_drift[key] = drift
-        if bad:
-            self.health_violations += len(bad)
-            self._report(bad, 0)
+        want = (step, step * groups, step * groups, c[fp.C_SLOTS_WRITTEN] if written is None else written)
+        got = (c[fp.C_FORWARD_INDEX], c[fp.C_VERIFY_LAUNCHES], c[fp.C_WRITE_LAUNCHES], c[fp.C_SLOTS_WRITTEN])
+        drift = tuple(g - w for g, w in zip(got, want))
+        if drift == self._health_drift:  # the common case: nothing changed
+            return
+        bad = [
+            health_violation(name, g, w, step)
+            for name, g, w, d, old in zip(HEALTH_COUNTERS, got, want, drift, self._health_drift)
+            if d != old
+        ]
+        self._health_drift = drift
+        self.health_violations += len(bad)
+        self._report(bad, 0)
 
     def _read_ring(self, first: int, end: int):
         cap = self.ring.shape[0]
