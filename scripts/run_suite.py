@@ -28,7 +28,7 @@ def collect(hw: str, suite: str | None):
 
     files = sorted(glob.glob(str(ROOT / "test" / "registered" / "**" / "test_*.py"), recursive=True))
     backend = {"cpu": HWBackend.CPU, "cuda": HWBackend.CUDA}[hw]
-    regs = [r for r in collect_tests(files, sanity_check=False) if r.backend == backend and not r.disabled]
+    regs = [r for r in collect_tests(files, sanity_check=True) if r.backend == backend and not r.disabled]
     if suite:
         regs = [r for r in regs if r.effective_suite == suite]
     regs.sort(key=lambda r: (-r.est_time, r.filename))

@@ -6,11 +6,7 @@ but the default mode must install nothing and run nothing."""
 
 import pytest
 
-try:
-    from sglang.test.ci.ci_register import register_cpu_ci
-except ImportError:  # pragma: no cover - sglang 0.5.12 ships it
-    register_cpu_ci = lambda *a, **k: None  # noqa: E731
-
+from kv_canary_testing.canary_e2e import register_cpu_ci
 register_cpu_ci(est_time=60, suite="kv-canary-cpu")
 
 from kv_canary_testing.server import SglangServer

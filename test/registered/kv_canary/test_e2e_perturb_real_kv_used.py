@@ -5,13 +5,8 @@ import time
 
 import pytest
 
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.workload import build_workload, run_requests
-
-try:
-    from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
-except ImportError:  # pragma: no cover - sglang 0.5.12 ships it
-    register_cpu_ci = register_cuda_ci = lambda *a, **k: None
 
 register_cpu_ci(est_time=180, suite="kv-canary-cpu")
 register_cuda_ci(est_time=180, suite="kv-canary-cuda")
