@@ -98,7 +98,6 @@ class CanaryManager:
         self.expected_tokens = (
             torch.zeros(req_to_token.shape, dtype=torch.int32, device=device) if config.verify_tokens else None
         )
-        self._row_owner: Dict[int, str] = {}  # req_to_token row -> rid whose tokens it holds
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
@@ -114,11 +113,17 @@ class CanaryManager:
         self._active: List[int] = []  # stack of active single-forward-manager indices
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
+        self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
+        self._reset_host_state()
+
+    def _reset_host_state(self) -> None:
+        """Host-side accounting that restarts when init finishes (it mirrors the zeroed device counters)."""
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
         self.outer_steps = 0
         # forward index -> (request ids in batch order, replayed from a CUDA graph)
         self._forward_info: "OrderedDict[int, Tuple[Sequence[str], bool]]" = OrderedDict()
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
+        self._row_owner: Dict[int, str] = {}  # req_to_token row -> rid whose tokens expected_tokens holds
         self._violations_seen = 0
         self.violations_reported = 0
         self.violations_lost = 0
@@ -131,7 +136,6 @@ class CanaryManager:
         self._expected_written_at: Dict[int, int] = {}
         self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
-        self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
         self._swept_at = 0
         self.sweeps = 0
 
@@ -186,22 +190,9 @@ class CanaryManager:
         self.ring.zero_()
         self.counters[fp.C_REPORT_ENABLED] = 1
         self._d2h.drain()
-        self.forwards = 0
-        self.outer_steps = 0
-        self._forward_info.clear()
-        self._row_owner.clear()
         if self.expected_tokens is not None:
             self.expected_tokens.zero_()
-        self.graph_forwards = 0
-        self._violations_seen = 0
-        self._settled_forward = 0
-        self._last_stats_forward = 0
-        self._expected_written = 0
-        self._expected_written_at.clear()
-        self._health_drift = (0,) * len(HEALTH_COUNTERS)
-        self.health_violations = 0
-        self._swept_at = 0
-        self.sweeps = 0
+        self._reset_host_state()
         self.init_finished = True
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
                     ",".join(g.name for g in self.groups), self.kernels.name)
