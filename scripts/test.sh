@@ -4,4 +4,4 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
 cd "$KVC_ROOT"
-exec "$KVC_PY" scripts/run_suite.py --hw cpu --with-unit -- "$@"
+exec "$KVC_PY" scripts/run_suite.py --hw cpu --with-unit -- -s "$@"  # -s: show the e2e result lines
