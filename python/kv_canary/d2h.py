@@ -17,7 +17,7 @@ On CPU the copy is immediate and ``delay`` still applies, so the step at which
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, List, Tuple
 
 import torch
 
@@ -74,6 +74,3 @@ class DelayedDeviceHostHandler:
             if self._events[idx] is not None:
                 self._events[idx].synchronize()
         return self.ready(current_step=1 << 62)
-
-    def latest_pending_step(self) -> Optional[int]:
-        return self._pending[-1][0] if self._pending else None

@@ -8,7 +8,7 @@ grid the canary launches is known before CUDA-graph capture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
@@ -37,11 +37,6 @@ class ForwardView:
     new_lens: torch.Tensor
     batch_size: int
     max_new_len: int  # host-side bound on new_lens (sizes the TAIL grid)
-    rids: Optional[Sequence[str]] = None  # host-side request ids, batch order (reports only)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ V half. Pool classes are registered by the adapter layer with a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch

@@ -43,6 +43,11 @@ class SglangBatchAdapter:
             return 0
         return int(fb.batch_size)
 
+    @staticmethod
+    def _tokens_per_request(fb, bs: int) -> int:
+        """Decode-like batches (DECODE, TARGET_VERIFY, graph capture): the same count for every request."""
+        return int(fb.input_ids.shape[0]) // bs if bs else 1
+
     def num_tokens(self, fb) -> int:
         """Real (unpadded) new tokens of the batch: the slots its TAIL must write per group."""
         return 0 if fb.forward_mode.is_idle() else int(fb.input_ids.shape[0])
@@ -61,7 +66,7 @@ class SglangBatchAdapter:
             lens_cpu = fb.extend_seq_lens_cpu
             max_new = max(lens_cpu) if lens_cpu else int(fb.input_ids.shape[0])
         else:
-            n = int(fb.input_ids.shape[0]) // bs if bs else 1
+            n = self._tokens_per_request(fb, bs)
             starts, lens = self._uniform_buffers(n)
             starts, lens = starts[:bs], lens[:bs]
             max_new = n
@@ -74,7 +79,6 @@ class SglangBatchAdapter:
             new_lens=lens,
             batch_size=bs,
             max_new_len=max_new,
-            rids=self.rids(fb),
         )
 
     def extend_requests(self, fb):
@@ -104,7 +108,6 @@ class SglangBatchAdapter:
         if self._is_extend(fb) and fb.extend_seq_lens_cpu is not None:
             new_lens = [int(x) for x in fb.extend_seq_lens_cpu]
         else:
-            n = int(fb.input_ids.shape[0]) // bs
-            new_lens = [n] * bs
+            new_lens = [self._tokens_per_request(fb, bs)] * bs
         rids = list(self.rids(fb) or ["?"] * bs)
         return HostBatch(rows=rows, seq_lens=seq_lens, new_lens=new_lens, rids=rids)
