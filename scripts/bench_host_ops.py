@@ -68,8 +68,8 @@ def main() -> int:
     from kv_canary.adapter.batch_adapter import SglangBatchAdapter
     from kv_canary.config import CanaryConfig, CanaryMode
     from kv_canary.kernels import select_kernels
-    from kv_canary.plan import LaunchCapacities
-    from kv_canary.pool_patcher import PoolLayout, build_group
+    from kv_canary.views import LaunchCapacities
+    from kv_canary.buffer_groups import PoolLayout, build_group
     from kv_canary.runner import CanaryManager
 
     device = torch.device(args.device)
@@ -104,7 +104,7 @@ def main() -> int:
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     m.mark_init_finished()
     # Records (and expected tokens) for the prefix: one extend-like TAIL pass per request.
-    from kv_canary.plan import ForwardView
+    from kv_canary.views import ForwardView
     for i in range(bs):
         view = ForwardView(
             input_ids=torch.randint(1, 1000, (ctx,), device=device),

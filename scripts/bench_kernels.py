@@ -203,8 +203,8 @@ class CaseRig:
         from kv_canary import fingerprint as fp
         from kv_canary.config import KernelBackend
         from kv_canary.kernels import VERIFY_BLOCK, select_kernels
-        from kv_canary.plan import ForwardView, LaunchCapacities
-        from kv_canary.pool_patcher import PoolLayout, build_group
+        from kv_canary.views import ForwardView, LaunchCapacities
+        from kv_canary.buffer_groups import PoolLayout, build_group
         from kv_canary.runner import SingleForwardManager
 
         self.fp, self.case = fp, case

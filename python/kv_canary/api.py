@@ -20,8 +20,8 @@ from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
-from .plan import LaunchCapacities
-from .pool_patcher import attach_canary_buffers
+from .views import LaunchCapacities
+from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
 
 logger = logging.getLogger("kv_canary")

@@ -24,8 +24,8 @@ from kv_canary import fingerprint as fp
 from kv_canary.config import CanaryConfig
 from kv_canary.kernels import reference as ref
 from kv_canary.kernels import triton_kernels as tk
-from kv_canary.plan import ForwardView
-from kv_canary.pool_patcher import PoolLayout, build_group
+from kv_canary.views import ForwardView
+from kv_canary.buffer_groups import PoolLayout, build_group
 
 NUM_SLOTS = 600
 CTX = 160
@@ -273,7 +273,7 @@ def test_verify_and_write_replay_from_a_cuda_graph():
 
 def _sweep_entries(sim, rows_lengths):
     """The slots of whole cached sequences (as a radix walk yields them), flattened."""
-    from kv_canary.plan import SweepEntries
+    from kv_canary.views import SweepEntries
 
     slots, preds, positions, tokens = [], [], [], []
     for row, n in rows_lengths:

@@ -10,7 +10,7 @@ import torch
 from kv_canary.adapter.radix import RadixCacheView
 from kv_canary.perturb.manager import WarmupGate
 from kv_canary.perturb.slot_picker import pick_read_slot
-from kv_canary.plan import HostBatch
+from kv_canary.views import HostBatch
 
 radix_cache = pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 base_prefix_cache = pytest.importorskip("sglang.srt.mem_cache.base_prefix_cache")

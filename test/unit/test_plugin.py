@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kv_canary import sglang_plugin
-from kv_canary.plan import CanaryCapacityError, ForwardView, LaunchCapacities
+from kv_canary.views import CanaryCapacityError, ForwardView, LaunchCapacities
 
 pytest.importorskip("sglang")
 

@@ -17,8 +17,8 @@ from kv_canary.api import _patch_model_forward
 from kv_canary.config import CanaryConfig, CanaryMode
 from kv_canary.kernels import CanaryKernels
 from kv_canary.kernels import reference as ref
-from kv_canary.plan import LaunchCapacities
-from kv_canary.pool_patcher import PoolLayout, build_group
+from kv_canary.views import LaunchCapacities
+from kv_canary.buffer_groups import PoolLayout, build_group
 from kv_canary.runner import CanaryBracketError, CanaryManager
 from kv_canary.violations import VIOLATION_PREFIX, CanaryViolationError, parse_lines
 

@@ -2,5 +2,5 @@
 
 ``batch_adapter`` translates a ``ForwardBatch`` (read by attribute, duck-typed)
 into the plain ``ForwardView`` / ``HostBatch`` the runner works on; ``pools``
-registers sglang's KV pool classes with the pool patcher.
+registers sglang's KV pool classes with the buffer-group builder.
 """

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..plan import ForwardView, HostBatch
+from ..views import ForwardView, HostBatch
 
 _EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "SPLIT_PREFILL")
 

@@ -1,10 +1,10 @@
-"""Register sglang 0.5.12's KV pool classes with the pool patcher."""
+"""Register sglang 0.5.12's KV pool classes with the buffer-group builder."""
 
 from __future__ import annotations
 
 from typing import List
 
-from ..pool_patcher import PoolLayout, register_pool_class
+from ..buffer_groups import PoolLayout, register_pool_class
 
 
 def _mha_layouts(pool) -> List[PoolLayout]:

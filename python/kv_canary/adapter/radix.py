@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from ..plan import SweepEntries
+from ..views import SweepEntries
 
 
 class RadixCacheView:

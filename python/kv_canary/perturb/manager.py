@@ -24,8 +24,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..config import CanaryConfig, CanaryConfigError
-from ..plan import HostBatch
-from ..pool_patcher import CanaryBufferGroup
+from ..views import HostBatch
+from ..buffer_groups import CanaryBufferGroup
 from ..violations import PERTURB_PREFIX, format_line
 from .real_kv import flip_hashed_byte
 from .slot_picker import pick_read_slot

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..pool_patcher import CanaryBufferGroup
+from ..buffer_groups import CanaryBufferGroup
 
 
 @dataclass(frozen=True)

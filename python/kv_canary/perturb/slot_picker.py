@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..plan import HostBatch
+from ..views import HostBatch
 
 
 @dataclass(frozen=True)

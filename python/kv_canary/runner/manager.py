@@ -34,8 +34,8 @@ from ..config import CanaryConfig, CanaryMode
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
-from ..plan import ForwardView, HostBatch, LaunchCapacities
-from ..pool_patcher import CanaryBufferGroup
+from ..views import ForwardView, HostBatch, LaunchCapacities
+from ..buffer_groups import CanaryBufferGroup
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
 from .single_forward import SingleForwardManager
 

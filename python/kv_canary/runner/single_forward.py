@@ -14,8 +14,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels import VERIFY_BLOCK, CanaryKernels
-from ..plan import ForwardView, LaunchCapacities
-from ..pool_patcher import CanaryBufferGroup
+from ..views import ForwardView, LaunchCapacities
+from ..buffer_groups import CanaryBufferGroup
 
 
 class SingleForwardManager:

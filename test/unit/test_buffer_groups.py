@@ -1,4 +1,4 @@
-"""pool_patcher on a real sglang MHATokenToKVPool (CPU), page size 1 and > 1."""
+"""buffer groups on a real sglang MHATokenToKVPool (CPU), page size 1 and > 1."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from kv_canary.adapter.pools import register_sglang_pools
 from kv_canary.config import CanaryConfig, CanaryConfigError
-from kv_canary.pool_patcher import attach_canary_buffers, int32_row_view
+from kv_canary.buffer_groups import attach_canary_buffers, int32_row_view
 
 memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
 

@@ -1,4 +1,4 @@
-"""KV pool -> canary buffer groups.
+"""KV pool -> canary buffer groups (records + hash views per slot index space).
 
 A *buffer group* is one index space of KV slots that attention reads: its
 fingerprint records plus zero-copy int32 views of the real K/V bytes to hash.
@@ -71,7 +71,7 @@ _REGISTRY: Dict[type, LayoutExtractor] = {}
 
 
 def register_pool_class(pool_cls: type, extractor: LayoutExtractor) -> None:
-    """Teach the patcher a pool class (exact class match; subclasses must register too)."""
+    """Teach the buffer-group builder a pool class (exact class match; subclasses must register too)."""
     _REGISTRY[pool_cls] = extractor
 
 
