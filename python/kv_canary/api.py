@@ -32,6 +32,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
     return CanaryConfig.build(
         mode=getattr(server_args, "kv_canary", "none"),
         sweep_interval=getattr(server_args, "kv_canary_sweep_interval", 0),
+        real_data=getattr(server_args, "kv_canary_real_data", "partial"),
         environ=os.environ if environ is None else environ,
         disable_piecewise_cuda_graph=bool(getattr(server_args, "disable_piecewise_cuda_graph", True))
         or str(getattr(server_args, "device", "cuda")) == "cpu",
@@ -49,6 +50,12 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "(EAGLE draft support comes next); verifying the target model only"
         )
         return None
+    if getattr(model_runner, "model_is_mrope", False):
+        raise CanaryConfigError(
+            f"--kv-canary {config.mode.value}: this model uses M-RoPE (multimodal rotary positions, "
+            "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
+            "run it with --kv-canary none"
+        )
     device = torch.device(model_runner.device)
     register_sglang_pools()
     groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device)

@@ -62,7 +62,8 @@ C_WRITE_LAUNCHES = 4
 C_FORWARD_INDEX = 5  # forwards completed (bumped by the last TAIL launch of a forward)
 C_REPORT_ENABLED = 6  # 0 while capturing/warming up: violations are counted nowhere
 C_SLOTS_SWEPT = 7  # cached slots checked by radix-cache sweeps
-NUM_COUNTERS = 8
+C_CURRENT_FORWARD = 8  # the running forward's index, stored by its HEAD for its TAIL's rows (TAIL bumps 5)
+NUM_COUNTERS = 9
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)

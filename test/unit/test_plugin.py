@@ -92,6 +92,6 @@ def test_bad_input_fails_at_startup_naming_it(args, env, message):
 def test_forward_over_capacity_names_the_capacity_and_the_flag():
     caps = LaunchCapacities(max_batch_size=4, max_context_len=64, verify_programs_target=1)
     z = torch.zeros(5, dtype=torch.int64)
-    view = ForwardView(z, z, z, z, z, z, batch_size=5, max_new_len=1)
+    view = ForwardView(z, z, z, z, z, z, z, batch_size=5, max_new_len=1)
     with pytest.raises(CanaryCapacityError, match="max_batch_size=4.*--max-running-requests"):
         caps.check(view)

@@ -34,6 +34,7 @@ from ..config import CanaryConfig, CanaryMode
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
+from ..token_oracle import AdmittedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
@@ -63,8 +64,9 @@ class BatchAdapter(Protocol):
 
     def written_slots(self, forward_batch: object) -> Sequence[int]: ...
 
-    def extend_requests(self, forward_batch: object) -> Sequence[Tuple[int, str, int, Callable[[], Sequence[int]]]]:
-        """(row, rid, prefix_len, prefix_tokens()) of each request an extend batch admits/continues."""
+    def extend_requests(self, forward_batch: object) -> Sequence[AdmittedRequest]:
+        """(row, rid, record()) of each request an extend batch admits/continues; record() is the
+        scheduler's (prompt ids, output ids so far)."""
         ...
 
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
@@ -93,16 +95,18 @@ class CanaryManager:
         self._req_to_token = req_to_token
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
-        # Each req_to_token row's own tokens by position: TAIL stores new tokens, the host fills
-        # cached prefixes once per admitted request, HEAD compares with the slots' recorded tokens.
-        self.expected_tokens = (
-            torch.zeros(req_to_token.shape, dtype=torch.int32, device=device) if config.verify_tokens else None
+        # Each request's own tokens by position, from the scheduler's record (never from input_ids):
+        # TAIL checks the tokens it is fed against it, HEAD the slots' recorded tokens.
+        self.token_oracle = (
+            TokenOracle(rows=req_to_token.shape[0], ctx=req_to_token.shape[1], max_batch_size=capacities.max_batch_size,
+                        device=device, record_sampled_kernel=kernels.record_sampled)
+            if config.verify_tokens else None
         )
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
-                expected_tokens=self.expected_tokens,
+                token_oracle=self.token_oracle,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -123,7 +127,6 @@ class CanaryManager:
         # forward index -> (request ids in batch order, replayed from a CUDA graph)
         self._forward_info: "OrderedDict[int, Tuple[Sequence[str], bool]]" = OrderedDict()
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
-        self._row_owner: Dict[int, str] = {}  # req_to_token row -> rid whose tokens expected_tokens holds
         self._violations_seen = 0
         self.violations_reported = 0
         self.violations_lost = 0
@@ -190,8 +193,8 @@ class CanaryManager:
         self.ring.zero_()
         self.counters[fp.C_REPORT_ENABLED] = 1
         self._d2h.drain()
-        if self.expected_tokens is not None:
-            self.expected_tokens.zero_()
+        if self.token_oracle is not None:
+            self.token_oracle.reset()
         self._reset_host_state()
         self.init_finished = True
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
@@ -225,6 +228,14 @@ class CanaryManager:
             return None
         return self.single_forward_managers[self._active[-1]]
 
+    def record_sampled(self, sampled: torch.Tensor) -> None:
+        """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
+
+        Called after each sampling step, outside any graph; device work only.
+        """
+        if self.token_oracle is not None and self.init_finished:
+            self.token_oracle.record_sampled(sampled, int(sampled.shape[0]))
+
     def _on_eager_tail(self) -> None:
         if not self._capturing:
             self._eager_tails += 1
@@ -234,27 +245,14 @@ class CanaryManager:
     def _pre_ops_outside_graph(self, fb: object) -> None:
         if not self.init_finished:
             return
-        if self.expected_tokens is not None:
-            self._fill_prefix_tokens(fb)
+        if self.token_oracle is not None:
+            # Newly admitted requests: the scheduler's record of their tokens (one non-blocking copy each).
+            self.token_oracle.admit(self._adapter.extend_requests(fb))
         if self.perturb.active:
             self.perturb.perturb_pre_forward(
-                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb)
+                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
+                view=lambda: self._adapter.view(fb),
             )
-
-    def _fill_prefix_tokens(self, fb: object) -> None:
-        """Copy a newly admitted request's cached-prefix tokens (from its own prompt) into its row.
-
-        Positions a request computes itself are stored by TAIL from input_ids; only a
-        radix-cache prefix is never in this request's input_ids. One small H2D copy per
-        admitted request with a prefix; continuation chunks and decodes copy nothing.
-        """
-        for row, rid, prefix_len, prefix_tokens in self._adapter.extend_requests(fb):
-            if self._row_owner.get(row) == rid:
-                continue
-            self._row_owner[row] = rid
-            if prefix_len > 0:
-                tokens = torch.tensor(prefix_tokens(), dtype=torch.int32)
-                self.expected_tokens[row, :prefix_len].copy_(tokens, non_blocking=False)
 
     def attach_prefix_cache(self, prefix_cache) -> None:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""

@@ -2,8 +2,10 @@
 
 HEAD (before the forward): one verify launch per buffer group over every slot
 attention will read. TAIL (after the forward): one write launch per group over
-every slot the forward filled; the last group's launch also bumps the device
-forward counter. Both only launch kernels on preallocated buffers: no host
+every slot the forward filled, recording the token and position the model was
+fed; the first group's launch also checks them (position = the slot's index in
+the sequence, token = the request's own token from the token oracle), the last
+group's launch bumps the device forward counter. Both only launch kernels on preallocated buffers: no host
 sync, no allocation, grids fixed by the batch size (see ``LaunchCapacities``).
 """
 
@@ -14,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels import VERIFY_BLOCK, CanaryKernels
+from ..token_oracle import TokenOracle
 from ..views import ForwardView, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 
@@ -30,7 +33,7 @@ class SingleForwardManager:
         ring: torch.Tensor,
         capacities: LaunchCapacities,
         on_tail: Callable[[], None],
-        expected_tokens: Optional[torch.Tensor] = None,
+        token_oracle: Optional[TokenOracle] = None,
     ):
         self.index = index
         self._groups = list(groups)
@@ -40,7 +43,8 @@ class SingleForwardManager:
         self._ring = ring
         self._capacities = capacities
         self._on_tail = on_tail  # host callback: counts eager forwards
-        self._expected_tokens = expected_tokens  # int32[rows, ctx]: each row's own tokens (None: no token check)
+        self._oracle = token_oracle  # each request's own tokens (None: no token check)
+        self._expected_tokens = None if token_oracle is None else token_oracle.expected_tokens
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads (before it reads them)."""
@@ -55,13 +59,13 @@ class SingleForwardManager:
             )
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
-        """TAIL: fingerprint every slot the forward filled."""
+        """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
         if view.batch_size == 0:
             return
         last = len(self._groups) - 1
         for group_index, group in enumerate(self._groups):
             self._kernels.write(
-                group, view, self._req_to_token, self._counters, group_index == last,
-                expected_tokens=self._expected_tokens if group_index == 0 else None,
+                group, view, self._req_to_token, self._counters, self._ring, group_index == last,
+                group_index=group_index, check_fed=group_index == 0, token_oracle=self._oracle,
             )
         self._on_tail()
