@@ -77,6 +77,10 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         device=device,
     )
     _patch_model_forward(model_runner.model, manager)
+    if config.scrub_slots_per_forward:
+        span = groups[0].num_slots - 1
+        logger.info("kv_canary_scrub=%d pool_slots=%d every_slot_within_forwards=%d",
+                    config.scrub_slots_per_forward, span, -(-span // config.scrub_slots_per_forward))
     logger.info(
         "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d",
         config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),

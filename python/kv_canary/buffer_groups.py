@@ -56,6 +56,7 @@ class CanaryBufferGroup:
         (int32 offset of the source's view from ``base``, row stride in words,
         words hashed, index of its first word in the canonical order)
     base: the int32 view with the lowest address (kernel pointer base; offsets >= 0)
+    full_table / full_base: the same over ``rows`` (every byte: the scrub's FULL_HASH)
     """
 
     name: str
@@ -64,6 +65,8 @@ class CanaryBufferGroup:
     rows: Tuple[KVRow, ...]
     source_table: torch.Tensor
     base: torch.Tensor
+    full_table: torch.Tensor
+    full_base: torch.Tensor
 
     @property
     def num_slots(self) -> int:
@@ -72,6 +75,10 @@ class CanaryBufferGroup:
     @property
     def hashed_word_count(self) -> int:
         return sum(s.words for s in self.sources)
+
+    def all_words(self, slots: torch.Tensor) -> torch.Tensor:
+        """int32[n, every word of every row] of the given slots, canonical order (the FULL_HASH's input)."""
+        return torch.cat([r.view[slots] for r in self.rows], dim=1)
 
     def hashed_words(self, slots: torch.Tensor) -> torch.Tensor:
         """int32[n, hashed_word_count] of the given slots, canonical order (the sources' words, concatenated)."""
@@ -133,7 +140,17 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
         sources = []
     num_slots = int((sources or rows)[0].view.shape[0])
     records = torch.zeros((num_slots, RECORD_WIDTH), dtype=torch.int64, device=device)
-    base = min((s.view for s in sources), key=lambda v: v.data_ptr(), default=rows[0].view)
+    source_table, base = _source_table(sources, rows[0].view, device)
+    full_table, full_base = _source_table(rows, rows[0].view, device)
+    return CanaryBufferGroup(
+        name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
+        source_table=source_table, base=base, full_table=full_table, full_base=full_base,
+    )
+
+
+def _source_table(sources: Sequence[KVRow], fallback: torch.Tensor, device: torch.device):
+    """(int64[n, 4] device table, base view) for the kernels' ``_kv_hash`` (see ``CanaryBufferGroup``)."""
+    base = min((s.view for s in sources), key=lambda v: v.data_ptr(), default=fallback)
     table, first = [], 0
     for s in sources:
         delta = s.view.data_ptr() - base.data_ptr()
@@ -141,11 +158,7 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
             raise CanaryConfigError("kv-canary: a KV buffer is not 4-byte aligned; cannot hash it in place")
         table.append([delta // 4, s.view.stride(0), s.words, first])
         first += s.words
-    source_table = torch.tensor(table or [[0, 0, 0, 0]], dtype=torch.int64, device=device)
-    return CanaryBufferGroup(
-        name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
-        source_table=source_table, base=base,
-    )
+    return torch.tensor(table or [[0, 0, 0, 0]], dtype=torch.int64, device=device), base
 
 
 def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.device) -> List[CanaryBufferGroup]:

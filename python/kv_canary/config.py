@@ -140,6 +140,9 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                                   "forwards between kv_canary_stats= lines; 0 = off (default 100)"),
     "MAX_LOGGED_VIOLATIONS": ("max_logged_violations", _parse_int(1),
                               "violation lines logged per host read; the rest are counted (default 64)"),
+    "SCRUB_SLOTS_PER_FORWARD": ("scrub_slots_per_forward", _parse_int(0, 1 << 24),
+                                "slots per forward whose every K/V byte the scrub checks, cycling through the "
+                                "pool (0 = off, the default); with --kv-canary-real-data partial or none"),
     "PERTURB_REAL_KV_USED_PROB": ("perturb_real_kv_used_prob", _parse_prob,
                                   "per-forward probability of flipping a K/V byte of a slot the forward reads"),
     "PERTURB_REQ_TO_TOKEN_PROB": ("perturb_req_to_token_prob", _parse_prob,
@@ -175,6 +178,7 @@ class CanaryConfig:
     mode: CanaryMode = CanaryMode.NONE
     sweep_interval: int = 0
     real_data: RealData = RealData.PARTIAL
+    scrub_slots_per_forward: int = 0
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
     verify_tokens: bool = True
@@ -246,6 +250,12 @@ class CanaryConfig:
             seen.append((name, environ[name]))
         config = cls(mode=parsed_mode, sweep_interval=sweep, real_data=parsed_real_data, env_overrides=tuple(seen),
                      **values)
+        if config.scrub_slots_per_forward and parsed_real_data is RealData.ALL:
+            raise CanaryConfigError(
+                f"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD={config.scrub_slots_per_forward} is redundant with "
+                f"{FLAG_REAL_DATA} all (every read already checks every byte): unset it or pass "
+                f"{FLAG_REAL_DATA} partial"
+            )
         window_vars = [n for n, _ in seen if n[len(ENV_PREFIX):] in ("KV_HASH_BYTES", "KV_HASH_LAYERS")]
         if window_vars and parsed_real_data is not RealData.PARTIAL:
             raise CanaryConfigError(
@@ -274,6 +284,7 @@ class CanaryConfig:
         """One line for the startup log."""
         return (
             f"mode={self.mode.value} sweep_interval={self.sweep_interval} real_data={self.real_data.value} "
+            f"scrub_slots_per_forward={self.scrub_slots_per_forward} "
             f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
             f"kernel_backend={self.kernel_backend.value} verify_tokens={int(self.verify_tokens)} "

@@ -36,7 +36,9 @@ LAYERS = 3
 class Sim:
     """A tiny KV pool + req_to_token + a slot allocator, driven like sglang does."""
 
-    def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL):
+    def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL,
+                 full_hash=False):
+        self.full_hash = full_hash  # TAIL also records every slot's whole-row hash (the scrub's)
         g = torch.Generator().manual_seed(seed)
         self.backend = backend
         self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)]
@@ -96,7 +98,7 @@ class Sim:
             if self.v is not None:
                 self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
         self.backend.launch_write(self.group, view, self.r2t, self.counters, self.ring, True, block=16,
-                                  token_oracle=self.oracle)
+                                  token_oracle=self.oracle, full_hash=self.full_hash)
         return view
 
     def new_violations(self, before):
@@ -312,6 +314,32 @@ def test_token_oracle_admits_a_request_once_with_prompt_and_outputs():
     assert oracle.admit([(2, "a", lambda: ([9], []))]) == 0
     assert oracle.admit([(2, "b", lambda: ([1, 2], []))]) == 1
     assert oracle.expected_tokens[2, :2].tolist() == [1, 2] and int(oracle.known_lens[2]) == 2
+
+
+def test_scrub_checks_every_byte_of_a_round_robin_window():
+    """partial HEAD misses a flip in the last layer; the scrub (FULL_HASH) finds it within the stated bound."""
+    sims = [Sim(tk, full_hash=True), Sim(ref, full_hash=True)]
+    lengths = [_scenario(s) for s in sims][0]
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    per_forward, span = 64, NUM_SLOTS - 1
+    bound = -(-span // per_forward)
+    for s in sims:
+        for _ in range(bound):  # a clean pass over the whole pool
+            s.backend.launch_scrub(s.group, s.counters, s.ring, per_forward)
+            s.counters[fp.C_FORWARD_INDEX] += 1
+        assert int(s.counters[fp.C_VIOLATIONS]) == 0
+        assert int(s.counters[fp.C_SLOTS_SCRUBBED]) == s.next_slot - 1  # every written slot, once
+        last_k = [r for r in s.group.rows if r.half == "k"][-1]
+        last_k.view[int(s.r2t[2, 10]), last_k.row_words // 2] ^= 1 << 7
+        assert s.verify_all(list(lengths.items())) == []  # HEAD (partial window) cannot see it
+        found = []
+        for _ in range(bound):
+            before = int(s.counters[fp.C_VIOLATIONS])
+            s.backend.launch_scrub(s.group, s.counters, s.ring, per_forward)
+            s.counters[fp.C_FORWARD_INDEX] += 1
+            found += s.new_violations(before)
+        assert [(r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_REASON], r[fp.V_BATCH_INDEX]) for r in found] == [
+            (int(s.r2t[2, 10]), 10, fp.R_KV_HASH, -2)]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA-graph capture needs a GPU (this runs on the GPU host)")

@@ -63,7 +63,7 @@ class Harness:
             return wrapped
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                ref.launch_record_sampled, spy("sweep", ref.launch_sweep), False)
+                                ref.launch_record_sampled, ref.launch_scrub, spy("sweep", ref.launch_sweep), False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),

@@ -18,6 +18,10 @@ def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
     return kv_hash_from_words(group.hashed_words(slots))
 
 
+def _full_hash(group, slots: torch.Tensor) -> torch.Tensor:
+    return kv_hash_from_words(group.all_words(slots))
+
+
 def _check_slots(group, raw_slot, raw_pred, pos, want_token):
     """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0."""
     slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
@@ -100,7 +104,7 @@ def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: in
 
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
-                 group_index: int = 0, check_fed: bool = True, token_oracle=None) -> None:
+                 group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
     del block  # grid shape is a Triton concern
     bs = view.batch_size
     device = group.records.device
@@ -147,11 +151,30 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
             ])
         slot, tok, fed_pos, chain = slot[wm], tok[wm], fed_pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
-        group.records[slot] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
+        group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
+        if full_hash:
+            group.records[slot, fp.F_FULL_HASH] = _full_hash(group, slot)
         counters[fp.C_SLOTS_WRITTEN] += wm.sum()
     counters[fp.C_WRITE_LAUNCHES] += 1
     if bump_forward:
         counters[fp.C_FORWARD_INDEX] += 1
+
+
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 0) -> None:
+    del block
+    span = group.num_slots - 1
+    start = int(counters[fp.C_FORWARD_INDEX]) * per_forward % span
+    slots = 1 + (start + torch.arange(per_forward, device=group.records.device)) % span
+    slots = slots[group.records[slots, fp.F_CHAIN] != 0]
+    rec = group.records[slots]
+    live = _full_hash(group, slots)
+    bad = live != rec[:, fp.F_FULL_HASH]
+    minus_two = torch.full_like(slots, -2)
+    _append_violations(counters, ring, bad, [
+        bad.to(torch.int64) * fp.R_KV_HASH | (group_index << fp.GROUP_SHIFT), slots, rec[:, fp.F_POSITION],
+        minus_two, minus_two, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
+    ])
+    counters[fp.C_SLOTS_SCRUBBED] += slots.numel()
 
 
 def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 0) -> None:

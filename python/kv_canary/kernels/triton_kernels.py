@@ -41,6 +41,7 @@ _C_FORWARD_INDEX = tl.constexpr(fp.C_FORWARD_INDEX)
 _C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
 _C_SLOTS_SWEPT = tl.constexpr(fp.C_SLOTS_SWEPT)
 _C_CURRENT_FORWARD = tl.constexpr(fp.C_CURRENT_FORWARD)
+_C_SLOTS_SCRUBBED = tl.constexpr(fp.C_SLOTS_SCRUBBED)
 
 
 @triton.jit
@@ -210,13 +211,45 @@ def sweep_kernel(
 
 
 @triton.jit
+def scrub_kernel(
+    records, full_base, full_sources, num_full_sources, counters, ring, ring_capacity, num_slots, per_forward,
+    GROUP_BITS: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """SCRUB: check every K/V byte of ``per_forward`` slots against their FULL_HASH.
+
+    The window starts at ``(forward index * per_forward) mod (num_slots - 1)``
+    (slot 0, the padding slot, never), so consecutive forwards cover the pool
+    round-robin: every slot within ceil((num_slots - 1) / per_forward) forwards.
+    Slots never written (chain 0) are skipped. Ring rows get batch_index = row = -2.
+    """
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    forward_index = tl.load(counters + _C_FORWARD_INDEX)
+    span = num_slots - 1
+    start = (forward_index * per_forward) % span
+    slot = 1 + (start + idx) % span
+    m = idx < per_forward
+    rec_chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
+    m = m & (rec_chain != 0)
+    rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
+    rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
+    live = _kv_hash(slot, m, full_base, full_sources, num_full_sources, WT_FULL)
+    bad = m & (live != rec_full)
+    report = tl.load(counters + _C_REPORT_ENABLED)
+    _append_violations(counters, ring, ring_capacity, bad & (report != 0),
+                       tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot.to(tl.int64), rec_pos, -2, -2,
+                       rec_full, live, forward_index)
+    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(m.to(tl.int64), axis=0))
+
+
+@triton.jit
 def write_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens, new_starts,
     input_ids, positions, out_cache_loc,
-    base, sources, num_sources,
+    base, sources, num_sources, full_base, full_sources, num_full_sources,
     counters, ring, ring_capacity, num_slots, expected_tokens, et_stride, next_rows, next_positions,
     BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr,
-    WT: tl.constexpr, BLOCK: tl.constexpr,
+    FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
 
@@ -231,6 +264,7 @@ def write_kernel(
     tokens 0..k: earlier blocks are summed first, so every block of a long chunk
     is written in parallel. With CHECK_TOKENS, program (i, 0) also stores where
     request i's next sampled token will sit: ``next_rows/next_positions[i]``.
+    With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
     """
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -264,6 +298,9 @@ def write_kernel(
     tl.store(records + slot * _RW + 1, fed_pos, mask=wm)
     tl.store(records + slot * _RW + 2, chain, mask=wm)
     tl.store(records + slot * _RW + 3, live_hash, mask=wm)
+    if FULL_HASH:
+        full_hash = _kv_hash(slot, wm, full_base, full_sources, num_full_sources, WT_FULL)
+        tl.store(records + slot * _RW + 4, full_hash, mask=wm)
     if CHECK_FED:  # once per forward (first group): what the model was fed is group-independent
         bad_pos = wm & (fed_pos != pos)
         reason = tl.where(bad_pos, _R_POSITION, 0)
@@ -321,7 +358,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
 
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
-                 group_index: int = 0, check_fed: bool = True, token_oracle=None) -> None:
+                 group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
     """check_fed: check the fed positions (and tokens, given a ``TokenOracle``) -- once per forward."""
     block = block or write_block(view.max_new_len)
     if token_oracle is None:
@@ -332,11 +369,19 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
     write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
-        *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, tokens, tokens.stride(0),
-        next_rows, next_positions,
+        *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, tokens,
+        tokens.stride(0), next_rows, next_positions,
         BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, CHECK_TOKENS=check_fed and token_oracle is not None,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT,
-        WT=hash_word_tile(group), BLOCK=block,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
+        WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
+    )
+
+
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 128) -> None:
+    """Check ``per_forward`` slots' every K/V byte (grid fixed by ``per_forward``: graph-safe)."""
+    scrub_kernel[(triton.cdiv(per_forward, block),)](
+        group.records, *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, per_forward,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
     )
 
 
@@ -370,12 +415,17 @@ def write_block(max_new_len: int) -> int:
 HASH_WORD_TILE = 16  # most words of one row a kernel loads per step (whole-row hashing loops over tiles)
 
 
-def hash_word_tile(group) -> int:
+def hash_word_tile(group, full: bool = False) -> int:
     """Words per hash tile: the next power of two of the longest hashed run, at most HASH_WORD_TILE."""
-    longest = max((s.words for s in group.sources), default=1)
+    longest = max((s.words for s in (group.rows if full else group.sources)), default=1)
     return min(HASH_WORD_TILE, triton.next_power_of_2(max(1, longest)))
 
 
 def _hash_args(group):
     """base, source table, number of sources (see ``CanaryBufferGroup``)."""
     return [group.base, group.source_table, len(group.sources)]
+
+
+def _full_hash_args(group):
+    """The same over every row (FULL_HASH)."""
+    return [group.full_base, group.full_table, len(group.rows)]

@@ -13,11 +13,14 @@ and the patched ``model.forward`` (``api._with_canary_bracketing``) does::
     out = original_forward(...)                       # attention reads / writes KV
     manager.post_ops_maybe_inside_graph(view)         # TAIL write
 
-So a forward is: outside pre-ops (bracket checks, perturbation) -> plan ->
-HEAD -> forward -> TAIL -> outside post-ops (count the forward, queue the
-async counter copy, read copies a few forwards old, log/raise violations,
-stats). Everything between the outside pre- and post-ops may be captured in
-a CUDA graph; the outside ops never are.
+So a forward is: outside pre-ops (bracket checks, token-oracle admissions,
+perturbation) -> plan -> HEAD (verify every read slot; the scrub's window) ->
+forward -> TAIL (fingerprint the new slots; check the positions and tokens the
+model was fed) -> outside post-ops (count the forward, queue the async counter
+copy, read copies a few forwards old, log/raise violations, stats). Everything
+between the outside pre- and post-ops may be captured in a CUDA graph; the
+outside ops never are. After the engine samples, ``record_sampled`` adds the
+sampled ids to the token oracle (device work: what the next forward must feed).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ logger = logging.getLogger("kv_canary")
 
 RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
 HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
+SCRUB_BATCH_INDEX = -2  # ring rows of the scrub (the sweep's are -1)
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
 
 
@@ -106,7 +110,7 @@ class CanaryManager:
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
-                token_oracle=self.token_oracle,
+                token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -366,6 +370,8 @@ class CanaryManager:
     def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
         """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
         rids, replayed = self._forward_info.get(forward, ((), None))
+        if batch_index == SCRUB_BATCH_INDEX:
+            return "scrub", None  # a scrub row: found by the round-robin whole-slot check
         if batch_index < 0:
             return "cache", None  # a sweep row: the slot is held by the prefix cache
         rid = str(rids[batch_index]) if batch_index < len(rids) else "?"
@@ -411,6 +417,7 @@ class CanaryManager:
                 "write_launches": values[fp.C_WRITE_LAUNCHES],
                 "sweeps": self.sweeps,
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
+                "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,

@@ -5,7 +5,9 @@ attention will read. TAIL (after the forward): one write launch per group over
 every slot the forward filled, recording the token and position the model was
 fed; the first group's launch also checks them (position = the slot's index in
 the sequence, token = the request's own token from the token oracle), the last
-group's launch bumps the device forward counter. Both only launch kernels on preallocated buffers: no host
+group's launch bumps the device forward counter. With the scrub on, HEAD also
+checks every K/V byte of a fixed number of slots (round-robin over the pool)
+and TAIL records every new slot's whole-row hash. Both only launch kernels on preallocated buffers: no host
 sync, no allocation, grids fixed by the batch size (see ``LaunchCapacities``).
 """
 
@@ -34,6 +36,7 @@ class SingleForwardManager:
         capacities: LaunchCapacities,
         on_tail: Callable[[], None],
         token_oracle: Optional[TokenOracle] = None,
+        scrub_slots_per_forward: int = 0,
     ):
         self.index = index
         self._groups = list(groups)
@@ -45,6 +48,7 @@ class SingleForwardManager:
         self._on_tail = on_tail  # host callback: counts eager forwards
         self._oracle = token_oracle  # each request's own tokens (None: no token check)
         self._expected_tokens = None if token_oracle is None else token_oracle.expected_tokens
+        self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads (before it reads them)."""
@@ -57,6 +61,8 @@ class SingleForwardManager:
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
                 group_index=group_index, expected_tokens=self._expected_tokens,
             )
+            if self._scrub:
+                self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
@@ -67,5 +73,6 @@ class SingleForwardManager:
             self._kernels.write(
                 group, view, self._req_to_token, self._counters, self._ring, group_index == last,
                 group_index=group_index, check_fed=group_index == 0, token_oracle=self._oracle,
+                full_hash=self._scrub > 0,
             )
         self._on_tail()
