@@ -240,7 +240,7 @@ class CaseRig:
         ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
         oracle = (TokenOracle(rows=r2t.shape[0], ctx=r2t.shape[1], max_batch_size=bs + 1, device=device,
                               record_sampled_kernel=select_kernels(KernelBackend.TRITON, device).record_sampled)
-                  if config.verify_tokens else None)
+                  if config.uses_token_oracle else None)
         target = (VERIFY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else CPU_VERIFY_PROGRAMS_TARGET)
         capacities = LaunchCapacities(max_batch_size=max(args.batch_sizes) + 1, max_context_len=width,

@@ -129,8 +129,15 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                       "bytes of K and of V hashed per slot and layer (multiple of 4, default 16)"),
     "KV_HASH_LAYERS": ("kv_hash_layers", _parse_layers,
                        "comma-separated layer ids whose K/V bytes are hashed (default 0)"),
+    "ENABLE_TOKEN_ORACLE": ("token_oracle", _parse_bool,
+                            "keep each request's own tokens from the scheduler's record on the device; the token "
+                            "checks need it (default 1)"),
     "ENABLE_VERIFY_TOKEN_ASSERT": ("verify_tokens", _parse_bool,
-                                   "check each verified slot's token against the request's own token (default 1)"),
+                                   "HEAD: check each verified slot's token against the request's own token "
+                                   "(default 1; needs the token oracle)"),
+    "ENABLE_WRITE_INPUT_ASSERT": ("write_input_assert", _parse_bool,
+                                  "TAIL: check the positions and (with the token oracle) tokens each forward is fed "
+                                  "(default 1)"),
     "RING_CAPACITY": ("ring_capacity", _parse_int(16, 1 << 20),
                       "violation records kept on the device between host reads (default 4096)"),
     "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
@@ -158,8 +165,8 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                                     "per-forward probability of running one decode forward at positions + 1 "
                                     "(a position bookkeeping bug: K is rotated for the wrong position)"),
     "PERTURB_NEXT_TOKEN_SWAP_PROB": ("perturb_next_token_swap_prob", _parse_prob,
-                                     "per-forward probability of feeding one request of a decode forward a wrong "
-                                     "token (a future-token resolution bug)"),
+                                     "per-forward probability of feeding two requests of a decode forward each "
+                                     "other's token (a future-token resolution bug)"),
     "PERTURB_KV_BYTES": ("perturb_kv_bytes", _parse_kv_bytes,
                          "where K/V flips land: anywhere (default: uniform over every byte of every layer's K "
                          "and V row), hashed (inside the hashed window only), or LAYER:HALF:BYTE, e.g. -1:k:mid"),
@@ -181,7 +188,9 @@ class CanaryConfig:
     scrub_slots_per_forward: int = 0
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
+    token_oracle: bool = True
     verify_tokens: bool = True
+    write_input_assert: bool = True
     ring_capacity: int = 4096
     d2h_delay_steps: int = 2
     kernel_backend: KernelBackend = KernelBackend.AUTO
@@ -202,6 +211,11 @@ class CanaryConfig:
     @property
     def enabled(self) -> bool:
         return self.mode.enabled
+
+    @property
+    def uses_token_oracle(self) -> bool:
+        """The oracle is kept when on and some check reads it."""
+        return self.token_oracle and (self.verify_tokens or self.write_input_assert)
 
     @property
     def any_perturbation(self) -> bool:
@@ -287,7 +301,9 @@ class CanaryConfig:
             f"scrub_slots_per_forward={self.scrub_slots_per_forward} "
             f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
-            f"kernel_backend={self.kernel_backend.value} verify_tokens={int(self.verify_tokens)} "
+            f"kernel_backend={self.kernel_backend.value} token_oracle={int(self.uses_token_oracle)} "
+            f"verify_tokens={int(self.verify_tokens and self.uses_token_oracle)} "
+            f"write_input_assert={int(self.write_input_assert)} "
             f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob} "
             f"perturb_req_to_token_prob={self.perturb_req_to_token_prob} "
             f"perturb_real_kv_unused_cache_prob={self.perturb_real_kv_unused_cache_prob} "

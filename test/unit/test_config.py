@@ -108,3 +108,10 @@ def test_perturb_kv_bytes_spec(value, ok):
     else:
         with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_PERTURB_KV_BYTES"):
             build(env=env)
+
+
+def test_token_oracle_switches():
+    assert build().uses_token_oracle
+    c = build(env={"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "0", "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "0"})
+    assert not c.uses_token_oracle  # nothing would read it: not kept
+    assert not build(env={"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "0"}).uses_token_oracle

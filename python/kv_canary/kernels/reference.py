@@ -131,6 +131,9 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         chain = carry[req_of] + (csum - before[req_of])
         slot = view.out_cache_loc[tok_index].to(torch.int64)
         wm = (slot > 0) & (slot < group.num_slots) & (p0[req_of] >= 0)
+        if token_oracle is not None:
+            token_oracle.next_rows[:bs] = rows
+            token_oracle.next_positions[:bs] = torch.where(n > 0, seq, torch.full_like(seq, -1))
         if check_fed:
             bad_pos = wm & (fed_pos != pos)
             reason = bad_pos * fp.R_POSITION
@@ -143,8 +146,6 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
                 reason = reason | (bad_tok * fp.R_TOKEN)
                 stored = torch.where(bad_pos, fed_pos, tok)
                 expected = torch.where(bad_pos, pos, want)
-                token_oracle.next_rows[:bs] = rows
-                token_oracle.next_positions[:bs] = torch.where(n > 0, seq, torch.full_like(seq, -1))
             _append_violations(counters, ring, reason != 0, [
                 reason.to(torch.int64) | (group_index << fp.GROUP_SHIFT), slot, pos, req_of.to(torch.int64),
                 rows[req_of], stored, expected, counters[fp.C_CURRENT_FORWARD],

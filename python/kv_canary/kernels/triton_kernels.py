@@ -248,7 +248,7 @@ def write_kernel(
     input_ids, positions, out_cache_loc,
     base, sources, num_sources, full_base, full_sources, num_full_sources,
     counters, ring, ring_capacity, num_slots, expected_tokens, et_stride, next_rows, next_positions,
-    BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr,
+    BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, GROUP_BITS: tl.constexpr,
     FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
@@ -258,11 +258,11 @@ def write_kernel(
     position that is not the slot's index in the sequence (``position``) or a
     fed token that is not the request's own token there (``token``, from
     ``expected_tokens``, filled by the scheduler's record, never by
-    ``input_ids``) is appended to the ring right away (CHECK_FED: the first
-    group's launch only). The chain of the k-th new
+    ``input_ids``; with ORACLE) is appended to the ring right away (CHECK_FED:
+    the first group's launch only). The chain of the k-th new
     token is the predecessor slot's chain plus the prefix sum of g over new
     tokens 0..k: earlier blocks are summed first, so every block of a long chunk
-    is written in parallel. With CHECK_TOKENS, program (i, 0) also stores where
+    is written in parallel. With ORACLE, program (i, 0) also stores where
     request i's next sampled token will sit: ``next_rows/next_positions[i]``.
     With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
     """
@@ -301,20 +301,21 @@ def write_kernel(
     if FULL_HASH:
         full_hash = _kv_hash(slot, wm, full_base, full_sources, num_full_sources, WT_FULL)
         tl.store(records + slot * _RW + 4, full_hash, mask=wm)
+    if ORACLE:  # where each request's next sampled token goes (the token oracle's record_sampled)
+        if b == 0:
+            tl.store(next_rows + i, row)
+            tl.store(next_positions + i, tl.where(n > 0, seq_len, -1))
     if CHECK_FED:  # once per forward (first group): what the model was fed is group-independent
         bad_pos = wm & (fed_pos != pos)
         reason = tl.where(bad_pos, _R_POSITION, 0)
         stored = fed_pos
         expected = pos
-        if CHECK_TOKENS:
+        if ORACLE:
             want = tl.load(expected_tokens + row * et_stride + pos, mask=wm, other=0).to(tl.int64)
             bad_tok = wm & (tok != want)
             reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
             stored = tl.where(bad_pos, fed_pos, tok)
             expected = tl.where(bad_pos, pos, want)
-            if b == 0:
-                tl.store(next_rows + i, row)
-                tl.store(next_positions + i, tl.where(n > 0, seq_len, -1))
         report = tl.load(counters + _C_REPORT_ENABLED)
         forward_index = tl.load(counters + _C_CURRENT_FORWARD)  # not _C_FORWARD_INDEX: this launch bumps it
         _append_violations(counters, ring, ring_capacity, (reason != 0) & (report != 0),
@@ -359,7 +360,8 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
                  group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
-    """check_fed: check the fed positions (and tokens, given a ``TokenOracle``) -- once per forward."""
+    """check_fed: check the fed positions (and tokens, given a ``TokenOracle``); once per forward, as is
+    ``token_oracle`` (it also records where each request's next sampled token goes)."""
     block = block or write_block(view.max_new_len)
     if token_oracle is None:
         tokens, next_rows, next_positions = req_to_token, counters, counters
@@ -371,7 +373,7 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
         *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, tokens,
         tokens.stride(0), next_rows, next_positions,
-        BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, CHECK_TOKENS=check_fed and token_oracle is not None,
+        BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, ORACLE=token_oracle is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
         WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
     )

@@ -13,9 +13,9 @@ Modes (env-var probabilities per forward, after a warmup gate):
 * ``position_shift`` (pre-forward, decode forwards): the whole forward runs at
   positions + 1 (a position bookkeeping bug: RoPE rotates K for the wrong
   position); TAIL catches it in that forward.
-* ``next_token_swap`` (pre-forward, decode forwards): one request is fed a
-  neighbouring token id instead of its own (a future-token resolution bug); TAIL
-  catches it in that forward.
+* ``next_token_swap`` (pre-forward, decode forwards): two requests are fed each
+  other's next token (a future-token resolution bug; upstream swaps them at the
+  sampler exit); TAIL catches both in that forward.
 
 K/V flips land anywhere in the slot by default (``SGLANG_KV_CANARY_PERTURB_KV_BYTES``).
 
@@ -140,12 +140,19 @@ class PerturbManager:
                   forward=forward_index, requests=n, shift=1)
 
     def _next_token_swap(self, batch: HostBatch, view: ForwardView, forward_index: int) -> None:
-        i = self._rng.randrange(len(batch.rows))
-        own = int(view.input_ids[i].item())
-        fed = own - 1 if own > 0 else own + 1  # a neighbouring id: always inside the vocabulary
-        view.input_ids[i] = fed
-        self._log("next_token_swap", slot=-1, rid=batch.rids[i], position=batch.seq_lens[i] - 1,
-                  forward=forward_index, fed=fed, own=own)
+        """Two requests of the decode batch are fed each other's token (one neighbouring id when they agree)."""
+        n = len(batch.rows)
+        own = [int(t) for t in view.input_ids[:n].tolist()]
+        pair = self._rng.sample(range(n), 2) if n > 1 else [0]
+        if len(pair) == 2 and own[pair[0]] != own[pair[1]]:
+            fed = {pair[0]: own[pair[1]], pair[1]: own[pair[0]]}
+        else:
+            i = pair[0]
+            fed = {i: own[i] - 1 if own[i] > 0 else own[i] + 1}  # a neighbouring id: inside the vocabulary
+        for i, token in fed.items():
+            view.input_ids[i] = token  # the batch's own input_ids: the forward is fed it
+            self._log("next_token_swap", slot=-1, rid=batch.rids[i], position=batch.seq_lens[i] - 1,
+                      forward=forward_index, fed=token, own=own[i])
 
     def _real_kv_used(self, batch: HostBatch, forward_index: int) -> None:
         entry = pick_read_slot(batch, self._req_to_token, self._rng)

@@ -104,13 +104,14 @@ class CanaryManager:
         self.token_oracle = (
             TokenOracle(rows=req_to_token.shape[0], ctx=req_to_token.shape[1], max_batch_size=capacities.max_batch_size,
                         device=device, record_sampled_kernel=kernels.record_sampled)
-            if config.verify_tokens else None
+            if config.uses_token_oracle else None
         )
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
                 token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
+                verify_tokens=config.verify_tokens, check_fed=config.write_input_assert,
             )
             for i in range(num_single_forward_managers)
         ]

@@ -37,6 +37,8 @@ class SingleForwardManager:
         on_tail: Callable[[], None],
         token_oracle: Optional[TokenOracle] = None,
         scrub_slots_per_forward: int = 0,
+        verify_tokens: bool = True,
+        check_fed: bool = True,
     ):
         self.index = index
         self._groups = list(groups)
@@ -47,7 +49,9 @@ class SingleForwardManager:
         self._capacities = capacities
         self._on_tail = on_tail  # host callback: counts eager forwards
         self._oracle = token_oracle  # each request's own tokens (None: no token check)
-        self._expected_tokens = None if token_oracle is None else token_oracle.expected_tokens
+        # HEAD compares each read slot's token with it; TAIL checks what the forward is fed
+        self._expected_tokens = token_oracle.expected_tokens if token_oracle is not None and verify_tokens else None
+        self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
@@ -72,7 +76,7 @@ class SingleForwardManager:
         for group_index, group in enumerate(self._groups):
             self._kernels.write(
                 group, view, self._req_to_token, self._counters, self._ring, group_index == last,
-                group_index=group_index, check_fed=group_index == 0, token_oracle=self._oracle,
-                full_hash=self._scrub > 0,
+                group_index=group_index, check_fed=self._check_fed and group_index == 0,
+                token_oracle=self._oracle if group_index == 0 else None, full_hash=self._scrub > 0,
             )
         self._on_tail()

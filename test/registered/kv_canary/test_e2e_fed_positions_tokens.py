@@ -4,7 +4,7 @@ that is not its own, are caught by that forward's TAIL on a real sglang server.
 * ``position_shift``: one decode forward runs at ``positions + 1`` (RoPE rotates K for the wrong
   position); every slot it writes records the position it ran with and is flagged at once
   (``kind=position``, stored = expected + 1). Latency 0 forwards.
-* ``next_token_swap``: one request of a decode forward is fed a neighbouring token id (a
+* ``next_token_swap``: two requests of a decode forward are fed each other's token (a
   future-token resolution bug); TAIL compares the fed token with the token oracle (the
   scheduler's prompt ids + sampled ids, never ``input_ids``): ``kind=token`` naming the request,
   the position, the fed and the expected token, in that forward.
