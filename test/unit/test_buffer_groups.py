@@ -7,6 +7,7 @@ import torch
 
 from kv_canary.adapter.pools import register_sglang_pools
 from kv_canary.config import CanaryConfig, CanaryConfigError, RealData
+from kv_canary.fingerprint import RECORD_WIDTH
 from kv_canary.buffer_groups import attach_canary_buffers, int32_row_view
 
 memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
@@ -27,7 +28,7 @@ def test_mha_pool_gets_one_full_group_viewing_live_kv(page_size, dtype):
     groups = attach_canary_buffers(pool, config, torch.device("cpu"))
     assert pool.kv_canary_groups is groups and [g.name for g in groups] == ["full"]
     g = groups[0]
-    assert g.num_slots == pool.size + page_size and g.records.shape == (pool.size + page_size, 4)
+    assert g.num_slots == pool.size + page_size and g.records.shape == (pool.size + page_size, RECORD_WIDTH)
     assert [(s.layer, s.half, s.words) for s in g.sources] == [(0, "k", 4), (0, "v", 4), (2, "k", 4), (2, "v", 4)]
     assert [(r.layer, r.half) for r in g.rows] == [(layer, h) for layer in range(3) for h in ("k", "v")]
     # The views alias the pool: a write to the pool shows in the view.
