@@ -123,6 +123,9 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_REAL_KV_POST_FORWARD_PROB": ("perturb_real_kv_post_forward_prob", _parse_prob,
                                           "per-forward probability of flipping a K/V byte of a slot the forward "
                                           "just wrote, after its TAIL write"),
+    "PERTURB_TRANSFER_PROB": ("perturb_transfer_prob", _parse_prob,
+                              "PD decode side: per-request probability of flipping a K/V byte of a slot received "
+                              "by transfer, after arrival and before its first read"),
     "PERTURB_TARGET_GROUP": ("perturb_target_group", lambda name, raw: raw.strip(),
                              "buffer group the K/V perturbations hit (default: the first, 'full')"),
     "PERTURB_WARMUP_STEPS": ("perturb_warmup_steps", _parse_int(0),
@@ -149,6 +152,7 @@ class CanaryConfig:
     perturb_req_to_token_prob: float = 0.0
     perturb_real_kv_unused_cache_prob: float = 0.0
     perturb_real_kv_post_forward_prob: float = 0.0
+    perturb_transfer_prob: float = 0.0
     perturb_target_group: str = ""
     perturb_warmup_steps: int = 50
     perturb_seed: int = 0
@@ -161,7 +165,8 @@ class CanaryConfig:
     @property
     def any_perturbation(self) -> bool:
         return any(p > 0.0 for p in (self.perturb_real_kv_used_prob, self.perturb_req_to_token_prob,
-                                     self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob))
+                                     self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob,
+                                     self.perturb_transfer_prob))
 
     @classmethod
     def build(
@@ -225,4 +230,5 @@ class CanaryConfig:
             f"perturb_req_to_token_prob={self.perturb_req_to_token_prob} "
             f"perturb_real_kv_unused_cache_prob={self.perturb_real_kv_unused_cache_prob} "
             f"perturb_real_kv_post_forward_prob={self.perturb_real_kv_post_forward_prob}"
+            + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
         )

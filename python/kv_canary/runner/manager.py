@@ -23,6 +23,7 @@ a CUDA graph; the outside ops never are.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
@@ -36,6 +37,7 @@ from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
+from ..transfer import Arrival, TransferBook
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
 from .single_forward import SingleForwardManager
 
@@ -114,6 +116,7 @@ class CanaryManager:
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
+        self.transfer: Optional[TransferBook] = None  # PD disaggregation (attach_transfer)
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -138,6 +141,9 @@ class CanaryManager:
         self.health_violations = 0
         self._swept_at = 0
         self.sweeps = 0
+        self._arrivals: List[Arrival] = []  # PD arrivals the transfer perturbation has not drawn for yet
+        if self.transfer is not None:
+            self.transfer.reset()
 
     # ------------------------------------------------------------------ engine wiring
 
@@ -236,6 +242,9 @@ class CanaryManager:
             return
         if self.expected_tokens is not None:
             self._fill_prefix_tokens(fb)
+        if self._arrivals:  # after arrival, before the first forward that reads them
+            self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
+            self._arrivals = []
         if self.perturb.active:
             self.perturb.perturb_pre_forward(
                 forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb)
@@ -255,6 +264,28 @@ class CanaryManager:
             if prefix_len > 0:
                 tokens = torch.tensor(prefix_tokens(), dtype=torch.int32)
                 self.expected_tokens[row, :prefix_len].copy_(tokens, non_blocking=False)
+
+    def note_request_tokens(self, row: int, rid: str, tokens: Sequence[int]) -> None:
+        """Token oracle: request ``rid`` (req_to_token row ``row``) has ``tokens`` at positions [0, len).
+
+        For positions no forward of this server computed (PD decode side: the KV
+        arrived by transfer), from the request's own Req record. One H2D copy.
+        """
+        self._row_owner[row] = rid
+        if self.expected_tokens is not None and len(tokens) > 0:
+            self.expected_tokens[row, : len(tokens)].copy_(torch.tensor(list(tokens), dtype=torch.int32))
+
+    def attach_transfer(self, book: TransferBook) -> None:
+        """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
+        self.transfer = book
+
+    def note_transfer_arrival(self, arrival: Arrival, tokens: Sequence[int]) -> None:
+        """PD decode side: ``arrival.received`` positions of a request arrived by transfer, before its first read."""
+        self.note_request_tokens(arrival.row, arrival.rid, tokens)
+        if self.transfer is not None:
+            self.transfer.note_arrival(arrival)
+        if self.config.perturb_transfer_prob > 0:
+            self._arrivals.append(arrival)
 
     def attach_prefix_cache(self, prefix_cache) -> None:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
@@ -277,6 +308,8 @@ class CanaryManager:
         if ran == 0:
             return
         rids = self._adapter.rids(fb) or ()
+        if self.transfer is not None:
+            self.transfer.forward_ran(rids)
         self._expected_written += ran * self._adapter.num_tokens(fb) * len(self.groups)
         for _ in range(ran):
             self._forward_info[self.forwards] = (rids, replayed)
@@ -375,6 +408,11 @@ class CanaryManager:
 
     def _report(self, violations: List[Violation], lost: int) -> None:
         """Log each new violation once; repeats (the same corrupt slot read again) are only counted."""
+        if self.transfer is not None:  # PD: name the bootstrap room and the prefill slot it came from
+            violations = [
+                dataclasses.replace(v, identity=tuple(self.transfer.identity(v.rid, v.slot, v.position).items()))
+                for v in violations
+            ]
         new = []
         for v in violations:
             key = (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
@@ -417,6 +455,7 @@ class CanaryManager:
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,
                 "perturbations": len(self.perturb.injections),
+                **(self.transfer.stats() if self.transfer is not None else {}),
             },
         )
 
