@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -26,13 +27,34 @@ PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "MC_TCP_ENABLE_CONNECTION_POOL": "true"
 TRANSFER_BACKEND = "mooncake"
 
 
-def pd_skip_reason() -> Optional[str]:
+def pd_skip_reason(device: str = "cpu") -> Optional[str]:
     """Why a PD deployment cannot start here (None when it can): the PD extras are missing."""
     missing = [m for m in ("mooncake", "sglang_router") if importlib.util.find_spec(m) is None]
     if missing:
         return (f"PD extras not installed ({', '.join(missing)}): scripts/setup_env.sh installs "
                 "mooncake-transfer-engine-non-cuda and sglang-router")
+    if device == "cuda":
+        from importlib import metadata
+
+        try:
+            metadata.distribution("mooncake-transfer-engine-non-cuda")
+        except metadata.PackageNotFoundError:
+            return None
+        return ("the installed mooncake is the non-CUDA build (mooncake-transfer-engine-non-cuda), which cannot "
+                "transfer GPU memory: install mooncake-transfer-engine (CUDA build) on the GPU host")
     return None
+
+
+def device_args(device: str, mode: str) -> list:
+    """Both servers share one host: on GPU each takes a modest share of memory, the decode the second GPU if any."""
+    if device != "cuda":
+        return []
+    import torch
+
+    args = ["--mem-fraction-static", "0.35"]
+    if mode == "decode" and torch.cuda.device_count() > 1:
+        args += ["--base-gpu-id", "1"]
+    return args
 
 
 class PDCluster:
@@ -57,7 +79,7 @@ class PDCluster:
 
         def side(mode: str, args: Sequence[str], env: Optional[Mapping[str, str]]) -> SglangServer:
             flags = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", TRANSFER_BACKEND,
-                     "--disaggregation-bootstrap-port", str(self.bootstrap_port), *args]
+                     "--disaggregation-bootstrap-port", str(self.bootstrap_port), *device_args(device, mode), *args]
             return SglangServer(flags, env={**PD_ENV, **(env or {})}, log_path=self.log_dir / f"{mode}.log",
                                 device=device, max_total_tokens=max_total_tokens, python=self.python)
 
@@ -75,12 +97,16 @@ class PDCluster:
                 "--decode", self.decode.base_url, "--host", "127.0.0.1", "--port", str(self.router_port)]
 
     def start(self, timeout: float = 600.0) -> "PDCluster":
-        """Start both servers (the prefill first: it hosts the bootstrap server), then the router."""
+        """Start both servers, then the router; wait for one request to pass end to end."""
         t0 = time.monotonic()
         try:
-            # Servers become healthy without a transfer; /health_generate needs the router, so skip it here.
-            self.prefill.start(timeout=timeout, check_generate=False)
-            self.decode.start(timeout=timeout, check_generate=False)
+            # Both servers start at once (neither needs the other until a request comes); they become
+            # healthy without a transfer, and /health_generate needs the router, so it is skipped here.
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                starts = [pool.submit(srv.start, timeout=timeout, check_generate=False)
+                          for srv in (self.prefill, self.decode)]
+                for f in starts:
+                    f.result()
             self._start_router(t0 + timeout)
             self._wait_generate(t0 + timeout)
         except BaseException:

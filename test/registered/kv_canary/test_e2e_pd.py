@@ -1,0 +1,179 @@
+"""PD disaggregation end to end: prefill + decode + router (mooncake over TCP on loopback).
+
+The canary's records travel with the KV, so the decode side verifies what the
+prefill wrote, and its own TAIL writes continue the same chain:
+
+* clean: ``--kv-canary raise`` on both sides, mixed workload (shared prefixes,
+  prompts longer than the chunk size, aborts) -> every request succeeds, zero
+  violations, and the decode side verified the slots it received by transfer;
+* log: the prefill flips K/V bytes of slots it just wrote (``real_kv_post_forward``,
+  the seed's case) and the decode side flips bytes of slots right after they
+  arrive (``transfer``) -> every injection is a decode-side ``kv_hash``
+  violation naming the bootstrap room and the prefill slot it came from, the
+  prefill side stays clean, serving continues;
+* raise: the prefill's corruption stops the decode server with the report; the
+  prefill keeps serving.
+"""
+
+import pytest
+
+from kv_canary_testing.canary_e2e import (
+    CHUNKED_PREFILL_SIZE,
+    CanaryLog,
+    canary_pd_cluster,
+    e2e_device,
+    register_cpu_ci,
+    register_cuda_ci,
+)
+from kv_canary_testing.pd import pd_skip_reason
+from kv_canary_testing.workload import RequestSpec, build_workload, run_requests
+
+register_cpu_ci(est_time=600, suite="kv-canary-cpu")
+register_cuda_ci(est_time=600, suite="kv-canary-cuda")
+
+pytestmark = pytest.mark.skipif(pd_skip_reason(e2e_device()) is not None, reason=str(pd_skip_reason(e2e_device())))
+
+POST_FORWARD = "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB"
+TRANSFER = "SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB"
+PERTURB_COMMON = {"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "2", "SGLANG_KV_CANARY_PERTURB_SEED": "5"}
+# The prefill side runs without its radix cache in the perturbation runs, and prompts fit one chunk: a slot the
+# prefill corrupts after its TAIL is then read by nobody on the prefill side, only by the decode side after the
+# transfer (the seed's case: the prefill stays clean).
+PREFILL_NO_SHARING = ["--disable-radix-cache"]
+
+
+def unique_short_requests(n, seed, max_new_tokens=6):
+    """Prompts shorter than a chunk, each starting with its own word."""
+    import random
+
+    rng = random.Random(seed)
+    return [RequestSpec(i, "short", (i, *(rng.randrange(508) for _ in range(rng.randrange(8, 60)))), max_new_tokens)
+            for i in range(n)]
+
+
+def _cluster(request, tmp_path_factory, name, **kwargs):
+    reason = pd_skip_reason(e2e_device())
+    if reason:
+        pytest.skip(reason)
+    cluster = canary_pd_cluster(log_dir=tmp_path_factory.mktemp(name), **kwargs)
+    cluster.start(timeout=900)
+    request.addfinalizer(cluster.stop)
+    return cluster
+
+
+@pytest.fixture(scope="class")
+def clean(request, tmp_path_factory):
+    return _cluster(request, tmp_path_factory, "pd-clean", prefill_mode="raise", decode_mode="raise")
+
+
+@pytest.fixture(scope="class")
+def perturbed_log(request, tmp_path_factory):
+    return _cluster(request, tmp_path_factory, "pd-log", prefill_mode="log", decode_mode="log",
+                    prefill_env={POST_FORWARD: "0.3", **PERTURB_COMMON},
+                    decode_env={TRANSFER: "0.15", **PERTURB_COMMON},
+                    prefill_args=PREFILL_NO_SHARING)
+
+
+@pytest.fixture(scope="class")
+def perturbed_raise(request, tmp_path_factory):
+    return _cluster(request, tmp_path_factory, "pd-raise", prefill_mode="raise", decode_mode="raise",
+                    prefill_env={POST_FORWARD: "1", **PERTURB_COMMON}, prefill_args=PREFILL_NO_SHARING)
+
+
+def explained_by_prefill(violation, injection) -> bool:
+    """A decode violation on a slot that came from the prefill slot this injection flipped."""
+    return violation.get("origin_slot") == injection["slot"] and "kv_hash" in violation["kind"]
+
+
+def explained_by_transfer(violation, injection) -> bool:
+    return (violation["slot"], violation["rid"]) == (injection["slot"], injection["rid"]) and int(
+        violation["forward"]) >= int(injection["forward"]) and "kv_hash" in violation["kind"]
+
+
+@pytest.mark.e2e
+class TestPDClean:
+    N_REQUESTS = 60
+    N_ABORTS = 4
+
+    def test_mixed_workload_verifies_transferred_slots_with_no_violation(self, clean):
+        specs = build_workload(self.N_REQUESTS, seed=2027, n_aborts=self.N_ABORTS, long_len=(150, 300))
+        result = run_requests(clean.base_url, specs, concurrency=8, abort_mode="disconnect", timeout=600)
+        p, d = CanaryLog.read_settled(clean.prefill), CanaryLog.read_settled(clean.decode)
+        print(f"kv_canary_e2e_pd_clean device={e2e_device()} startup={clean.startup_seconds:.0f}s {result.summary()} "
+              f"prefill_slots_written={p.last_stat('slots_written')} prefill_slots_verified="
+              f"{p.last_stat('slots_verified')} decode_slots_verified={d.last_stat('slots_verified')} "
+              f"decode_slots_written={d.last_stat('slots_written')} "
+              f"pd_requests_received={d.last_stat('pd_requests_received')} "
+              f"pd_slots_received={d.last_stat('pd_slots_received')} "
+              f"pd_slots_verified={d.last_stat('pd_slots_verified')} "
+              f"violations={len(p.violations)}+{len(d.violations)}")
+        assert p.installed and d.installed
+        assert "kv_canary_pd=prefill" in p.text and "kv_canary_pd=decode" in d.text
+        assert result.failed == 0, "\n".join(result.errors[:5]) + "\n" + clean.decode.log_tail()
+        assert result.aborted == self.N_ABORTS and result.succeeded == self.N_REQUESTS - self.N_ABORTS
+        # the workload exercised prefix sharing (prefill radix cache) and chunked prefill before the transfer
+        assert result.cached_tokens > 0
+        assert max(o.prompt_tokens for o in result.outcomes) > CHUNKED_PREFILL_SIZE
+        assert clean.prefill.is_running() and clean.decode.is_running()
+        assert p.violations == [] and d.violations == [], (p.violations + d.violations)[:5]
+        for log in (p, d):
+            assert log.last_stat("violations") == 0 and log.last_stat("health_violations") == 0
+            assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat(
+                "forwards_host")
+        # every completed request's prompt arrived by transfer, and its first decode forward verified it
+        completed_prompt_tokens = sum(o.prompt_tokens for o in result.outcomes if o.status == "ok")
+        assert d.last_stat("pd_requests_received") >= result.succeeded
+        assert d.last_stat("pd_slots_received") >= completed_prompt_tokens
+        assert d.last_stat("pd_slots_verified") >= completed_prompt_tokens
+        assert d.last_stat("slots_verified") >= d.last_stat("pd_slots_verified")
+        assert "Traceback" not in p.text + d.text
+
+
+@pytest.mark.e2e
+class TestPDPerturbLog:
+    def test_prefill_and_transfer_corruption_surface_on_the_decode_side(self, perturbed_log):
+        specs = unique_short_requests(40, seed=11)
+        result = run_requests(perturbed_log.base_url, specs, concurrency=6, timeout=600)
+        p, d = CanaryLog.read_settled(perturbed_log.prefill), CanaryLog.read_settled(perturbed_log.decode)
+        pre = [i for i in p.perturbations if i["kv_canary_perturb"] == "real_kv_post_forward"]
+        xfer = [i for i in d.perturbations if i["kv_canary_perturb"] == "transfer"]
+        missed_pre = [i for i in pre if not any(explained_by_prefill(v, i) for v in d.violations)]
+        missed_xfer = [i for i in xfer if not any(explained_by_transfer(v, i) for v in d.violations)]
+        unexplained = [v for v in d.violations if not any(explained_by_prefill(v, i) for i in pre)
+                       and not any(explained_by_transfer(v, i) for i in xfer)]
+        print(f"kv_canary_e2e_pd_log {result.summary()} prefill_injections={len(pre)} "
+              f"caught_on_decode={len(pre) - len(missed_pre)} transfer_injections={len(xfer)} "
+              f"caught={len(xfer) - len(missed_xfer)} decode_violations={len(d.violations)} "
+              f"prefill_violations={len(p.violations)} pd_slots_verified={d.last_stat('pd_slots_verified')}")
+        assert result.failed == 0, "\n".join(result.errors[:5])
+        assert perturbed_log.prefill.is_running() and perturbed_log.decode.is_running()  # log mode: serving goes on
+        assert pre and xfer, "no injection happened"
+        assert p.violations == [], p.violations[:3]  # the prefill side stays clean
+        assert missed_pre == [] and missed_xfer == [], (missed_pre + missed_xfer)[:3]
+        assert unexplained == [], unexplained[:3]
+        # identity: the decode line names the decode rid, the bootstrap room, and the prefill slot and room;
+        # the workload sends its own rid, so the prefill's rid is the same string
+        for v in d.violations:
+            assert v["rid"].startswith("kvc-") and v["bootstrap_room"] == v.get("origin_room", v["bootstrap_room"])
+            assert "origin_slot" in v
+
+
+@pytest.mark.e2e
+class TestPDPerturbRaise:
+    def test_prefill_corruption_stops_the_decode_server(self, perturbed_raise):
+        result = run_requests(perturbed_raise.base_url, unique_short_requests(12, seed=12), concurrency=4,
+                              timeout=300)
+        code = perturbed_raise.decode.wait_exit(timeout=120)
+        p, d = CanaryLog.read(perturbed_raise.prefill), CanaryLog.read(perturbed_raise.decode)
+        pre = [i for i in p.perturbations if i["kv_canary_perturb"] == "real_kv_post_forward"]
+        print(f"kv_canary_e2e_pd_raise {result.summary()} decode_exit={code} prefill_injections={len(pre)} "
+              f"decode_violations={len(d.violations)}")
+        assert pre, p.text[-3000:]
+        assert code != 0 and "CanaryViolationError" in d.text
+        assert d.violations and any(explained_by_prefill(v, i) for v in d.violations for i in pre)
+        assert result.failed > 0  # in-flight requests failed instead of hanging
+        assert perturbed_raise.prefill.is_running() and p.violations == []
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
