@@ -98,6 +98,13 @@ def canary_pd_cluster(
                      device=device, max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device])
 
 
+def restart_canary_decode(cluster, decode_mode: str, *, decode_env: Optional[Mapping[str, str]] = None,
+                          decode_args: Sequence[str] = (), stats_every: int = 20):
+    """Replace a ``canary_pd_cluster``'s decode server by one with another canary mode/env (same port)."""
+    env, args = canary_env_and_args(decode_mode, decode_env, decode_args, cluster.decode.device, stats_every)
+    return cluster.restart_decode(args, env)
+
+
 @dataclass(frozen=True)
 class CanaryLog:
     """What a server log says about the canary."""

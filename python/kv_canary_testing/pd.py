@@ -83,6 +83,7 @@ class PDCluster:
             return SglangServer(flags, env={**PD_ENV, **(env or {})}, log_path=self.log_dir / f"{mode}.log",
                                 device=device, max_total_tokens=max_total_tokens, python=self.python)
 
+        self._side = side
         self.prefill = side("prefill", prefill_args, prefill_env)
         self.decode = side("decode", decode_args, decode_env)
         self.router_port = free_port()
@@ -156,6 +157,19 @@ class PDCluster:
                 last = repr(e)
             time.sleep(1.0)
         raise ServerError(f"PD /generate never succeeded ({last}); decode log:\n{self.decode.log_tail()}")
+
+    def restart_decode(self, decode_args: Sequence[str], decode_env: Optional[Mapping[str, str]] = None,
+                       timeout: float = 600.0) -> SglangServer:
+        """Replace the decode server by one with other flags/env on the same port (prefill and router stay)."""
+        old = self.decode
+        old.stop()
+        new = self._side("decode", decode_args, decode_env)
+        new.port, new.base_url = old.port, old.base_url
+        new.log_path = old.log_path.with_name(f"decode-{int(time.time())}.log")
+        self.decode = new
+        new.start(timeout=timeout, check_generate=False)
+        self._wait_generate(time.monotonic() + timeout)
+        return new
 
     def router_log(self) -> str:
         try:
