@@ -87,6 +87,7 @@ def canary_pd_cluster(
     device: Optional[str] = None,
     stats_every: int = 20,
     max_total_tokens: Optional[int] = None,
+    decode_drop_default_args: Sequence[str] = (),
 ):
     """A prefill + decode + router deployment (``kv_canary_testing.pd.PDCluster``), canary flags on each side."""
     from kv_canary_testing.pd import PDCluster
@@ -95,7 +96,8 @@ def canary_pd_cluster(
     p_env, p_args = canary_env_and_args(prefill_mode, prefill_env, prefill_args, device, stats_every)
     d_env, d_args = canary_env_and_args(decode_mode, decode_env, decode_args, device, stats_every)
     return PDCluster(log_dir=log_dir, prefill_args=p_args, decode_args=d_args, prefill_env=p_env, decode_env=d_env,
-                     device=device, max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device])
+                     device=device, max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device],
+                     decode_drop_default_args=decode_drop_default_args)
 
 
 def restart_canary_decode(cluster, decode_mode: str, *, decode_env: Optional[Mapping[str, str]] = None,

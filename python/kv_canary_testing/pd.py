@@ -71,6 +71,7 @@ class PDCluster:
         device: str = "cpu",
         max_total_tokens: Optional[int] = None,
         python: Optional[str] = None,
+        decode_drop_default_args: Sequence[str] = (),
     ):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -80,8 +81,10 @@ class PDCluster:
         def side(mode: str, args: Sequence[str], env: Optional[Mapping[str, str]]) -> SglangServer:
             flags = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", TRANSFER_BACKEND,
                      "--disaggregation-bootstrap-port", str(self.bootstrap_port), *device_args(device, mode), *args]
+            drop = decode_drop_default_args if mode == "decode" else ()
             return SglangServer(flags, env={**PD_ENV, **(env or {})}, log_path=self.log_dir / f"{mode}.log",
-                                device=device, max_total_tokens=max_total_tokens, python=self.python)
+                                device=device, max_total_tokens=max_total_tokens, python=self.python,
+                                drop_default_args=drop)
 
         self._side = side
         self.prefill = side("prefill", prefill_args, prefill_env)

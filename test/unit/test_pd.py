@@ -104,7 +104,32 @@ def test_book_counts_arrivals_verified_by_their_first_forward_and_names_the_orig
     assert book.identity("r1", slot=4, position=1) == {"bootstrap_room": 77, "origin_room": 77, "origin_slot": 4}
     assert book.identity("r1", slot=9, position=2) == {"bootstrap_room": 77, "origin": "missing"}
     assert book.identity("r1", slot=4, position=3) == {"bootstrap_room": 77}  # decode-written position
-    assert book.stats() == {"pd_requests_received": 2, "pd_slots_received": 8, "pd_slots_verified": 3}
+    assert book.stats() == {"pd_requests_received": 2, "pd_slots_received": 8, "pd_slots_verified": 3,
+                            "pd_fake_requests": 0}
+
+
+def test_fingerprint_in_place_matches_the_tail_kernel():
+    """A fake PD transfer's slots get exactly the records the TAIL would have written for the same sequence."""
+    from kv_canary.kernels import reference
+    from kv_canary.views import ForwardView
+    from kv_canary.transfer import fingerprint_in_place
+
+    pool, group, _ = _pool()
+    pool.k_buffer[0].normal_()
+    pool.v_buffer[0].normal_()
+    slots = torch.tensor([9, 3, 17, 30, 4], dtype=torch.int64)
+    tokens = [5, 6, 7, 8, 9]
+    req_to_token = torch.zeros((2, 8), dtype=torch.int32)
+    req_to_token[1, :5] = slots.to(torch.int32)
+    one = torch.tensor([1], dtype=torch.int64)
+    view = ForwardView(input_ids=torch.tensor(tokens), out_cache_loc=slots, req_pool_indices=one,
+                       seq_lens=torch.tensor([5]), new_starts=torch.tensor([0]), new_lens=torch.tensor([5]),
+                       batch_size=1, max_new_len=5)
+    reference.launch_write(group, view, req_to_token, torch.zeros(8, dtype=torch.int64), True)
+    want = group.records[slots].clone()
+    group.records.zero_()
+    fingerprint_in_place(group, slots, tokens)
+    assert torch.equal(group.records[slots], want)
 
 
 def test_decode_retraction_carries_the_records_to_the_host_and_back(monkeypatch):

@@ -13,7 +13,8 @@ Hook bodies (registered by ``sglang_plugin``), reading sglang objects by attribu
 * ``before_sender_send`` (MooncakeKVSender.send, prefill side): stamp
   (bootstrap room, slot) into ``origin`` for the pages being sent;
 * ``after_get_new_prebuilt_batch`` (decode side): the KV of these requests has
-  arrived; give the canary their tokens (token oracle) and identity;
+  arrived; give the canary their tokens (token oracle) and identity (a *fake*
+  transfer, sglang's warmup / health check, filled nothing: fingerprinted in place);
 * ``after_offload_kv_cache`` / ``around_load_kv_cache`` (decode-side
   retraction): the records go to the host and back with the KV.
 
@@ -189,10 +190,14 @@ def after_get_new_prebuilt_batch(batch, scheduler, *args, **kwargs) -> None:
     manager = _manager_of_scheduler(scheduler)
     if batch is None or manager is None or not manager.init_finished:
         return None
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
     for req in batch.reqs:
         tokens = (list(req.origin_input_ids) + list(req.output_ids))[: len(req.origin_input_ids) + max(
             0, len(req.output_ids) - 1)]
-        if len(req.output_ids) == 1 and manager.transfer is not None:
+        if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:  # sglang's warmup / health check
+            manager.note_fake_arrival(int(req.req_pool_idx), str(req.rid), tokens)
+        elif len(req.output_ids) == 1 and manager.transfer is not None:
             arrival = Arrival(rid=str(req.rid), room=int(req.bootstrap_room or 0), row=int(req.req_pool_idx),
                               received=len(tokens))
             manager.note_transfer_arrival(arrival, tokens)

@@ -37,7 +37,7 @@ from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
-from ..transfer import Arrival, TransferBook
+from ..transfer import Arrival, TransferBook, fingerprint_in_place
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
 from .single_forward import SingleForwardManager
 
@@ -286,6 +286,16 @@ class CanaryManager:
             self.transfer.note_arrival(arrival)
         if self.config.perturb_transfer_prob > 0:
             self._arrivals.append(arrival)
+
+    def note_fake_arrival(self, row: int, rid: str, tokens: Sequence[int]) -> None:
+        """PD decode side: a *fake* transfer filled nothing; fingerprint positions [0, len(tokens)) as they are."""
+        self.note_request_tokens(row, rid, tokens)
+        if len(tokens) > 0:
+            slots = self._req_to_token[row, : len(tokens)]
+            for group in self.groups:
+                fingerprint_in_place(group, slots, tokens)
+        if self.transfer is not None:
+            self.transfer.fake_requests += 1
 
     def attach_prefix_cache(self, prefix_cache) -> None:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""

@@ -66,7 +66,10 @@ def _cluster(request, tmp_path_factory, name, **kwargs):
 
 @pytest.fixture(scope="class")
 def clean(request, tmp_path_factory):
-    return _cluster(request, tmp_path_factory, "pd-clean", prefill_mode="raise", decode_mode="raise")
+    # The decode server runs sglang's PD warmup: a *fake* transfer (nothing is sent) followed by decode
+    # forwards that read never-written KV; the canary must fingerprint it in place, not stop the server.
+    return _cluster(request, tmp_path_factory, "pd-clean", prefill_mode="raise", decode_mode="raise",
+                    decode_drop_default_args=["--skip-server-warmup"])
 
 
 @pytest.fixture(scope="class")
@@ -102,8 +105,8 @@ class TestPDClean:
               f"decode_slots_written={d.last_stat('slots_written')} "
               f"pd_requests_received={d.last_stat('pd_requests_received')} "
               f"pd_slots_received={d.last_stat('pd_slots_received')} "
-              f"pd_slots_verified={d.last_stat('pd_slots_verified')} "
-              f"violations={len(p.violations)}+{len(d.violations)}")
+              f"pd_slots_verified={d.last_stat('pd_slots_verified')} pd_fake_requests="
+              f"{d.last_stat('pd_fake_requests')} violations={len(p.violations)}+{len(d.violations)}")
         assert p.installed and d.installed
         assert "kv_canary_pd=prefill" in p.text and "kv_canary_pd=decode" in d.text
         assert result.failed == 0, "\n".join(result.errors[:5]) + "\n" + clean.decode.log_tail()
@@ -123,6 +126,7 @@ class TestPDClean:
         assert d.last_stat("pd_slots_received") >= completed_prompt_tokens
         assert d.last_stat("pd_slots_verified") >= completed_prompt_tokens
         assert d.last_stat("slots_verified") >= d.last_stat("pd_slots_verified")
+        assert d.last_stat("pd_fake_requests") >= 1 and "pd disaggregation warmup" in d.text  # sglang's warmup
         assert "Traceback" not in p.text + d.text
 
 
