@@ -74,28 +74,6 @@ def mark_sent(origin: torch.Tensor, page_indices: Sequence[int], page_size: int,
         torch.cuda.current_stream(origin.device).synchronize()
 
 
-def fingerprint_in_place(group, slots: torch.Tensor, tokens: Sequence[int]) -> None:
-    """Write records for a sequence's positions [0, n) from the live K/V (no forward, no counters).
-
-    For slots sglang fills with nothing at all: a *fake* PD transfer (sglang's own
-    warmup and health-check requests carry bootstrap host ``FAKE_BOOTSTRAP_HOST``,
-    and the decode side then reads never-written KV). There is nothing to verify
-    there; fingerprinting what is in place keeps later reads from false alarms and
-    lets the decode TAIL chain onto it. Same formulas as the TAIL kernels.
-    """
-    from .fingerprint import CHAIN_ANCHOR, F_CHAIN, F_KV_HASH, F_POSITION, F_TOKEN, chain_term, kv_hash_from_words
-
-    device = group.records.device
-    slots = slots.to(device=device, dtype=torch.int64)
-    tok = torch.tensor(list(tokens), dtype=torch.int64, device=device)
-    pos = torch.arange(tok.numel(), dtype=torch.int64, device=device)
-    rec = torch.empty((tok.numel(), group.records.shape[1]), dtype=torch.int64, device=device)
-    rec[:, F_TOKEN], rec[:, F_POSITION] = tok, pos
-    rec[:, F_CHAIN] = torch.cumsum(chain_term(tok, pos), 0) + CHAIN_ANCHOR
-    rec[:, F_KV_HASH] = kv_hash_from_words(group.hashed_words(slots))
-    group.records[slots] = rec
-
-
 @dataclass(frozen=True)
 class Arrival:
     """One request whose KV arrived by transfer (decode side): positions [0, received) of ``row``."""

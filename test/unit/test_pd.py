@@ -16,6 +16,7 @@ from kv_canary.adapter import disagg
 from kv_canary.adapter.pools import register_sglang_pools
 from kv_canary.buffer_groups import attach_canary_buffers
 from kv_canary.config import CanaryConfig, CanaryMode
+from kv_canary.violations import parse_lines
 from kv_canary.transfer import Arrival, TransferBook, extra_buf_infos, mark_sent, new_origin, splice
 
 memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
@@ -108,28 +109,68 @@ def test_book_counts_arrivals_verified_by_their_first_forward_and_names_the_orig
                             "pd_fake_requests": 0}
 
 
-def test_fingerprint_in_place_matches_the_tail_kernel():
-    """A fake PD transfer's slots get exactly the records the TAIL would have written for the same sequence."""
-    from kv_canary.kernels import reference
-    from kv_canary.views import ForwardView
-    from kv_canary.transfer import fingerprint_in_place
+def _decode_harness(mode=CanaryMode.LOG):
+    """test_runner's Harness (real ForwardBatch objects, reference kernels) as a PD decode side."""
+    import importlib.util
+    from pathlib import Path
 
-    pool, group, _ = _pool()
-    pool.k_buffer[0].normal_()
-    pool.v_buffer[0].normal_()
-    slots = torch.tensor([9, 3, 17, 30, 4], dtype=torch.int64)
-    tokens = [5, 6, 7, 8, 9]
-    req_to_token = torch.zeros((2, 8), dtype=torch.int32)
-    req_to_token[1, :5] = slots.to(torch.int32)
-    one = torch.tensor([1], dtype=torch.int64)
-    view = ForwardView(input_ids=torch.tensor(tokens), out_cache_loc=slots, req_pool_indices=one,
-                       seq_lens=torch.tensor([5]), new_starts=torch.tensor([0]), new_lens=torch.tensor([5]),
-                       batch_size=1, max_new_len=5)
-    reference.launch_write(group, view, req_to_token, torch.zeros(8, dtype=torch.int64), True)
-    want = group.records[slots].clone()
-    group.records.zero_()
-    fingerprint_in_place(group, slots, tokens)
-    assert torch.equal(group.records[slots], want)
+    spec = importlib.util.spec_from_file_location("kvc_test_runner", Path(__file__).with_name("test_runner.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    h = mod.Harness(mode=mode)
+    group = h.manager.groups[0]
+    h.manager.attach_transfer(TransferBook("decode", new_origin(group.num_slots, torch.device("cpu"))))
+    h.manager.mark_init_finished()
+    return h, group
+
+
+def _prefill_and_transfer(h, group, row, tokens, room):
+    """What the prefill + transfer leave on the decode side: KV rows and the prefill's records in new slots."""
+    prefill, p_group = _decode_harness()
+    prefill.step(prefill.batch({1: tokens}))
+    src = prefill.r2t[1, : len(tokens)].long()
+    dst = torch.arange(200, 200 + len(tokens))
+    h.k[dst], h.v[dst] = prefill.k[src], prefill.v[src]
+    group.records[dst] = p_group.records[src]
+    h.manager.transfer.origin[dst] = torch.stack([torch.full_like(src, room), src], 1)
+    h.r2t[row, : len(tokens)] = dst.to(torch.int32)
+    h.lens[row] = len(tokens)
+    return dst
+
+
+def test_decode_side_verifies_the_transfer_and_continues_the_chain(caplog):
+    h, group = _decode_harness()
+    tokens = [5, 6, 7, 8]
+    dst = _prefill_and_transfer(h, group, row=2, tokens=tokens, room=4242)
+    h.manager.note_transfer_arrival(Arrival(rid="r2", room=4242, row=2, received=4), tokens)
+    with caplog.at_level("ERROR", logger="kv_canary"):
+        h.step(h.batch({2: [9]}, decode=True))  # HEAD reads the 4 received slots, TAIL chains position 4 on
+        h.step(h.batch({2: [10]}, decode=True))
+        h.manager.poll(drain=True)
+    assert h.manager.violations_reported == 0, caplog.text
+    assert h.manager.transfer.stats()["pd_slots_verified"] == 4
+    h.v[dst[1]] += 1.0  # the transferred bytes of position 1 change after arrival
+    with caplog.at_level("ERROR", logger="kv_canary"):
+        h.step(h.batch({2: [11]}, decode=True))
+        h.manager.poll(drain=True)
+    (v,) = parse_lines(caplog.text, "kv_canary_violation")
+    assert (v["kind"], v["rid"], v["position"]) == ("kv_hash", "r2", "1")
+    assert (v["bootstrap_room"], v["origin_room"]) == ("4242", "4242") and int(v["origin_slot"]) > 0
+
+
+def test_a_fake_transfer_is_fingerprinted_in_place_without_touching_the_counters(caplog):
+    h, group = _decode_harness()
+    h.r2t[3, :4] = torch.tensor([150, 151, 152, 153], dtype=torch.int32)  # slots sglang filled with nothing
+    h.k[150:154] = 3.25
+    h.lens[3] = 4
+    before = h.manager.counters.clone()
+    h.manager.note_fake_arrival(3, "HEALTH_CHECK_1", [0, 1, 2, 3])
+    assert torch.equal(h.manager.counters, before)
+    with caplog.at_level("ERROR", logger="kv_canary"):
+        h.step(h.batch({3: [4]}, decode=True))
+        h.manager.poll(drain=True)
+    assert h.manager.violations_reported == 0 and h.manager.health_violations == 0, caplog.text
+    assert h.manager.transfer.fake_requests == 1
 
 
 def test_decode_retraction_carries_the_records_to_the_host_and_back(monkeypatch):

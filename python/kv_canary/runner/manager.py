@@ -37,7 +37,7 @@ from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
-from ..transfer import Arrival, TransferBook, fingerprint_in_place
+from ..transfer import Arrival, TransferBook
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
 from .single_forward import SingleForwardManager
 
@@ -288,12 +288,26 @@ class CanaryManager:
             self._arrivals.append(arrival)
 
     def note_fake_arrival(self, row: int, rid: str, tokens: Sequence[int]) -> None:
-        """PD decode side: a *fake* transfer filled nothing; fingerprint positions [0, len(tokens)) as they are."""
+        """PD decode side: a *fake* transfer (sglang's warmup / health check) filled positions [0, n) with nothing.
+
+        There is nothing to verify there; the TAIL kernel fingerprints the slots as
+        they are (eager, outside any graph, counting into a scratch tensor so the
+        health check is untouched), so later reads do not false-alarm and the decode
+        TAIL chains onto them.
+        """
         self.note_request_tokens(row, rid, tokens)
-        if len(tokens) > 0:
-            slots = self._req_to_token[row, : len(tokens)]
+        n = len(tokens)
+        if n > 0:
+            dev = self.counters.device
+            one = torch.ones(1, dtype=torch.int64, device=dev)
+            view = ForwardView(
+                input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
+                out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
+                seq_lens=one * n, new_starts=one * 0, new_lens=one * n, batch_size=1, max_new_len=n,
+            )
+            scratch = torch.zeros_like(self.counters)
             for group in self.groups:
-                fingerprint_in_place(group, slots, tokens)
+                self.kernels.write(group, view, self._req_to_token, scratch, False)
         if self.transfer is not None:
             self.transfer.fake_requests += 1
 
