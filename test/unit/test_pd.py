@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kv_canary import fingerprint as fp
 from kv_canary.adapter import disagg
 from kv_canary.adapter.pools import register_sglang_pools
 from kv_canary.buffer_groups import attach_canary_buffers
@@ -55,12 +56,12 @@ def test_records_and_origin_travel_with_the_kv_through_sglangs_send_path():
     d_pool, d_group, d_origin = _pool()
     p_infos = splice(p_pool.get_contiguous_buf_infos(), extra_buf_infos(p_group.records, p_origin, 1))
     d_infos = splice(d_pool.get_contiguous_buf_infos(), extra_buf_infos(d_group.records, d_origin, 1))
-    assert len(p_infos[0]) == 2 * 3 + 2 and p_infos[2][-2:] == [32, 16]
+    assert len(p_infos[0]) == 2 * 3 + 2 and p_infos[2][-2:] == [8 * fp.RECORD_WIDTH, 16]
     src, dst = [5, 6, 7, 20], [40, 41, 9, 10]
     for layer in range(3):
         p_pool.k_buffer[layer].normal_()
         p_pool.v_buffer[layer].normal_()
-    p_group.records[src] = torch.arange(len(src) * 4, dtype=torch.int64).reshape(-1, 4) + 100
+    p_group.records[src] = torch.arange(len(src) * fp.RECORD_WIDTH, dtype=torch.int64).reshape(len(src), -1) + 100
     mark_sent(p_origin, src, 1, room=987654321)
     conn, mgr = _mooncake_manager(p_infos)
     import numpy as np
@@ -190,7 +191,7 @@ def test_decode_retraction_carries_the_records_to_the_host_and_back(monkeypatch)
     req.req_pool_idx = 1
     old = allocator.alloc(5)
     req_to_token.req_to_token[1, :5] = old.to(torch.int32)
-    group.records[old] = torch.arange(20, dtype=torch.int64).reshape(5, 4) + 1
+    group.records[old] = torch.arange(5 * fp.RECORD_WIDTH, dtype=torch.int64).reshape(5, -1) + 1
     pool.k_buffer[0][old] = 1.5
     req.offload_kv_cache(req_to_token, allocator)
     disagg.after_offload_kv_cache(None, req, req_to_token, allocator)
