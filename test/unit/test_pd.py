@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kv_canary import fingerprint as fp
 from kv_canary.adapter import disagg
 from kv_canary.adapter.pools import register_sglang_pools
 from kv_canary.buffer_groups import attach_canary_buffers
@@ -55,12 +56,12 @@ def test_records_and_origin_travel_with_the_kv_through_sglangs_send_path():
     d_pool, d_group, d_origin = _pool()
     p_infos = splice(p_pool.get_contiguous_buf_infos(), extra_buf_infos(p_group.records, p_origin, 1))
     d_infos = splice(d_pool.get_contiguous_buf_infos(), extra_buf_infos(d_group.records, d_origin, 1))
-    assert len(p_infos[0]) == 2 * 3 + 2 and p_infos[2][-2:] == [32, 16]
+    assert len(p_infos[0]) == 2 * 3 + 2 and p_infos[2][-2:] == [8 * fp.RECORD_WIDTH, 16]
     src, dst = [5, 6, 7, 20], [40, 41, 9, 10]
     for layer in range(3):
         p_pool.k_buffer[layer].normal_()
         p_pool.v_buffer[layer].normal_()
-    p_group.records[src] = torch.arange(len(src) * 4, dtype=torch.int64).reshape(-1, 4) + 100
+    p_group.records[src] = torch.arange(len(src) * fp.RECORD_WIDTH, dtype=torch.int64).reshape(len(src), -1) + 100
     mark_sent(p_origin, src, 1, room=987654321)
     conn, mgr = _mooncake_manager(p_infos)
     import numpy as np
@@ -142,7 +143,7 @@ def test_decode_side_verifies_the_transfer_and_continues_the_chain(caplog):
     h, group = _decode_harness()
     tokens = [5, 6, 7, 8]
     dst = _prefill_and_transfer(h, group, row=2, tokens=tokens, room=4242)
-    h.manager.note_transfer_arrival(Arrival(rid="r2", room=4242, row=2, received=4), tokens)
+    h.manager.note_transfer_arrival(Arrival(rid="r2", room=4242, row=2, received=4), tokens, [9])
     with caplog.at_level("ERROR", logger="kv_canary"):
         h.step(h.batch({2: [9]}, decode=True))  # HEAD reads the 4 received slots, TAIL chains position 4 on
         h.step(h.batch({2: [10]}, decode=True))
@@ -164,7 +165,7 @@ def test_a_fake_transfer_is_fingerprinted_in_place_without_touching_the_counters
     h.k[150:154] = 3.25
     h.lens[3] = 4
     before = h.manager.counters.clone()
-    h.manager.note_fake_arrival(3, "HEALTH_CHECK_1", [0, 1, 2, 3])
+    h.manager.note_fake_arrival(3, "HEALTH_CHECK_1", [0, 1, 2, 3], [4])
     assert torch.equal(h.manager.counters, before)
     with caplog.at_level("ERROR", logger="kv_canary"):
         h.step(h.batch({3: [4]}, decode=True))
@@ -190,7 +191,7 @@ def test_decode_retraction_carries_the_records_to_the_host_and_back(monkeypatch)
     req.req_pool_idx = 1
     old = allocator.alloc(5)
     req_to_token.req_to_token[1, :5] = old.to(torch.int32)
-    group.records[old] = torch.arange(20, dtype=torch.int64).reshape(5, 4) + 1
+    group.records[old] = torch.arange(5 * fp.RECORD_WIDTH, dtype=torch.int64).reshape(5, -1) + 1
     pool.k_buffer[0][old] = 1.5
     req.offload_kv_cache(req_to_token, allocator)
     disagg.after_offload_kv_cache(None, req, req_to_token, allocator)
