@@ -47,6 +47,7 @@ class DecodeBatch:
         self.out_cache_loc = torch.arange(bs, device=device) * (ctx + 1) + 1 + ctx
         self.req_pool_indices = torch.arange(1, bs + 1, device=device)
         self.seq_lens = torch.full((bs,), ctx + 1, device=device)
+        self.positions = torch.full((bs,), ctx, device=device)
         self.rids = [f"r{i}" for i in range(bs)]
 
 
@@ -106,12 +107,15 @@ def main() -> int:
     # Records (and expected tokens) for the prefix: one extend-like TAIL pass per request.
     from kv_canary.views import ForwardView
     for i in range(bs):
+        prompt = torch.randint(1, 1000, (ctx,), device=device)
+        m.token_oracle.expected_tokens[i + 1, :ctx] = prompt.to(torch.int32)  # the request's own tokens
+        m.token_oracle.expected_tokens[i + 1, ctx] = fb.input_ids[i].to(torch.int32)  # its next (decode) token
         view = ForwardView(
-            input_ids=torch.randint(1, 1000, (ctx,), device=device),
+            input_ids=prompt, positions=torch.arange(ctx, device=device),
             out_cache_loc=r2t[i + 1, :ctx].to(torch.int64), req_pool_indices=fb.req_pool_indices[i:i + 1],
             seq_lens=torch.tensor([ctx], device=device), new_starts=torch.zeros(1, dtype=torch.int64, device=device),
             new_lens=torch.tensor([ctx], device=device), batch_size=1, max_new_len=ctx)
-        m.kernels.write(group, view, r2t, m.counters, False, expected_tokens=m.expected_tokens)
+        m.kernels.write(group, view, r2t, m.counters, m.ring, False, token_oracle=m.token_oracle)
     sync()
 
     def run(bracketed: bool) -> float:

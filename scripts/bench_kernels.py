@@ -206,6 +206,7 @@ class CaseRig:
         from kv_canary.views import ForwardView, LaunchCapacities
         from kv_canary.buffer_groups import PoolLayout, build_group
         from kv_canary.runner import SingleForwardManager
+        from kv_canary.token_oracle import TokenOracle
 
         self.fp, self.case = fp, case
         bs, ctx = case.bs, case.ctx
@@ -237,7 +238,9 @@ class CaseRig:
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.counters[fp.C_REPORT_ENABLED] = 1
         ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
-        expected_tokens = torch.zeros(r2t.shape, dtype=torch.int32, device=device) if config.verify_tokens else None
+        oracle = (TokenOracle(rows=r2t.shape[0], ctx=r2t.shape[1], max_batch_size=bs + 1, device=device,
+                              record_sampled_kernel=select_kernels(KernelBackend.TRITON, device).record_sampled)
+                  if config.uses_token_oracle else None)
         target = (VERIFY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else CPU_VERIFY_PROGRAMS_TARGET)
         capacities = LaunchCapacities(max_batch_size=max(args.batch_sizes) + 1, max_context_len=width,
@@ -246,15 +249,21 @@ class CaseRig:
         self.sfm = SingleForwardManager(
             index=0, groups=[self.group], kernels=select_kernels(KernelBackend.TRITON, device), req_to_token=r2t,
             counters=self.counters, ring=ring, capacities=capacities, on_tail=lambda: None,
-            expected_tokens=expected_tokens,
+            token_oracle=oracle,
         )
 
         def ids(count):
             return torch.randint(1, args.vocab, (count,), generator=gen, device=device, dtype=torch.int64)
 
         # Prefill: the real TAIL fingerprints positions [0, ctx) of every request (and stores their tokens).
+        prefill_ids = ids(bs * ctx)
+        decode_ids = ids(bs)
+        if oracle is not None:  # the requests' own tokens, as the scheduler records them
+            oracle.expected_tokens[rows, :ctx] = prefill_ids.view(bs, ctx).to(torch.int32)
+            oracle.expected_tokens[rows, ctx] = decode_ids.to(torch.int32)
         prefill = ForwardView(
-            input_ids=ids(bs * ctx),
+            input_ids=prefill_ids,
+            positions=torch.arange(ctx, dtype=torch.int64, device=device).repeat(bs),
             out_cache_loc=slots[:, :ctx].reshape(-1).to(torch.int64).contiguous(),
             req_pool_indices=rows,
             seq_lens=torch.full((bs,), ctx, dtype=torch.int64, device=device),
@@ -267,7 +276,8 @@ class CaseRig:
         del prefill
         # Decode: one new token per request at position ctx; HEAD verifies the ctx cached slots.
         self.view = ForwardView(
-            input_ids=ids(bs),
+            input_ids=decode_ids,
+            positions=torch.full((bs,), ctx, dtype=torch.int64, device=device),
             out_cache_loc=slots[:, ctx].to(torch.int64).contiguous(),
             req_pool_indices=rows,
             seq_lens=torch.full((bs,), ctx + 1, dtype=torch.int64, device=device),

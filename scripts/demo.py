@@ -22,9 +22,9 @@ from kv_canary_testing.canary_e2e import CanaryLog, canary_server
 from kv_canary_testing.workload import build_workload, run_requests
 
 
-def run_phase(title, mode, env, n_requests, log_dir: Path, device: str):
+def run_phase(title, mode, env, n_requests, log_dir: Path, device: str, extra_args=()):
     print(f"\n=== {title} ===", flush=True)
-    srv = canary_server(mode, log_path=log_dir / f"{mode}.log", env=env, device=device)
+    srv = canary_server(mode, log_path=log_dir / f"{mode}.log", env=env, device=device, extra_args=extra_args)
     t0 = time.monotonic()
     with srv:
         print(f"server up on {srv.base_url} in {time.monotonic() - t0:.0f}s "
@@ -50,8 +50,9 @@ def main() -> int:
     clean, clean_log = run_phase("clean run, --kv-canary raise", "raise", {}, args.requests, log_dir, args.device)
     perturb_env = {"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.1",
                    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10"}
-    _, bad_log = run_phase("deliberate corruption, --kv-canary log", "log", perturb_env, args.requests, log_dir,
-                           args.device)
+    # The flips land anywhere in a slot (any layer, K or V, any byte): hash every byte to catch them all.
+    _, bad_log = run_phase("deliberate corruption, --kv-canary log --kv-canary-real-data all", "log", perturb_env,
+                           args.requests, log_dir, args.device, extra_args=["--kv-canary-real-data", "all"])
     print("\ninjections (kv_canary_perturb=) and the first violation reported for each slot:")
     for p in bad_log.perturbations[:10]:
         hits = [v for v in bad_log.violations if v["slot"] == p["slot"] and int(v["forward"]) >= int(p["forward"])]

@@ -35,6 +35,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
     config = CanaryConfig.build(
         mode=getattr(server_args, "kv_canary", "none"),
         sweep_interval=getattr(server_args, "kv_canary_sweep_interval", 0),
+        real_data=getattr(server_args, "kv_canary_real_data", "partial"),
         environ=environ,
         disable_piecewise_cuda_graph=bool(getattr(server_args, "disable_piecewise_cuda_graph", True))
         or str(getattr(server_args, "device", "cuda")) == "cpu",
@@ -54,6 +55,12 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "(EAGLE draft support comes next); verifying the target model only"
         )
         return None
+    if getattr(model_runner, "model_is_mrope", False):
+        raise CanaryConfigError(
+            f"--kv-canary {config.mode.value}: this model uses M-RoPE (multimodal rotary positions, "
+            "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
+            "run it with --kv-canary none"
+        )
     device = torch.device(model_runner.device)
     register_sglang_pools()
     groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device)
@@ -78,6 +85,10 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
         manager.attach_transfer(TransferBook(pd_mode, new_origin(groups[0].num_slots, device)))
     _patch_model_forward(model_runner.model, manager)
+    if config.scrub_slots_per_forward:
+        span = groups[0].num_slots - 1
+        logger.info("kv_canary_scrub=%d pool_slots=%d every_slot_within_forwards=%d",
+                    config.scrub_slots_per_forward, span, -(-span // config.scrub_slots_per_forward))
     logger.info(
         "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d "
         "disaggregation=%s",

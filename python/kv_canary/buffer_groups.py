@@ -15,11 +15,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import CanaryConfig, CanaryConfigError
+from .config import CanaryConfig, CanaryConfigError, RealData
 from .fingerprint import RECORD_WIDTH
-
-MAX_HASHED_LAYERS = 4
-
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -28,42 +25,66 @@ class PoolLayout:
     name: str
     k_buffers: Sequence[torch.Tensor]
     v_buffers: Optional[Sequence[torch.Tensor]]  # None for MLA-style pools (no V half)
-    slot_translation: Optional[torch.Tensor] = None  # full slot -> this group's slot (SWA)
+
+
+@dataclass(frozen=True)
+class KVRow:
+    """The K or V row of one layer, as a live int32 view ``[num_slots, row_words]``.
+
+    ``words`` is how many words from the start of each row the kv_hash covers
+    (the whole row with ``--kv-canary-real-data all``).
+    """
+
+    layer: int
+    half: str  # "k" or "v"
+    view: torch.Tensor
+    words: int
+
+    @property
+    def row_words(self) -> int:
+        return int(self.view.shape[1])
 
 
 @dataclass(frozen=True)
 class CanaryBufferGroup:
-    """Records and hash views of one slot index space.
+    """Records and hash sources of one slot index space.
 
     records: int64[num_slots, RECORD_WIDTH] (zeros = never written)
-    k_views / v_views: int32[num_slots, row_words], live views of hashed layers
-    hash_words: 32-bit words hashed from the start of each K (and V) row
+    sources: the hashed rows, in the kv_hash's canonical order (per layer: K, then V)
+    rows: every layer's K and V row, whole (what a K/V perturbation may hit)
+    source_table: int64[len(sources), 4] on the device, one row per source:
+        (int32 offset of the source's view from ``base``, row stride in words,
+        words hashed, index of its first word in the canonical order)
+    base: the int32 view with the lowest address (kernel pointer base; offsets >= 0)
+    full_table / full_base: the same over ``rows`` (every byte: the scrub's FULL_HASH)
     """
 
     name: str
     records: torch.Tensor
-    k_views: Tuple[torch.Tensor, ...]
-    v_views: Tuple[torch.Tensor, ...]
-    hash_words: int
-    hashed_layers: Tuple[int, ...]
-    slot_translation: Optional[torch.Tensor] = None
+    sources: Tuple[KVRow, ...]
+    rows: Tuple[KVRow, ...]
+    source_table: torch.Tensor
+    base: torch.Tensor
+    full_table: torch.Tensor
+    full_base: torch.Tensor
 
     @property
     def num_slots(self) -> int:
         return int(self.records.shape[0])
 
     @property
-    def has_v(self) -> bool:
-        return len(self.v_views) > 0
+    def hashed_word_count(self) -> int:
+        return sum(s.words for s in self.sources)
+
+    def all_words(self, slots: torch.Tensor) -> torch.Tensor:
+        """int32[n, every word of every row] of the given slots, canonical order (the FULL_HASH's input)."""
+        return torch.cat([r.view[slots] for r in self.rows], dim=1)
 
     def hashed_words(self, slots: torch.Tensor) -> torch.Tensor:
-        """int32[n, words] of the given slots, canonical order (per layer: K words, then V words)."""
-        parts = []
-        for i in range(len(self.k_views)):
-            parts.append(self.k_views[i][slots, : self.hash_words])
-            if self.has_v:
-                parts.append(self.v_views[i][slots, : self.hash_words])
-        return torch.cat(parts, dim=1)
+        """int32[n, hashed_word_count] of the given slots, canonical order (the sources' words, concatenated)."""
+        if not self.sources:
+            return torch.zeros((int(slots.shape[0]), 0), dtype=torch.int32, device=self.records.device)
+        return torch.cat([s.view[slots, : s.words] for s in self.sources], dim=1)
 
 
 LayoutExtractor = Callable[[object], List[PoolLayout]]
@@ -92,36 +113,52 @@ def int32_row_view(buf: torch.Tensor) -> torch.Tensor:
 
 def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) -> CanaryBufferGroup:
     num_layers = len(layout.k_buffers)
-    for layer in config.kv_hash_layers:
-        if layer >= num_layers:
-            raise CanaryConfigError(
-                f"SGLANG_KV_CANARY_KV_HASH_LAYERS names layer {layer}, but pool group "
-                f"'{layout.name}' has {num_layers} layers (0..{num_layers - 1})"
-            )
-    if len(config.kv_hash_layers) > MAX_HASHED_LAYERS:
-        raise CanaryConfigError(
-            f"SGLANG_KV_CANARY_KV_HASH_LAYERS names {len(config.kv_hash_layers)} layers; "
-            f"at most {MAX_HASHED_LAYERS} are supported"
-        )
-    k_views = tuple(int32_row_view(layout.k_buffers[i]) for i in config.kv_hash_layers)
-    v_views = (
-        tuple(int32_row_view(layout.v_buffers[i]) for i in config.kv_hash_layers)
-        if layout.v_buffers is not None
-        else ()
-    )
-    row_words = min(v.shape[1] for v in k_views + v_views)
-    hash_words = min(config.kv_hash_bytes // 4, row_words)
-    num_slots = int(k_views[0].shape[0])
+    rows: List[KVRow] = []
+    for layer in range(num_layers):
+        halves = [("k", layout.k_buffers[layer])]
+        if layout.v_buffers is not None:
+            halves.append(("v", layout.v_buffers[layer]))
+        for half, buf in halves:
+            view = int32_row_view(buf)
+            rows.append(KVRow(layer=layer, half=half, view=view, words=int(view.shape[1])))
+    if config.real_data is RealData.ALL:
+        sources = list(rows)
+    elif config.real_data is RealData.PARTIAL:
+        for layer in config.kv_hash_layers:
+            if layer >= num_layers:
+                raise CanaryConfigError(
+                    f"SGLANG_KV_CANARY_KV_HASH_LAYERS names layer {layer}, but pool group "
+                    f"'{layout.name}' has {num_layers} layers (0..{num_layers - 1})"
+                )
+        by_layer = {(r.layer, r.half): r for r in rows}
+        sources = [
+            KVRow(layer=r.layer, half=r.half, view=r.view, words=min(config.kv_hash_bytes // 4, r.row_words))
+            for layer in config.kv_hash_layers
+            for r in (by_layer[(layer, h)] for h in ("k", "v") if (layer, h) in by_layer)
+        ]
+    else:
+        sources = []
+    num_slots = int((sources or rows)[0].view.shape[0])
     records = torch.zeros((num_slots, RECORD_WIDTH), dtype=torch.int64, device=device)
+    source_table, base = _source_table(sources, rows[0].view, device)
+    full_table, full_base = _source_table(rows, rows[0].view, device)
     return CanaryBufferGroup(
-        name=layout.name,
-        records=records,
-        k_views=k_views,
-        v_views=v_views,
-        hash_words=hash_words,
-        hashed_layers=tuple(config.kv_hash_layers),
-        slot_translation=layout.slot_translation,
+        name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
+        source_table=source_table, base=base, full_table=full_table, full_base=full_base,
     )
+
+
+def _source_table(sources: Sequence[KVRow], fallback: torch.Tensor, device: torch.device):
+    """(int64[n, 4] device table, base view) for the kernels' ``_kv_hash`` (see ``CanaryBufferGroup``)."""
+    base = min((s.view for s in sources), key=lambda v: v.data_ptr(), default=fallback)
+    table, first = [], 0
+    for s in sources:
+        delta = s.view.data_ptr() - base.data_ptr()
+        if delta % 4:
+            raise CanaryConfigError("kv-canary: a KV buffer is not 4-byte aligned; cannot hash it in place")
+        table.append([delta // 4, s.view.stride(0), s.words, first])
+        first += s.words
+    return torch.tensor(table or [[0, 0, 0, 0]], dtype=torch.int64, device=device), base
 
 
 def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.device) -> List[CanaryBufferGroup]:

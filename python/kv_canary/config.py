@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 ENV_PREFIX = "SGLANG_KV_CANARY_"
 FLAG_MODE = "--kv-canary"
 FLAG_SWEEP_INTERVAL = "--kv-canary-sweep-interval"
+FLAG_REAL_DATA = "--kv-canary-real-data"
 
 
 class CanaryConfigError(ValueError):
@@ -29,6 +30,14 @@ class CanaryMode(str, enum.Enum):
     @property
     def enabled(self) -> bool:
         return self is not CanaryMode.NONE
+
+
+class RealData(str, enum.Enum):
+    """How much of each slot's real K/V bytes the kv_hash covers (upstream's flag and meaning)."""
+
+    NONE = "none"  # no K/V bytes: the fingerprint is token, position, chain
+    PARTIAL = "partial"  # SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS
+    ALL = "all"  # every byte of K and V of every layer
 
 
 class KernelBackend(str, enum.Enum):
@@ -70,6 +79,25 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise CanaryConfigError(f"{name}={raw!r}: expected 1/0 (true/false)")
 
 
+def _parse_kv_bytes(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value in ("anywhere", "hashed"):
+        return value
+    parts = value.split(":")
+    if len(parts) == 3 and parts[1] in ("k", "v"):
+        try:
+            int(parts[0])
+            if parts[2] != "mid":
+                int(parts[2])
+            return value
+        except ValueError:
+            pass
+    raise CanaryConfigError(
+        f"{name}={raw!r}: expected 'anywhere', 'hashed' or LAYER:HALF:BYTE "
+        "(e.g. '-1:k:mid': the middle byte of the last layer's K row)"
+    )
+
+
 def _parse_layers(name: str, raw: str) -> Tuple[int, ...]:
     parts = [p.strip() for p in raw.split(",") if p.strip()]
     if not parts:
@@ -101,8 +129,15 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                       "bytes of K and of V hashed per slot and layer (multiple of 4, default 16)"),
     "KV_HASH_LAYERS": ("kv_hash_layers", _parse_layers,
                        "comma-separated layer ids whose K/V bytes are hashed (default 0)"),
+    "ENABLE_TOKEN_ORACLE": ("token_oracle", _parse_bool,
+                            "keep each request's own tokens from the scheduler's record on the device; the token "
+                            "checks need it (default 1)"),
     "ENABLE_VERIFY_TOKEN_ASSERT": ("verify_tokens", _parse_bool,
-                                   "check each verified slot's token against the request's own token (default 1)"),
+                                   "HEAD: check each verified slot's token against the request's own token "
+                                   "(default 1; needs the token oracle)"),
+    "ENABLE_WRITE_INPUT_ASSERT": ("write_input_assert", _parse_bool,
+                                  "TAIL: check the positions and (with the token oracle) tokens each forward is fed "
+                                  "(default 1)"),
     "RING_CAPACITY": ("ring_capacity", _parse_int(16, 1 << 20),
                       "violation records kept on the device between host reads (default 4096)"),
     "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
@@ -112,6 +147,9 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                                   "forwards between kv_canary_stats= lines; 0 = off (default 100)"),
     "MAX_LOGGED_VIOLATIONS": ("max_logged_violations", _parse_int(1),
                               "violation lines logged per host read; the rest are counted (default 64)"),
+    "SCRUB_SLOTS_PER_FORWARD": ("scrub_slots_per_forward", _parse_int(0, 1 << 24),
+                                "slots per forward whose every K/V byte the scrub checks, cycling through the "
+                                "pool (0 = off, the default); with --kv-canary-real-data partial or none"),
     "PERTURB_REAL_KV_USED_PROB": ("perturb_real_kv_used_prob", _parse_prob,
                                   "per-forward probability of flipping a K/V byte of a slot the forward reads"),
     "PERTURB_REQ_TO_TOKEN_PROB": ("perturb_req_to_token_prob", _parse_prob,
@@ -126,6 +164,15 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_TRANSFER_PROB": ("perturb_transfer_prob", _parse_prob,
                               "PD decode side: per-request probability of flipping a K/V byte of a slot received "
                               "by transfer, after arrival and before its first read"),
+    "PERTURB_POSITION_SHIFT_PROB": ("perturb_position_shift_prob", _parse_prob,
+                                    "per-forward probability of running one decode forward at positions + 1 "
+                                    "(a position bookkeeping bug: K is rotated for the wrong position)"),
+    "PERTURB_NEXT_TOKEN_SWAP_PROB": ("perturb_next_token_swap_prob", _parse_prob,
+                                     "per-forward probability of feeding two requests of a decode forward each "
+                                     "other's token (a future-token resolution bug)"),
+    "PERTURB_KV_BYTES": ("perturb_kv_bytes", _parse_kv_bytes,
+                         "where K/V flips land: anywhere (default: uniform over every byte of every layer's K "
+                         "and V row), hashed (inside the hashed window only), or LAYER:HALF:BYTE, e.g. -1:k:mid"),
     "PERTURB_TARGET_GROUP": ("perturb_target_group", lambda name, raw: raw.strip(),
                              "buffer group the K/V perturbations hit (default: the first, 'full')"),
     "PERTURB_WARMUP_STEPS": ("perturb_warmup_steps", _parse_int(0),
@@ -140,9 +187,13 @@ class CanaryConfig:
 
     mode: CanaryMode = CanaryMode.NONE
     sweep_interval: int = 0
+    real_data: RealData = RealData.PARTIAL
+    scrub_slots_per_forward: int = 0
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
+    token_oracle: bool = True
     verify_tokens: bool = True
+    write_input_assert: bool = True
     ring_capacity: int = 4096
     d2h_delay_steps: int = 2
     kernel_backend: KernelBackend = KernelBackend.AUTO
@@ -153,6 +204,9 @@ class CanaryConfig:
     perturb_real_kv_unused_cache_prob: float = 0.0
     perturb_real_kv_post_forward_prob: float = 0.0
     perturb_transfer_prob: float = 0.0
+    perturb_position_shift_prob: float = 0.0
+    perturb_next_token_swap_prob: float = 0.0
+    perturb_kv_bytes: str = "anywhere"
     perturb_target_group: str = ""
     perturb_warmup_steps: int = 50
     perturb_seed: int = 0
@@ -163,9 +217,15 @@ class CanaryConfig:
         return self.mode.enabled
 
     @property
+    def uses_token_oracle(self) -> bool:
+        """The oracle is kept when on and some check reads it."""
+        return self.token_oracle and (self.verify_tokens or self.write_input_assert)
+
+    @property
     def any_perturbation(self) -> bool:
         return any(p > 0.0 for p in (self.perturb_real_kv_used_prob, self.perturb_req_to_token_prob,
                                      self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob,
+                                     self.perturb_position_shift_prob, self.perturb_next_token_swap_prob,
                                      self.perturb_transfer_prob))
 
     @classmethod
@@ -174,6 +234,7 @@ class CanaryConfig:
         *,
         mode: Any,
         sweep_interval: Any = 0,
+        real_data: Any = RealData.PARTIAL.value,
         environ: Mapping[str, str],
         disable_piecewise_cuda_graph: bool = True,
     ) -> "CanaryConfig":
@@ -189,6 +250,11 @@ class CanaryConfig:
                 f"{FLAG_SWEEP_INTERVAL} {sweep} needs the canary on: add {FLAG_MODE} log or "
                 f"{FLAG_MODE} raise, or drop {FLAG_SWEEP_INTERVAL}"
             )
+        try:
+            parsed_real_data = RealData(str(real_data).strip().lower())
+        except ValueError:
+            choices = ", ".join(r.value for r in RealData)
+            raise CanaryConfigError(f"{FLAG_REAL_DATA} {real_data!r}: expected one of {choices}") from None
         values: Dict[str, Any] = {}
         seen = []
         for name in sorted(environ):
@@ -201,7 +267,21 @@ class CanaryConfig:
             field_name, parse, _ = ENV_VARS[suffix]
             values[field_name] = parse(name, environ[name])
             seen.append((name, environ[name]))
-        config = cls(mode=parsed_mode, sweep_interval=sweep, env_overrides=tuple(seen), **values)
+        config = cls(mode=parsed_mode, sweep_interval=sweep, real_data=parsed_real_data, env_overrides=tuple(seen),
+                     **values)
+        if config.scrub_slots_per_forward and parsed_real_data is RealData.ALL:
+            raise CanaryConfigError(
+                f"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD={config.scrub_slots_per_forward} is redundant with "
+                f"{FLAG_REAL_DATA} all (every read already checks every byte): unset it or pass "
+                f"{FLAG_REAL_DATA} partial"
+            )
+        window_vars = [n for n, _ in seen if n[len(ENV_PREFIX):] in ("KV_HASH_BYTES", "KV_HASH_LAYERS")]
+        if window_vars and parsed_real_data is not RealData.PARTIAL:
+            raise CanaryConfigError(
+                f"{', '.join(window_vars)} tune{'s' if len(window_vars) == 1 else ''} the hashed window of "
+                f"{FLAG_REAL_DATA} partial, but it is {parsed_real_data.value}: unset "
+                f"{'it' if len(window_vars) == 1 else 'them'} or pass {FLAG_REAL_DATA} partial"
+            )
         if config.enabled and not disable_piecewise_cuda_graph:
             raise CanaryConfigError(
                 f"{FLAG_MODE} {parsed_mode.value} cannot run inside piecewise CUDA graphs: "
@@ -222,13 +302,18 @@ class CanaryConfig:
     def describe(self) -> str:
         """One line for the startup log."""
         return (
-            f"mode={self.mode.value} sweep_interval={self.sweep_interval} "
+            f"mode={self.mode.value} sweep_interval={self.sweep_interval} real_data={self.real_data.value} "
+            f"scrub_slots_per_forward={self.scrub_slots_per_forward} "
             f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
-            f"kernel_backend={self.kernel_backend.value} verify_tokens={int(self.verify_tokens)} "
+            f"kernel_backend={self.kernel_backend.value} token_oracle={int(self.uses_token_oracle)} "
+            f"verify_tokens={int(self.verify_tokens and self.uses_token_oracle)} "
+            f"write_input_assert={int(self.write_input_assert)} "
             f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob} "
             f"perturb_req_to_token_prob={self.perturb_req_to_token_prob} "
             f"perturb_real_kv_unused_cache_prob={self.perturb_real_kv_unused_cache_prob} "
-            f"perturb_real_kv_post_forward_prob={self.perturb_real_kv_post_forward_prob}"
+            f"perturb_real_kv_post_forward_prob={self.perturb_real_kv_post_forward_prob} "
+            f"perturb_position_shift_prob={self.perturb_position_shift_prob} "
+            f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
             + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
         )

@@ -2,15 +2,20 @@
 
 A record is ``int64[RECORD_WIDTH]`` per KV slot and buffer group:
 
-    [TOKEN, POSITION, CHAIN, KV_HASH]
+    [TOKEN, POSITION, CHAIN, KV_HASH, FULL_HASH]
 
 * ``CHAIN`` of position p is ``CHAIN(p-1) + g(token_p, p)`` (wrapping int64
   addition), anchored at ``CHAIN_ANCHOR`` before position 0. Two prefixes that
   differ anywhere before p therefore differ at p (unless a 2^-64 collision), a
   slot's link to its predecessor is checked locally (verify is parallel over
   slots), and writing a chunk is a prefix sum (parallel over tokens).
-* ``KV_HASH`` mixes the first ``kv_hash_bytes`` bytes of the slot's K and V rows
-  in the hashed layers, read from the live pool.
+* ``KV_HASH`` mixes the K/V bytes ``--kv-canary-real-data`` selects (none, a
+  window, every byte), read from the live pool; HEAD checks it on every read.
+* ``FULL_HASH`` (only with the scrub, ``SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD``)
+  mixes every byte of every layer's K and V row; the scrub checks a bounded
+  number of slots per forward against it.
+* ``TOKEN`` / ``POSITION`` are the token and position the model was fed (TAIL
+  checks both against the request's own before recording them).
 
 All arithmetic is wrapping int64 with logical shifts expressed as arithmetic
 shift + mask, so the torch reference and the Triton kernels agree bit for bit.
@@ -22,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-RECORD_WIDTH = 4
-F_TOKEN, F_POSITION, F_CHAIN, F_KV_HASH = 0, 1, 2, 3
+RECORD_WIDTH = 5
+F_TOKEN, F_POSITION, F_CHAIN, F_KV_HASH, F_FULL_HASH = 0, 1, 2, 3, 4
 
 # Violation reasons (bit flags; one ring row carries the OR of all that failed).
 R_POSITION = 1  # record's position differs from the position the request reads it at
@@ -62,7 +67,9 @@ C_WRITE_LAUNCHES = 4
 C_FORWARD_INDEX = 5  # forwards completed (bumped by the last TAIL launch of a forward)
 C_REPORT_ENABLED = 6  # 0 while capturing/warming up: violations are counted nowhere
 C_SLOTS_SWEPT = 7  # cached slots checked by radix-cache sweeps
-NUM_COUNTERS = 8
+C_CURRENT_FORWARD = 8  # the running forward's index, stored by its HEAD for its TAIL's rows (TAIL bumps 5)
+C_SLOTS_SCRUBBED = 9  # slots whose every K/V byte the scrub checked
+NUM_COUNTERS = 10
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)

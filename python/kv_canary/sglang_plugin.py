@@ -9,6 +9,7 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
+* ``ModelRunner.sample``: the sampled token ids join the token oracle (device scatter);
 * ``ForwardBatch.init_new``: keep the batch's Req objects (cached-prefix tokens for the token check);
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;
@@ -68,6 +69,7 @@ def register() -> None:
          HookType.AFTER),
         ("sglang.srt.model_executor.model_runner.ModelRunner.initialize", _around_initialize, HookType.AROUND),
         ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.sample", _after_sample, HookType.AFTER),
         ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
          _around_capture_one_batch_size, HookType.AROUND),
         ("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_scheduler_on_idle, HookType.AFTER),
@@ -103,7 +105,7 @@ def _disaggregation_hooks(HookType):
 
 
 def _after_add_cli_args(_result, parser) -> None:
-    from .config import CanaryMode
+    from .config import CanaryMode, RealData
 
     group = parser.add_argument_group("kv-canary")
     group.add_argument(
@@ -114,6 +116,15 @@ def _after_add_cli_args(_result, parser) -> None:
         help="KV-cache integrity canary: 'log' logs each violation and keeps serving, 'raise' stops "
         "the server with a report, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
         "on GPU. Tuned by SGLANG_KV_CANARY_* env vars (see the sglang-kv-canary README).",
+    )
+    group.add_argument(
+        "--kv-canary-real-data",
+        type=str,
+        default=RealData.PARTIAL.value,
+        choices=[r.value for r in RealData],
+        help="How much of each slot's real K/V bytes the canary hashes: 'none' (token, position and chain "
+        "only), 'partial' (default: SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS), "
+        "'all' (every byte of K and V of every layer of every slot written or read; costly).",
     )
     group.add_argument(
         "--kv-canary-sweep-interval",
@@ -129,6 +140,7 @@ def _around_from_cli_args(original, cls, args):
     server_args = original(cls, args)
     server_args.kv_canary = getattr(args, "kv_canary", "none")
     server_args.kv_canary_sweep_interval = getattr(args, "kv_canary_sweep_interval", 0)
+    server_args.kv_canary_real_data = getattr(args, "kv_canary_real_data", "partial")
     from .api import config_from_server_args
 
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
@@ -171,6 +183,13 @@ def _after_forward_batch_init_new(forward_batch, _cls, batch, model_runner, *arg
             from .adapter.disagg import note_extend_rooms
 
             note_extend_rooms(manager, forward_batch.kv_canary_reqs)
+
+
+def _after_sample(next_token_ids, model_runner, *args, **kwargs) -> None:
+    """The scheduler's sampled tokens: what the next forward must be fed (the token oracle)."""
+    manager = _canary_of(model_runner)
+    if manager is not None and next_token_ids is not None:
+        manager.record_sampled(next_token_ids)
 
 
 def _around_forward(original, model_runner, forward_batch, *args, **kwargs):

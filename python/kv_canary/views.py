@@ -20,16 +20,18 @@ class ForwardView:
     Request ``i`` (of ``batch_size``) owns row ``req_pool_indices[i]`` of
     req_to_token, has ``seq_lens[i]`` tokens after this forward, of which the
     last ``new_lens[i]`` are computed now: their ids/slots are
-    ``input_ids/out_cache_loc[new_starts[i] : new_starts[i] + new_lens[i]]``.
+    ``input_ids/out_cache_loc[new_starts[i] : new_starts[i] + new_lens[i]]``,
+    run at ``positions[...]`` (the positions the model's RoPE used).
     Attention reads positions ``[0, seq_lens[i])``; the first
     ``seq_lens[i] - new_lens[i]`` were written by earlier forwards and are the
     slots HEAD verifies.
 
-    input_ids, out_cache_loc: int32/int64[num_tokens]
+    input_ids, positions, out_cache_loc: int32/int64[num_tokens]
     req_pool_indices, seq_lens, new_starts, new_lens: int32/int64[batch_size]
     """
 
     input_ids: torch.Tensor
+    positions: torch.Tensor
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor

@@ -101,10 +101,10 @@ def canary_pd_cluster(
 
 
 def restart_canary_decode(cluster, decode_mode: str, *, decode_env: Optional[Mapping[str, str]] = None,
-                          decode_args: Sequence[str] = (), stats_every: int = 20):
+                          decode_args: Sequence[str] = (), stats_every: int = 20, wait_generate: bool = True):
     """Replace a ``canary_pd_cluster``'s decode server by one with another canary mode/env (same port)."""
     env, args = canary_env_and_args(decode_mode, decode_env, decode_args, cluster.decode.device, stats_every)
-    return cluster.restart_decode(args, env)
+    return cluster.restart_decode(args, env, wait_generate=wait_generate)
 
 
 @dataclass(frozen=True)

@@ -162,8 +162,12 @@ class PDCluster:
         raise ServerError(f"PD /generate never succeeded ({last}); decode log:\n{self.decode.log_tail()}")
 
     def restart_decode(self, decode_args: Sequence[str], decode_env: Optional[Mapping[str, str]] = None,
-                       timeout: float = 600.0) -> SglangServer:
-        """Replace the decode server by one with other flags/env on the same port (prefill and router stay)."""
+                       timeout: float = 600.0, wait_generate: bool = True) -> SglangServer:
+        """Replace the decode server by one with other flags/env on the same port (prefill and router stay).
+
+        ``wait_generate=False``: return once the new server is healthy, without a request
+        end to end (the caller's first request must be the first one, e.g. under perturbation).
+        """
         old = self.decode
         old.stop()
         new = self._side("decode", decode_args, decode_env)
@@ -171,7 +175,8 @@ class PDCluster:
         new.log_path = old.log_path.with_name(f"decode-{int(time.time())}.log")
         self.decode = new
         new.start(timeout=timeout, check_generate=False)
-        self._wait_generate(time.monotonic() + timeout)
+        if wait_generate:
+            self._wait_generate(time.monotonic() + timeout)
         return new
 
     def router_log(self) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kv_canary.adapter.pools import register_sglang_pools
-from kv_canary.config import CanaryConfig, CanaryConfigError
+from kv_canary.config import CanaryConfig, CanaryConfigError, RealData
 from kv_canary.buffer_groups import attach_canary_buffers, int32_row_view
 
 memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
@@ -28,21 +28,38 @@ def test_mha_pool_gets_one_full_group_viewing_live_kv(page_size, dtype):
     assert pool.kv_canary_groups is groups and [g.name for g in groups] == ["full"]
     g = groups[0]
     assert g.num_slots == pool.size + page_size and g.records.shape == (pool.size + page_size, 4)
-    assert g.has_v and g.hash_words == 4 and g.hashed_layers == (0, 2)
+    assert [(s.layer, s.half, s.words) for s in g.sources] == [(0, "k", 4), (0, "v", 4), (2, "k", 4), (2, "v", 4)]
+    assert [(r.layer, r.half) for r in g.rows] == [(layer, h) for layer in range(3) for h in ("k", "v")]
     # The views alias the pool: a write to the pool shows in the view.
-    before = g.k_views[1][5].clone()
+    k2 = g.sources[2].view
+    before = k2[5].clone()
     pool.k_buffer[2][5, 0, 0] = 3.0
-    assert not torch.equal(before, g.k_views[1][5])
-    assert g.k_views[1].data_ptr() == pool.k_buffer[2].data_ptr()
+    assert not torch.equal(before, k2[5])
+    assert k2.data_ptr() == pool.k_buffer[2].data_ptr()
     words = g.hashed_words(torch.tensor([5, 6]))
     assert words.shape == (2, 2 * 2 * 4)
+    # The device source table points the kernels at the same rows.
+    table = g.source_table.tolist()
+    for src, (offset, stride, nwords, first) in zip(g.sources, table):
+        assert g.base.data_ptr() + 4 * offset == src.view.data_ptr() and stride == src.view.stride(0)
+        assert nwords == src.words
+    assert [t[3] for t in table] == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize("real_data,words", [(RealData.ALL, 6 * 8 * 2), (RealData.NONE, 0)])
+def test_real_data_all_hashes_every_row_and_none_no_byte(real_data, words):
+    register_sglang_pools()
+    g = attach_canary_buffers(mha_pool(), CanaryConfig(real_data=real_data), torch.device("cpu"))[0]
+    assert g.hashed_word_count == words  # 3 layers x (K, V) x a float32 row of 2 heads x 8 dims
+    if real_data is RealData.ALL:
+        assert g.sources == g.rows
 
 
 def test_hash_bytes_are_capped_by_the_row():
     register_sglang_pools()
     pool = mha_pool()
     g = attach_canary_buffers(pool, CanaryConfig(kv_hash_bytes=4096), torch.device("cpu"))[0]
-    assert g.hash_words == 2 * 8  # a float32 row of 2 heads x 8 dims = 16 words
+    assert [s.words for s in g.sources] == [2 * 8, 2 * 8]  # a float32 row of 2 heads x 8 dims = 16 words
 
 
 def test_hashed_layer_out_of_range_names_the_env_var():

@@ -84,3 +84,34 @@ def test_config_is_frozen():
     c = build()
     with pytest.raises(Exception):
         c.mode = CanaryMode.NONE  # type: ignore[misc]
+
+
+def test_real_data_flag_and_its_conflicts():
+    from kv_canary.config import RealData
+
+    assert build().real_data is RealData.PARTIAL and build(real_data="ALL").real_data is RealData.ALL
+    with pytest.raises(CanaryConfigError, match="--kv-canary-real-data 'most'"):
+        build(real_data="most")
+    with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_KV_HASH_BYTES tunes the hashed window"):
+        build(real_data="none", env={"SGLANG_KV_CANARY_KV_HASH_BYTES": "32"})
+    with pytest.raises(CanaryConfigError, match="SCRUB_SLOTS_PER_FORWARD=64 is redundant"):
+        build(real_data="all", env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"})
+    assert build(env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"}).scrub_slots_per_forward == 64
+
+
+@pytest.mark.parametrize("value,ok", [("anywhere", True), ("hashed", True), ("-1:k:mid", True), ("0:v:12", True),
+                                      ("last:k:mid", False), ("0:q:1", False), ("somewhere", False)])
+def test_perturb_kv_bytes_spec(value, ok):
+    env = {"SGLANG_KV_CANARY_PERTURB_KV_BYTES": value}
+    if ok:
+        assert build(env=env).perturb_kv_bytes == value
+    else:
+        with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_PERTURB_KV_BYTES"):
+            build(env=env)
+
+
+def test_token_oracle_switches():
+    assert build().uses_token_oracle
+    c = build(env={"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "0", "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "0"})
+    assert not c.uses_token_oracle  # nothing would read it: not kept
+    assert not build(env={"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "0"}).uses_token_oracle

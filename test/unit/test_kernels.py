@@ -21,7 +21,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TR
 import pytest  # noqa: E402
 
 from kv_canary import fingerprint as fp
-from kv_canary.config import CanaryConfig
+from kv_canary.config import CanaryConfig, RealData
+from kv_canary.token_oracle import TokenOracle
 from kv_canary.kernels import reference as ref
 from kv_canary.kernels import triton_kernels as tk
 from kv_canary.views import ForwardView
@@ -35,15 +36,19 @@ LAYERS = 3
 class Sim:
     """A tiny KV pool + req_to_token + a slot allocator, driven like sglang does."""
 
-    def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True):
+    def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL,
+                 full_hash=False):
+        self.full_hash = full_hash  # TAIL also records every slot's whole-row hash (the scrub's)
         g = torch.Generator().manual_seed(seed)
         self.backend = backend
         self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)]
         self.v = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)] if with_v else None
-        config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes)
+        config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes, real_data=real_data)
         self.group = build_group(PoolLayout("full", self.k, self.v), config, DEVICE)
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
-        self.tokens = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)  # each row's own tokens
+        self.oracle = TokenOracle(rows=8, ctx=CTX, max_batch_size=8, device=DEVICE,
+                                  record_sampled_kernel=backend.launch_record_sampled)
+        self.tokens = self.oracle.expected_tokens  # each row's own tokens (the scheduler's record)
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=DEVICE)
         self.counters[fp.C_REPORT_ENABLED] = 1
         self.ring = torch.zeros(256, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
@@ -55,20 +60,27 @@ class Sim:
         self.next_slot += n
         return slots
 
-    def forward(self, reqs):
-        """reqs: list of (row, prefix_len, new_token_ids). Fills KV for new tokens, then TAIL-writes."""
-        ids, locs, rows, seqs, starts, lens = [], [], [], [], [], []
+    def forward(self, reqs, position_shift=0, fed=None):
+        """reqs: list of (row, prefix_len, new_token_ids). Fills KV for new tokens, then TAIL-writes.
+
+        The new tokens are the requests' own (entered in the token oracle first) unless ``fed``
+        gives other ids to feed; the model runs at positions + ``position_shift``.
+        """
+        ids, locs, rows, seqs, starts, lens, pos = [], [], [], [], [], [], []
         for row, prefix, toks in reqs:
             slots = self.alloc(len(toks))
             self.r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32).to(DEVICE)
+            self.tokens[row, prefix : prefix + len(toks)] = torch.tensor(toks, dtype=torch.int32, device=DEVICE)
             starts.append(len(ids))
+            pos += [prefix + k + position_shift for k in range(len(toks))]
             ids += toks
             locs += slots.tolist()
             rows.append(row)
             seqs.append(prefix + len(toks))
             lens.append(len(toks))
         view = ForwardView(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=DEVICE),
+            input_ids=torch.tensor(fed if fed is not None else ids, dtype=torch.int64, device=DEVICE),
+            positions=torch.tensor(pos, dtype=torch.int64, device=DEVICE),
             out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=DEVICE),
             req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
             seq_lens=torch.tensor(seqs, dtype=torch.int64, device=DEVICE),
@@ -85,14 +97,19 @@ class Sim:
             self.k[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
             if self.v is not None:
                 self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
-        self.backend.launch_write(self.group, view, self.r2t, self.counters, True, block=16,
-                                  expected_tokens=self.tokens)
+        self.backend.launch_write(self.group, view, self.r2t, self.counters, self.ring, True, block=16,
+                                  token_oracle=self.oracle, full_hash=self.full_hash)
         return view
+
+    def new_violations(self, before):
+        n = int(self.counters[fp.C_VIOLATIONS]) - before
+        return sorted(tuple(self.ring[(before + i) % self.ring.shape[0]].tolist()) for i in range(n))
 
     def verify_all(self, reqs):
         """reqs: list of (row, length): HEAD-verify positions [0, length) (as a decode forward would)."""
         view = ForwardView(
             input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
+            positions=torch.tensor([n for _, n in reqs], dtype=torch.int64, device=DEVICE),
             out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
             req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64, device=DEVICE),
             seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64, device=DEVICE),
@@ -104,9 +121,7 @@ class Sim:
         before = int(self.counters[fp.C_VIOLATIONS])
         self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 3, 16,
                                    expected_tokens=self.tokens)
-        n = int(self.counters[fp.C_VIOLATIONS]) - before
-        rows = [self.ring[(before + i) % self.ring.shape[0]].tolist() for i in range(n)]
-        return sorted(tuple(r) for r in rows)
+        return self.new_violations(before)
 
 
 def _scenario(sim: Sim):
@@ -118,7 +133,7 @@ def _scenario(sim: Sim):
     sim.forward([(1, 40, tok(50)), (3, 0, tok(33))])
     # row 4 shares row 1's first 40 slots (a radix hit), then extends with its own tokens
     sim.r2t[4, :40] = sim.r2t[1, :40]
-    sim.tokens[4, :40] = sim.tokens[1, :40]  # what the host fills from the new request's own prompt
+    sim.tokens[4, :40] = sim.tokens[1, :40]  # the new request's own prompt (admission fills the oracle)
     sim.forward([(4, 40, tok(37))])
     # decode steps for everybody
     for step in range(3):
@@ -140,7 +155,7 @@ def test_triton_matches_reference_clean_then_corrupted(hash_layers, hash_bytes, 
     layer = hash_layers[0]
     for s in sims:
         # kv_hash: flip one bit in the hashed bytes of row 2, position 10
-        s.group.k_views[0][int(s.r2t[2, 10]), 0] ^= 1 << 5
+        s.group.sources[0].view[int(s.r2t[2, 10]), 0] ^= 1 << 5
         # chain/position: row 3 position 5 now points at row 2's slot of position 5
         s.r2t[3, 5] = s.r2t[2, 5]
         # slot: row 1 position 60 points at the padding slot
@@ -195,7 +210,7 @@ def test_foreign_prefix_with_consistent_chain_fails_the_token_check():
 def test_report_disabled_counts_nothing():
     sim = Sim(tk)
     lengths = _scenario(sim)
-    sim.group.k_views[0][int(sim.r2t[2, 3]), 0] ^= 1
+    sim.group.sources[0].view[int(sim.r2t[2, 3]), 0] ^= 1
     sim.counters[fp.C_REPORT_ENABLED] = 0
     assert sim.verify_all(list(lengths.items())) == []
     sim.counters[fp.C_REPORT_ENABLED] = 1
@@ -213,6 +228,120 @@ def test_long_chunk_written_by_several_blocks_matches_reference():
     assert sims[0].verify_all([(5, 150), (6, 4)]) == []
 
 
+@pytest.mark.parametrize("with_v", [True, False])
+def test_real_data_all_matches_reference_and_catches_a_flip_anywhere(with_v):
+    """Whole-row hashing: a byte in the middle of the last layer's K row is caught; partial misses it."""
+    sims = [Sim(tk, with_v=with_v, real_data=RealData.ALL), Sim(ref, with_v=with_v, real_data=RealData.ALL),
+            Sim(tk, with_v=with_v)]
+    lengths = [_scenario(s) for s in sims][0]
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    everyone = list(lengths.items())
+    assert [s.verify_all(everyone) for s in sims] == [[], [], []]
+    for s in sims:
+        last_k = [r for r in s.group.rows if r.half == "k"][-1]
+        assert last_k.layer == LAYERS - 1
+        last_k.view[int(s.r2t[2, 10]), last_k.row_words // 2] ^= 1 << 12
+    found = [s.verify_all(everyone) for s in sims]
+    assert found[0] == found[1]
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(2, 10, fp.R_KV_HASH)]
+    assert found[2] == []  # partial: the flip is outside layer 0's first 16 bytes (documented miss)
+
+
+def test_real_data_none_hashes_nothing_but_checks_the_rest():
+    sims = [Sim(tk, real_data=RealData.NONE), Sim(ref, real_data=RealData.NONE)]
+    lengths = [_scenario(s) for s in sims][0]
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    for s in sims:
+        s.k[0][int(s.r2t[2, 10])] += 1.0  # K bytes: not hashed
+        s.r2t[3, 5] = s.r2t[2, 5]  # a foreign slot: still caught by position/chain
+    found = [s.verify_all(list(lengths.items())) for s in sims]
+    assert found[0] == found[1]
+    assert {(r[fp.V_ROW], r[fp.V_POSITION]) for r in found[0]} == {(3, 5), (3, 6)}
+
+
+def test_tail_records_the_fed_positions_and_flags_a_shift_at_once():
+    sims = [Sim(tk), Sim(ref)]
+    lengths = [_scenario(s) for s in sims][0]
+    rows = [1, 2]
+    found = []
+    for s in sims:
+        before = int(s.counters[fp.C_VIOLATIONS])
+        s.forward([(r, lengths[r], [7]) for r in rows], position_shift=1)  # one decode at positions + 1
+        found.append(s.new_violations(before))
+    assert found[0] == found[1]
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON], r[fp.V_STORED], r[fp.V_EXPECTED]) for r in found[0]] == [
+        (row, lengths[row], fp.R_POSITION, lengths[row] + 1, lengths[row]) for row in rows]
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    slot = int(sims[0].r2t[1, lengths[1]])
+    assert int(sims[0].group.records[slot, fp.F_POSITION]) == lengths[1] + 1  # what RoPE used, not the layout
+    # ... and HEAD of the next forward that reads it flags it again (same slot, position, values).
+    again = sims[0].verify_all([(1, lengths[1] + 1)])
+    assert [(r[fp.V_POSITION], r[fp.V_REASON]) for r in again] == [(lengths[1], fp.R_POSITION)]
+
+
+def test_tail_flags_a_fed_token_that_is_not_the_requests_own():
+    sims = [Sim(tk), Sim(ref)]
+    lengths = [_scenario(s) for s in sims][0]
+    found = []
+    for s in sims:
+        before = int(s.counters[fp.C_VIOLATIONS])
+        s.forward([(1, lengths[1], [11]), (2, lengths[2], [12])], fed=[11, 13])  # request 2 is fed 13, not 12
+        found.append(s.new_violations(before))
+    assert found[0] == found[1]
+    assert [(r[fp.V_BATCH_INDEX], r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON], r[fp.V_STORED], r[fp.V_EXPECTED])
+            for r in found[0]] == [(1, 2, lengths[2], fp.R_TOKEN, 13, 12)]
+
+
+@pytest.mark.parametrize("backend", [tk, ref], ids=["triton", "torch"])
+def test_sampled_tokens_become_the_next_expected_tokens(backend):
+    sim = Sim(backend)
+    lengths = _scenario(sim)
+    # The last TAIL (decode of rows 1, 2, 4) recorded where each request's next token goes.
+    assert sim.oracle.next_rows[:3].tolist() == [1, 2, 4]
+    assert sim.oracle.next_positions[:3].tolist() == [lengths[1], lengths[2], lengths[4]]
+    sim.oracle.known_lens[2] = lengths[2] + 1  # row 2: an unfinished chunked prefill, the prompt goes on there
+    sim.tokens[2, lengths[2]] = 55
+    sim.oracle.record_sampled(torch.tensor([101, 102, 104], device=DEVICE), 3)
+    assert int(sim.tokens[1, lengths[1]]) == 101 and int(sim.tokens[4, lengths[4]]) == 104
+    assert int(sim.tokens[2, lengths[2]]) == 55  # not overwritten
+
+
+def test_token_oracle_admits_a_request_once_with_prompt_and_outputs():
+    oracle = TokenOracle(rows=4, ctx=32, max_batch_size=4, device=DEVICE, record_sampled_kernel=tk.launch_record_sampled)
+    assert oracle.admit([(2, "a", lambda: ([5, 6, 7], [8]))]) == 1
+    assert oracle.expected_tokens[2, :5].tolist() == [5, 6, 7, 8, 0] and int(oracle.known_lens[2]) == 4
+    # a continuation chunk of the same request copies nothing; a new owner of the row does
+    assert oracle.admit([(2, "a", lambda: ([9], []))]) == 0
+    assert oracle.admit([(2, "b", lambda: ([1, 2], []))]) == 1
+    assert oracle.expected_tokens[2, :2].tolist() == [1, 2] and int(oracle.known_lens[2]) == 2
+
+
+def test_scrub_checks_every_byte_of_a_round_robin_window():
+    """partial HEAD misses a flip in the last layer; the scrub (FULL_HASH) finds it within the stated bound."""
+    sims = [Sim(tk, full_hash=True), Sim(ref, full_hash=True)]
+    lengths = [_scenario(s) for s in sims][0]
+    assert torch.equal(sims[0].group.records, sims[1].group.records)
+    per_forward, span = 64, NUM_SLOTS - 1
+    bound = -(-span // per_forward)
+    for s in sims:
+        for _ in range(bound):  # a clean pass over the whole pool
+            s.backend.launch_scrub(s.group, s.counters, s.ring, per_forward)
+            s.counters[fp.C_FORWARD_INDEX] += 1
+        assert int(s.counters[fp.C_VIOLATIONS]) == 0
+        assert int(s.counters[fp.C_SLOTS_SCRUBBED]) == s.next_slot - 1  # every written slot, once
+        last_k = [r for r in s.group.rows if r.half == "k"][-1]
+        last_k.view[int(s.r2t[2, 10]), last_k.row_words // 2] ^= 1 << 7
+        assert s.verify_all(list(lengths.items())) == []  # HEAD (partial window) cannot see it
+        found = []
+        for _ in range(bound):
+            before = int(s.counters[fp.C_VIOLATIONS])
+            s.backend.launch_scrub(s.group, s.counters, s.ring, per_forward)
+            s.counters[fp.C_FORWARD_INDEX] += 1
+            found += s.new_violations(before)
+        assert [(r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_REASON], r[fp.V_BATCH_INDEX]) for r in found] == [
+            (int(s.r2t[2, 10]), 10, fp.R_KV_HASH, -2)]
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA-graph capture needs a GPU (this runs on the GPU host)")
 def test_verify_and_write_replay_from_a_cuda_graph():
     """Capture HEAD+TAIL once for a decode batch, replay it with new data each step: same records as eager."""
@@ -222,6 +351,7 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     bs = len(rows)
     static = dict(
         input_ids=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        positions=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
         out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
         seq_lens=torch.ones(bs, dtype=torch.int64, device=DEVICE),
@@ -232,7 +362,7 @@ def test_verify_and_write_replay_from_a_cuda_graph():
 
     def head_tail():
         tk.launch_verify(s.group, view, s.r2t, s.counters, s.ring, 2, 16, expected_tokens=s.tokens)
-        tk.launch_write(s.group, view, s.r2t, s.counters, True, block=16, expected_tokens=s.tokens)
+        tk.launch_write(s.group, view, s.r2t, s.counters, s.ring, True, block=16, token_oracle=s.oracle)
 
     s.counters[fp.C_REPORT_ENABLED] = 0  # warmup + capture on padding data, as sglang's capture does
     head_tail()
@@ -249,21 +379,23 @@ def test_verify_and_write_replay_from_a_cuda_graph():
         eager_sim.forward(reqs)
         # the graph side: allocate, map, "attention" writes K/V, then replay HEAD+TAIL
         slots = s.alloc(bs)
-        for (row, prefix, _), slot in zip(reqs, slots.tolist()):
+        for (row, prefix, toks_), slot in zip(reqs, slots.tolist()):
             s.r2t[row, prefix] = slot
+            s.tokens[row, prefix] = toks_[0]
         for layer in range(LAYERS):
             s.k[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
             s.v[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
         static["input_ids"].copy_(torch.tensor(toks))
         static["out_cache_loc"].copy_(slots)
         static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
+        static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_sim.group.records.cpu(), eager_sim.group.records.cpu())
     assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS]
     assert int(s.counters[fp.C_SLOTS_VERIFIED]) > base[fp.C_SLOTS_VERIFIED]
     # A corrupted prefix byte is caught by the next replay.
-    s.group.k_views[0][int(s.r2t[2, 7]), 0] ^= 1 << 3
+    s.group.sources[0].view[int(s.r2t[2, 7]), 0] ^= 1 << 3
     graph.replay()
     torch.cuda.synchronize()
     assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS] + 1
@@ -295,7 +427,7 @@ def test_sweep_of_cached_sequences_matches_reference_and_finds_unused_corruption
         assert int(s.counters[fp.C_VIOLATIONS]) == 0
         assert int(s.counters[fp.C_SLOTS_SWEPT]) == 33 + 93
         # a slot only the cache holds: flip a hashed byte
-        s.group.v_views[0][int(s.r2t[3, 20]), 1] ^= 1 << 9
+        s.group.sources[1].view[int(s.r2t[3, 20]), 1] ^= 1 << 9
         s.backend.launch_sweep(s.group, _sweep_entries(s, cached), s.counters, s.ring)
     rows = [[s.ring[i].tolist() for i in range(int(s.counters[fp.C_VIOLATIONS]))] for s in sims]
     assert rows[0] == rows[1] and len(rows[0]) == 1

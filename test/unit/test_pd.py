@@ -143,7 +143,7 @@ def test_decode_side_verifies_the_transfer_and_continues_the_chain(caplog):
     h, group = _decode_harness()
     tokens = [5, 6, 7, 8]
     dst = _prefill_and_transfer(h, group, row=2, tokens=tokens, room=4242)
-    h.manager.note_transfer_arrival(Arrival(rid="r2", room=4242, row=2, received=4), tokens)
+    h.manager.note_transfer_arrival(Arrival(rid="r2", room=4242, row=2, received=4), tokens, [9])
     with caplog.at_level("ERROR", logger="kv_canary"):
         h.step(h.batch({2: [9]}, decode=True))  # HEAD reads the 4 received slots, TAIL chains position 4 on
         h.step(h.batch({2: [10]}, decode=True))
@@ -165,7 +165,7 @@ def test_a_fake_transfer_is_fingerprinted_in_place_without_touching_the_counters
     h.k[150:154] = 3.25
     h.lens[3] = 4
     before = h.manager.counters.clone()
-    h.manager.note_fake_arrival(3, "HEALTH_CHECK_1", [0, 1, 2, 3])
+    h.manager.note_fake_arrival(3, "HEALTH_CHECK_1", [0, 1, 2, 3], [4])
     assert torch.equal(h.manager.counters, before)
     with caplog.at_level("ERROR", logger="kv_canary"):
         h.step(h.batch({3: [4]}, decode=True))

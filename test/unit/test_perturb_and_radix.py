@@ -75,3 +75,39 @@ def test_unused_slot_is_never_held_by_a_running_request():
     cache.inc_lock_ref(cache.match_prefix(base_prefix_cache.MatchPrefixParams(
         key=radix_cache.RadixKey(a))).last_device_node)
     assert view.pick_unused_slot(rng) is None
+
+
+def _group(real_data="partial"):
+    from kv_canary.buffer_groups import PoolLayout, build_group
+    from kv_canary.config import CanaryConfig, RealData
+
+    k = [torch.zeros(8, 2, 8) for _ in range(3)]
+    v = [torch.zeros(8, 2, 8) for _ in range(3)]
+    return build_group(PoolLayout("full", k, v), CanaryConfig(real_data=RealData(real_data)), torch.device("cpu"))
+
+
+def test_kv_flips_land_anywhere_in_the_slot_by_default():
+    from kv_canary.perturb.real_kv import flip_kv_byte
+
+    g, rng = _group(), random.Random(1)
+    flips = [flip_kv_byte(g, 3, rng) for _ in range(300)]
+    assert {(f.layer, f.half) for f in flips} == {(layer, h) for layer in range(3) for h in "kv"}
+    assert max(f.byte for f in flips) >= 48 and any(not f.hashed for f in flips)  # rows are 64 bytes
+    # each flip changed exactly one byte of slot 3 (XOR 0xFF twice restores, so count odd flips)
+    changed = sum(int((r.view[3] != 0).sum()) for r in g.rows)
+    assert changed > 0 and all(int((r.view[s] != 0).sum()) == 0 for r in g.rows for s in (0, 1, 2, 4))
+
+
+def test_kv_flip_specs_hashed_and_one_place():
+    from kv_canary.config import CanaryConfigError
+    from kv_canary.perturb.real_kv import check_flip_spec, flip_kv_byte
+
+    g, rng = _group(), random.Random(2)
+    assert all(f.hashed and f.layer == 0 and f.byte < 16 for f in (flip_kv_byte(g, 1, rng, "hashed") for _ in range(50)))
+    f = flip_kv_byte(g, 1, rng, "-1:k:mid")
+    assert (f.layer, f.half, f.byte, f.hashed) == (2, "k", 32, False)
+    assert int(g.rows[4].view[1].view(torch.uint8)[32]) == 0xFF
+    with pytest.raises(CanaryConfigError, match="no such row"):
+        check_flip_spec(g, "5:k:0")
+    with pytest.raises(CanaryConfigError, match="real-data none hashes no K/V bytes"):
+        check_flip_spec(_group("none"), "hashed")

@@ -57,7 +57,7 @@ def _prepare(args, env=None):
         load_plugins()
         from sglang.srt.server_args import prepare_server_args
         a = prepare_server_args(["--model-path", {str(write_model_dir())!r}, *{list(args)!r}])
-        print("PARSED", a.kv_canary, a.kv_canary_sweep_interval)
+        print("PARSED", a.kv_canary, a.kv_canary_sweep_interval, a.kv_canary_real_data)
     """)
     import os
 
@@ -67,9 +67,9 @@ def _prepare(args, env=None):
 
 
 def test_flags_parse_and_reach_server_args():
-    r = _prepare(["--kv-canary", "log", "--kv-canary-sweep-interval", "5", "--device", "cuda",
-                  "--disable-piecewise-cuda-graph"])
-    assert "PARSED log 5" in r.stdout, r.stderr[-2000:]
+    r = _prepare(["--kv-canary", "log", "--kv-canary-sweep-interval", "5", "--kv-canary-real-data", "all",
+                  "--device", "cuda", "--disable-piecewise-cuda-graph"])
+    assert "PARSED log 5 all" in r.stdout, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -81,6 +81,10 @@ def test_flags_parse_and_reach_server_args():
          "--kv-canary-sweep-interval 3 needs the canary on"),
         (["--kv-canary", "log", "--device", "cuda", "--disable-piecewise-cuda-graph"],
          {"SGLANG_KV_CANARY_KV_HASH_BYTES": "7"}, "SGLANG_KV_CANARY_KV_HASH_BYTES='7'"),
+        (["--kv-canary", "log", "--kv-canary-real-data", "every"], {},
+         "argument --kv-canary-real-data: invalid choice: 'every'"),
+        (["--kv-canary", "log", "--kv-canary-real-data", "all", "--device", "cuda", "--disable-piecewise-cuda-graph"],
+         {"SGLANG_KV_CANARY_KV_HASH_LAYERS": "1"}, "tunes the hashed window of --kv-canary-real-data partial"),
     ],
 )
 def test_bad_input_fails_at_startup_naming_it(args, env, message):
@@ -92,6 +96,6 @@ def test_bad_input_fails_at_startup_naming_it(args, env, message):
 def test_forward_over_capacity_names_the_capacity_and_the_flag():
     caps = LaunchCapacities(max_batch_size=4, max_context_len=64, verify_programs_target=1)
     z = torch.zeros(5, dtype=torch.int64)
-    view = ForwardView(z, z, z, z, z, z, batch_size=5, max_new_len=1)
+    view = ForwardView(z, z, z, z, z, z, z, batch_size=5, max_new_len=1)
     with pytest.raises(CanaryCapacityError, match="max_batch_size=4.*--max-running-requests"):
         caps.check(view)

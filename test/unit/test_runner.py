@@ -7,6 +7,7 @@ order; the "model" writes K/V at out_cache_loc the way attention does.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ class Harness:
             return wrapped
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                spy("sweep", ref.launch_sweep), False)
+                                ref.launch_record_sampled, ref.launch_scrub, spy("sweep", ref.launch_sweep), False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
@@ -73,9 +74,18 @@ class Harness:
         _patch_model_forward(self.model, self.manager)
         self.next_slot = 1
         self.lens = {}
+        self.own = {}  # row -> the request's tokens so far (the scheduler's record)
 
     def batch(self, rows_tokens, decode=False):
-        """rows_tokens: {row: [new token ids]} -> a real ForwardBatch (EXTEND or DECODE)."""
+        """rows_tokens: {row: [new token ids]} -> a real ForwardBatch (EXTEND or DECODE).
+
+        The new tokens are the requests' own: an extend batch carries the scheduler's Req
+        records (the token oracle's admission), a decode batch's tokens were "sampled"
+        after the previous forward (same rows, same order) and reach the oracle as sglang's
+        ``ModelRunner.sample`` hook passes them.
+        """
+        if decode:
+            self.manager.record_sampled(torch.tensor([t for toks in rows_tokens.values() for t in toks]))
         ids, locs, pos, rows, seqs, ext, pre = [], [], [], [], [], [], []
         for row, toks in rows_tokens.items():
             start = self.lens.get(row, 0)
@@ -90,6 +100,7 @@ class Harness:
             ext.append(len(toks))
             pre.append(start)
             self.lens[row] = start + len(toks)
+            self.own[row] = self.own.get(row, []) + list(toks)
         kw = {}
         if not decode:
             kw = dict(
@@ -97,12 +108,15 @@ class Harness:
                 extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))]),
                 extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre, extend_num_tokens=sum(ext),
             )
-        return ForwardBatch(
+        fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
             batch_size=len(rows), input_ids=torch.tensor(ids), req_pool_indices=torch.tensor(rows),
             seq_lens=torch.tensor(seqs), out_cache_loc=torch.tensor(locs), seq_lens_sum=sum(seqs),
             seq_lens_cpu=torch.tensor(seqs), positions=torch.tensor(pos), rids=[f"r{r}" for r in rows], **kw,
         )
+        fb.kv_canary_reqs = [SimpleNamespace(req_pool_idx=r, rid=f"r{r}", origin_input_ids=list(self.own[r]),
+                                             output_ids=[]) for r in rows]
+        return fb
 
     def step(self, fb):
         """What the ModelRunner.forward hook does."""

@@ -72,6 +72,7 @@ class SglangBatchAdapter:
             max_new = n
         return ForwardView(
             input_ids=fb.input_ids,
+            positions=fb.positions,
             out_cache_loc=fb.out_cache_loc,
             req_pool_indices=fb.req_pool_indices,
             seq_lens=fb.seq_lens,
@@ -82,20 +83,17 @@ class SglangBatchAdapter:
         )
 
     def extend_requests(self, fb):
-        """(row, rid, prefix_len, prefix_tokens()) per request of an extend batch; [] otherwise.
+        """(row, rid, record) per request of an extend batch; [] otherwise.
 
-        Needs the scheduler's Req objects, attached as ``fb.kv_canary_reqs`` by the
-        plugin's ``ForwardBatch.init_new`` hook (``req.fill_ids`` = prompt + outputs).
+        ``record()`` returns the scheduler's own record of the request: (prompt ids,
+        output ids so far). Needs the scheduler's Req objects, attached as
+        ``fb.kv_canary_reqs`` by the plugin's ``ForwardBatch.init_new`` hook.
         """
         reqs = getattr(fb, "kv_canary_reqs", None)
-        if not self._is_extend(fb) or reqs is None or fb.extend_prefix_lens_cpu is None:
+        if not self._is_extend(fb) or reqs is None:
             return []
-        out = []
-        for req, prefix_len in zip(reqs, fb.extend_prefix_lens_cpu):
-            fill_ids = req.fill_ids
-            out.append((int(req.req_pool_idx), str(req.rid), int(prefix_len),
-                        lambda ids=fill_ids, n=int(prefix_len): ids[:n]))
-        return out
+        return [(int(req.req_pool_idx), str(req.rid), lambda r=req: (r.origin_input_ids, r.output_ids))
+                for req in reqs]
 
     def host_batch(self, fb) -> Optional[HostBatch]:
         """Host copy of the layout; syncs the device (perturbation and debugging only)."""

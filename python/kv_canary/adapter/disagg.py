@@ -193,16 +193,15 @@ def after_get_new_prebuilt_batch(batch, scheduler, *args, **kwargs) -> None:
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     for req in batch.reqs:
-        tokens = (list(req.origin_input_ids) + list(req.output_ids))[: len(req.origin_input_ids) + max(
-            0, len(req.output_ids) - 1)]
+        row, rid = int(req.req_pool_idx), str(req.rid)
+        prompt, outputs = list(req.origin_input_ids), list(req.output_ids)
         if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:  # sglang's warmup / health check
-            manager.note_fake_arrival(int(req.req_pool_idx), str(req.rid), tokens)
-        elif len(req.output_ids) == 1 and manager.transfer is not None:
-            arrival = Arrival(rid=str(req.rid), room=int(req.bootstrap_room or 0), row=int(req.req_pool_idx),
-                              received=len(tokens))
-            manager.note_transfer_arrival(arrival, tokens)
+            manager.note_fake_arrival(row, rid, prompt, outputs)
+        elif len(outputs) == 1 and manager.transfer is not None:
+            arrival = Arrival(rid=rid, room=int(req.bootstrap_room or 0), row=row, received=len(prompt))
+            manager.note_transfer_arrival(arrival, prompt, outputs)
         else:
-            manager.note_request_tokens(int(req.req_pool_idx), str(req.rid), tokens)
+            manager.note_request_tokens(row, rid, prompt, outputs)
     return None
 
 

@@ -4,7 +4,9 @@
 signature in both backends:
 
     verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, expected_tokens=)
-    write(group, view, req_to_token, counters, bump_forward, expected_tokens=)
+    write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
+    record_sampled(token_oracle, sampled, batch_size)
+    scrub(group, counters, ring, per_forward, group_index=)
     sweep(group, entries, counters, ring, group_index=)
 """
 
@@ -26,6 +28,8 @@ class CanaryKernels:
     name: str
     verify: Callable[..., None]
     write: Callable[..., None]
+    record_sampled: Callable[..., None]
+    scrub: Callable[..., None]
     sweep: Callable[..., None]
     graph_safe: bool
 
@@ -43,7 +47,9 @@ def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKern
     if backend is KernelBackend.TRITON:
         from . import triton_kernels as tk
 
-        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_sweep, graph_safe=True)
+        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_record_sampled,
+                             tk.launch_scrub, tk.launch_sweep, graph_safe=True)
     from . import reference as ref
 
-    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_sweep, graph_safe=False)
+    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_record_sampled, ref.launch_scrub,
+                         ref.launch_sweep, graph_safe=False)

@@ -18,6 +18,10 @@ def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
     return kv_hash_from_words(group.hashed_words(slots))
 
 
+def _full_hash(group, slots: torch.Tensor) -> torch.Tensor:
+    return kv_hash_from_words(group.all_words(slots))
+
+
 def _check_slots(group, raw_slot, raw_pred, pos, want_token):
     """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0."""
     slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
@@ -81,6 +85,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
     counters[fp.C_VERIFY_LAUNCHES] += 1
+    counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 
 
 def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: int = 0) -> None:
@@ -98,8 +103,8 @@ def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: in
     counters[fp.C_SLOTS_SWEPT] += slots.numel()
 
 
-def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0,
-                 expected_tokens=None) -> None:
+def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
+                 group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
     del block  # grid shape is a Triton concern
     bs = view.batch_size
     device = group.records.device
@@ -107,12 +112,14 @@ def launch_write(group, view, req_to_token, counters, bump_forward: bool, block:
         rows = view.req_pool_indices[:bs].to(torch.int64)
         n = view.new_lens[:bs].to(torch.int64)
         starts = view.new_starts[:bs].to(torch.int64)
-        p0 = view.seq_lens[:bs].to(torch.int64) - n
+        seq = view.seq_lens[:bs].to(torch.int64)
+        p0 = seq - n
         req_of = torch.repeat_interleave(torch.arange(bs, device=device), n.clamp(min=0))
         k = torch.arange(req_of.numel(), device=device) - (torch.cumsum(n.clamp(min=0), 0) - n.clamp(min=0))[req_of]
         tok_index = starts[req_of] + k
         tok = view.input_ids[tok_index].to(torch.int64)
         pos = p0[req_of] + k
+        fed_pos = view.positions[tok_index].to(torch.int64)
         g = chain_term(tok, pos)
         # Segmented inclusive prefix sum of g per request.
         csum = torch.cumsum(g, 0)
@@ -124,12 +131,60 @@ def launch_write(group, view, req_to_token, counters, bump_forward: bool, block:
         chain = carry[req_of] + (csum - before[req_of])
         slot = view.out_cache_loc[tok_index].to(torch.int64)
         wm = (slot > 0) & (slot < group.num_slots) & (p0[req_of] >= 0)
-        if expected_tokens is not None:  # padding tokens (slot 0) carry stale rows: never store them
-            expected_tokens[rows[req_of][wm], pos[wm]] = tok[wm].to(expected_tokens.dtype)
-        slot, tok, pos, chain = slot[wm], tok[wm], pos[wm], chain[wm]
+        if token_oracle is not None:
+            token_oracle.next_rows[:bs] = rows
+            token_oracle.next_positions[:bs] = torch.where(n > 0, seq, torch.full_like(seq, -1))
+        if check_fed:
+            bad_pos = wm & (fed_pos != pos)
+            reason = bad_pos * fp.R_POSITION
+            stored, expected = fed_pos, pos
+            if token_oracle is not None:
+                row_of = rows[req_of]
+                want = token_oracle.expected_tokens[row_of, pos.clamp(max=token_oracle.expected_tokens.shape[1] - 1)]
+                want = want.to(torch.int64)
+                bad_tok = wm & (tok != want)
+                reason = reason | (bad_tok * fp.R_TOKEN)
+                stored = torch.where(bad_pos, fed_pos, tok)
+                expected = torch.where(bad_pos, pos, want)
+            _append_violations(counters, ring, reason != 0, [
+                reason.to(torch.int64) | (group_index << fp.GROUP_SHIFT), slot, pos, req_of.to(torch.int64),
+                rows[req_of], stored, expected, counters[fp.C_CURRENT_FORWARD],
+            ])
+        slot, tok, fed_pos, chain = slot[wm], tok[wm], fed_pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
-        group.records[slot] = torch.stack([tok, pos, chain, live_hash], dim=1)
+        group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
+        if full_hash:
+            group.records[slot, fp.F_FULL_HASH] = _full_hash(group, slot)
         counters[fp.C_SLOTS_WRITTEN] += wm.sum()
     counters[fp.C_WRITE_LAUNCHES] += 1
     if bump_forward:
         counters[fp.C_FORWARD_INDEX] += 1
+
+
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 0) -> None:
+    del block
+    span = group.num_slots - 1
+    start = int(counters[fp.C_FORWARD_INDEX]) * per_forward % span
+    slots = 1 + (start + torch.arange(per_forward, device=group.records.device)) % span
+    slots = slots[group.records[slots, fp.F_CHAIN] != 0]
+    rec = group.records[slots]
+    live = _full_hash(group, slots)
+    bad = live != rec[:, fp.F_FULL_HASH]
+    minus_two = torch.full_like(slots, -2)
+    _append_violations(counters, ring, bad, [
+        bad.to(torch.int64) * fp.R_KV_HASH | (group_index << fp.GROUP_SHIFT), slots, rec[:, fp.F_POSITION],
+        minus_two, minus_two, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
+    ])
+    counters[fp.C_SLOTS_SCRUBBED] += slots.numel()
+
+
+def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 0) -> None:
+    del block
+    if batch_size == 0:
+        return
+    o = token_oracle
+    rows = o.next_rows[:batch_size].to(torch.int64)
+    pos = o.next_positions[:batch_size].to(torch.int64)
+    known = o.known_lens[rows].to(torch.int64)
+    ok = (pos >= known) & (pos >= 0) & (pos < o.expected_tokens.shape[1])
+    o.expected_tokens[rows[ok], pos[ok]] = sampled[:batch_size][ok].to(o.expected_tokens.dtype)

@@ -40,6 +40,8 @@ _C_WRITE_LAUNCHES = tl.constexpr(fp.C_WRITE_LAUNCHES)
 _C_FORWARD_INDEX = tl.constexpr(fp.C_FORWARD_INDEX)
 _C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
 _C_SLOTS_SWEPT = tl.constexpr(fp.C_SLOTS_SWEPT)
+_C_CURRENT_FORWARD = tl.constexpr(fp.C_CURRENT_FORWARD)
+_C_SLOTS_SCRUBBED = tl.constexpr(fp.C_SLOTS_SCRUBBED)
 
 
 @triton.jit
@@ -58,42 +60,34 @@ def _chain_term(token, position):
 
 
 @triton.jit
-def _row_terms(view, stride, slot, mask, first_index, NW: tl.constexpr):
+def _kv_hash(slot, mask, base, sources, num_sources, WT: tl.constexpr):
+    """int64 hash of the hashed words of K/V rows of ``slot`` (one lane per slot).
+
+    ``sources`` is the group's source table (int64[n, 4]: int32 offset from
+    ``base``, row stride, words hashed, canonical index of the first word);
+    each source's words are loaded ``WT`` at a time as a [lanes, WT] tile.
+    """
     acc = tl.zeros(slot.shape, dtype=tl.int64)
-    for j in tl.static_range(NW):
-        w = tl.load(view + slot * stride + j, mask=mask, other=0).to(tl.int64) & _MASK32
-        index = tl.full(slot.shape, first_index + j + 1, tl.int64)  # a tensor: the product wraps
-        acc += _mix64(w + index * _WORD_MUL)
-    return acc
-
-
-@triton.jit
-def _kv_hash(slot, mask, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
-             NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr):
-    """int64 hash of the first NW words of K (and V) rows of ``slot`` in each hashed layer."""
-    PER_LAYER: tl.constexpr = NW * 2 if HAS_V else NW
-    acc = _row_terms(k0, k_stride, slot, mask, 0, NW)
-    if HAS_V:
-        acc += _row_terms(v0, v_stride, slot, mask, NW, NW)
-    if NUM_LAYERS > 1:
-        acc += _row_terms(k1, k_stride, slot, mask, PER_LAYER, NW)
-        if HAS_V:
-            acc += _row_terms(v1, v_stride, slot, mask, PER_LAYER + NW, NW)
-    if NUM_LAYERS > 2:
-        acc += _row_terms(k2, k_stride, slot, mask, 2 * PER_LAYER, NW)
-        if HAS_V:
-            acc += _row_terms(v2, v_stride, slot, mask, 2 * PER_LAYER + NW, NW)
-    if NUM_LAYERS > 3:
-        acc += _row_terms(k3, k_stride, slot, mask, 3 * PER_LAYER, NW)
-        if HAS_V:
-            acc += _row_terms(v3, v_stride, slot, mask, 3 * PER_LAYER + NW, NW)
+    cols = tl.arange(0, WT)
+    slot64 = slot.to(tl.int64)
+    for s in range(num_sources):
+        offset = tl.load(sources + s * 4 + 0)
+        stride = tl.load(sources + s * 4 + 1)
+        words = tl.load(sources + s * 4 + 2)
+        first = tl.load(sources + s * 4 + 3)
+        row = base + offset + slot64[:, None] * stride
+        for w0 in range(0, words, WT):
+            w = w0 + cols
+            m2 = mask[:, None] & (w < words)[None, :]
+            word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.int64) & _MASK32
+            index = (first + w + 1).to(tl.int64)  # a tensor: the product wraps
+            acc += tl.sum(tl.where(m2, _mix64(word + index[None, :] * _WORD_MUL), 0), axis=1)
     return _mix64(acc ^ _HASH_SEED)
 
 
 @triton.jit
-def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots,
-                 k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
-                 CHECK_TOKENS: tl.constexpr, NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr):
+def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources,
+                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr):
     """Check lanes ``m`` of (slot, predecessor slot, position, expected token) against the records.
 
     raw_pred must be 0 where pos == 0. Returns (reason bits, stored, expected) per lane;
@@ -111,7 +105,7 @@ def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots,
     pred_chain = tl.load(records + pred * _RW + 2, mask=has_pred, other=0)
     pred_chain = tl.where(pos > 0, pred_chain, _ANCHOR)
     want_chain = pred_chain + _chain_term(rec_token, pos)
-    live_hash = _kv_hash(slot, m & slot_ok, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, NUM_LAYERS, HAS_V, NW)
+    live_hash = _kv_hash(slot, m & slot_ok, base, sources, num_sources, WT)
     if not CHECK_TOKENS:
         want_token = rec_token
     bad_slot = ~slot_ok
@@ -151,10 +145,9 @@ def _append_violations(counters, ring, ring_capacity, bad, reason_bits, slot, po
 @triton.jit
 def verify_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens,
-    k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
+    base, sources, num_sources,
     counters, ring, ring_capacity, num_slots, programs_per_req, expected_tokens, et_stride,
-    CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr,
-    NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
+    CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
 
@@ -179,8 +172,7 @@ def verify_kernel(
         raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
         want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
         reason, stored, expected = _check_slots(
-            records, raw_slot, raw_pred, pos, want_token, m, num_slots,
-            k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, CHECK_TOKENS, NUM_LAYERS, HAS_V, NW)
+            records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, CHECK_TOKENS, WT)
         bad = (reason != 0) & (report != 0)
         _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
                            i, row, stored, expected, forward_index)
@@ -188,15 +180,15 @@ def verify_kernel(
     tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
     if (i == 0) & (j == 0):
         tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1)
+        tl.store(counters + _C_CURRENT_FORWARD, forward_index)  # for this forward's TAIL rows
 
 
 @triton.jit
 def sweep_kernel(
     records, slots, preds, positions, tokens, num_entries,
-    k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
+    base, sources, num_sources,
     counters, ring, ring_capacity, num_slots,
-    GROUP_BITS: tl.constexpr, NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr,
-    BLOCK: tl.constexpr,
+    GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """SWEEP: verify a flat list of cached slots (slot, predecessor slot, position, token).
 
@@ -210,8 +202,7 @@ def sweep_kernel(
     pos = tl.load(positions + idx, mask=m, other=0).to(tl.int64)
     want_token = tl.load(tokens + idx, mask=m, other=0).to(tl.int64)
     reason, stored, expected = _check_slots(
-        records, raw_slot, raw_pred, pos, want_token, m, num_slots,
-        k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, True, NUM_LAYERS, HAS_V, NW)
+        records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, True, WT)
     report = tl.load(counters + _C_REPORT_ENABLED)
     forward_index = tl.load(counters + _C_FORWARD_INDEX)
     _append_violations(counters, ring, ring_capacity, (reason != 0) & (report != 0),
@@ -220,26 +211,68 @@ def sweep_kernel(
 
 
 @triton.jit
+def scrub_kernel(
+    records, full_base, full_sources, num_full_sources, counters, ring, ring_capacity, num_slots, per_forward,
+    GROUP_BITS: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """SCRUB: check every K/V byte of ``per_forward`` slots against their FULL_HASH.
+
+    The window starts at ``(forward index * per_forward) mod (num_slots - 1)``
+    (slot 0, the padding slot, never), so consecutive forwards cover the pool
+    round-robin: every slot within ceil((num_slots - 1) / per_forward) forwards.
+    Slots never written (chain 0) are skipped. Ring rows get batch_index = row = -2.
+    """
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    forward_index = tl.load(counters + _C_FORWARD_INDEX)
+    span = num_slots - 1
+    start = (forward_index * per_forward) % span
+    slot = 1 + (start + idx) % span
+    m = idx < per_forward
+    rec_chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
+    m = m & (rec_chain != 0)
+    rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
+    rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
+    live = _kv_hash(slot, m, full_base, full_sources, num_full_sources, WT_FULL)
+    bad = m & (live != rec_full)
+    report = tl.load(counters + _C_REPORT_ENABLED)
+    _append_violations(counters, ring, ring_capacity, bad & (report != 0),
+                       tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot.to(tl.int64), rec_pos, -2, -2,
+                       rec_full, live, forward_index)
+    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(m.to(tl.int64), axis=0))
+
+
+@triton.jit
 def write_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens, new_starts,
-    input_ids, out_cache_loc,
-    k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride,
-    counters, num_slots, expected_tokens, et_stride,
-    BUMP_FORWARD: tl.constexpr, STORE_TOKENS: tl.constexpr,
-    NUM_LAYERS: tl.constexpr, HAS_V: tl.constexpr, NW: tl.constexpr, BLOCK: tl.constexpr,
+    input_ids, positions, out_cache_loc,
+    base, sources, num_sources, full_base, full_sources, num_full_sources,
+    counters, ring, ring_capacity, num_slots, expected_tokens, et_stride, next_rows, next_positions,
+    BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, GROUP_BITS: tl.constexpr,
+    FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
 
-    The chain of the k-th new token is the predecessor slot's chain plus the
-    prefix sum of g over new tokens 0..k: earlier blocks are summed first, so
-    every block of a long chunk is written in parallel.
+    Each record stores the token the model was fed and the position it ran with
+    (``positions``, what RoPE used); the chain links the sequence index. A fed
+    position that is not the slot's index in the sequence (``position``) or a
+    fed token that is not the request's own token there (``token``, from
+    ``expected_tokens``, filled by the scheduler's record, never by
+    ``input_ids``; with ORACLE) is appended to the ring right away (CHECK_FED:
+    the first group's launch only). The chain of the k-th new
+    token is the predecessor slot's chain plus the prefix sum of g over new
+    tokens 0..k: earlier blocks are summed first, so every block of a long chunk
+    is written in parallel. With ORACLE, program (i, 0) also stores where
+    request i's next sampled token will sit: ``next_rows/next_positions[i]``.
+    With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
     """
     i = tl.program_id(0)
     b = tl.program_id(1)
     row = tl.load(req_pool_indices + i).to(tl.int64)
     n = tl.load(new_lens + i).to(tl.int64)
     start = tl.load(new_starts + i).to(tl.int64)
-    p0 = tl.load(seq_lens + i).to(tl.int64) - n
+    seq_len = tl.load(seq_lens + i).to(tl.int64)
+    p0 = seq_len - n
     lanes = tl.arange(0, BLOCK)
     pred = tl.load(req_to_token + row * r2t_stride + tl.maximum(p0 - 1, 0), mask=p0 > 0, other=0).to(tl.int64)
     pred = tl.where((pred > 0) & (pred < num_slots), pred, 0)
@@ -254,23 +287,63 @@ def write_kernel(
     m = (k < n) & (p0 >= 0)
     tok = tl.load(input_ids + start + k, mask=m, other=0).to(tl.int64)
     pos = p0 + k
+    fed_pos = tl.load(positions + start + k, mask=m, other=0).to(tl.int64)
     g = tl.where(m, _chain_term(tok, pos), 0)
     chain = carry + tl.cumsum(g, axis=0)
     slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+    # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
     wm = m & (slot > 0) & (slot < num_slots)
-    live_hash = _kv_hash(slot, wm, k0, v0, k1, v1, k2, v2, k3, v3, k_stride, v_stride, NUM_LAYERS, HAS_V, NW)
+    live_hash = _kv_hash(slot, wm, base, sources, num_sources, WT)
     tl.store(records + slot * _RW + 0, tok, mask=wm)
-    tl.store(records + slot * _RW + 1, pos, mask=wm)
+    tl.store(records + slot * _RW + 1, fed_pos, mask=wm)
     tl.store(records + slot * _RW + 2, chain, mask=wm)
     tl.store(records + slot * _RW + 3, live_hash, mask=wm)
-    if STORE_TOKENS:  # the request's own token at each new position, for HEAD's token check
-        # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
-        tl.store(expected_tokens + row * et_stride + pos, tok.to(tl.int32), mask=wm)
+    if FULL_HASH:
+        full_hash = _kv_hash(slot, wm, full_base, full_sources, num_full_sources, WT_FULL)
+        tl.store(records + slot * _RW + 4, full_hash, mask=wm)
+    if ORACLE:  # where each request's next sampled token goes (the token oracle's record_sampled)
+        if b == 0:
+            tl.store(next_rows + i, row)
+            tl.store(next_positions + i, tl.where(n > 0, seq_len, -1))
+    if CHECK_FED:  # once per forward (first group): what the model was fed is group-independent
+        bad_pos = wm & (fed_pos != pos)
+        reason = tl.where(bad_pos, _R_POSITION, 0)
+        stored = fed_pos
+        expected = pos
+        if ORACLE:
+            want = tl.load(expected_tokens + row * et_stride + pos, mask=wm, other=0).to(tl.int64)
+            bad_tok = wm & (tok != want)
+            reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
+            stored = tl.where(bad_pos, fed_pos, tok)
+            expected = tl.where(bad_pos, pos, want)
+        report = tl.load(counters + _C_REPORT_ENABLED)
+        forward_index = tl.load(counters + _C_CURRENT_FORWARD)  # not _C_FORWARD_INDEX: this launch bumps it
+        _append_violations(counters, ring, ring_capacity, (reason != 0) & (report != 0),
+                           reason.to(tl.int64) | GROUP_BITS, slot, pos, i, row, stored, expected, forward_index)
     tl.atomic_add(counters + _C_SLOTS_WRITTEN, tl.sum(wm.to(tl.int64), axis=0))
     if (i == 0) & (b == 0):
         tl.atomic_add(counters + _C_WRITE_LAUNCHES, 1)
         if BUMP_FORWARD:
             tl.atomic_add(counters + _C_FORWARD_INDEX, 1)
+
+
+@triton.jit
+def record_sampled_kernel(expected_tokens, et_stride, known_lens, next_rows, next_positions, sampled, n,
+                          BLOCK: tl.constexpr):
+    """The scheduler's sampled token of request i becomes its expected token at ``next_positions[i]``.
+
+    Skipped where that position is below ``known_lens[row]`` (an unfinished
+    chunked prefill samples a token that is thrown away: the prompt goes on) or
+    past the row's width.
+    """
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    row = tl.load(next_rows + i, mask=m, other=0)
+    pos = tl.load(next_positions + i, mask=m, other=-1)
+    known = tl.load(known_lens + row, mask=m, other=0).to(tl.int64)
+    ok = m & (pos >= known) & (pos >= 0) & (pos < et_stride)
+    tok = tl.load(sampled + i, mask=ok, other=0)
+    tl.store(expected_tokens + row * et_stride + pos, tok.to(tl.int32), mask=ok)
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256,
@@ -281,20 +354,46 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, programs_per_req,
         tokens, tokens.stride(0),
         CHECK_TOKENS=expected_tokens is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT,
-        **_hash_meta(group), BLOCK=block,
+        WT=hash_word_tile(group), BLOCK=block,
     )
 
 
-def launch_write(group, view, req_to_token, counters, bump_forward: bool, block: int = 0,
-                 expected_tokens=None) -> None:
+def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
+                 group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
+    """check_fed: check the fed positions (and tokens, given a ``TokenOracle``); once per forward, as is
+    ``token_oracle`` (it also records where each request's next sampled token goes)."""
     block = block or write_block(view.max_new_len)
-    tokens = req_to_token if expected_tokens is None else expected_tokens
+    if token_oracle is None:
+        tokens, next_rows, next_positions = req_to_token, counters, counters
+    else:
+        tokens, next_rows, next_positions = (token_oracle.expected_tokens, token_oracle.next_rows,
+                                             token_oracle.next_positions)
     write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
-        view.new_lens, view.new_starts, view.input_ids, view.out_cache_loc,
-        *_hash_args(group), counters, group.num_slots, tokens, tokens.stride(0),
-        BUMP_FORWARD=bump_forward, STORE_TOKENS=expected_tokens is not None,
-        **_hash_meta(group), BLOCK=block,
+        view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
+        *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, tokens,
+        tokens.stride(0), next_rows, next_positions,
+        BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, ORACLE=token_oracle is not None,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
+        WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
+    )
+
+
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 128) -> None:
+    """Check ``per_forward`` slots' every K/V byte (grid fixed by ``per_forward``: graph-safe)."""
+    scrub_kernel[(triton.cdiv(per_forward, block),)](
+        group.records, *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, per_forward,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
+    )
+
+
+def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 128) -> None:
+    if batch_size == 0:
+        return
+    o = token_oracle
+    record_sampled_kernel[(triton.cdiv(batch_size, block),)](
+        o.expected_tokens, o.expected_tokens.stride(0), o.known_lens, o.next_rows, o.next_positions, sampled,
+        batch_size, BLOCK=block,
     )
 
 
@@ -306,7 +405,7 @@ def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: in
     sweep_kernel[(triton.cdiv(n, block),)](
         group.records, entries.slots, entries.preds, entries.positions, entries.tokens, n,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, **_hash_meta(group), BLOCK=block,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
     )
 
 
@@ -315,16 +414,20 @@ def write_block(max_new_len: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(max(1, max_new_len))))
 
 
+HASH_WORD_TILE = 16  # most words of one row a kernel loads per step (whole-row hashing loops over tiles)
+
+
+def hash_word_tile(group, full: bool = False) -> int:
+    """Words per hash tile: the next power of two of the longest hashed run, at most HASH_WORD_TILE."""
+    longest = max((s.words for s in (group.rows if full else group.sources)), default=1)
+    return min(HASH_WORD_TILE, triton.next_power_of_2(max(1, longest)))
+
+
 def _hash_args(group):
-    """k0, v0, ..., k3, v3, k_stride, v_stride (unused layers repeat the last; MLA passes K as V)."""
-    k = list(group.k_views)
-    v = list(group.v_views) if group.has_v else list(group.k_views)
-    out = []
-    for idx in range(4):
-        src = min(idx, len(k) - 1)
-        out += [k[src], v[src]]
-    return out + [k[0].stride(0), v[0].stride(0)]
+    """base, source table, number of sources (see ``CanaryBufferGroup``)."""
+    return [group.base, group.source_table, len(group.sources)]
 
 
-def _hash_meta(group):
-    return dict(NUM_LAYERS=len(group.k_views), HAS_V=group.has_v, NW=group.hash_words)
+def _full_hash_args(group):
+    """The same over every row (FULL_HASH)."""
+    return [group.full_base, group.full_table, len(group.rows)]

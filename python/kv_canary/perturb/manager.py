@@ -5,13 +5,21 @@ Modes (env-var probabilities per forward, after a warmup gate):
 * ``req_to_token`` (pre-forward): one read entry of a running request points at
   another slot of the same request for the duration of this forward, then is
   restored (a transient mapping bug; restoring keeps sglang's allocator sound).
-* ``real_kv_used`` (pre-forward): flip a hashed byte of a slot this forward reads.
-* ``real_kv_unused_cache`` (pre-forward): flip a hashed byte of a slot only the
+* ``real_kv_used`` (pre-forward): flip a K/V byte of a slot this forward reads.
+* ``real_kv_unused_cache`` (pre-forward): flip a K/V byte of a slot only the
   radix cache holds; only the sweep (or a later prefix hit) reads it.
-* ``real_kv_post_forward`` (post-forward): flip a hashed byte of a slot this
+* ``real_kv_post_forward`` (post-forward): flip a K/V byte of a slot this
   forward just wrote, stream-ordered after its TAIL write; the next read catches it.
-* ``transfer`` (PD decode side, pre-forward): flip a hashed byte of a slot a
+* ``transfer`` (PD decode side, pre-forward): flip a K/V byte of a slot a
   request received by transfer, after arrival and before its first read.
+* ``position_shift`` (pre-forward, decode forwards): the whole forward runs at
+  positions + 1 (a position bookkeeping bug: RoPE rotates K for the wrong
+  position); TAIL catches it in that forward.
+* ``next_token_swap`` (pre-forward, decode forwards): two requests are fed each
+  other's next token (a future-token resolution bug; upstream swaps them at the
+  sampler exit); TAIL catches both in that forward.
+
+K/V flips land anywhere in the slot by default (``SGLANG_KV_CANARY_PERTURB_KV_BYTES``).
 
 Every injection is one parseable ``kv_canary_perturb=<mode>`` line with the
 group, slot, request, position and forward index.
@@ -26,10 +34,10 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from ..config import CanaryConfig, CanaryConfigError
-from ..views import HostBatch
+from ..views import ForwardView, HostBatch
 from ..buffer_groups import CanaryBufferGroup
 from ..violations import PERTURB_PREFIX, format_line
-from .real_kv import flip_hashed_byte
+from .real_kv import check_flip_spec, flip_kv_byte
 from .slot_picker import pick_read_slot
 
 logger = logging.getLogger("kv_canary")
@@ -52,6 +60,8 @@ class PerturbManager:
         self._rng = random.Random(config.perturb_seed)
         self._gate = WarmupGate(config.perturb_warmup_steps)
         self._group = self._target_group(groups, config.perturb_target_group)
+        if config.any_perturbation:
+            check_flip_spec(self._group, config.perturb_kv_bytes)
         self._prefix_cache = None  # RadixCacheView, attached by the adapter
         self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
@@ -80,12 +90,21 @@ class PerturbManager:
 
     # ------------------------------------------------------------------ pre-forward
 
-    def perturb_pre_forward(self, *, forward_index: int, host_batch: Callable[[], Optional[HostBatch]]) -> None:
+    def perturb_pre_forward(self, *, forward_index: int, host_batch: Callable[[], Optional[HostBatch]],
+                            view: Callable[[], ForwardView]) -> None:
         """The pre-forward modes, for the forward about to run as ``forward_index``."""
         if not self._gate.is_open(forward_index):
             return
         c = self._config
         batch: Optional[HostBatch] = None
+        if self._draw(c.perturb_position_shift_prob):
+            batch = batch or host_batch()
+            if batch is not None and set(batch.new_lens) == {1}:
+                self._position_shift(batch, view(), forward_index)
+        if self._draw(c.perturb_next_token_swap_prob):
+            batch = batch or host_batch()
+            if batch is not None and set(batch.new_lens) == {1}:
+                self._next_token_swap(batch, view(), forward_index)
         if self._draw(c.perturb_req_to_token_prob):
             batch = batch or host_batch()
             if batch is not None:
@@ -116,22 +135,43 @@ class PerturbManager:
         self._log("req_to_token", slot=new_slot, rid=entry.rid, position=pos, forward=forward_index,
                   row=row, original_slot=original, from_position=q)
 
+    def _position_shift(self, batch: HostBatch, view: ForwardView, forward_index: int) -> None:
+        n = len(batch.rows)
+        view.positions[:n].add_(1)  # the batch's own positions tensor: the forward runs with it
+        self._log("position_shift", slot=-1, rid=batch.rids[0], position=batch.seq_lens[0] - 1,
+                  forward=forward_index, requests=n, shift=1)
+
+    def _next_token_swap(self, batch: HostBatch, view: ForwardView, forward_index: int) -> None:
+        """Two requests of the decode batch are fed each other's token (one neighbouring id when they agree)."""
+        n = len(batch.rows)
+        own = [int(t) for t in view.input_ids[:n].tolist()]
+        pair = self._rng.sample(range(n), 2) if n > 1 else [0]
+        if len(pair) == 2 and own[pair[0]] != own[pair[1]]:
+            fed = {pair[0]: own[pair[1]], pair[1]: own[pair[0]]}
+        else:
+            i = pair[0]
+            fed = {i: own[i] - 1 if own[i] > 0 else own[i] + 1}  # a neighbouring id: inside the vocabulary
+        for i, token in fed.items():
+            view.input_ids[i] = token  # the batch's own input_ids: the forward is fed it
+            self._log("next_token_swap", slot=-1, rid=batch.rids[i], position=batch.seq_lens[i] - 1,
+                      forward=forward_index, fed=token, own=own[i])
+
     def _real_kv_used(self, batch: HostBatch, forward_index: int) -> None:
         entry = pick_read_slot(batch, self._req_to_token, self._rng)
         if entry is None:
             return
-        flip = flip_hashed_byte(self._group, entry.slot, self._rng)
+        flip = flip_kv_byte(self._group, entry.slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_used", slot=entry.slot, rid=entry.rid, position=entry.position, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte)
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
 
     def _real_kv_unused_cache(self, forward_index: int) -> None:
         picked = self._prefix_cache.pick_unused_slot(self._rng)
         if picked is None:
             return
         slot, position = picked
-        flip = flip_hashed_byte(self._group, slot, self._rng)
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_unused_cache", slot=slot, rid="cache", position=position, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte)
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
 
     def perturb_transferred(self, *, forward_index: int, arrivals) -> None:
         """PD decode side: per arrived request (``transfer.Arrival``), maybe flip a byte of one received slot."""
@@ -142,9 +182,10 @@ class PerturbManager:
                 continue
             position = self._rng.randrange(a.received)
             slot = int(self._req_to_token[a.row, position].item())
-            flip = flip_hashed_byte(self._group, slot, self._rng)
+            flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
             self._log("transfer", slot=slot, rid=a.rid, position=position, forward=forward_index,
-                      bootstrap_room=a.room, half=flip.half, layer=flip.layer, byte=flip.byte)
+                      bootstrap_room=a.room, half=flip.half, layer=flip.layer, byte=flip.byte,
+                      hashed=int(flip.hashed))
 
     # ------------------------------------------------------------------ post-forward
 
@@ -158,9 +199,9 @@ class PerturbManager:
         if not slots:
             return
         slot = self._rng.choice(slots)
-        flip = flip_hashed_byte(self._group, slot, self._rng)
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_post_forward", slot=slot, rid="?", position=-1, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte)
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
 
     def _log(self, mode: str, **fields) -> None:
         line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})

@@ -1,28 +1,78 @@
-"""Flip one byte inside the hashed region of a slot's real K or V row."""
+"""Flip one byte of a slot's real K or V row: anywhere in the slot, or where a spec says.
+
+``SGLANG_KV_CANARY_PERTURB_KV_BYTES`` picks where:
+
+* ``anywhere`` (default): uniform over every byte of every layer's K and V row of
+  the slot -- how a real stray write lands; ``--kv-canary-real-data partial``
+  hashes a small window and misses most of these, ``all`` catches every one;
+* ``hashed``: uniform over the bytes the kv_hash covers (the window);
+* ``LAYER:HALF:BYTE``: one place, e.g. ``-1:k:mid`` (the middle byte of the last
+  layer's K row); a negative LAYER counts from the last.
+"""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from ..buffer_groups import CanaryBufferGroup
+from ..buffer_groups import CanaryBufferGroup, KVRow
+from ..config import CanaryConfigError
 
 
 @dataclass(frozen=True)
 class ByteFlip:
     half: str  # "k" or "v"
     layer: int  # pool layer id
-    byte: int  # byte offset in the row (within the hashed bytes)
+    byte: int  # byte offset in the row
+    hashed: bool  # inside the bytes the kv_hash covers
 
 
-def flip_hashed_byte(group: CanaryBufferGroup, slot: int, rng: random.Random) -> ByteFlip:
-    """XOR 0xFF into a random byte that the canary hashes (device op, no sync)."""
-    layer_i = rng.randrange(len(group.k_views))
-    half = "v" if group.has_v and rng.random() < 0.5 else "k"
-    view = (group.v_views if half == "v" else group.k_views)[layer_i]
-    byte = rng.randrange(group.hash_words * 4)
-    row = view[slot].view(torch.uint8)
-    row[byte] ^= 0xFF
-    return ByteFlip(half=half, layer=group.hashed_layers[layer_i], byte=byte)
+def _weighted_pick(rows: Sequence[KVRow], sizes: Sequence[int], rng: random.Random):
+    k = rng.randrange(sum(sizes))
+    for row, size in zip(rows, sizes):
+        if k < size:
+            return row, k
+        k -= size
+    raise RuntimeError("flip picker: index past the rows")  # unreachable: k < sum(sizes)
+
+
+def _place(group: CanaryBufferGroup, where: str, rng: random.Random):
+    """(row, byte) to flip for the spec ``where``."""
+    if where == "anywhere":
+        return _weighted_pick(group.rows, [r.row_words * 4 for r in group.rows], rng)
+    if where == "hashed":
+        if not group.sources:
+            raise CanaryConfigError(
+                "SGLANG_KV_CANARY_PERTURB_KV_BYTES=hashed, but --kv-canary-real-data none hashes no K/V bytes")
+        return _weighted_pick(group.sources, [s.words * 4 for s in group.sources], rng)
+    layer_s, half, byte_s = where.split(":")
+    layers = sorted({r.layer for r in group.rows})
+    layer = int(layer_s)
+    layer = layers[layer] if -len(layers) <= layer < len(layers) else None
+    match = [r for r in group.rows if r.layer == layer and r.half == half]
+    if not match:
+        raise CanaryConfigError(f"SGLANG_KV_CANARY_PERTURB_KV_BYTES={where!r}: group '{group.name}' has no such row "
+                                f"(layers {layers[0]}..{layers[-1]}, halves {sorted({r.half for r in group.rows})})")
+    row = match[0]
+    byte = row.row_words * 2 if byte_s == "mid" else int(byte_s)
+    if not 0 <= byte < row.row_words * 4:
+        raise CanaryConfigError(f"SGLANG_KV_CANARY_PERTURB_KV_BYTES={where!r}: byte {byte} is outside the "
+                                f"{row.row_words * 4}-byte row")
+    return row, byte
+
+
+def check_flip_spec(group: CanaryBufferGroup, where: str) -> None:
+    """Raise ``CanaryConfigError`` at startup if ``where`` cannot be applied to ``group``."""
+    _place(group, where, random.Random(0))
+
+
+def flip_kv_byte(group: CanaryBufferGroup, slot: int, rng: random.Random, where: str = "anywhere") -> ByteFlip:
+    """XOR 0xFF into one byte of ``slot``'s K/V rows (device op, no sync)."""
+    row, byte = _place(group, where, rng)
+    bytes_ = row.view[slot].view(torch.uint8)
+    bytes_[byte] ^= 0xFF
+    hashed = any(s.layer == row.layer and s.half == row.half and byte < s.words * 4 for s in group.sources)
+    return ByteFlip(half=row.half, layer=row.layer, byte=byte, hashed=hashed)

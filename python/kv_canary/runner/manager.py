@@ -13,11 +13,14 @@ and the patched ``model.forward`` (``api._with_canary_bracketing``) does::
     out = original_forward(...)                       # attention reads / writes KV
     manager.post_ops_maybe_inside_graph(view)         # TAIL write
 
-So a forward is: outside pre-ops (bracket checks, perturbation) -> plan ->
-HEAD -> forward -> TAIL -> outside post-ops (count the forward, queue the
-async counter copy, read copies a few forwards old, log/raise violations,
-stats). Everything between the outside pre- and post-ops may be captured in
-a CUDA graph; the outside ops never are.
+So a forward is: outside pre-ops (bracket checks, token-oracle admissions,
+perturbation) -> plan -> HEAD (verify every read slot; the scrub's window) ->
+forward -> TAIL (fingerprint the new slots; check the positions and tokens the
+model was fed) -> outside post-ops (count the forward, queue the async counter
+copy, read copies a few forwards old, log/raise violations, stats). Everything
+between the outside pre- and post-ops may be captured in a CUDA graph; the
+outside ops never are. After the engine samples, ``record_sampled`` adds the
+sampled ids to the token oracle (device work: what the next forward must feed).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..config import CanaryConfig, CanaryMode
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
+from ..token_oracle import AdmittedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..transfer import Arrival, TransferBook
@@ -45,6 +49,7 @@ logger = logging.getLogger("kv_canary")
 
 RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
 HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
+SCRUB_BATCH_INDEX = -2  # ring rows of the scrub (the sweep's are -1)
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
 
 
@@ -65,8 +70,9 @@ class BatchAdapter(Protocol):
 
     def written_slots(self, forward_batch: object) -> Sequence[int]: ...
 
-    def extend_requests(self, forward_batch: object) -> Sequence[Tuple[int, str, int, Callable[[], Sequence[int]]]]:
-        """(row, rid, prefix_len, prefix_tokens()) of each request an extend batch admits/continues."""
+    def extend_requests(self, forward_batch: object) -> Sequence[AdmittedRequest]:
+        """(row, rid, record()) of each request an extend batch admits/continues; record() is the
+        scheduler's (prompt ids, output ids so far)."""
         ...
 
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
@@ -95,16 +101,19 @@ class CanaryManager:
         self._req_to_token = req_to_token
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
-        # Each req_to_token row's own tokens by position: TAIL stores new tokens, the host fills
-        # cached prefixes once per admitted request, HEAD compares with the slots' recorded tokens.
-        self.expected_tokens = (
-            torch.zeros(req_to_token.shape, dtype=torch.int32, device=device) if config.verify_tokens else None
+        # Each request's own tokens by position, from the scheduler's record (never from input_ids):
+        # TAIL checks the tokens it is fed against it, HEAD the slots' recorded tokens.
+        self.token_oracle = (
+            TokenOracle(rows=req_to_token.shape[0], ctx=req_to_token.shape[1], max_batch_size=capacities.max_batch_size,
+                        device=device, record_sampled_kernel=kernels.record_sampled)
+            if config.uses_token_oracle else None
         )
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
-                expected_tokens=self.expected_tokens,
+                token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
+                verify_tokens=config.verify_tokens, check_fed=config.write_input_assert,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -126,7 +135,6 @@ class CanaryManager:
         # forward index -> (request ids in batch order, replayed from a CUDA graph)
         self._forward_info: "OrderedDict[int, Tuple[Sequence[str], bool]]" = OrderedDict()
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
-        self._row_owner: Dict[int, str] = {}  # req_to_token row -> rid whose tokens expected_tokens holds
         self._violations_seen = 0
         self.violations_reported = 0
         self.violations_lost = 0
@@ -196,8 +204,8 @@ class CanaryManager:
         self.ring.zero_()
         self.counters[fp.C_REPORT_ENABLED] = 1
         self._d2h.drain()
-        if self.expected_tokens is not None:
-            self.expected_tokens.zero_()
+        if self.token_oracle is not None:
+            self.token_oracle.reset()
         self._reset_host_state()
         self.init_finished = True
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
@@ -231,6 +239,14 @@ class CanaryManager:
             return None
         return self.single_forward_managers[self._active[-1]]
 
+    def record_sampled(self, sampled: torch.Tensor) -> None:
+        """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
+
+        Called after each sampling step, outside any graph; device work only.
+        """
+        if self.token_oracle is not None and self.init_finished:
+            self.token_oracle.record_sampled(sampled, int(sampled.shape[0]))
+
     def _on_eager_tail(self) -> None:
         if not self._capturing:
             self._eager_tails += 1
@@ -240,74 +256,63 @@ class CanaryManager:
     def _pre_ops_outside_graph(self, fb: object) -> None:
         if not self.init_finished:
             return
-        if self.expected_tokens is not None:
-            self._fill_prefix_tokens(fb)
+        if self.token_oracle is not None:
+            # Newly admitted requests: the scheduler's record of their tokens (one non-blocking copy each).
+            self.token_oracle.admit(self._adapter.extend_requests(fb))
         if self._arrivals:  # after arrival, before the first forward that reads them
             self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
             self._arrivals = []
         if self.perturb.active:
             self.perturb.perturb_pre_forward(
-                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb)
+                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
+                view=lambda: self._adapter.view(fb),
             )
 
-    def _fill_prefix_tokens(self, fb: object) -> None:
-        """Copy a newly admitted request's cached-prefix tokens (from its own prompt) into its row.
+    def note_request_tokens(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Token oracle: admit request ``rid`` (req_to_token row ``row``) with the scheduler's record of its tokens.
 
-        Positions a request computes itself are stored by TAIL from input_ids; only a
-        radix-cache prefix is never in this request's input_ids. One small H2D copy per
-        admitted request with a prefix; continuation chunks and decodes copy nothing.
+        For a request whose KV no forward of this server computed (PD decode side:
+        it arrived by transfer), called when sglang builds the prebuilt batch.
         """
-        for row, rid, prefix_len, prefix_tokens in self._adapter.extend_requests(fb):
-            if self._row_owner.get(row) == rid:
-                continue
-            self._row_owner[row] = rid
-            if prefix_len > 0:
-                tokens = torch.tensor(prefix_tokens(), dtype=torch.int32)
-                self.expected_tokens[row, :prefix_len].copy_(tokens, non_blocking=False)
-
-    def note_request_tokens(self, row: int, rid: str, tokens: Sequence[int]) -> None:
-        """Token oracle: request ``rid`` (req_to_token row ``row``) has ``tokens`` at positions [0, len).
-
-        For positions no forward of this server computed (PD decode side: the KV
-        arrived by transfer), from the request's own Req record. One H2D copy.
-        """
-        self._row_owner[row] = rid
-        if self.expected_tokens is not None and len(tokens) > 0:
-            self.expected_tokens[row, : len(tokens)].copy_(torch.tensor(list(tokens), dtype=torch.int32))
+        if self.token_oracle is not None:
+            self.token_oracle.admit([(row, rid, lambda: (prompt_ids, output_ids))])
 
     def attach_transfer(self, book: TransferBook) -> None:
         """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
         self.transfer = book
 
-    def note_transfer_arrival(self, arrival: Arrival, tokens: Sequence[int]) -> None:
+    def note_transfer_arrival(self, arrival: Arrival, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """PD decode side: ``arrival.received`` positions of a request arrived by transfer, before its first read."""
-        self.note_request_tokens(arrival.row, arrival.rid, tokens)
+        self.note_request_tokens(arrival.row, arrival.rid, prompt_ids, output_ids)
         if self.transfer is not None:
             self.transfer.note_arrival(arrival)
         if self.config.perturb_transfer_prob > 0:
             self._arrivals.append(arrival)
 
-    def note_fake_arrival(self, row: int, rid: str, tokens: Sequence[int]) -> None:
-        """PD decode side: a *fake* transfer (sglang's warmup / health check) filled positions [0, n) with nothing.
+    def note_fake_arrival(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """PD decode side: a *fake* transfer (sglang's warmup / health check) filled the KV positions with nothing.
 
         There is nothing to verify there; the TAIL kernel fingerprints the slots as
         they are (eager, outside any graph, counting into a scratch tensor so the
         health check is untouched), so later reads do not false-alarm and the decode
         TAIL chains onto them.
         """
-        self.note_request_tokens(row, rid, tokens)
+        self.note_request_tokens(row, rid, prompt_ids, output_ids)
+        tokens = (list(prompt_ids) + list(output_ids))[: len(prompt_ids) + max(0, len(output_ids) - 1)]
         n = len(tokens)
         if n > 0:
             dev = self.counters.device
             one = torch.ones(1, dtype=torch.int64, device=dev)
             view = ForwardView(
                 input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
-                out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
+                positions=torch.arange(n, dtype=torch.int64, device=dev), out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
                 seq_lens=one * n, new_starts=one * 0, new_lens=one * n, batch_size=1, max_new_len=n,
             )
-            scratch = torch.zeros_like(self.counters)
-            for group in self.groups:
-                self.kernels.write(group, view, self._req_to_token, scratch, False)
+            scratch = torch.zeros_like(self.counters)  # report disabled: nothing reaches the ring
+            for group_index, group in enumerate(self.groups):
+                self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
+                                   group_index=group_index, check_fed=False, token_oracle=None,
+                                   full_hash=self.config.scrub_slots_per_forward > 0)
         if self.transfer is not None:
             self.transfer.fake_requests += 1
 
@@ -425,6 +430,8 @@ class CanaryManager:
     def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
         """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
         rids, replayed = self._forward_info.get(forward, ((), None))
+        if batch_index == SCRUB_BATCH_INDEX:
+            return "scrub", None  # a scrub row: found by the round-robin whole-slot check
         if batch_index < 0:
             return "cache", None  # a sweep row: the slot is held by the prefix cache
         rid = str(rids[batch_index]) if batch_index < len(rids) else "?"
@@ -475,6 +482,7 @@ class CanaryManager:
                 "write_launches": values[fp.C_WRITE_LAUNCHES],
                 "sweeps": self.sweeps,
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
+                "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,

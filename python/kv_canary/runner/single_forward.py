@@ -2,8 +2,12 @@
 
 HEAD (before the forward): one verify launch per buffer group over every slot
 attention will read. TAIL (after the forward): one write launch per group over
-every slot the forward filled; the last group's launch also bumps the device
-forward counter. Both only launch kernels on preallocated buffers: no host
+every slot the forward filled, recording the token and position the model was
+fed; the first group's launch also checks them (position = the slot's index in
+the sequence, token = the request's own token from the token oracle), the last
+group's launch bumps the device forward counter. With the scrub on, HEAD also
+checks every K/V byte of a fixed number of slots (round-robin over the pool)
+and TAIL records every new slot's whole-row hash. Both only launch kernels on preallocated buffers: no host
 sync, no allocation, grids fixed by the batch size (see ``LaunchCapacities``).
 """
 
@@ -14,6 +18,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels import VERIFY_BLOCK, CanaryKernels
+from ..token_oracle import TokenOracle
 from ..views import ForwardView, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 
@@ -30,7 +35,10 @@ class SingleForwardManager:
         ring: torch.Tensor,
         capacities: LaunchCapacities,
         on_tail: Callable[[], None],
-        expected_tokens: Optional[torch.Tensor] = None,
+        token_oracle: Optional[TokenOracle] = None,
+        scrub_slots_per_forward: int = 0,
+        verify_tokens: bool = True,
+        check_fed: bool = True,
     ):
         self.index = index
         self._groups = list(groups)
@@ -40,7 +48,11 @@ class SingleForwardManager:
         self._ring = ring
         self._capacities = capacities
         self._on_tail = on_tail  # host callback: counts eager forwards
-        self._expected_tokens = expected_tokens  # int32[rows, ctx]: each row's own tokens (None: no token check)
+        self._oracle = token_oracle  # each request's own tokens (None: no token check)
+        # HEAD compares each read slot's token with it; TAIL checks what the forward is fed
+        self._expected_tokens = token_oracle.expected_tokens if token_oracle is not None and verify_tokens else None
+        self._check_fed = check_fed
+        self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads (before it reads them)."""
@@ -53,15 +65,18 @@ class SingleForwardManager:
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
                 group_index=group_index, expected_tokens=self._expected_tokens,
             )
+            if self._scrub:
+                self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
-        """TAIL: fingerprint every slot the forward filled."""
+        """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
         if view.batch_size == 0:
             return
         last = len(self._groups) - 1
         for group_index, group in enumerate(self._groups):
             self._kernels.write(
-                group, view, self._req_to_token, self._counters, group_index == last,
-                expected_tokens=self._expected_tokens if group_index == 0 else None,
+                group, view, self._req_to_token, self._counters, self._ring, group_index == last,
+                group_index=group_index, check_fed=self._check_fed and group_index == 0,
+                token_oracle=self._oracle if group_index == 0 else None, full_hash=self._scrub > 0,
             )
         self._on_tail()

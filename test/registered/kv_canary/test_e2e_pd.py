@@ -38,7 +38,10 @@ pytestmark = pytest.mark.skipif(pd_skip_reason(e2e_device()) is not None, reason
 
 POST_FORWARD = "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB"
 TRANSFER = "SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB"
-PERTURB_COMMON = {"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "2", "SGLANG_KV_CANARY_PERTURB_SEED": "5"}
+# Flips land inside the hashed window (the default real-data mode hashes a window of each slot): every
+# injection must then be caught; flips anywhere in the slot are test_e2e_real_data's subject.
+PERTURB_COMMON = {"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "2", "SGLANG_KV_CANARY_PERTURB_SEED": "5",
+                  "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed"}
 # The prefill side runs without its radix cache in the perturbation runs, and prompts fit one chunk: a slot the
 # prefill corrupts after its TAIL is then read by nobody on the prefill side, only by the decode side after the
 # transfer (the seed's case: the prefill stays clean).
@@ -159,7 +162,10 @@ class TestPDPerturbed:
             assert v["rid"].startswith("kvc-") and v["origin_room"] == v["bootstrap_room"] and "origin_slot" in v
 
     def test_raise_the_decode_server_stops_with_the_report(self, perturbed):
-        decode = restart_canary_decode(perturbed, "raise", decode_env={TRANSFER: "1", **PERTURB_COMMON})
+        # no end-to-end startup request: the perturbed prefill may corrupt any request, and the first one
+        # to reach this decode server must be the test's
+        decode = restart_canary_decode(perturbed, "raise", decode_env={TRANSFER: "1", **PERTURB_COMMON},
+                                       wait_generate=False)
         result = run_requests(perturbed.base_url, unique_short_requests(12, seed=12), concurrency=4, timeout=300)
         code = decode.wait_exit(timeout=120)
         p, d = CanaryLog.read_settled(perturbed.prefill), CanaryLog.read(decode)

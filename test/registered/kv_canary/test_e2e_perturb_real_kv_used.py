@@ -1,5 +1,10 @@
 """Perturbation real_kv_used: flipped K/V bytes of slots a forward reads are reported,
-matched injection-by-injection; ``log`` keeps serving, ``raise`` stops the server."""
+matched injection-by-injection; ``log`` keeps serving, ``raise`` stops the server.
+
+Flips land anywhere in the slot (every layer, K and V, every byte), so these run with
+``--kv-canary-real-data all``, which must catch every one. With the default ``partial``
+(16 bytes of layer 0) a flip in the middle of the last layer's K row is missed: the test
+records that gap rather than hiding it."""
 
 import time
 
@@ -16,11 +21,12 @@ PERTURB_ENV = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
     "SGLANG_KV_CANARY_PERTURB_SEED": "7",
 }
+ALL = ["--kv-canary-real-data", "all"]
 
 
 @pytest.mark.e2e
 def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
-    srv = canary_server("log", log_path=tmp_path / "server.log", env=PERTURB_ENV)
+    srv = canary_server("log", log_path=tmp_path / "server.log", env=PERTURB_ENV, extra_args=ALL)
     with srv:
         result = run_requests(srv.base_url, build_workload(60, seed=11, n_aborts=2), concurrency=8, timeout=300)
         assert result.failed == 0, "\n".join(result.errors[:10]) + "\n" + srv.log_tail()
@@ -28,7 +34,8 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
         again = run_requests(srv.base_url, build_workload(4, seed=12, n_aborts=0), concurrency=2, timeout=120)
         assert again.failed == 0 and srv.is_running()
         log = CanaryLog.read_settled(srv)
-    print(f"kv_canary_e2e_perturb_log injections={len(log.perturbations)} violations={len(log.violations)} "
+    print(f"kv_canary_e2e_perturb_log real_data=all injections={len(log.perturbations)} "
+          f"hashed_window={sum(p['hashed'] == '1' for p in log.perturbations)} violations={len(log.violations)} "
           f"latencies={log.detection_latencies()}")
     assert log.perturbations, "no injection happened: raise the probability or the workload"
     assert log.unmatched_injections() == []
@@ -43,7 +50,7 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
 
 @pytest.mark.e2e
 def test_raise_mode_stops_the_server_with_the_report(tmp_path):
-    srv = canary_server("raise", log_path=tmp_path / "server.log", env=PERTURB_ENV)
+    srv = canary_server("raise", log_path=tmp_path / "server.log", env=PERTURB_ENV, extra_args=ALL)
     srv.start(timeout=600)
     try:
         t0 = time.monotonic()
@@ -62,6 +69,44 @@ def test_raise_mode_stops_the_server_with_the_report(tmp_path):
     print(f"kv_canary_e2e_perturb_raise exit_code={code} first_violation_cuda_graph={hits[0]['cuda_graph']}")
     # No request hangs: the ones in flight failed fast when the scheduler stopped.
     assert result.failed > 0 and elapsed < 120
+
+
+SCRUB_SLOTS = 4096
+ROOMY_POOL_TOKENS = 32768  # the scrub covers the pool in ceil(32768 / 4096) = 8 forwards
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("real_data,scrub", [("all", 0), ("partial", 0), ("partial", SCRUB_SLOTS)],
+                         ids=["all", "partial", "partial+scrub"])
+def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub):
+    """Caught with real-data all (by the HEAD that reads it); missed with partial (its window is the first
+    16 bytes of layer 0); caught with partial + the scrub within its stated bound."""
+    env = {**PERTURB_ENV, "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "-1:k:mid"}
+    if scrub:
+        env["SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD"] = str(scrub)
+    srv = canary_server("log", log_path=tmp_path / "server.log", env=env,
+                        extra_args=["--kv-canary-real-data", real_data], max_total_tokens=ROOMY_POOL_TOKENS)
+    with srv:
+        result = run_requests(srv.base_url, build_workload(30, seed=13, n_aborts=0), concurrency=8, timeout=300)
+        log = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+    injections = log.perturbations
+    caught = len(injections) - len(log.unmatched_injections())
+    latencies = log.detection_latencies()
+    print(f"kv_canary_e2e_full_slot_flip real_data={real_data} scrub={scrub} injections={len(injections)} "
+          f"caught={caught} latency_forwards={sorted(latencies)}")
+    assert result.failed == 0 and running
+    assert injections and all(p["hashed"] == "0" and p["half"] == "k" for p in injections)
+    if real_data == "all":
+        assert caught == len(injections) and max(latencies) == 0
+        assert all(v["kind"] == "kv_hash" for v in log.violations)
+    elif scrub:
+        bound = -(-ROOMY_POOL_TOKENS // scrub)
+        assert f"every_slot_within_forwards={bound}" in log.text
+        assert caught == len(injections) and max(latencies) <= bound
+        assert all(v["kind"] == "kv_hash" and v["rid"] == "scrub" for v in log.violations)
+    else:
+        assert caught == 0 and log.violations == []  # the documented gap of partial
 
 
 if __name__ == "__main__":
