@@ -42,10 +42,12 @@ TRANSFER = "SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB"
 # injection must then be caught; flips anywhere in the slot are test_e2e_real_data's subject.
 PERTURB_COMMON = {"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "2", "SGLANG_KV_CANARY_PERTURB_SEED": "5",
                   "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed"}
-# The prefill side runs without its radix cache in the perturbation runs, and prompts fit one chunk: a slot the
-# prefill corrupts after its TAIL is then read by nobody on the prefill side, only by the decode side after the
-# transfer (the seed's case: the prefill stays clean).
-PREFILL_NO_SHARING = ["--disable-radix-cache"]
+# The prefill side runs without its radix cache in the perturbation runs, and with a chunk budget above a whole
+# batch of these prompts (--chunked-prefill-size bounds the tokens of a prefill *batch*: with 128 the last request
+# of a batch is split, and its next chunk reads what the previous forward wrote): a slot the prefill corrupts after
+# its TAIL is then read by nobody on the prefill side, only by the decode side after the transfer (the seed's
+# case: the prefill stays clean).
+PREFILL_NO_SHARING = ["--disable-radix-cache", "--chunked-prefill-size", "8192"]
 
 
 def unique_short_requests(n, seed, max_new_tokens=6):
