@@ -30,6 +30,35 @@ if [ ! -f "$KVC_VENV/.kvc-ready" ]; then
 else
   echo "setup_env: reusing $KVC_VENV"
 fi
+# PD-disaggregation extras (mooncake transfer engine, sglang's router): a separate guarded step with its own
+# marker, so the base venv (and its hash) stays as it is. mooncake's import needs Debian's ibverbs/rdmacm/numa.
+KVC_EXTRAS=("mooncake-transfer-engine-non-cuda==0.3.13.post1" "sglang-router==0.3.2")
+KVC_APT=(libibverbs1 librdmacm1 libnuma1)
+kvc_extras_marker="$KVC_VENV/.kvc-extras-$(printf '%s\n' "${KVC_EXTRAS[@]}" "${KVC_APT[@]}" | sha256sum | cut -c1-12)"
+kvc_apt_missing() {
+  local pkg missing=()
+  for pkg in "${KVC_APT[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  echo "${missing[@]}"
+}
+if [ ! -f "$kvc_extras_marker" ] || [ -n "$(kvc_apt_missing)" ]; then
+  missing="$(kvc_apt_missing)"
+  if [ -n "$missing" ]; then
+    echo "setup_env: installing Debian packages for the PD extras: $missing"
+    kvc_sudo=""; [ "$(id -u)" = 0 ] || kvc_sudo="sudo"
+    # shellcheck disable=SC2086
+    kvc_pip $kvc_sudo apt-get update -qq
+    # shellcheck disable=SC2086
+    kvc_pip $kvc_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+  fi
+  if [ ! -f "$kvc_extras_marker" ]; then
+    echo "setup_env: installing the PD extras: ${KVC_EXTRAS[*]}"
+    kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check "${KVC_EXTRAS[@]}"
+    "$KVC_VENV/bin/python" -c "import mooncake.engine, sglang_router.launch_router"  # fail here, not later
+    touch "$kvc_extras_marker"
+  fi
+fi
 kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e "$KVC_ROOT"
 "$KVC_VENV/bin/python" -c "import kv_canary.sglang_plugin, kv_canary_testing"
 KVC_PY="$KVC_VENV/bin/python"

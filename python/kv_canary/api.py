@@ -17,26 +17,31 @@ from typing import Any, Callable, Optional
 import torch
 
 from .adapter.batch_adapter import SglangBatchAdapter
+from .adapter.disagg import check_disaggregation, disaggregation_mode
 from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
+from .transfer import TransferBook, new_origin
 
 logger = logging.getLogger("kv_canary")
 
 
 def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
     """The one place flags and env vars become a ``CanaryConfig``."""
-    return CanaryConfig.build(
+    environ = os.environ if environ is None else environ
+    config = CanaryConfig.build(
         mode=getattr(server_args, "kv_canary", "none"),
         sweep_interval=getattr(server_args, "kv_canary_sweep_interval", 0),
         real_data=getattr(server_args, "kv_canary_real_data", "partial"),
-        environ=os.environ if environ is None else environ,
+        environ=environ,
         disable_piecewise_cuda_graph=bool(getattr(server_args, "disable_piecewise_cuda_graph", True))
         or str(getattr(server_args, "device", "cuda")) == "cpu",
     )
+    check_disaggregation(server_args, config, environ)  # PD: what the canary verifies, the rest refused
+    return config
 
 
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
@@ -76,15 +81,19 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device),
         device=device,
     )
+    pd_mode = disaggregation_mode(server_args)
+    if pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
+        manager.attach_transfer(TransferBook(pd_mode, new_origin(groups[0].num_slots, device)))
     _patch_model_forward(model_runner.model, manager)
     if config.scrub_slots_per_forward:
         span = groups[0].num_slots - 1
         logger.info("kv_canary_scrub=%d pool_slots=%d every_slot_within_forwards=%d",
                     config.scrub_slots_per_forward, span, -(-span // config.scrub_slots_per_forward))
     logger.info(
-        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d",
+        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d "
+        "disaggregation=%s",
         config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),
-        groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len,
+        groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len, pd_mode,
     )
     return manager
 

@@ -161,6 +161,9 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_REAL_KV_POST_FORWARD_PROB": ("perturb_real_kv_post_forward_prob", _parse_prob,
                                           "per-forward probability of flipping a K/V byte of a slot the forward "
                                           "just wrote, after its TAIL write"),
+    "PERTURB_TRANSFER_PROB": ("perturb_transfer_prob", _parse_prob,
+                              "PD decode side: per-request probability of flipping a K/V byte of a slot received "
+                              "by transfer, after arrival and before its first read"),
     "PERTURB_POSITION_SHIFT_PROB": ("perturb_position_shift_prob", _parse_prob,
                                     "per-forward probability of running one decode forward at positions + 1 "
                                     "(a position bookkeeping bug: K is rotated for the wrong position)"),
@@ -200,6 +203,7 @@ class CanaryConfig:
     perturb_req_to_token_prob: float = 0.0
     perturb_real_kv_unused_cache_prob: float = 0.0
     perturb_real_kv_post_forward_prob: float = 0.0
+    perturb_transfer_prob: float = 0.0
     perturb_position_shift_prob: float = 0.0
     perturb_next_token_swap_prob: float = 0.0
     perturb_kv_bytes: str = "anywhere"
@@ -221,7 +225,8 @@ class CanaryConfig:
     def any_perturbation(self) -> bool:
         return any(p > 0.0 for p in (self.perturb_real_kv_used_prob, self.perturb_req_to_token_prob,
                                      self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob,
-                                     self.perturb_position_shift_prob, self.perturb_next_token_swap_prob))
+                                     self.perturb_position_shift_prob, self.perturb_next_token_swap_prob,
+                                     self.perturb_transfer_prob))
 
     @classmethod
     def build(
@@ -310,4 +315,5 @@ class CanaryConfig:
             f"perturb_real_kv_post_forward_prob={self.perturb_real_kv_post_forward_prob} "
             f"perturb_position_shift_prob={self.perturb_position_shift_prob} "
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
+            + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
         )

@@ -16,6 +16,10 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic.
+* PD disaggregation (``adapter/disagg``): the records and an origin stamp are
+  registered as extra transfer buffers when the KV manager is built, the prefill
+  stamps what it sends, the decode side notes each arrival's tokens and identity,
+  and decode-side retraction carries the records to the host and back.
 
 Draft workers (speculative decoding) are excluded everywhere for now.
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
@@ -72,10 +76,29 @@ def register() -> None:
         ("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init, HookType.AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init_new,
          HookType.AFTER),
+        *_disaggregation_hooks(HookType),
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
     _registered = True
+
+
+def _disaggregation_hooks(HookType):
+    from .adapter import disagg
+
+    pd = "sglang.srt.disaggregation"
+    return [
+        (f"{pd}.prefill.PrefillBootstrapQueue._init_kv_manager", disagg.around_init_kv_manager, HookType.AROUND),
+        (f"{pd}.decode.DecodePreallocQueue._init_kv_manager", disagg.around_init_kv_manager, HookType.AROUND),
+        (f"{pd}.mooncake.conn.MooncakeKVManager.send_kvcache", disagg.around_send_kvcache, HookType.AROUND),
+        (f"{pd}.mooncake.conn.MooncakeKVManager.send_kvcache_slice", disagg.around_send_kvcache_slice,
+         HookType.AROUND),
+        (f"{pd}.mooncake.conn.MooncakeKVSender.send", disagg.before_sender_send, HookType.BEFORE),
+        (f"{pd}.decode.SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch",
+         disagg.after_get_new_prebuilt_batch, HookType.AFTER),
+        ("sglang.srt.managers.schedule_batch.Req.offload_kv_cache", disagg.after_offload_kv_cache, HookType.AFTER),
+        ("sglang.srt.managers.schedule_batch.Req.load_kv_cache", disagg.around_load_kv_cache, HookType.AROUND),
+    ]
 
 
 # ---------------------------------------------------------------- server args
@@ -153,8 +176,13 @@ def _around_initialize(original, model_runner, *args, **kwargs):
 
 def _after_forward_batch_init_new(forward_batch, _cls, batch, model_runner, *args, **kwargs) -> None:
     """Keep the scheduler's Req objects on the batch: the token check needs cached prefixes' tokens."""
-    if _canary_of(model_runner) is not None:
+    manager = _canary_of(model_runner)
+    if manager is not None:
         forward_batch.kv_canary_reqs = getattr(batch, "reqs", None)
+        if manager.transfer is not None and forward_batch.forward_mode.is_extend():
+            from .adapter.disagg import note_extend_rooms
+
+            note_extend_rooms(manager, forward_batch.kv_canary_reqs)
 
 
 def _after_sample(next_token_ids, model_runner, *args, **kwargs) -> None:

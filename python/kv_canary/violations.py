@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from . import fingerprint as fp
 
@@ -40,9 +40,15 @@ class Violation:
     expected: int
     forward: int  # canary forward index (0 = first forward after init)
     cuda_graph: Optional[bool]  # that forward was replayed from a CUDA graph (None: unknown)
+    # PD disaggregation: (key, value) pairs joining the line to the other side's log
+    # (bootstrap_room, origin_room, origin_slot; see kv_canary.transfer); empty otherwise
+    identity: Tuple[Tuple[str, object], ...] = ()
 
     def format(self) -> str:
-        return format_line(VIOLATION_PREFIX, self.seq, asdict(self), skip=("seq",))
+        fields = asdict(self)
+        fields.pop("identity")
+        fields.update(self.identity)
+        return format_line(VIOLATION_PREFIX, self.seq, fields, skip=("seq",))
 
 
 def format_line(prefix: str, head: object, fields: Dict[str, object], skip: Iterable[str] = ()) -> str:

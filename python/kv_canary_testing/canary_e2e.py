@@ -65,6 +65,48 @@ def canary_server(
                         max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device])
 
 
+def canary_env_and_args(mode: str, env: Optional[Mapping[str, str]], extra_args: Sequence[str], device: str,
+                        stats_every: int):
+    """(env, args) of a canary server: stats cadence, the Triton interpreter on CPU, --kv-canary MODE."""
+    full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
+    if device == "cpu":
+        full_env["TRITON_INTERPRET"] = "1"
+    full_env.update(env or {})
+    return full_env, ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
+
+
+def canary_pd_cluster(
+    prefill_mode: str,
+    decode_mode: str,
+    *,
+    log_dir,
+    prefill_env: Optional[Mapping[str, str]] = None,
+    decode_env: Optional[Mapping[str, str]] = None,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
+    device: Optional[str] = None,
+    stats_every: int = 20,
+    max_total_tokens: Optional[int] = None,
+    decode_drop_default_args: Sequence[str] = (),
+):
+    """A prefill + decode + router deployment (``kv_canary_testing.pd.PDCluster``), canary flags on each side."""
+    from kv_canary_testing.pd import PDCluster
+
+    device = device or e2e_device()
+    p_env, p_args = canary_env_and_args(prefill_mode, prefill_env, prefill_args, device, stats_every)
+    d_env, d_args = canary_env_and_args(decode_mode, decode_env, decode_args, device, stats_every)
+    return PDCluster(log_dir=log_dir, prefill_args=p_args, decode_args=d_args, prefill_env=p_env, decode_env=d_env,
+                     device=device, max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device],
+                     decode_drop_default_args=decode_drop_default_args)
+
+
+def restart_canary_decode(cluster, decode_mode: str, *, decode_env: Optional[Mapping[str, str]] = None,
+                          decode_args: Sequence[str] = (), stats_every: int = 20, wait_generate: bool = True):
+    """Replace a ``canary_pd_cluster``'s decode server by one with another canary mode/env (same port)."""
+    env, args = canary_env_and_args(decode_mode, decode_env, decode_args, cluster.decode.device, stats_every)
+    return cluster.restart_decode(args, env, wait_generate=wait_generate)
+
+
 @dataclass(frozen=True)
 class CanaryLog:
     """What a server log says about the canary."""

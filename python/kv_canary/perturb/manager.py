@@ -10,6 +10,8 @@ Modes (env-var probabilities per forward, after a warmup gate):
   radix cache holds; only the sweep (or a later prefix hit) reads it.
 * ``real_kv_post_forward`` (post-forward): flip a K/V byte of a slot this
   forward just wrote, stream-ordered after its TAIL write; the next read catches it.
+* ``transfer`` (PD decode side, pre-forward): flip a K/V byte of a slot a
+  request received by transfer, after arrival and before its first read.
 * ``position_shift`` (pre-forward, decode forwards): the whole forward runs at
   positions + 1 (a position bookkeeping bug: RoPE rotates K for the wrong
   position); TAIL catches it in that forward.
@@ -170,6 +172,20 @@ class PerturbManager:
         flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_unused_cache", slot=slot, rid="cache", position=position, forward=forward_index,
                   half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+
+    def perturb_transferred(self, *, forward_index: int, arrivals) -> None:
+        """PD decode side: per arrived request (``transfer.Arrival``), maybe flip a byte of one received slot."""
+        if not self._gate.is_open(forward_index):
+            return
+        for a in arrivals:
+            if a.received <= 0 or not self._draw(self._config.perturb_transfer_prob):
+                continue
+            position = self._rng.randrange(a.received)
+            slot = int(self._req_to_token[a.row, position].item())
+            flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+            self._log("transfer", slot=slot, rid=a.rid, position=position, forward=forward_index,
+                      bootstrap_room=a.room, half=flip.half, layer=flip.layer, byte=flip.byte,
+                      hashed=int(flip.hashed))
 
     # ------------------------------------------------------------------ post-forward
 

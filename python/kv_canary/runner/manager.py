@@ -26,6 +26,7 @@ sampled ids to the token oracle (device work: what the next forward must feed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
@@ -40,6 +41,7 @@ from ..perturb import PerturbManager
 from ..token_oracle import AdmittedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
+from ..transfer import Arrival, TransferBook
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
 from .single_forward import SingleForwardManager
 
@@ -123,6 +125,7 @@ class CanaryManager:
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
+        self.transfer: Optional[TransferBook] = None  # PD disaggregation (attach_transfer)
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -146,6 +149,9 @@ class CanaryManager:
         self.health_violations = 0
         self._swept_at = 0
         self.sweeps = 0
+        self._arrivals: List[Arrival] = []  # PD arrivals the transfer perturbation has not drawn for yet
+        if self.transfer is not None:
+            self.transfer.reset()
 
     # ------------------------------------------------------------------ engine wiring
 
@@ -253,11 +259,62 @@ class CanaryManager:
         if self.token_oracle is not None:
             # Newly admitted requests: the scheduler's record of their tokens (one non-blocking copy each).
             self.token_oracle.admit(self._adapter.extend_requests(fb))
+        if self._arrivals:  # after arrival, before the first forward that reads them
+            self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
+            self._arrivals = []
         if self.perturb.active:
             self.perturb.perturb_pre_forward(
                 forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
                 view=lambda: self._adapter.view(fb),
             )
+
+    def note_request_tokens(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Token oracle: admit request ``rid`` (req_to_token row ``row``) with the scheduler's record of its tokens.
+
+        For a request whose KV no forward of this server computed (PD decode side:
+        it arrived by transfer), called when sglang builds the prebuilt batch.
+        """
+        if self.token_oracle is not None:
+            self.token_oracle.admit([(row, rid, lambda: (prompt_ids, output_ids))])
+
+    def attach_transfer(self, book: TransferBook) -> None:
+        """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
+        self.transfer = book
+
+    def note_transfer_arrival(self, arrival: Arrival, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """PD decode side: ``arrival.received`` positions of a request arrived by transfer, before its first read."""
+        self.note_request_tokens(arrival.row, arrival.rid, prompt_ids, output_ids)
+        if self.transfer is not None:
+            self.transfer.note_arrival(arrival)
+        if self.config.perturb_transfer_prob > 0:
+            self._arrivals.append(arrival)
+
+    def note_fake_arrival(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """PD decode side: a *fake* transfer (sglang's warmup / health check) filled the KV positions with nothing.
+
+        There is nothing to verify there; the TAIL kernel fingerprints the slots as
+        they are (eager, outside any graph, counting into a scratch tensor so the
+        health check is untouched), so later reads do not false-alarm and the decode
+        TAIL chains onto them.
+        """
+        self.note_request_tokens(row, rid, prompt_ids, output_ids)
+        tokens = (list(prompt_ids) + list(output_ids))[: len(prompt_ids) + max(0, len(output_ids) - 1)]
+        n = len(tokens)
+        if n > 0:
+            dev = self.counters.device
+            one = torch.ones(1, dtype=torch.int64, device=dev)
+            view = ForwardView(
+                input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
+                positions=torch.arange(n, dtype=torch.int64, device=dev), out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
+                seq_lens=one * n, new_starts=one * 0, new_lens=one * n, batch_size=1, max_new_len=n,
+            )
+            scratch = torch.zeros_like(self.counters)  # report disabled: nothing reaches the ring
+            for group_index, group in enumerate(self.groups):
+                self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
+                                   group_index=group_index, check_fed=False, token_oracle=None,
+                                   full_hash=self.config.scrub_slots_per_forward > 0)
+        if self.transfer is not None:
+            self.transfer.fake_requests += 1
 
     def attach_prefix_cache(self, prefix_cache) -> None:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
@@ -280,6 +337,8 @@ class CanaryManager:
         if ran == 0:
             return
         rids = self._adapter.rids(fb) or ()
+        if self.transfer is not None:
+            self.transfer.forward_ran(rids)
         self._expected_written += ran * self._adapter.num_tokens(fb) * len(self.groups)
         for _ in range(ran):
             self._forward_info[self.forwards] = (rids, replayed)
@@ -380,6 +439,11 @@ class CanaryManager:
 
     def _report(self, violations: List[Violation], lost: int) -> None:
         """Log each new violation once; repeats (the same corrupt slot read again) are only counted."""
+        if self.transfer is not None:  # PD: name the bootstrap room and the prefill slot it came from
+            violations = [
+                dataclasses.replace(v, identity=tuple(self.transfer.identity(v.rid, v.slot, v.position).items()))
+                for v in violations
+            ]
         new = []
         for v in violations:
             key = (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
@@ -423,6 +487,7 @@ class CanaryManager:
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,
                 "perturbations": len(self.perturb.injections),
+                **(self.transfer.stats() if self.transfer is not None else {}),
             },
         )
 
