@@ -248,6 +248,9 @@ GATE_CASES = [
      "SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB corrupts KV received by PD transfer"),
     (["--kv-canary", "log", "--disaggregation-mode", "prefill"], {"SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB": "0.5"},
      "needs --disaggregation-mode decode, not prefill"),
+    (["--kv-canary", "log", *PD, "--kv-canary-real-data", "all"], {}, "--kv-canary-real-data partial only, not all"),
+    (["--kv-canary", "log", *PD], {"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"},
+     "default SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD only"),
 ]
 
 

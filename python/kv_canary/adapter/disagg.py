@@ -90,6 +90,20 @@ def check_disaggregation(server_args: Any, config: CanaryConfig, environ: Option
         raise CanaryConfigError(
             f"{head} does not verify --speculative-algorithm {spec} yet: drop it or use {FLAG_MODE} none"
         )
+    # The transferred records' hashes must mean the same on both sides: only the default hash settings travel.
+    if config.real_data.value != "partial":
+        raise CanaryConfigError(
+            f"{head} is verified with --kv-canary-real-data partial only, not {config.real_data.value}: the "
+            "prefill's records must hash what the decode side hashes"
+        )
+    for name, value, default in (("SGLANG_KV_CANARY_KV_HASH_BYTES", config.kv_hash_bytes, 16),
+                                 ("SGLANG_KV_CANARY_KV_HASH_LAYERS", config.kv_hash_layers, (0,)),
+                                 ("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", config.scrub_slots_per_forward, 0)):
+        if value != default:
+            raise CanaryConfigError(
+                f"{head} is verified with the default {name} only: the prefill's records must hash what the "
+                f"decode side hashes; unset {name}"
+            )
     staging = str(environ.get("SGLANG_DISAGG_STAGING_BUFFER", "")).strip().lower()
     if staging in ("1", "true", "yes", "on"):
         raise CanaryConfigError(
