@@ -23,6 +23,7 @@ from .kernels import select_kernels
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
+from .violations import INSTALLED_PREFIX, OFF_PREFIX, format_line
 
 logger = logging.getLogger("kv_canary")
 
@@ -41,7 +42,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
     config = config_from_server_args(server_args)
     if not config.enabled:
-        logger.info("kv_canary_off=1 (--kv-canary none): no canary buffers, no device work")
+        logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None
     if getattr(model_runner, "is_draft_worker", False):
         logger.warning(
@@ -70,12 +71,20 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         device=device,
     )
     _patch_model_forward(model_runner.model, manager)
-    logger.info(
-        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d",
-        config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),
-        groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len,
-    )
+    logger.info(installed_line(config, type(model_runner.token_to_kv_pool).__name__, groups, kernels.name,
+                               capacities))
     return manager
+
+
+def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,
+                   capacities: LaunchCapacities) -> str:
+    """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=...`` (parseable)."""
+    return " ".join([
+        format_line(INSTALLED_PREFIX, 1, {}), config.describe(),
+        format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
+                                        "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,
+                                        "max_context_len": capacities.max_context_len}),
+    ])
 
 
 def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:

@@ -46,11 +46,12 @@ class TinyAttentionModel(torch.nn.Module):
 
 
 class Harness:
-    def __init__(self, mode=CanaryMode.RAISE, delay=0):
+    def __init__(self, mode=CanaryMode.RAISE, delay=0, **config_fields):
         self.events = []
         self.k = torch.zeros(SLOTS, 1, 4)
         self.v = torch.zeros(SLOTS, 1, 4)
-        config = CanaryConfig(mode=mode, d2h_delay_steps=delay, stats_print_every_n_steps=0)
+        config = CanaryConfig(**{"mode": mode, "d2h_delay_steps": delay, "stats_print_every_n_steps": 0,
+                                 **config_fields})
         group = build_group(PoolLayout("full", [self.k], [self.v]), config, torch.device("cpu"))
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
 

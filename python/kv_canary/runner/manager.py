@@ -36,7 +36,10 @@ from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
-from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
+from ..violations import (
+    READY_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
+    health_violation,
+)
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
@@ -194,8 +197,9 @@ class CanaryManager:
             self.expected_tokens.zero_()
         self._reset_host_state()
         self.init_finished = True
-        logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
-                    ",".join(g.name for g in self.groups), self.kernels.name)
+        logger.info(format_line(READY_PREFIX, 1, {"mode": self.config.mode.value,
+                                                  "groups": ",".join(g.name for g in self.groups),
+                                                  "kernels": self.kernels.name}))
 
     # ------------------------------------------------------------------ inside (maybe captured)
 
@@ -391,7 +395,7 @@ class CanaryManager:
             logger.error(v.format())
         hidden = max(0, len(new) - limit) + lost
         if hidden:
-            logger.error("kv_canary_violation_summary=%d not_itemized=%d", len(violations) + lost, hidden)
+            logger.error(format_line(SUMMARY_PREFIX, len(violations) + lost, {"not_itemized": hidden}))
         self.violations_reported += len(violations) + lost
         if self.config.mode is CanaryMode.RAISE:
             raise CanaryViolationError(new[:limit] or violations[:limit], lost=hidden)
