@@ -4,8 +4,11 @@ sglang 0.5.12 calls ``load_plugins()`` in ``sglang serve``, ``python -m
 sglang.launch_server``, ``Engine`` and every scheduler process; ``register``
 then registers hooks with sglang's ``HookRegistry``:
 
-* ``ServerArgs.add_cli_args`` / ``from_cli_args``: the ``--kv-canary`` flag,
-  validated (with the ``SGLANG_KV_CANARY_*`` env vars) before any process starts;
+* ``ServerArgs.add_cli_args`` / ``from_cli_args`` / ``__init__``: the ``--kv-canary``
+  flags (and ``ServerArgs(kv_canary=...)``, so ``sglang.Engine(kv_canary=...)`` works),
+  validated with the ``SGLANG_KV_CANARY_*`` env vars and the server-args allow-list
+  (``adapter/server_args``) before any process starts; every hook below must have been
+  applied by sglang (``check_hooks_applied``), else startup is refused;
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
@@ -57,23 +60,42 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    hooks = [
-        ("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER),
-        ("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool", _after_init_memory_pool,
-         HookType.AFTER),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.initialize", _around_initialize, HookType.AROUND),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND),
-        ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
-         _around_capture_one_batch_size, HookType.AROUND),
-        ("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_scheduler_on_idle, HookType.AFTER),
-        ("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init, HookType.AFTER),
-        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init_new,
-         HookType.AFTER),
-    ]
-    for target, hook, kind in hooks:
-        HookRegistry.register(target, hook, kind)
+    kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
+    for target, (hook_name, kind) in HOOKS.items():
+        HookRegistry.register(target, globals()[hook_name], kinds[kind])
     _registered = True
+
+
+# target -> (hook function in this module, hook type); every one must be applied (check_hooks_applied)
+HOOKS = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args": ("_after_add_cli_args", "after"),
+    "sglang.srt.server_args.ServerArgs.from_cli_args": ("_around_from_cli_args", "around"),
+    "sglang.srt.server_args.ServerArgs.__init__": ("_around_server_args_init", "around"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool": ("_after_init_memory_pool", "after"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.initialize": ("_around_initialize", "around"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("_around_forward", "around"),
+    "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size":
+        ("_around_capture_one_batch_size", "around"),
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("_after_scheduler_on_idle", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.__init__": ("_after_scheduler_init", "after"),
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("_after_forward_batch_init_new", "after"),
+}
+
+
+def check_hooks_applied() -> None:
+    """Refuse to run half-wired: sglang's HookRegistry only logs a hook it failed to apply."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from .config import FLAG_MODE, CanaryConfigError
+
+    patched = getattr(HookRegistry, "_patched", None)
+    missing = sorted(t for t in HOOKS if patched is None or t not in patched)
+    if missing:
+        raise CanaryConfigError(
+            f"{FLAG_MODE}: sglang did not apply the canary's hook(s) on {', '.join(missing)} (see the "
+            "'Failed to apply hooks' error above); the canary would run half-wired. Check that this is stock "
+            f"sglang {SUPPORTED_SGLANG} and that SGLANG_PLUGINS allows kv_canary, or run with {FLAG_MODE} none."
+        )
 
 
 # ---------------------------------------------------------------- server args
@@ -103,15 +125,54 @@ def _after_add_cli_args(_result, parser) -> None:
 
 
 def _around_from_cli_args(original, cls, args):
+    mode, sweep = getattr(args, "kv_canary", "none"), getattr(args, "kv_canary_sweep_interval", 0)
+    _refuse_unsupported(args, mode)  # the user's own flags, before sglang's __post_init__ reacts to them
     server_args = original(cls, args)
-    server_args.kv_canary = getattr(args, "kv_canary", "none")
-    server_args.kv_canary_sweep_interval = getattr(args, "kv_canary_sweep_interval", 0)
+    apply_canary_settings(server_args, mode, sweep)
+    return server_args
+
+
+def _around_server_args_init(original, server_args, *args, kv_canary="none", kv_canary_sweep_interval=0, **kwargs):
+    """``ServerArgs(..., kv_canary="raise")`` (the Engine API) works like the CLI flags."""
+    _refuse_unsupported(_GivenArgs(type(server_args), kwargs), kv_canary)
+    original(server_args, *args, **kwargs)
+    apply_canary_settings(server_args, kv_canary, kv_canary_sweep_interval)
+
+
+class _GivenArgs:
+    """The keyword arguments given to ``ServerArgs(...)``, falling back to the class defaults."""
+
+    def __init__(self, cls, kwargs):
+        self._cls, self._kwargs = cls, kwargs
+
+    def __getattr__(self, name):
+        return self._kwargs[name] if name in self._kwargs else getattr(self._cls, name, None)
+
+
+def _refuse_unsupported(given, mode) -> None:
+    from .adapter.server_args import check_supported
+    from .config import CanaryMode
+
+    try:
+        parsed = CanaryMode(str(getattr(mode, "value", mode)).strip().lower())
+    except ValueError:
+        return  # CanaryConfig.build names the bad --kv-canary value
+    if parsed.enabled:
+        check_supported(given, parsed.value, given_only=True)
+
+
+def apply_canary_settings(server_args, mode, sweep_interval) -> None:
+    """Attach the canary settings to ``server_args`` and refuse, before any process starts, what it cannot verify."""
+    server_args.kv_canary = getattr(mode, "value", mode)
+    server_args.kv_canary_sweep_interval = sweep_interval
+    from .adapter.server_args import check_supported
     from .api import config_from_server_args
 
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
     if config.enabled:
+        check_supported(server_args, config.mode.value)  # again: __post_init__ may have changed settings
+        check_hooks_applied()
         logger.info("kv_canary: %s", config.describe())
-    return server_args
 
 
 # ---------------------------------------------------------------- model runner
@@ -164,11 +225,16 @@ def _scheduler_canary(scheduler):
 
 def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
+    from .adapter.radix import RadixCacheView
+    from .config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError
+
     manager = _scheduler_canary(scheduler)
     if manager is None:
+        mode = str(getattr(scheduler.server_args, "kv_canary", "none"))
+        if mode != "none":
+            check_hooks_applied()
+            raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
         return
-    from .adapter.radix import RadixCacheView
-    from .config import FLAG_SWEEP_INTERVAL, CanaryConfigError
 
     tree = getattr(scheduler, "tree_cache", None)
     if RadixCacheView.supports(tree):

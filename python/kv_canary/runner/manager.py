@@ -175,13 +175,22 @@ class CanaryManager:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """CUDA-graph warmup + capture: kernels are recorded, but nothing is reported or counted."""
+        """CUDA-graph warmup + capture: kernels are recorded, but nothing is reported or counted.
+
+        A recapture after init (sglang recaptures when the hidden-state capture mode
+        changes, or after a weight update) runs warmup forwards whose HEAD/TAIL bump the
+        device counters; they are restored afterwards (stream-ordered, no host sync) so
+        the health check does not see forwards the host never counted.
+        """
+        saved = self.counters.clone() if self._capturing == 0 and self.init_finished else None
         self._capturing += 1
         self.counters[fp.C_REPORT_ENABLED] = 0
         try:
             yield
         finally:
             self._capturing -= 1
+            if saved is not None:
+                self.counters.copy_(saved)
             if self._capturing == 0:
                 self.counters[fp.C_REPORT_ENABLED] = 1 if self.init_finished else 0
 
