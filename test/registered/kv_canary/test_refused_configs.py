@@ -22,7 +22,7 @@ from kv_canary_testing.entry_fork import EntryForker
 from kv_canary_testing.model_dir import write_model_dir
 from kv_canary_testing.server import DEVICE_ARGS, SglangServer
 
-register_cpu_ci(est_time=90, suite="kv-canary-cpu")
+register_cpu_ci(est_time=180, suite="kv-canary-cpu")
 
 MODEL = str(write_model_dir())
 REFUSED = "CanaryConfigError"
