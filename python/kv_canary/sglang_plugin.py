@@ -17,7 +17,9 @@ then registers hooks with sglang's ``HookRegistry``:
   manager 0 active, so the canary's kernels are recorded into the graph;
 * ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
-  last forwards before an idle period are reported without waiting for traffic.
+  last forwards before an idle period are reported without waiting for traffic;
+* ``Scheduler.process_input_requests``: ``--kv-canary contain`` aborts and evicts
+  there (``adapter/contain``), where sglang itself handles ``AbortReq``.
 
 Draft workers (speculative decoding) are excluded everywhere for now.
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
@@ -78,6 +80,7 @@ HOOKS = {
         ("_around_capture_one_batch_size", "around"),
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("_after_scheduler_on_idle", "after"),
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("_after_scheduler_init", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("_after_process_input_requests", "after"),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("_after_forward_batch_init_new", "after"),
 }
 
@@ -111,7 +114,8 @@ def _after_add_cli_args(_result, parser) -> None:
         default=CanaryMode.NONE.value,
         choices=[m.value for m in CanaryMode],
         help="KV-cache integrity canary: 'log' logs each violation and keeps serving, 'raise' stops "
-        "the server with a report, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
+        "the server with a report, 'contain' aborts the requests that read a corrupt KV slot, evicts it from "
+        "the radix cache and keeps serving, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
         "on GPU. Tuned by SGLANG_KV_CANARY_* env vars (see the sglang-kv-canary README).",
     )
     group.add_argument(
@@ -132,11 +136,21 @@ def _around_from_cli_args(original, cls, args):
     return server_args
 
 
-def _around_server_args_init(original, server_args, *args, kv_canary="none", kv_canary_sweep_interval=0, **kwargs):
-    """``ServerArgs(..., kv_canary="raise")`` (the Engine API) works like the CLI flags."""
-    _refuse_unsupported(_GivenArgs(type(server_args), kwargs), kv_canary)
+def _around_server_args_init(original, server_args, *args, kv_canary=None, kv_canary_sweep_interval=None,
+                             **kwargs):
+    """``ServerArgs(..., kv_canary="raise")`` (the Engine API) works like the CLI flags.
+
+    Without these keywords (``from_cli_args``, which applies the flags itself, or a plain
+    ``ServerArgs(...)``) the canary settings are only defaulted here.
+    """
+    if kv_canary is None and kv_canary_sweep_interval is None:
+        original(server_args, *args, **kwargs)
+        server_args.kv_canary, server_args.kv_canary_sweep_interval = "none", 0
+        return
+    mode = "none" if kv_canary is None else kv_canary
+    _refuse_unsupported(_GivenArgs(type(server_args), kwargs), mode)
     original(server_args, *args, **kwargs)
-    apply_canary_settings(server_args, kv_canary, kv_canary_sweep_interval)
+    apply_canary_settings(server_args, mode, kv_canary_sweep_interval or 0)
 
 
 class _GivenArgs:
@@ -226,7 +240,7 @@ def _scheduler_canary(scheduler):
 def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
     from .adapter.radix import RadixCacheView
-    from .config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError
+    from .config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
 
     manager = _scheduler_canary(scheduler)
     if manager is None:
@@ -236,6 +250,11 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
             raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
         return
 
+    if manager.config.mode is CanaryMode.CONTAIN:
+        from .adapter.contain import SchedulerContainment
+
+        scheduler.kv_canary_containment = SchedulerContainment(scheduler)
+        manager.attach_containment(scheduler.kv_canary_containment)
     tree = getattr(scheduler, "tree_cache", None)
     if RadixCacheView.supports(tree):
         manager.attach_prefix_cache(RadixCacheView(tree))
@@ -244,6 +263,13 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
             f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
         )
+
+
+def _after_process_input_requests(_result, scheduler, *args, **kwargs) -> None:
+    """The scheduler's safe point (where sglang handles AbortReq): apply --kv-canary contain's aborts/evictions."""
+    containment = getattr(scheduler, "kv_canary_containment", None)
+    if containment is not None:
+        containment.apply()
 
 
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:

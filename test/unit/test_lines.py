@@ -92,3 +92,22 @@ def test_prefixes_do_not_cross_match():
     assert parse_lines(text, SUMMARY_PREFIX) == [{SUMMARY_PREFIX: "5", "not_itemized": "2"}]
     assert parse_lines(text, VIOLATION_PREFIX) == [
         {VIOLATION_PREFIX: "3", "kind": "slot", "group": "full", "slot": "0", "position": "1", "rid": "a"}]
+
+
+def test_contain_order_names_each_reader_once_and_every_bad_slot():
+    from kv_canary.containment import build_order
+    from kv_canary.violations import Violation, health_violation
+
+    def v(rid, slot, kind="kv_hash"):
+        return Violation(seq=0, kind=kind, group="full", slot=slot, position=3, rid=rid, row=1, batch_index=0,
+                         stored=1, expected=2, forward=7, cuda_graph=False)
+
+    rows = [v("a", 5), v("b", 5), v("a", 9, "chain"), v("cache", 11), v("?", 0, "slot"),
+            health_violation("forwards", 3, 4, 7)]
+    order = build_order(rows, num_slots=64, already_aborted={"b"})
+    assert set(order.aborts) == {"a"} and order.slots == (5, 9, 11)
+    assert "kv-canary contain" in order.aborts["a"] and "kind=kv_hash" in order.aborts["a"] and "slot=5" in \
+        order.aborts["a"]
+    assert not build_order([health_violation("forwards", 3, 4, 7)], num_slots=64)
+    line = "[x] kv_canary_contain=abort rid=a state=aborted"
+    assert parse_line(line, "kv_canary_contain") == {"kv_canary_contain": "abort", "rid": "a", "state": "aborted"}

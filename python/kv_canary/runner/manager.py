@@ -31,6 +31,7 @@ import torch
 
 from .. import fingerprint as fp
 from ..config import CanaryConfig, CanaryMode
+from ..containment import ContainmentTarget, build_order
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
@@ -117,6 +118,9 @@ class CanaryManager:
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
+        self._containment: Optional[ContainmentTarget] = None  # --kv-canary contain: the engine's side
+        self.contained_requests = 0  # requests --kv-canary contain ordered aborted
+        self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -274,6 +278,10 @@ class CanaryManager:
         self._prefix_cache = prefix_cache
         self.perturb.attach_prefix_cache(prefix_cache)
 
+    def attach_containment(self, target: ContainmentTarget) -> None:
+        """The engine's abort/evict side for ``--kv-canary contain``."""
+        self._containment = target
+
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
             return
@@ -406,8 +414,24 @@ class CanaryManager:
         if hidden:
             logger.error(format_line(SUMMARY_PREFIX, len(violations) + lost, {"not_itemized": hidden}))
         self.violations_reported += len(violations) + lost
+        if self.config.mode is CanaryMode.CONTAIN:
+            self._contain(violations)
         if self.config.mode is CanaryMode.RAISE:
             raise CanaryViolationError(new[:limit] or violations[:limit], lost=hidden)
+
+    def _contain(self, violations: List[Violation]) -> None:
+        """Every row counts, repeats included: each names a request that read a bad slot."""
+        order = build_order(violations, self.groups[0].num_slots, already_aborted=self._contained)
+        if not order:
+            return
+        if self._containment is None:
+            raise CanaryBracketError("kv-canary: --kv-canary contain needs the engine's containment side attached")
+        for rid in order.aborts:
+            self._contained[rid] = None
+        while len(self._contained) > REPORTED_MEMORY:
+            self._contained.popitem(last=False)
+        self.contained_requests += len(order.aborts)
+        self._containment.submit(order)
 
     def stats_line(self, host_counters: Optional[List[int]] = None) -> str:
         c = self.last_counters if host_counters is None else host_counters
@@ -429,7 +453,8 @@ class CanaryManager:
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,
-                "perturbations": len(self.perturb.injections),
+                "perturbations": self.perturb.injection_count,
+                "contained_requests": self.contained_requests,
             },
         )
 
