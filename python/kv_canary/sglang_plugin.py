@@ -19,7 +19,9 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic;
 * ``Scheduler.process_input_requests``: ``--kv-canary contain`` aborts and evicts
-  there (``adapter/contain``), where sglang itself handles ``AbortReq``.
+  there (``adapter/contain``), where sglang itself handles ``AbortReq``; with
+  ``--enable-metrics`` the ``sglang:kv_canary_*`` counters are updated there and
+  on idle (``adapter/metrics``).
 
 Draft workers (speculative decoding) are excluded everywhere for now.
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
@@ -250,6 +252,11 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
             raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
         return
 
+    collector = getattr(scheduler, "metrics_collector", None)
+    if getattr(scheduler, "current_scheduler_metrics_enabled", False) and collector is not None:
+        from .adapter.metrics import CanaryMetrics
+
+        scheduler.kv_canary_metrics = CanaryMetrics(collector.labels)
     if manager.config.mode is CanaryMode.CONTAIN:
         from .adapter.contain import SchedulerContainment
 
@@ -270,6 +277,14 @@ def _after_process_input_requests(_result, scheduler, *args, **kwargs) -> None:
     containment = getattr(scheduler, "kv_canary_containment", None)
     if containment is not None:
         containment.apply()
+    _export_metrics(scheduler)
+
+
+def _export_metrics(scheduler) -> None:
+    metrics = getattr(scheduler, "kv_canary_metrics", None)
+    manager = _scheduler_canary(scheduler)
+    if metrics is not None and manager is not None:
+        metrics.update(manager, getattr(scheduler, "kv_canary_containment", None))
 
 
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
@@ -277,6 +292,7 @@ def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
     manager = _scheduler_canary(scheduler)
     if manager is not None and manager.init_finished:
         manager.poll(drain=True)
+        _export_metrics(scheduler)
 
 
 # ---------------------------------------------------------------- CUDA graphs

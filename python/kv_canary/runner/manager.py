@@ -121,6 +121,7 @@ class CanaryManager:
         self._containment: Optional[ContainmentTarget] = None  # --kv-canary contain: the engine's side
         self.contained_requests = 0  # requests --kv-canary contain ordered aborted
         self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
+        self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -414,6 +415,10 @@ class CanaryManager:
         if hidden:
             logger.error(format_line(SUMMARY_PREFIX, len(violations) + lost, {"not_itemized": hidden}))
         self.violations_reported += len(violations) + lost
+        for v in violations:
+            self.violations_by_kind[v.kind] = self.violations_by_kind.get(v.kind, 0) + 1
+        if lost:
+            self.violations_by_kind["unitemized"] = self.violations_by_kind.get("unitemized", 0) + lost
         if self.config.mode is CanaryMode.CONTAIN:
             self._contain(violations)
         if self.config.mode is CanaryMode.RAISE:
@@ -432,6 +437,20 @@ class CanaryManager:
             self._contained.popitem(last=False)
         self.contained_requests += len(order.aborts)
         self._containment.submit(order)
+
+    def metrics_snapshot(self) -> Dict[str, int]:
+        """Cumulative counts for exporters (device counters as of the newest host read)."""
+        c = self.last_counters or [0] * fp.NUM_COUNTERS
+        return {
+            "forwards": self.forwards,
+            "slots_verified": int(c[fp.C_SLOTS_VERIFIED]),
+            "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
+            "slots_swept": int(c[fp.C_SLOTS_SWEPT]),
+            "sweeps": self.sweeps,
+            "health_violations": self.health_violations,
+            "perturbations": self.perturb.injection_count,
+            "contained_requests": self.contained_requests,
+        }
 
     def stats_line(self, host_counters: Optional[List[int]] = None) -> str:
         c = self.last_counters if host_counters is None else host_counters

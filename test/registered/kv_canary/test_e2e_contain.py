@@ -85,3 +85,51 @@ def test_contain_aborts_exactly_the_readers_and_keeps_serving(contain_server):
     assert again.failed == 0 and srv.is_running()
     assert len(log2.violations) == before, log2.violations[before:]
     assert log2.last_stat("violations") == log.last_stat("violations")
+
+
+def _scrape(base_url):
+    """{(name, frozenset(labels)): value} of the sglang:kv_canary_* samples on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = requests.Session()
+    s.trust_env = False
+    text = s.get(base_url + "/metrics", timeout=60).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("sglang:kv_canary_"):
+                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _total(samples, name, **labels):
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+@pytest.mark.e2e
+def test_metrics_endpoint_exports_the_canary_counters(contain_server):
+    """``--enable-metrics``: /metrics carries sglang:kv_canary_* with sglang's labels, and they move."""
+    srv = contain_server
+    before = _scrape(srv.base_url)
+    result = run_requests(srv.base_url, build_workload(12, seed=33, n_aborts=0), concurrency=4, timeout=300)
+    log = CanaryLog.read_settled(srv)
+    after = _scrape(srv.base_url)
+    names = {n for n, _ in after}
+    print(f"kv_canary_e2e_metrics {result.summary()} series={len(after)} "
+          f"slots_verified={_total(after, 'sglang:kv_canary_slots_verified_total')} "
+          f"violations={_total(after, 'sglang:kv_canary_violations_total')} "
+          f"contained={_total(after, 'sglang:kv_canary_contained_requests_total')}")
+    for name in ("forwards", "slots_verified", "slots_written", "slots_swept", "sweeps", "health_violations",
+                 "perturbations", "contained_requests", "contain_evicted_tokens"):
+        assert f"sglang:kv_canary_{name}_total" in names, sorted(names)
+    assert all(dict(ls).get("tp_rank") == "0" for _, ls in after)  # sglang's scheduler labels
+    for name in ("forwards", "slots_verified", "slots_written"):
+        metric = f"sglang:kv_canary_{name}_total"
+        assert _total(after, metric) > _total(before, metric), metric
+    # the exported counts are the canary's own (log stats line of the same settled state)
+    assert _total(after, "sglang:kv_canary_slots_verified_total") == log.last_stat("slots_verified")
+    assert _total(after, "sglang:kv_canary_perturbations_total") == log.last_stat("perturbations")
+    assert _total(after, "sglang:kv_canary_contained_requests_total") == log.last_stat("contained_requests")
+    if log.violations:
+        assert _total(after, "sglang:kv_canary_violations_total", kind="kv_hash") >= len(log.violations)
