@@ -16,8 +16,8 @@ from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cpu_ci(est_time=240, suite="kv-canary-cpu")
-register_cuda_ci(est_time=240, suite="kv-canary-cuda")
+register_cpu_ci(est_time=300, suite="kv-canary-cpu")
+register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 INJECTIONS = 3
 ENV = {
@@ -133,3 +133,7 @@ def test_metrics_endpoint_exports_the_canary_counters(contain_server):
     assert _total(after, "sglang:kv_canary_contained_requests_total") == log.last_stat("contained_requests")
     if log.violations:
         assert _total(after, "sglang:kv_canary_violations_total", kind="kv_hash") >= len(log.violations)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))

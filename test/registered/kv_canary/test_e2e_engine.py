@@ -74,3 +74,7 @@ def test_engine_api_runs_the_canary(tmp_path):
     assert int(n_out[1]) == 5 and int(n_out[2]) == 40 and int(n_out[3]) > 0
     assert int(last["slots_verified"]) > 0 and int(last["slots_written"]) > 0 and int(last["slots_swept"]) > 0
     assert int(last["violations"]) == 0 and parse_lines(out, VIOLATION_PREFIX) == []
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))

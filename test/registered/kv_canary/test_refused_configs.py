@@ -113,3 +113,7 @@ def test_fresh_sglang_serve_process_refuses_the_same_way():
         pytest.skip(f"no sglang console script next to {sys.executable}")
     r = _fresh([str(sglang_cli), "serve"], ["--enable-hierarchical-cache"])
     assert r.returncode != 0 and "cannot verify --enable-hierarchical-cache" in r.stderr, r.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
