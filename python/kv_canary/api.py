@@ -25,6 +25,7 @@ from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
 from .transfer import TransferBook, new_origin
+from .violations import INSTALLED_PREFIX, OFF_PREFIX, format_line
 
 logger = logging.getLogger("kv_canary")
 
@@ -47,7 +48,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
     config = config_from_server_args(server_args)
     if not config.enabled:
-        logger.info("kv_canary_off=1 (--kv-canary none): no canary buffers, no device work")
+        logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None
     if getattr(model_runner, "is_draft_worker", False):
         logger.warning(
@@ -87,15 +88,23 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     _patch_model_forward(model_runner.model, manager)
     if config.scrub_slots_per_forward:
         span = groups[0].num_slots - 1
-        logger.info("kv_canary_scrub=%d pool_slots=%d every_slot_within_forwards=%d",
-                    config.scrub_slots_per_forward, span, -(-span // config.scrub_slots_per_forward))
-    logger.info(
-        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d "
-        "disaggregation=%s",
-        config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),
-        groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len, pd_mode,
-    )
+        logger.info(format_line("kv_canary_scrub", config.scrub_slots_per_forward, {
+            "pool_slots": span, "every_slot_within_forwards": -(-span // config.scrub_slots_per_forward)}))
+    logger.info(installed_line(config, type(model_runner.token_to_kv_pool).__name__, groups, kernels.name,
+                               capacities, pd_mode))
     return manager
+
+
+def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,
+                   capacities: LaunchCapacities, disaggregation: Optional[str] = None) -> str:
+    """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=...`` (parseable)."""
+    return " ".join([
+        format_line(INSTALLED_PREFIX, 1, {}), config.describe(),
+        format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
+                                        "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,
+                                        "max_context_len": capacities.max_context_len,
+                                        "disaggregation": disaggregation}),
+    ])
 
 
 def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:

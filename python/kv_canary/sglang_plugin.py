@@ -4,8 +4,11 @@ sglang 0.5.12 calls ``load_plugins()`` in ``sglang serve``, ``python -m
 sglang.launch_server``, ``Engine`` and every scheduler process; ``register``
 then registers hooks with sglang's ``HookRegistry``:
 
-* ``ServerArgs.add_cli_args`` / ``from_cli_args``: the ``--kv-canary`` flag,
-  validated (with the ``SGLANG_KV_CANARY_*`` env vars) before any process starts;
+* ``ServerArgs.add_cli_args`` / ``from_cli_args`` / ``__init__``: the ``--kv-canary``
+  flags (and ``ServerArgs(kv_canary=...)``, so ``sglang.Engine(kv_canary=...)`` works),
+  validated with the ``SGLANG_KV_CANARY_*`` env vars and the server-args allow-list
+  (``adapter/server_args``) before any process starts; every hook below must have been
+  applied by sglang (``check_hooks_applied``), else startup is refused;
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
@@ -15,7 +18,11 @@ then registers hooks with sglang's ``HookRegistry``:
   manager 0 active, so the canary's kernels are recorded into the graph;
 * ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
-  last forwards before an idle period are reported without waiting for traffic.
+  last forwards before an idle period are reported without waiting for traffic;
+* ``Scheduler.process_input_requests``: ``--kv-canary contain`` aborts and evicts
+  there (``adapter/contain``), where sglang itself handles ``AbortReq``; with
+  ``--enable-metrics`` the ``sglang:kv_canary_*`` counters are updated there and
+  on idle (``adapter/metrics``);
 * PD disaggregation (``adapter/disagg``): the records and an origin stamp are
   registered as extra transfer buffers when the KV manager is built, the prefill
   stamps what it sends, the decode side notes each arrival's tokens and identity,
@@ -62,43 +69,65 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    hooks = [
-        ("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER),
-        ("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool", _after_init_memory_pool,
-         HookType.AFTER),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.initialize", _around_initialize, HookType.AROUND),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.forward", _around_forward, HookType.AROUND),
-        ("sglang.srt.model_executor.model_runner.ModelRunner.sample", _after_sample, HookType.AFTER),
-        ("sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size",
-         _around_capture_one_batch_size, HookType.AROUND),
-        ("sglang.srt.managers.scheduler.Scheduler.on_idle", _after_scheduler_on_idle, HookType.AFTER),
-        ("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init, HookType.AFTER),
-        ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init_new,
-         HookType.AFTER),
-        *_disaggregation_hooks(HookType),
-    ]
-    for target, hook, kind in hooks:
-        HookRegistry.register(target, hook, kind)
+    kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
+    for target, (hook_name, kind) in HOOKS.items():
+        HookRegistry.register(target, _resolve_hook(hook_name), kinds[kind])
     _registered = True
 
 
-def _disaggregation_hooks(HookType):
-    from .adapter import disagg
+def _resolve_hook(name: str):
+    """A hook function of this module, or ``module.function`` of the adapter layer."""
+    if "." not in name:
+        return globals()[name]
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(f"{__package__}.adapter.{module}"), attr)
 
-    pd = "sglang.srt.disaggregation"
-    return [
-        (f"{pd}.prefill.PrefillBootstrapQueue._init_kv_manager", disagg.around_init_kv_manager, HookType.AROUND),
-        (f"{pd}.decode.DecodePreallocQueue._init_kv_manager", disagg.around_init_kv_manager, HookType.AROUND),
-        (f"{pd}.mooncake.conn.MooncakeKVManager.send_kvcache", disagg.around_send_kvcache, HookType.AROUND),
-        (f"{pd}.mooncake.conn.MooncakeKVManager.send_kvcache_slice", disagg.around_send_kvcache_slice,
-         HookType.AROUND),
-        (f"{pd}.mooncake.conn.MooncakeKVSender.send", disagg.before_sender_send, HookType.BEFORE),
-        (f"{pd}.decode.SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch",
-         disagg.after_get_new_prebuilt_batch, HookType.AFTER),
-        ("sglang.srt.managers.schedule_batch.Req.offload_kv_cache", disagg.after_offload_kv_cache, HookType.AFTER),
-        ("sglang.srt.managers.schedule_batch.Req.load_kv_cache", disagg.around_load_kv_cache, HookType.AROUND),
-    ]
+
+# target -> (hook function in this module, hook type); every one must be applied (check_hooks_applied)
+HOOKS = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args": ("_after_add_cli_args", "after"),
+    "sglang.srt.server_args.ServerArgs.from_cli_args": ("_around_from_cli_args", "around"),
+    "sglang.srt.server_args.ServerArgs.__init__": ("_around_server_args_init", "around"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool": ("_after_init_memory_pool", "after"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.initialize": ("_around_initialize", "around"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("_around_forward", "around"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.sample": ("_after_sample", "after"),
+    "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size":
+        ("_around_capture_one_batch_size", "around"),
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("_after_scheduler_on_idle", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.__init__": ("_after_scheduler_init", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("_after_process_input_requests", "after"),
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("_after_forward_batch_init_new", "after"),
+    # PD disaggregation (adapter/disagg): the records travel with the KV
+    "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": ("disagg.around_init_kv_manager",
+                                                                                 "around"),
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": ("disagg.around_init_kv_manager",
+                                                                              "around"),
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache": ("disagg.around_send_kvcache", "around"),
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_slice": (
+        "disagg.around_send_kvcache_slice", "around"),
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.send": ("disagg.before_sender_send", "before"),
+    "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch": (
+        "disagg.after_get_new_prebuilt_batch", "after"),
+    "sglang.srt.managers.schedule_batch.Req.offload_kv_cache": ("disagg.after_offload_kv_cache", "after"),
+    "sglang.srt.managers.schedule_batch.Req.load_kv_cache": ("disagg.around_load_kv_cache", "around"),
+}
+
+
+def check_hooks_applied() -> None:
+    """Refuse to run half-wired: sglang's HookRegistry only logs a hook it failed to apply."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from .config import FLAG_MODE, CanaryConfigError
+
+    patched = getattr(HookRegistry, "_patched", None)
+    missing = sorted(t for t in HOOKS if patched is None or t not in patched)
+    if missing:
+        raise CanaryConfigError(
+            f"{FLAG_MODE}: sglang did not apply the canary's hook(s) on {', '.join(missing)} (see the "
+            "'Failed to apply hooks' error above); the canary would run half-wired. Check that this is stock "
+            f"sglang {SUPPORTED_SGLANG} and that SGLANG_PLUGINS allows kv_canary, or run with {FLAG_MODE} none."
+        )
 
 
 # ---------------------------------------------------------------- server args
@@ -114,7 +143,8 @@ def _after_add_cli_args(_result, parser) -> None:
         default=CanaryMode.NONE.value,
         choices=[m.value for m in CanaryMode],
         help="KV-cache integrity canary: 'log' logs each violation and keeps serving, 'raise' stops "
-        "the server with a report, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
+        "the server with a report, 'contain' aborts the requests that read a corrupt KV slot, evicts it from "
+        "the radix cache and keeps serving, 'none' (default) costs nothing. Needs --disable-piecewise-cuda-graph "
         "on GPU. Tuned by SGLANG_KV_CANARY_* env vars (see the sglang-kv-canary README).",
     )
     group.add_argument(
@@ -137,16 +167,67 @@ def _after_add_cli_args(_result, parser) -> None:
 
 
 def _around_from_cli_args(original, cls, args):
+    mode, sweep = getattr(args, "kv_canary", "none"), getattr(args, "kv_canary_sweep_interval", 0)
+    real_data = getattr(args, "kv_canary_real_data", "partial")
+    _refuse_unsupported(args, mode)  # the user's own flags, before sglang's __post_init__ reacts to them
     server_args = original(cls, args)
-    server_args.kv_canary = getattr(args, "kv_canary", "none")
-    server_args.kv_canary_sweep_interval = getattr(args, "kv_canary_sweep_interval", 0)
-    server_args.kv_canary_real_data = getattr(args, "kv_canary_real_data", "partial")
+    apply_canary_settings(server_args, mode, sweep, real_data)
+    return server_args
+
+
+def _around_server_args_init(original, server_args, *args, kv_canary=None, kv_canary_sweep_interval=None,
+                             kv_canary_real_data=None, **kwargs):
+    """``ServerArgs(..., kv_canary="raise")`` (the Engine API) works like the CLI flags.
+
+    Without these keywords (``from_cli_args``, which applies the flags itself, or a plain
+    ``ServerArgs(...)``) the canary settings are only defaulted here.
+    """
+    if kv_canary is None and kv_canary_sweep_interval is None and kv_canary_real_data is None:
+        original(server_args, *args, **kwargs)
+        server_args.kv_canary, server_args.kv_canary_sweep_interval = "none", 0
+        server_args.kv_canary_real_data = "partial"
+        return
+    mode = "none" if kv_canary is None else kv_canary
+    _refuse_unsupported(_GivenArgs(type(server_args), kwargs), mode)
+    original(server_args, *args, **kwargs)
+    apply_canary_settings(server_args, mode, kv_canary_sweep_interval or 0, kv_canary_real_data or "partial")
+
+
+class _GivenArgs:
+    """The keyword arguments given to ``ServerArgs(...)``, falling back to the class defaults."""
+
+    def __init__(self, cls, kwargs):
+        self._cls, self._kwargs = cls, kwargs
+
+    def __getattr__(self, name):
+        return self._kwargs[name] if name in self._kwargs else getattr(self._cls, name, None)
+
+
+def _refuse_unsupported(given, mode) -> None:
+    from .adapter.server_args import check_supported
+    from .config import CanaryMode
+
+    try:
+        parsed = CanaryMode(str(getattr(mode, "value", mode)).strip().lower())
+    except ValueError:
+        return  # CanaryConfig.build names the bad --kv-canary value
+    if parsed.enabled:
+        check_supported(given, parsed.value, given_only=True)
+
+
+def apply_canary_settings(server_args, mode, sweep_interval, real_data="partial") -> None:
+    """Attach the canary settings to ``server_args`` and refuse, before any process starts, what it cannot verify."""
+    server_args.kv_canary = getattr(mode, "value", mode)
+    server_args.kv_canary_sweep_interval = sweep_interval
+    server_args.kv_canary_real_data = getattr(real_data, "value", real_data)
+    from .adapter.server_args import check_supported
     from .api import config_from_server_args
 
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
     if config.enabled:
+        check_supported(server_args, config.mode.value)  # again: __post_init__ may have changed settings
+        check_hooks_applied()
         logger.info("kv_canary: %s", config.describe())
-    return server_args
 
 
 # ---------------------------------------------------------------- model runner
@@ -211,12 +292,27 @@ def _scheduler_canary(scheduler):
 
 def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
+    from .adapter.radix import RadixCacheView
+    from .config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
+
     manager = _scheduler_canary(scheduler)
     if manager is None:
+        mode = str(getattr(scheduler.server_args, "kv_canary", "none"))
+        if mode != "none":
+            check_hooks_applied()
+            raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
         return
-    from .adapter.radix import RadixCacheView
-    from .config import FLAG_SWEEP_INTERVAL, CanaryConfigError
 
+    collector = getattr(scheduler, "metrics_collector", None)
+    if getattr(scheduler, "current_scheduler_metrics_enabled", False) and collector is not None:
+        from .adapter.metrics import CanaryMetrics
+
+        scheduler.kv_canary_metrics = CanaryMetrics(collector.labels)
+    if manager.config.mode is CanaryMode.CONTAIN:
+        from .adapter.contain import SchedulerContainment
+
+        scheduler.kv_canary_containment = SchedulerContainment(scheduler)
+        manager.attach_containment(scheduler.kv_canary_containment)
     tree = getattr(scheduler, "tree_cache", None)
     if RadixCacheView.supports(tree):
         manager.attach_prefix_cache(RadixCacheView(tree))
@@ -227,11 +323,27 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
         )
 
 
+def _after_process_input_requests(_result, scheduler, *args, **kwargs) -> None:
+    """The scheduler's safe point (where sglang handles AbortReq): apply --kv-canary contain's aborts/evictions."""
+    containment = getattr(scheduler, "kv_canary_containment", None)
+    if containment is not None:
+        containment.apply()
+    _export_metrics(scheduler)
+
+
+def _export_metrics(scheduler) -> None:
+    metrics = getattr(scheduler, "kv_canary_metrics", None)
+    manager = _scheduler_canary(scheduler)
+    if metrics is not None and manager is not None:
+        metrics.update(manager, getattr(scheduler, "kv_canary_containment", None))
+
+
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
     """Idle: read every counter copy still in flight, so the last forwards' violations surface now."""
     manager = _scheduler_canary(scheduler)
     if manager is not None and manager.init_finished:
         manager.poll(drain=True)
+        _export_metrics(scheduler)
 
 
 # ---------------------------------------------------------------- CUDA graphs

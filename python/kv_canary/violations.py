@@ -16,8 +16,13 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from . import fingerprint as fp
 
 VIOLATION_PREFIX = "kv_canary_violation"
+SUMMARY_PREFIX = "kv_canary_violation_summary"
 STATS_PREFIX = "kv_canary_stats"
 PERTURB_PREFIX = "kv_canary_perturb"
+INSTALLED_PREFIX = "kv_canary_installed"
+READY_PREFIX = "kv_canary_ready"
+OFF_PREFIX = "kv_canary_off"
+CONTAIN_PREFIX = "kv_canary_contain"  # --kv-canary contain: kv_canary_contain=abort rid=... / =evict slot=...
 GROUP_SHIFT = fp.GROUP_SHIFT
 
 
@@ -61,7 +66,9 @@ def format_line(prefix: str, head: object, fields: Dict[str, object], skip: Iter
     return " ".join(parts)
 
 
-_LINE = re.compile(r"(kv_canary_[a-z]+)=(\S+)((?: [A-Za-z_]+=\S*)*)")
+# A prefix may contain '_' (kv_canary_violation_summary); it ends at the first '=', so
+# kv_canary_violation never matches a kv_canary_violation_summary line.
+_LINE = re.compile(r"(kv_canary_[a-z_]+)=(\S+)((?: [A-Za-z_][A-Za-z0-9_]*=\S*)*)")
 
 
 def parse_line(line: str, prefix: str) -> Optional[Dict[str, str]]:

@@ -59,9 +59,9 @@ def _prepare(args, env=None):
         a = prepare_server_args(["--model-path", {str(write_model_dir())!r}, *{list(args)!r}])
         print("PARSED", a.kv_canary, a.kv_canary_sweep_interval, a.kv_canary_real_data)
     """)
-    import os
+    from kv_canary_testing.server import SglangServer
 
-    full_env = dict(os.environ)
+    full_env = SglangServer(device="cpu").environment()  # the libcuda stand-in: sglang's scheduler module imports
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
 

@@ -47,11 +47,12 @@ class TinyAttentionModel(torch.nn.Module):
 
 
 class Harness:
-    def __init__(self, mode=CanaryMode.RAISE, delay=0):
+    def __init__(self, mode=CanaryMode.RAISE, delay=0, **config_fields):
         self.events = []
         self.k = torch.zeros(SLOTS, 1, 4)
         self.v = torch.zeros(SLOTS, 1, 4)
-        config = CanaryConfig(mode=mode, d2h_delay_steps=delay, stats_print_every_n_steps=0)
+        config = CanaryConfig(**{"mode": mode, "d2h_delay_steps": delay, "stats_print_every_n_steps": 0,
+                                 **config_fields})
         group = build_group(PoolLayout("full", [self.k], [self.v]), config, torch.device("cpu"))
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
 
@@ -218,3 +219,27 @@ def test_log_mode_logs_each_violation_and_keeps_serving(caplog):
         ("r2", "2", "chain"),  # request 2's own slot, but its link now points at the foreign one
     }
     assert h.manager.violations_reported == 4  # both decode forwards read the bad slots
+
+
+def test_a_cuda_graph_recapture_after_init_raises_no_health_violation(caplog):
+    """sglang recaptures graphs after init (capture-hidden-mode change, weight update): its warmup
+    forwards run HEAD/TAIL inside the canary's capture bracket, within a forward's outside bracket."""
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7]}))
+    fb = h.batch({1: [8]}, decode=True)
+    m = h.manager
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+            with m.with_active_single_forward_manager(0):
+                with m.capturing(), m.with_active_single_forward_manager(0):  # the recapture's warmup runs
+                    for _ in range(2):
+                        warm = h.batch({3: [1, 2]}, decode=False)
+                        h.model(warm.input_ids, warm.positions, warm)
+                h.model(fb.input_ids, fb.positions, fb)  # the real forward
+        for t in range(3):
+            h.step(h.batch({1: [9 + t]}, decode=True))
+        m.poll(drain=True)
+    assert m.health_violations == 0, caplog.text
+    assert parse_lines(caplog.text, VIOLATION_PREFIX) == []
+    assert m.forwards == 5 and int(m.last_counters[fp.C_FORWARD_INDEX]) == 5

@@ -65,6 +65,7 @@ class PerturbManager:
         self._prefix_cache = None  # RadixCacheView, attached by the adapter
         self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
+        self.injection_count = 0
 
     @staticmethod
     def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
@@ -86,6 +87,9 @@ class PerturbManager:
         self._prefix_cache = prefix_cache
 
     def _draw(self, prob: float) -> bool:
+        limit = self._config.perturb_max_injections
+        if limit and self.injection_count >= limit:
+            return False
         return prob > 0 and self._rng.random() < prob
 
     # ------------------------------------------------------------------ pre-forward
@@ -206,5 +210,6 @@ class PerturbManager:
     def _log(self, mode: str, **fields) -> None:
         line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})
         logger.warning(line)
+        self.injection_count += 1
         self.injections.append(line)
         del self.injections[:-1000]

@@ -35,6 +35,7 @@ import torch
 
 from .. import fingerprint as fp
 from ..config import CanaryConfig, CanaryMode
+from ..containment import ContainmentTarget, build_order
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
@@ -42,7 +43,10 @@ from ..token_oracle import AdmittedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..transfer import Arrival, TransferBook
-from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
+from ..violations import (
+    READY_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
+    health_violation,
+)
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
@@ -126,6 +130,10 @@ class CanaryManager:
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
         self.transfer: Optional[TransferBook] = None  # PD disaggregation (attach_transfer)
+        self._containment: Optional[ContainmentTarget] = None  # --kv-canary contain: the engine's side
+        self.contained_requests = 0  # requests --kv-canary contain ordered aborted
+        self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
+        self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -186,13 +194,22 @@ class CanaryManager:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """CUDA-graph warmup + capture: kernels are recorded, but nothing is reported or counted."""
+        """CUDA-graph warmup + capture: kernels are recorded, but nothing is reported or counted.
+
+        A recapture after init (sglang recaptures when the hidden-state capture mode
+        changes, or after a weight update) runs warmup forwards whose HEAD/TAIL bump the
+        device counters; they are restored afterwards (stream-ordered, no host sync) so
+        the health check does not see forwards the host never counted.
+        """
+        saved = self.counters.clone() if self._capturing == 0 and self.init_finished else None
         self._capturing += 1
         self.counters[fp.C_REPORT_ENABLED] = 0
         try:
             yield
         finally:
             self._capturing -= 1
+            if saved is not None:
+                self.counters.copy_(saved)
             if self._capturing == 0:
                 self.counters[fp.C_REPORT_ENABLED] = 1 if self.init_finished else 0
 
@@ -208,8 +225,9 @@ class CanaryManager:
             self.token_oracle.reset()
         self._reset_host_state()
         self.init_finished = True
-        logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
-                    ",".join(g.name for g in self.groups), self.kernels.name)
+        logger.info(format_line(READY_PREFIX, 1, {"mode": self.config.mode.value,
+                                                  "groups": ",".join(g.name for g in self.groups),
+                                                  "kernels": self.kernels.name}))
 
     # ------------------------------------------------------------------ inside (maybe captured)
 
@@ -320,6 +338,10 @@ class CanaryManager:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
         self._prefix_cache = prefix_cache
         self.perturb.attach_prefix_cache(prefix_cache)
+
+    def attach_containment(self, target: ContainmentTarget) -> None:
+        """The engine's abort/evict side for ``--kv-canary contain``."""
+        self._containment = target
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
@@ -460,10 +482,44 @@ class CanaryManager:
             logger.error(v.format())
         hidden = max(0, len(new) - limit) + lost
         if hidden:
-            logger.error("kv_canary_violation_summary=%d not_itemized=%d", len(violations) + lost, hidden)
+            logger.error(format_line(SUMMARY_PREFIX, len(violations) + lost, {"not_itemized": hidden}))
         self.violations_reported += len(violations) + lost
+        for v in violations:
+            self.violations_by_kind[v.kind] = self.violations_by_kind.get(v.kind, 0) + 1
+        if lost:
+            self.violations_by_kind["unitemized"] = self.violations_by_kind.get("unitemized", 0) + lost
+        if self.config.mode is CanaryMode.CONTAIN:
+            self._contain(violations)
         if self.config.mode is CanaryMode.RAISE:
             raise CanaryViolationError(new[:limit] or violations[:limit], lost=hidden)
+
+    def _contain(self, violations: List[Violation]) -> None:
+        """Every row counts, repeats included: each names a request that read a bad slot."""
+        order = build_order(violations, self.groups[0].num_slots, already_aborted=self._contained)
+        if not order:
+            return
+        if self._containment is None:
+            raise CanaryBracketError("kv-canary: --kv-canary contain needs the engine's containment side attached")
+        for rid in order.aborts:
+            self._contained[rid] = None
+        while len(self._contained) > REPORTED_MEMORY:
+            self._contained.popitem(last=False)
+        self.contained_requests += len(order.aborts)
+        self._containment.submit(order)
+
+    def metrics_snapshot(self) -> Dict[str, int]:
+        """Cumulative counts for exporters (device counters as of the newest host read)."""
+        c = self.last_counters or [0] * fp.NUM_COUNTERS
+        return {
+            "forwards": self.forwards,
+            "slots_verified": int(c[fp.C_SLOTS_VERIFIED]),
+            "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
+            "slots_swept": int(c[fp.C_SLOTS_SWEPT]),
+            "sweeps": self.sweeps,
+            "health_violations": self.health_violations,
+            "perturbations": self.perturb.injection_count,
+            "contained_requests": self.contained_requests,
+        }
 
     def stats_line(self, host_counters: Optional[List[int]] = None) -> str:
         c = self.last_counters if host_counters is None else host_counters
@@ -486,7 +542,8 @@ class CanaryManager:
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,
-                "perturbations": len(self.perturb.injections),
+                "perturbations": self.perturb.injection_count,
+                "contained_requests": self.contained_requests,
                 **(self.transfer.stats() if self.transfer is not None else {}),
             },
         )

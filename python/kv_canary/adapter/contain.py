@@ -1,0 +1,156 @@
+"""The sglang side of ``--kv-canary contain``: abort requests by rid and evict radix-cache nodes by slot.
+
+``SchedulerContainment.submit`` (called from ``CanaryManager.poll``, inside a
+forward) only queues; ``apply`` runs at the scheduler's next safe point -- right
+after ``Scheduler.process_input_requests``, where sglang itself handles
+``AbortReq`` -- and before the next batch is scheduled, so a retry that arrived
+in the meantime is matched against a tree that no longer holds the bad slots.
+
+* Abort, the way sglang aborts: a running request gets ``to_finish =
+  FINISH_ABORT(message)`` (it finishes after one more forward and frees its KV
+  through sglang's own path); a queued one is removed and answered with
+  ``AbortReq``. Aborted requests are marked ``skip_radix_cache_insert`` so their
+  KV is freed, not inserted into the tree.
+* Evict: the radix node holding a bad slot and its whole subtree, children
+  first, each freed once through the allocator and removed with the tree's own
+  ``_delete_leaf`` (the same calls as ``RadixCache.evict``). A node still locked
+  by a running request (lock_ref > 0; locks propagate to ancestors) is retried
+  at later safe points until the aborted requests have released it; a slot that
+  stays unheld or locked is dropped after ``PENDING_TTL`` safe points (a later
+  hit on it is detected and contained again).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List
+
+from ..containment import ContainOrder
+from ..violations import CONTAIN_PREFIX, format_line
+
+logger = logging.getLogger("kv_canary")
+
+PENDING_TTL = 1024  # safe points a bad slot no cache node holds stays pending
+
+
+class SchedulerContainment:
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+        self._aborts: Dict[str, str] = {}
+        self._slots: Dict[int, int] = {}  # bad slot -> safe points left
+        self.aborted = 0
+        self.evicted_nodes = 0
+        self.evicted_tokens = 0
+
+    # ------------------------------------------------------------------ ContainmentTarget
+
+    def submit(self, order: ContainOrder) -> None:
+        self._aborts.update(order.aborts)
+        for slot in order.slots:
+            self._slots[slot] = PENDING_TTL
+
+    # ------------------------------------------------------------------ safe point
+
+    def apply(self) -> None:
+        if self._aborts:
+            aborts, self._aborts = self._aborts, {}
+            self._abort(aborts)
+        if self._slots:
+            self._evict()
+
+    def _abort(self, aborts: Dict[str, str]) -> None:
+        from sglang.srt.managers.io_struct import AbortReq
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        s = self._scheduler
+        found = set()
+        state: Dict[str, str] = {}  # rid -> aborted | finished (before the abort reached it)
+        running = list(s.running_batch.reqs)
+        for batch in (getattr(s, "cur_batch", None), getattr(s, "last_batch", None)):
+            if batch is not None and batch is not s.running_batch:
+                running += list(batch.reqs)
+        if getattr(s, "chunked_req", None) is not None:
+            running.append(s.chunked_req)
+        for req in running:
+            message = aborts.get(req.rid)
+            if message is None or req.rid in found:
+                continue
+            found.add(req.rid)
+            req.skip_radix_cache_insert = True
+            if req.finished():
+                state[req.rid] = "finished"
+            else:
+                req.to_finish = FINISH_ABORT(message=message)
+                state[req.rid] = "aborted"
+        for i in reversed(range(len(s.waiting_queue))):
+            req = s.waiting_queue[i]
+            message = aborts.get(req.rid)
+            if message is None:
+                continue
+            found.add(req.rid)
+            state[req.rid] = "aborted"
+            s.waiting_queue.pop(i)
+            req.skip_radix_cache_insert = True
+            s.send_to_tokenizer.send_output(
+                AbortReq(rid=req.rid, finished_reason=FINISH_ABORT(message=message).to_json(), abort_message=message),
+                req,
+            )
+        for rid in aborts:  # finished/gone: it completed within the detection delay (the stated bound)
+            logger.error(format_line(CONTAIN_PREFIX, "abort", {"rid": rid, "state": state.get(rid, "gone")}))
+        self.aborted += sum(1 for v in state.values() if v == "aborted")
+
+    def _evict(self) -> None:
+        tree = getattr(self._scheduler, "tree_cache", None)
+        holders = _slot_holders(tree, set(self._slots)) if tree is not None and hasattr(tree, "root_node") else {}
+        removed = set()  # ids of nodes evicted in this pass (a slot may sit below an earlier slot's node)
+        for slot in list(self._slots):
+            node = holders.get(slot)
+            if node is not None and id(node) in removed:
+                del self._slots[slot]  # already evicted with an ancestor's subtree: free nothing twice
+                continue
+            if node is None or node.lock_ref > 0:  # not cached (yet), or a running request still holds it
+                self._slots[slot] -= 1
+                if self._slots[slot] <= 0:
+                    del self._slots[slot]
+                continue
+            nodes, tokens = _evict_subtree(tree, node, removed)
+            self.evicted_nodes += nodes
+            self.evicted_tokens += tokens
+            logger.error(format_line(CONTAIN_PREFIX, "evict", {"slot": slot, "nodes": nodes, "tokens": tokens}))
+            del self._slots[slot]
+
+
+def _slot_holders(tree, slots) -> Dict[int, object]:
+    """slot -> the resident radix node whose value holds it (one walk of the tree)."""
+    out = {}
+    stack = list(tree.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.value is None:
+            continue
+        for s in node.value.tolist():
+            if s in slots:
+                out[s] = node
+    return out
+
+
+def _evict_subtree(tree, node, removed: set):
+    """Free and remove ``node`` and every descendant, children first (each a leaf when removed);
+    their ids go into ``removed``."""
+    order: List[object] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(n.children.values())
+    tokens = 0
+    for n in reversed(order):  # descendants before ancestors
+        if n.value is not None:
+            tree.token_to_kv_pool_allocator.free(n.value)
+            tokens += len(n.value)
+        tree._delete_leaf(n)
+        removed.add(id(n))
+        if hasattr(tree, "_record_remove_event"):
+            tree._record_remove_event(n)
+    return len(order), tokens

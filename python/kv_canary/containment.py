@@ -1,0 +1,58 @@
+"""``--kv-canary contain``: what to do about a batch of violations, as a plain order for the engine.
+
+The host learns of violations ``SGLANG_KV_CANARY_D2H_DELAY_STEPS`` forwards after
+the forward that read the bad slots (see ``d2h``). ``ContainOrder`` names the
+requests to abort -- exactly those whose forward read a bad slot (the request id
+the host remembered for that forward and batch index) -- with a message naming
+the kind and the slot, and the bad slots to evict from the prefix cache (sweep
+rows, ``rid=cache``, have no request: evict only). Health violations have
+neither a request nor a slot: they are only logged.
+
+The engine side (``ContainmentTarget``) aborts the requests the way the engine
+aborts and evicts the cache entries holding the slots, the node and everything
+below it, so a retry of the same prompt is computed fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Container, Dict, Iterable, Protocol, Tuple
+
+from .violations import Violation
+
+UNKNOWN_RIDS = ("?", "cache", "")
+
+
+@dataclass(frozen=True)
+class ContainOrder:
+    aborts: Dict[str, str]  # rid -> abort message
+    slots: Tuple[int, ...]  # bad slots (sorted, unique) to evict from the prefix cache
+
+    def __bool__(self) -> bool:
+        return bool(self.aborts or self.slots)
+
+
+class ContainmentTarget(Protocol):
+    def submit(self, order: ContainOrder) -> None:
+        """Queue the aborts and evictions; the engine applies them at its next safe point."""
+        ...
+
+
+def abort_message(v: Violation) -> str:
+    return (f"kv-canary contain: aborted: the KV cache this request read failed verification "
+            f"(kind={v.kind} group={v.group} slot={v.slot} position={v.position} forward={v.forward})")
+
+
+def build_order(violations: Iterable[Violation], num_slots: int, already_aborted: Container[str] = ()) -> ContainOrder:
+    """One abort per request id not ``already_aborted`` (its first violation names the message); every
+    in-range bad slot."""
+    aborts: Dict[str, str] = {}
+    slots = set()
+    for v in violations:
+        if v.kind.startswith("health:"):
+            continue
+        if 0 < v.slot < num_slots:
+            slots.add(v.slot)
+        if v.rid not in UNKNOWN_RIDS and v.rid not in aborts and v.rid not in already_aborted:
+            aborts[v.rid] = abort_message(v)
+    return ContainOrder(aborts=aborts, slots=tuple(sorted(slots)))

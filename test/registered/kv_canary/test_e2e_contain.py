@@ -1,0 +1,139 @@
+"""``--kv-canary contain`` against a real sglang server: corrupt K/V aborts exactly the requests that read
+it, evicts it from the radix cache, and the server keeps serving.
+
+A ``real_kv_used`` perturbation flips hashed bytes of slots a forward reads (three
+injections, then none). Every request a violation names fails with finish reason
+abort and the canary's message; every other request of the concurrent workload
+succeeds; each aborted prompt, retried, succeeds with zero new violations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from kv_canary.violations import CONTAIN_PREFIX, parse_lines
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.workload import build_workload, run_requests
+
+register_cpu_ci(est_time=300, suite="kv-canary-cpu")
+register_cuda_ci(est_time=300, suite="kv-canary-cuda")
+
+INJECTIONS = 3
+ENV = {
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.2",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
+    "SGLANG_KV_CANARY_PERTURB_SEED": "5",
+    "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(INJECTIONS),
+}
+MESSAGE = "kv-canary contain: aborted"
+
+
+@pytest.fixture(scope="module")
+def contain_server(tmp_path_factory):
+    srv = canary_server("contain", log_path=tmp_path_factory.mktemp("contain") / "server.log", env=ENV,
+                        extra_args=["--kv-canary-sweep-interval", "8", "--enable-metrics"])
+    srv.start(timeout=600)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _generate(base_url, spec, rid):
+    r = requests.post(base_url + "/generate", timeout=300, json={
+        "text": spec.text(), "rid": rid,
+        "sampling_params": {"max_new_tokens": spec.max_new_tokens, "temperature": 0.0, "ignore_eos": True}})
+    r.raise_for_status()
+    return r.json()["meta_info"]
+
+
+@pytest.mark.e2e
+def test_contain_aborts_exactly_the_readers_and_keeps_serving(contain_server):
+    srv = contain_server
+    specs = build_workload(48, seed=31, n_aborts=0)
+    result = run_requests(srv.base_url, specs, concurrency=8, timeout=300)
+    log = CanaryLog.read_settled(srv)
+    failed = [o for o in result.outcomes if o.status != "ok"]
+    violated_rids = {v["rid"] for v in log.violations if v["rid"] not in ("cache", "?")}
+    contained = {c["rid"]: c["state"] for c in parse_lines(log.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"}
+    print(f"kv_canary_e2e_contain {result.summary()} injections={len(log.perturbations)} "
+          f"violations={len(log.violations)} contained_requests={log.last_stat('contained_requests')} "
+          f"aborted_by_canary={len(failed)} finished_within_delay="
+          f"{sum(1 for st in contained.values() if st != 'aborted')} "
+          f"evictions={log.text.count('kv_canary_contain=evict')}")
+    assert len(log.perturbations) == INJECTIONS, log.text[-3000:]
+    assert log.violations and all(v["kind"] == "kv_hash" for v in log.violations)
+    assert failed, "no request was aborted"
+    for o in failed:  # the canary's abort, naming the kind and the slot
+        assert MESSAGE in o.error and "'type': 'abort'" in o.error and "kind=kv_hash" in o.error, o.error
+        assert "slot=" in o.error
+    # Exactly the requests whose forward read a bad slot (every violation row, repeats included, names
+    # one) are contained; those still running are aborted, the rest had finished within the delay.
+    assert violated_rids <= set(contained) and log.last_stat("contained_requests") == len(contained)
+    assert {o.rid for o in failed} == {rid for rid, st in contained.items() if st == "aborted"}
+    assert result.succeeded == len(specs) - len(failed) and srv.is_running()
+
+    # Retry each aborted prompt: computed fresh (the bad slots are gone from the cache), no new violation.
+    before = len(log.violations)
+    by_index = {s.index: s for s in specs}
+    for o in failed:
+        meta = _generate(srv.base_url, by_index[o.index], f"retry-{o.rid}")
+        assert meta["finish_reason"]["type"] == "length", meta
+    again = run_requests(srv.base_url, build_workload(8, seed=32, n_aborts=0), concurrency=4, timeout=300)
+    log2 = CanaryLog.read_settled(srv)
+    assert again.failed == 0 and srv.is_running()
+    assert len(log2.violations) == before, log2.violations[before:]
+    assert log2.last_stat("violations") == log.last_stat("violations")
+
+
+def _scrape(base_url):
+    """{(name, frozenset(labels)): value} of the sglang:kv_canary_* samples on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = requests.Session()
+    s.trust_env = False
+    text = s.get(base_url + "/metrics", timeout=60).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("sglang:kv_canary_"):
+                out[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return out
+
+
+def _total(samples, name, **labels):
+    return sum(v for (n, ls), v in samples.items()
+               if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+@pytest.mark.e2e
+def test_metrics_endpoint_exports_the_canary_counters(contain_server):
+    """``--enable-metrics``: /metrics carries sglang:kv_canary_* with sglang's labels, and they move."""
+    srv = contain_server
+    before = _scrape(srv.base_url)
+    result = run_requests(srv.base_url, build_workload(12, seed=33, n_aborts=0), concurrency=4, timeout=300)
+    log = CanaryLog.read_settled(srv)
+    after = _scrape(srv.base_url)
+    names = {n for n, _ in after}
+    print(f"kv_canary_e2e_metrics {result.summary()} series={len(after)} "
+          f"slots_verified={_total(after, 'sglang:kv_canary_slots_verified_total')} "
+          f"violations={_total(after, 'sglang:kv_canary_violations_total')} "
+          f"contained={_total(after, 'sglang:kv_canary_contained_requests_total')}")
+    for name in ("forwards", "slots_verified", "slots_written", "slots_swept", "sweeps", "health_violations",
+                 "perturbations", "contained_requests", "contain_evicted_tokens"):
+        assert f"sglang:kv_canary_{name}_total" in names, sorted(names)
+    assert all(dict(ls).get("tp_rank") == "0" for _, ls in after)  # sglang's scheduler labels
+    for name in ("forwards", "slots_verified", "slots_written"):
+        metric = f"sglang:kv_canary_{name}_total"
+        assert _total(after, metric) > _total(before, metric), metric
+    # the exported counts are the canary's own (log stats line of the same settled state)
+    assert _total(after, "sglang:kv_canary_slots_verified_total") == log.last_stat("slots_verified")
+    assert _total(after, "sglang:kv_canary_perturbations_total") == log.last_stat("perturbations")
+    assert _total(after, "sglang:kv_canary_contained_requests_total") == log.last_stat("contained_requests")
+    if log.violations:
+        assert _total(after, "sglang:kv_canary_violations_total", kind="kv_hash") >= len(log.violations)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
