@@ -20,6 +20,7 @@ from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
+from .memory import canary_memory_bytes, kv_pool_bytes
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
@@ -70,10 +71,18 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         device=device,
     )
     _patch_model_forward(model_runner.model, manager)
+    memory = canary_memory_bytes(
+        num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
+        context_len=int(req_to_token.shape[1]), ring_capacity=config.ring_capacity,
+        verify_tokens=config.verify_tokens,
+    )
+    kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
     logger.info(
-        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d",
+        "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d "
+        "req_rows=%d canary_bytes=%d kv_pool_bytes=%d canary_pct_of_kv_pool=%.3f",
         config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),
         groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len,
+        int(req_to_token.shape[0]), memory.total, kv_bytes, memory.pct_of(kv_bytes),
     )
     return manager
 

@@ -128,6 +128,8 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_WARMUP_STEPS": ("perturb_warmup_steps", _parse_int(0),
                              "forwards before any perturbation (default 50)"),
     "PERTURB_SEED": ("perturb_seed", _parse_int(0), "seed of the perturbation RNG (default 0)"),
+    "PERTURB_MAX_INJECTIONS": ("perturb_max_injections", _parse_int(0),
+                               "stop perturbing after this many injections; 0 = no limit (default 0)"),
 }
 
 
@@ -152,6 +154,7 @@ class CanaryConfig:
     perturb_target_group: str = ""
     perturb_warmup_steps: int = 50
     perturb_seed: int = 0
+    perturb_max_injections: int = 0
     env_overrides: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
