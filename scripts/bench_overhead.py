@@ -135,11 +135,14 @@ SWEEP_INTERVAL = 16
 # ---------------------------------------------------------------- server configs
 
 OURS, UPSTREAM = "sglang-0.5.12+kv_canary", "sglang-0.5.14"  # the two software stacks
-STORM_ENV = (  # one corruption of a slot the forward reads, never repeated: read again by every later request
+STORM_ENV = (  # one corruption of a slot a forward reads, never repeated: read again by every later request
     ("SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB", "1"),
     ("SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS", "1"),
-    ("SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS", "0"),
 )
+# The storm's injection waits this many forwards: at least the warmup repetition's decode steps, so the
+# system prompt is in the radix cache and every request reads the cached copy (in the first batch, the
+# few requests prefilled together compute private copies; a flip there would be read by one request only).
+STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
 UPSTREAM_CANARY_ENV = (("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1"),)
 
 
@@ -287,6 +290,8 @@ def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
     """Environment of one server: the plan's, the config's canary env, upstream's site first on PYTHONPATH."""
     env = dict(plan["env"])
     env.update(dict(config.env))
+    if config.role == "storm":
+        env[STORM_WARMUP_ENV] = str(plan["storm_warmup_forwards"])
     if config.stack == UPSTREAM:
         if not upstream_site:
             raise ValueError(f"config {config.name} needs --upstream-site (sglang 0.5.14 installed there)")
@@ -527,7 +532,8 @@ def memory_table(runs: Sequence[dict]) -> Optional[dict]:
     slots, rows, ctx = int(f["slots"]), int(f["req_rows"]), int(f["max_context_len"])
     kv = int(f["kv_pool_bytes"])
     common = dict(num_slots=slots, num_groups=len(f["groups"].split(",")),
-                  ring_capacity=int(f["ring_capacity"]), verify_tokens=f.get("verify_tokens", "1") == "1")
+                  ring_capacity=int(f["ring_capacity"]), verify_tokens=f.get("verify_tokens", "1") == "1",
+                  sweep=int(f.get("sweep_interval", "0")) > 0)
     cases = [("this run", rows, ctx)] + [(f"context {c}", rows, c) for c in MEMORY_CONTEXT_LENS] + [
         (f"context {c}, {DEFAULT_REQ_ROWS} request rows", DEFAULT_REQ_ROWS, c) for c in MEMORY_CONTEXT_LENS]
     table = []
@@ -722,6 +728,7 @@ def main(argv=None) -> int:
     canary_env = _parse_env_pairs(args.canary_env)
     rows = {n: ROWS[n].scaled(args.scale) for n in args.row_names}
     plan = server_plan(args.device, args.scale, list(rows.values()))
+    plan["storm_warmup_forwards"] = ROWS["shared_prefix"].scaled(args.scale).output_len
 
     host = probe_environment(args.device)
     if host.get("kv_canary_plugin_entry_point") is False:

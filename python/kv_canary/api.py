@@ -74,7 +74,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     memory = canary_memory_bytes(
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
         context_len=int(req_to_token.shape[1]), ring_capacity=config.ring_capacity,
-        verify_tokens=config.verify_tokens,
+        verify_tokens=config.verify_tokens, sweep=config.sweep_interval > 0,
     )
     kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
     logger.info(

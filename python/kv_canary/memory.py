@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fingerprint as fp
+from .cache_index import BYTES_PER_SLOT as INDEX_BYTES_PER_SLOT
 
 INT64 = 8
 INT32 = 4
@@ -24,10 +25,11 @@ class CanaryMemory:
     counters: int  # [NUM_COUNTERS]
     ring: int  # [ring_capacity, RING_WIDTH]
     token_table: int  # int32[req_rows, context_len] (0 without the token check)
+    sweep_index: int = 0  # CachedSlotIndex: int8 + 3 x int32 per slot (0 without the sweep)
 
     @property
     def total(self) -> int:
-        return self.records + self.counters + self.ring + self.token_table
+        return self.records + self.counters + self.ring + self.token_table + self.sweep_index
 
     def pct_of(self, kv_pool_bytes: int) -> float:
         """Total as a percentage of the KV pool's bytes (0 when unknown)."""
@@ -35,7 +37,7 @@ class CanaryMemory:
 
 
 def canary_memory_bytes(*, num_slots: int, num_groups: int, req_rows: int, context_len: int,
-                        ring_capacity: int, verify_tokens: bool) -> CanaryMemory:
+                        ring_capacity: int, verify_tokens: bool, sweep: bool = False) -> CanaryMemory:
     """Device bytes of the canary for a pool of ``num_slots`` slots per group and ``req_rows`` x ``context_len``
     req_to_token."""
     return CanaryMemory(
@@ -43,6 +45,7 @@ def canary_memory_bytes(*, num_slots: int, num_groups: int, req_rows: int, conte
         counters=fp.NUM_COUNTERS * INT64,
         ring=ring_capacity * fp.RING_WIDTH * INT64,
         token_table=req_rows * context_len * INT32 if verify_tokens else 0,
+        sweep_index=num_slots * INDEX_BYTES_PER_SLOT if sweep else 0,
     )
 
 

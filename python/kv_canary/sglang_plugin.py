@@ -13,6 +13,8 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;
 * ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
+* ``RadixCache._record_store_event`` / ``_delete_leaf`` / ``reset``: keep the sweep's device index
+  of cached slots in step with the tree (``--kv-canary-sweep-interval`` only);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic.
 
@@ -70,6 +72,10 @@ def register() -> None:
         ("sglang.srt.managers.scheduler.Scheduler.__init__", _after_scheduler_init, HookType.AFTER),
         ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", _after_forward_batch_init_new,
          HookType.AFTER),
+        ("sglang.srt.mem_cache.radix_cache.RadixCache._record_store_event", _after_radix_node_stored,
+         HookType.AFTER),
+        ("sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf", _after_radix_delete_leaf, HookType.AFTER),
+        ("sglang.srt.mem_cache.radix_cache.RadixCache.reset", _after_radix_reset, HookType.AFTER),
     ]
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
@@ -178,6 +184,28 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
             f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
         )
+
+
+def _after_radix_node_stored(_result, tree, node, *args, **kwargs) -> None:
+    """A radix node with new slots: the sweep's cached-slot index learns them (host queue only)."""
+    if getattr(tree, "kv_canary_index", None) is not None:
+        from .adapter.radix import on_node_stored
+
+        on_node_stored(tree, node)
+
+
+def _after_radix_delete_leaf(_result, tree, node, *args, **kwargs) -> None:
+    if getattr(tree, "kv_canary_index", None) is not None:
+        from .adapter.radix import on_node_removed
+
+        on_node_removed(tree, node)
+
+
+def _after_radix_reset(_result, tree, *args, **kwargs) -> None:
+    if getattr(tree, "kv_canary_index", None) is not None:
+        from .adapter.radix import on_reset
+
+        on_reset(tree)
 
 
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:

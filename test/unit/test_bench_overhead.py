@@ -89,7 +89,7 @@ def test_low_radix_hit_rate_is_flagged():
 
 
 def test_upstream_servers_get_the_upstream_site_first_and_refuse_without_it():
-    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}}
+    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
     env = bench.server_env(bench.CONFIGS["upstream"], plan, "/tmp/site-upstream", {"SGLANG_KV_CANARY_X": "1"})
     assert env["PYTHONPATH"].split(":")[0] == "/tmp/site-upstream"
     assert env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] == "1" and "SGLANG_KV_CANARY_X" not in env
@@ -99,6 +99,9 @@ def test_upstream_servers_get_the_upstream_site_first_and_refuse_without_it():
         bench.server_env(bench.CONFIGS["upstream_off"], plan, None, {})
     ours = bench.server_env(bench.CONFIGS["ours"], plan, None, {"SGLANG_KV_CANARY_X": "1"})
     assert ours["SGLANG_KV_CANARY_X"] == "1" and "PYTHONPATH" not in ours
+    storm = bench.server_env(bench.CONFIGS["storm"], plan, None, {})
+    assert storm["SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"] == "256"  # after the warmup repetition's decode
+    assert storm["SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS"] == "1"
 
 
 def test_memory_table_reads_the_install_line_and_uses_the_memory_function():

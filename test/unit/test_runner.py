@@ -46,11 +46,11 @@ class TinyAttentionModel(torch.nn.Module):
 
 
 class Harness:
-    def __init__(self, mode=CanaryMode.RAISE, delay=0):
+    def __init__(self, mode=CanaryMode.RAISE, delay=0, **config_kw):
         self.events = []
         self.k = torch.zeros(SLOTS, 1, 4)
         self.v = torch.zeros(SLOTS, 1, 4)
-        config = CanaryConfig(mode=mode, d2h_delay_steps=delay, stats_print_every_n_steps=0)
+        config = CanaryConfig(mode=mode, d2h_delay_steps=delay, stats_print_every_n_steps=0, **config_kw)
         group = build_group(PoolLayout("full", [self.k], [self.v]), config, torch.device("cpu"))
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
 
@@ -204,3 +204,49 @@ def test_log_mode_logs_each_violation_and_keeps_serving(caplog):
         ("r2", "2", "chain"),  # request 2's own slot, but its link now points at the foreign one
     }
     assert h.manager.violations_reported == 4  # both decode forwards read the bad slots
+
+
+def test_log_mode_storm_reads_only_new_rows_and_logs_each_violation_once(caplog):
+    """One corrupt slot read by every later forward: host work per poll stays O(new rows), one line in total."""
+    h = Harness(mode=CanaryMode.LOG, delay=1)
+    h.manager.mark_init_finished()
+    h.step(h.batch({r: [5, 6, 7, 8] for r in (1, 2, 3)}))
+    for r in (2, 3):  # two more requests share request 1's prefix slots (a radix hit)
+        h.r2t[r, :4] = h.r2t[1, :4]
+    h.k[int(h.r2t[1, 2]), 0, 0] += 1.0  # one persistent corruption, read by all three each forward
+    reader = h.manager._ring_reader
+    per_poll = []
+    with caplog.at_level(logging.INFO, logger="kv_canary"):
+        for _ in range(40):
+            before = reader.rows_read
+            h.step(h.batch({r: [9] for r in (1, 2, 3)}, decode=True))
+            per_poll.append(reader.rows_read - before)
+        h.manager.poll(drain=True)
+    rows_on_device = int(h.manager.counters[fp.C_VIOLATIONS])
+    assert rows_on_device == 3 * 40 and reader.rows_read == rows_on_device  # every row read exactly once
+    assert max(per_poll) == 3  # only the newest forward's rows, never the ring (capacity 4096)
+    lines = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert len(lines) == 1 and lines[0]["kind"] == "kv_hash" and lines[0]["position"] == "2"
+    assert h.manager.violations_repeated == rows_on_device - 1
+    assert h.manager.violations_reported == rows_on_device
+    stats = parse_lines(caplog.text, "kv_canary_stats")
+    assert len(stats) == 2  # one with the new violation, one settled line: not one per forward
+
+
+def test_ring_reads_are_budgeted_and_overwritten_rows_are_counted_lost():
+    """More rows per forward than the ring holds: each poll reads at most the budget, the rest is counted lost."""
+    h = Harness(mode=CanaryMode.LOG, delay=0, ring_capacity=16, max_logged_violations=1)
+    h.manager.mark_init_finished()
+    h.step(h.batch({r: list(range(5, 15)) for r in (1, 2, 3)}))
+    for r in (1, 2, 3):
+        h.k[h.r2t[r, :10].long(), 0, 0] += 1.0  # 30 corrupt slots, each read every forward
+    reader = h.manager._ring_reader
+    assert reader.budget == 16
+    for _ in range(5):
+        before = reader.rows_read
+        h.step(h.batch({r: [9] for r in (1, 2, 3)}, decode=True))
+        assert reader.rows_read - before <= 16
+    m = h.manager
+    read_or_lost = reader.rows_read + m.violations_lost
+    assert int(m.counters[fp.C_VIOLATIONS]) == 5 * 30 and read_or_lost == 5 * 30
+    assert m.violations_lost > 0 and m.violations_reported == 5 * 30

@@ -28,6 +28,7 @@ class CanaryKernels:
     write: Callable[..., None]
     sweep: Callable[..., None]
     graph_safe: bool
+    sweep_index: Callable[..., None] = None  # sweep(group, CachedSlotIndex, counters, ring, group_index=)
 
 
 def resolve_backend(requested: KernelBackend, device: torch.device) -> KernelBackend:
@@ -41,9 +42,12 @@ def resolve_backend(requested: KernelBackend, device: torch.device) -> KernelBac
 def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKernels:
     backend = resolve_backend(requested, device)
     if backend is KernelBackend.TRITON:
+        from . import index_sweep
         from . import triton_kernels as tk
 
-        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_sweep, graph_safe=True)
+        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_sweep, graph_safe=True,
+                             sweep_index=index_sweep.launch_index_sweep)
     from . import reference as ref
 
-    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_sweep, graph_safe=False)
+    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_sweep, graph_safe=False,
+                         sweep_index=ref.launch_index_sweep)

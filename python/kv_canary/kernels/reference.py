@@ -133,3 +133,13 @@ def launch_write(group, view, req_to_token, counters, bump_forward: bool, block:
     counters[fp.C_WRITE_LAUNCHES] += 1
     if bump_forward:
         counters[fp.C_FORWARD_INDEX] += 1
+
+
+def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> None:
+    """The cached-slot index sweep (``index_sweep.launch_index_sweep``'s twin): compacts the held slots (syncs)."""
+    from ..views import SweepEntries
+
+    slots = index.held.nonzero().flatten().to(torch.int64)
+    entries = SweepEntries(slots=slots, preds=index.pred[slots].to(torch.int64),
+                           positions=index.position[slots].to(torch.int64), tokens=index.token[slots].to(torch.int64))
+    launch_sweep(group, entries, counters, ring, group_index=group_index)

@@ -36,7 +36,9 @@ from ..kernels import CanaryKernels
 from ..perturb import PerturbManager
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
+from ..cache_index import CachedSlotIndex
 from ..violations import STATS_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation
+from .ring_reader import RingReader
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
@@ -44,6 +46,7 @@ logger = logging.getLogger("kv_canary")
 RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
 HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
+MIN_RING_READ_BUDGET = 256  # ring rows the host reads per poll at most (at least 4 x max_logged_violations)
 
 
 class CanaryBracketError(RuntimeError):
@@ -108,12 +111,15 @@ class CanaryManager:
         ]
         self.perturb = PerturbManager(config=config, groups=self.groups, req_to_token=req_to_token)
         self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps)
+        self._ring_reader = RingReader(self.ring, self.counters,
+                                       budget=max(MIN_RING_READ_BUDGET, 4 * config.max_logged_violations))
         self.init_finished = False
         self._capturing = 0
         self._active: List[int] = []  # stack of active single-forward-manager indices
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
+        self.cache_index: Optional[CachedSlotIndex] = None  # the slots the prefix cache holds (sweep on only)
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -129,6 +135,8 @@ class CanaryManager:
         self.violations_lost = 0
         self.violations_repeated = 0
         self._reported: "OrderedDict[tuple, None]" = OrderedDict()
+        self._distinct_reported = 0  # violations logged (or summarized) as new, lost rows included
+        self._reason_names: Dict[int, Tuple[str, str]] = {}  # ring reason bits -> (kind, group)
         self.last_counters: Optional[List[int]] = None  # the newest counter copy the host has read
         self._last_stats_forward = 0
         self._settled_forward = 0
@@ -260,6 +268,9 @@ class CanaryManager:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
         self._prefix_cache = prefix_cache
         self.perturb.attach_prefix_cache(prefix_cache)
+        if self.config.sweep_interval > 0:
+            self.cache_index = CachedSlotIndex(self.groups[0].num_slots, self.counters.device)
+            prefix_cache.attach_index(self.cache_index)
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
@@ -291,17 +302,18 @@ class CanaryManager:
 
     def _sweep_due(self) -> bool:
         every = self.config.sweep_interval
-        return bool(every) and self._prefix_cache is not None and self.forwards // every > self._swept_at // every
+        return bool(every) and self.cache_index is not None and self.forwards // every > self._swept_at // every
 
     def sweep(self) -> None:
-        """Verify every slot the prefix cache holds (eager, outside any graph).
+        """Verify every slot the prefix cache holds (outside any graph, no host sync).
 
-        Bound: one launch per group over at most the pool's slot count (the cache
-        holds distinct slots); host work is one walk of the resident tree nodes.
+        Bound: the tree changes since the last sweep are replayed into the device index
+        (a few small writes per changed node), then one launch per group over the pool's
+        ``num_slots`` lanes checks every held slot.
         """
-        entries = self._prefix_cache.sweep_entries(self.counters.device)
+        self.cache_index.apply_pending()
         for group_index, group in enumerate(self.groups):
-            self.kernels.sweep(group, entries, self.counters, self.ring, group_index=group_index)
+            self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring, group_index=group_index)
         self._swept_at = self.forwards
         self.sweeps += 1
 
@@ -310,27 +322,62 @@ class CanaryManager:
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
         for step, host_counters in ready:
             self._check_health(step, host_counters)
-            self._handle_counters(host_counters)
+            self._handle_counters(host_counters, catch_up=drain)
         if drain and self.forwards != self._settled_forward:
             # Settled: the host has read everything the device counted up to now.
             self._settled_forward = self.forwards
             self._last_stats_forward = self.forwards
             logger.info(self.stats_line() + " settled=1")
 
-    def _handle_counters(self, host_counters: List[int]) -> None:
+    def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
+        """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
         self.last_counters = host_counters
         total = int(host_counters[fp.C_VIOLATIONS])
-        new = total - self._violations_seen
-        if new > 0:
-            violations, lost = self._read_ring(self._violations_seen, total)
-            self._violations_seen = total
+        reported = self._distinct_reported
+        while self._violations_seen < total:
+            first, rows, lost = self._ring_reader.read(self._violations_seen, total)
+            self._violations_seen = first + len(rows)
             self.violations_lost += lost
-            self._report(violations, lost)
+            self._report_rows(first, rows, lost)
+            if not catch_up:
+                break
         every = self.config.stats_print_every_n_steps
         forward = int(host_counters[fp.C_FORWARD_INDEX])
-        if (every and forward - self._last_stats_forward >= every) or new > 0:
+        if (every and forward - self._last_stats_forward >= every) or self._distinct_reported > reported:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
+
+    def _report_rows(self, first: int, rows: List[List[int]], lost: int) -> None:
+        """Ring rows (sequence numbers from ``first``): repeats of a reported violation are counted without decoding."""
+        fresh, seqs = [], []
+        dedup = self.config.mode is not CanaryMode.RAISE  # raise reports whatever it read, then stops
+        for k, r in enumerate(rows):
+            key = self._row_key(r)
+            if dedup and key in self._reported:
+                self._reported.move_to_end(key)
+                self.violations_repeated += 1
+                self.violations_reported += 1
+                continue
+            fresh.append(r)
+            seqs.append(first + k)
+        if fresh or lost:
+            names = [g.name for g in self.groups]
+            violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward)[0]
+                          for r, seq in zip(fresh, seqs)]
+            self._report(violations, lost)
+
+    def _row_key(self, r: List[int]) -> tuple:
+        """The dedup key of a raw ring row: the same as ``_violation_key`` of its decoded ``Violation``."""
+        reason = r[fp.V_REASON]
+        names = self._reason_names.get(reason)
+        if names is None:
+            v = decode_rows(torch.tensor([r]), 0, [g.name for g in self.groups], lambda *_: ("?", None))[0]
+            names = self._reason_names[reason] = (v.kind, v.group)
+        return names + (r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_STORED], r[fp.V_EXPECTED])
+
+    @staticmethod
+    def _violation_key(v: Violation) -> tuple:
+        return (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
 
     def _check_health(self, step: int, c: List[int]) -> None:
         """The device must have run HEAD and TAIL for every forward the host counted up to ``step``.
@@ -357,14 +404,6 @@ class CanaryManager:
         self.health_violations += len(bad)
         self._report(bad, 0)
 
-    def _read_ring(self, first: int, end: int):
-        cap = self.ring.shape[0]
-        lost = max(0, end - first - cap)
-        first += lost
-        ring = self.ring.cpu()  # a sync, but only when there is something to report
-        index = torch.arange(first, end) % cap
-        return decode_rows(ring[index], first, [g.name for g in self.groups], self._describe_forward), lost
-
     def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
         """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
         rids, replayed = self._forward_info.get(forward, ((), None))
@@ -377,7 +416,7 @@ class CanaryManager:
         """Log each new violation once; repeats (the same corrupt slot read again) are only counted."""
         new = []
         for v in violations:
-            key = (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
+            key = self._violation_key(v)
             if key in self._reported:
                 self._reported.move_to_end(key)
                 self.violations_repeated += 1
@@ -386,6 +425,7 @@ class CanaryManager:
             new.append(v)
         while len(self._reported) > REPORTED_MEMORY:
             self._reported.popitem(last=False)
+        self._distinct_reported += len(new) + lost
         limit = self.config.max_logged_violations
         for v in new[:limit]:
             logger.error(v.format())
