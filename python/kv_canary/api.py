@@ -61,6 +61,13 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "SGLANG_KV_CANARY_KERNEL_BACKEND=torch cannot run inside CUDA graphs: "
             "use the triton backend or pass --disable-cuda-graph"
         )
+    tracker = None
+    if kernels.name == "triton":
+        from .kernels import triton_kernels as tk
+        from .kernels.variants import VariantTracker, track
+
+        tracker = VariantTracker()
+        kernels = track(kernels, tracker, tk.write_block)
     manager = CanaryManager(
         config=config,
         groups=groups,
@@ -69,7 +76,11 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         capacities=capacities,
         batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device),
         device=device,
+        variant_tracker=tracker,
     )
+    if tracker is not None:
+        _precompile(manager, capacities, server_args, tk.write_block)
+        logger.info("kv_canary_precompiled=1 %s", tracker.describe())
     _patch_model_forward(model_runner.model, manager)
     memory = canary_memory_bytes(
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
@@ -85,6 +96,18 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         int(req_to_token.shape[0]), memory.total, kv_bytes, memory.pct_of(kv_bytes),
     )
     return manager
+
+
+def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_args: Any, write_block) -> None:
+    """Every TAIL block size a forward can pick and every verify-grid specialization a batch size gives."""
+    from .kernels import VERIFY_BLOCK
+    from .kernels.variants import programs_classes, write_block_lengths
+
+    del server_args  # the longest new run is bounded by the context length (chunking only makes it shorter)
+    lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
+    sizes = sorted(programs_classes(
+        lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
+    manager.precompile(lengths, sizes)
 
 
 def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:

@@ -250,3 +250,36 @@ def test_ring_reads_are_budgeted_and_overwritten_rows_are_counted_lost():
     read_or_lost = reader.rows_read + m.violations_lost
     assert int(m.counters[fp.C_VIOLATIONS]) == 5 * 30 and read_or_lost == 5 * 30
     assert m.violations_lost > 0 and m.violations_reported == 5 * 30
+
+
+def test_precompile_covers_every_variant_a_workload_launches(caplog):
+    """After install-time precompile + seal, real extend and decode forwards of any length launch no new variant."""
+    from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
+
+    h = Harness(mode=CanaryMode.LOG)
+    m = h.manager
+    tracker = VariantTracker()
+    from kv_canary.kernels.triton_kernels import write_block
+    m.kernels = track(m.kernels, tracker, write_block)
+    for sfm in m.single_forward_managers:
+        sfm._kernels = m.kernels
+    m.variant_tracker = tracker
+    lengths = sorted(write_block_lengths(write_block, CTX).values())
+    assert [write_block(n) for n in lengths] == [16, 32, 64]  # CTX = 64: blocks up to 64
+    sizes = sorted(programs_classes(lambda bs: m.capacities.verify_programs_per_request(bs, 256), 9).values())
+    m.precompile(lengths, sizes)
+    precompiled = set(tracker.seen)
+    assert precompiled and int(m.counters[fp.C_SLOTS_WRITTEN]) == 0  # inert: slot 0 only
+    m.mark_init_finished()
+    with caplog.at_level(logging.WARNING, logger="kv_canary"):
+        h.step(h.batch({1: list(range(5, 45)), 2: [3, 4, 5]}))  # extend, longest run 40 -> block 64
+        h.step(h.batch({1: [7], 2: [8]}, decode=True))
+        h.step(h.batch({3: list(range(10, 20))}))  # block 16
+    assert tracker.after_startup == {} and "kv_canary_jit_after_startup" not in caplog.text
+    assert tracker.seen == precompiled
+    # A variant precompile did not launch (here: a decode-dtype batch of a block never precompiled) is reported.
+    tracker.seen.clear()
+    tracker.seen.update(k for k in precompiled if not (k[0] == "write" and k[-7] == 64))
+    with caplog.at_level(logging.WARNING, logger="kv_canary"):
+        h.step(h.batch({4: list(range(5, 45))}))
+    assert tracker.after_startup and "kv_canary_jit_after_startup=1 kernel=write" in caplog.text

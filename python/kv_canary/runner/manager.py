@@ -85,6 +85,7 @@ class CanaryManager:
         batch_adapter: BatchAdapter,
         device: torch.device,
         num_single_forward_managers: int = 1,
+        variant_tracker=None,
     ):
         if config.mode is CanaryMode.NONE:
             raise ValueError("CanaryManager needs --kv-canary log or raise")
@@ -119,7 +120,9 @@ class CanaryManager:
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
-        self.cache_index: Optional[CachedSlotIndex] = None  # the slots the prefix cache holds (sweep on only)
+        # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
+        self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
+        self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -202,8 +205,41 @@ class CanaryManager:
             self.expected_tokens.zero_()
         self._reset_host_state()
         self.init_finished = True
+        if self.variant_tracker is not None:
+            self.variant_tracker.seal()  # precompile and graph capture are over: a new variant now is a JIT
         logger.info("kv_canary_ready=1 mode=%s groups=%s kernels=%s", self.config.mode.value,
                     ",".join(g.name for g in self.groups), self.kernels.name)
+
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int]) -> None:
+        """Launch every kernel variant once at install so Triton compiles none while serving.
+
+        Inert launches: every request is row 0 with a new run of n tokens at position 0
+        written to the padding slot 0, so nothing is read (no prefix) and nothing is
+        written (slot 0 is masked); only counters move, and init zeroes them. One launch
+        per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
+        int32 starts/lengths; decode-like batches: int64), plus the sweep.
+        """
+        dev = self.counters.device
+        with self.capturing():
+            for bs in batch_sizes:
+                for n in block_lengths:
+                    for lens_dtype in (torch.int32, torch.int64):
+                        view = ForwardView(
+                            input_ids=torch.zeros(bs * n, dtype=torch.int64, device=dev),
+                            out_cache_loc=torch.zeros(bs * n, dtype=torch.int64, device=dev),
+                            req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
+                            seq_lens=torch.full((bs,), n, dtype=torch.int64, device=dev),
+                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * n,
+                            new_lens=torch.full((bs,), n, dtype=lens_dtype, device=dev),
+                            batch_size=bs, max_new_len=n,
+                        )
+                        for sfm in self.single_forward_managers:
+                            sfm.pre_ops_maybe_inside_graph(view)
+                            sfm.post_ops_maybe_inside_graph(view)
+            if self.cache_index is not None:  # empty: nothing held, nothing checked
+                for group_index, group in enumerate(self.groups):
+                    self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
+                                             group_index=group_index)
 
     # ------------------------------------------------------------------ inside (maybe captured)
 
@@ -268,8 +304,7 @@ class CanaryManager:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
         self._prefix_cache = prefix_cache
         self.perturb.attach_prefix_cache(prefix_cache)
-        if self.config.sweep_interval > 0:
-            self.cache_index = CachedSlotIndex(self.groups[0].num_slots, self.counters.device)
+        if self.cache_index is not None:
             prefix_cache.attach_index(self.cache_index)
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
@@ -302,7 +337,8 @@ class CanaryManager:
 
     def _sweep_due(self) -> bool:
         every = self.config.sweep_interval
-        return bool(every) and self.cache_index is not None and self.forwards // every > self._swept_at // every
+        return (bool(every) and self._prefix_cache is not None and self.cache_index is not None
+                and self.forwards // every > self._swept_at // every)
 
     def sweep(self) -> None:
         """Verify every slot the prefix cache holds (outside any graph, no host sync).

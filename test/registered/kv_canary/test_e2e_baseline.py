@@ -64,6 +64,8 @@ def test_mixed_workload_has_no_violation(server):
         assert "cuda graph: True" in log.text
         assert log.last_stat("graph_forwards") > 0
     assert "Traceback" not in log.text
+    # Every kernel variant was compiled at install (precompile) or capture: none on the serving path.
+    assert "kv_canary_precompiled=1" in log.text and "kv_canary_jit_after_startup" not in log.text
 
 
 if __name__ == "__main__":
