@@ -88,14 +88,55 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         verify_tokens=config.verify_tokens, sweep=config.sweep_interval > 0,
     )
     kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
+    reserved = getattr(model_runner, "kv_canary_reserved_bytes", None)
+    if reserved is not None and memory.total > reserved:
+        logger.warning("kv_canary: allocated %d bytes, more than the %d held back from the KV pool's budget",
+                       memory.total, reserved)
     logger.info(
         "kv_canary_installed=1 %s pool=%s groups=%s slots=%d kernels=%s max_batch_size=%d max_context_len=%d "
-        "req_rows=%d canary_bytes=%d kv_pool_bytes=%d canary_pct_of_kv_pool=%.3f",
+        "req_rows=%d canary_bytes=%d kv_pool_bytes=%d canary_pct_of_kv_pool=%.3f reserved_before_kv_pool=%s",
         config.describe(), type(model_runner.token_to_kv_pool).__name__, ",".join(g.name for g in groups),
         groups[0].num_slots, kernels.name, capacities.max_batch_size, capacities.max_context_len,
         int(req_to_token.shape[0]), memory.total, kv_bytes, memory.pct_of(kv_bytes),
+        "none" if reserved is None else reserved,
     )
     return manager
+
+
+REQ_ROWS_BOUND = 4096 + 1  # sglang 0.5.12 caps its request pool at 4096 rows (+1 padding row)
+EXTRA_CONTEXT_BOUND = 64  # req_to_token width = context_len + a few (speculative decoding adds draft tokens)
+MIN_KV_BYTES_PER_SLOT = 1024  # used only when the pool configurator does not expose its per-token size
+
+
+def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
+    """Device bytes to hold back from the KV pool's budget for the canary (0 when the canary is off).
+
+    Called from sglang's memory profiling, before the pool is sized: the request pool's
+    rows are not known yet, so the token table is bounded by sglang's own cap (or
+    --max-running-requests + 1); the per-slot buffers scale with the slots the remaining
+    bytes buy at the pool's per-token size. An upper bound of what ``install_canary``
+    allocates (``canary_memory_bytes``), which it checks.
+    """
+    server_args = model_runner.server_args
+    config = config_from_server_args(server_args)
+    if not config.enabled or getattr(model_runner, "is_draft_worker", False):
+        return 0
+    mrr = getattr(server_args, "max_running_requests", None)
+    rows = min(REQ_ROWS_BOUND, int(mrr) + 1) if mrr else REQ_ROWS_BOUND
+    ctx = int(model_runner.model_config.context_len) + EXTRA_CONTEXT_BOUND
+    common = dict(num_groups=1, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
+                  verify_tokens=config.verify_tokens, sweep=config.sweep_interval > 0)
+    fixed = canary_memory_bytes(num_slots=0, **common).total
+    per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
+    try:
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+        cell = int(getattr(create_memory_pool_configurator(model_runner), "_cell_size", 0) or 0)
+    except Exception:  # noqa: BLE001 - a configurator we cannot build: fall back to the bound below
+        cell = 0
+    cell = cell if cell > 0 else MIN_KV_BYTES_PER_SLOT
+    slots = max(0, available_bytes - fixed) // (cell + per_slot) + 1
+    return fixed + slots * per_slot
 
 
 def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_args: Any, write_block) -> None:

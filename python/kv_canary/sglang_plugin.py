@@ -6,6 +6,8 @@ then registers hooks with sglang's ``HookRegistry``:
 
 * ``ServerArgs.add_cli_args`` / ``from_cli_args``: the ``--kv-canary`` flag,
   validated (with the ``SGLANG_KV_CANARY_*`` env vars) before any process starts;
+* ``ModelRunnerKVCacheMixin._profile_available_bytes``: hold the canary's bytes back before the KV
+  pool is sized from free memory (no OOM after startup);
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
@@ -62,6 +64,8 @@ def register() -> None:
     hooks = [
         ("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER),
         ("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND),
+        ("sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
+         _after_profile_available_bytes, HookType.AFTER),
         ("sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool", _after_init_memory_pool,
          HookType.AFTER),
         ("sglang.srt.model_executor.model_runner.ModelRunner.initialize", _around_initialize, HookType.AROUND),
@@ -128,6 +132,19 @@ def _canary_of(model_runner):
     if getattr(model_runner, "is_draft_worker", False):
         return None
     return getattr(model_runner, "canary_manager", None)
+
+
+def _after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):
+    """Hold the canary's device bytes back before sglang sizes the KV pool from free memory."""
+    from .api import canary_reserved_bytes
+
+    reserve = canary_reserved_bytes(model_runner, int(available_bytes))
+    if reserve <= 0:
+        return None
+    model_runner.kv_canary_reserved_bytes = reserve
+    logger.info("kv_canary_reserved_bytes=%d available_bytes_before=%d (held back before the KV pool is sized)",
+                reserve, available_bytes)
+    return int(available_bytes) - reserve
 
 
 def _after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:

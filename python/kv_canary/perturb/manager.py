@@ -54,6 +54,7 @@ class PerturbManager:
         self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
         self.injected = 0  # injections so far (SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS caps it)
+        self.active = config.any_perturbation  # read on every forward's host path: computed once
 
     @staticmethod
     def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
@@ -66,10 +67,6 @@ class PerturbManager:
             f"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP={name!r}: this pool has groups "
             f"{', '.join(g.name for g in groups)}"
         )
-
-    @property
-    def active(self) -> bool:
-        return self._config.any_perturbation
 
     def _exhausted(self) -> bool:
         cap = self._config.perturb_max_injections

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from collections import OrderedDict, deque
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -129,8 +129,8 @@ class CanaryManager:
         """Host-side accounting that restarts when init finishes (it mirrors the zeroed device counters)."""
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
         self.outer_steps = 0
-        # forward index -> (request ids in batch order, replayed from a CUDA graph)
-        self._forward_info: "OrderedDict[int, Tuple[Sequence[str], bool]]" = OrderedDict()
+        # forward index % RID_HISTORY -> (forward index, request ids in batch order, replayed from a CUDA graph)
+        self._forward_info: List[Optional[Tuple[int, Sequence[str], bool]]] = [None] * RID_HISTORY
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
         self._row_owner: Dict[int, str] = {}  # req_to_token row -> rid whose tokens expected_tokens holds
         self._violations_seen = 0
@@ -144,7 +144,7 @@ class CanaryManager:
         self._last_stats_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
-        self._expected_written_at: Dict[int, int] = {}
+        self._expected_written_at: Deque[Tuple[int, int]] = deque()  # (forward, expected slots written), in order
         self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
         self._swept_at = 0
@@ -152,34 +152,16 @@ class CanaryManager:
 
     # ------------------------------------------------------------------ engine wiring
 
-    @contextlib.contextmanager
     def with_ops_outside_graph(
         self, *, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: object
-    ) -> Iterator[None]:
-        """Host work around one outer step; never captured into a CUDA graph."""
-        if self._in_outside_bracket:
-            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
-        for i in single_forward_indices:
-            self._check_index(i)
-        fb = maybe_inaccurate_forward_batch
-        self._in_outside_bracket = True
-        self._eager_tails = 0
-        try:
-            self._pre_ops_outside_graph(fb)
-            yield
-            self._post_ops_outside_graph(fb, len(single_forward_indices))
-        finally:
-            self._in_outside_bracket = False
+    ) -> "_OutsideBracket":
+        """Host work around one outer step; never captured into a CUDA graph (a context manager)."""
+        return _OutsideBracket(self, single_forward_indices, maybe_inaccurate_forward_batch)
 
-    @contextlib.contextmanager
-    def with_active_single_forward_manager(self, index: int) -> Iterator[None]:
+    def with_active_single_forward_manager(self, index: int) -> "_ActiveBracket":
         """Route the patched model.forward calls in this block to single-forward manager ``index``."""
         self._check_index(index)
-        self._active.append(index)
-        try:
-            yield
-        finally:
-            self._active.pop()
+        return _ActiveBracket(self._active, index)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -325,11 +307,9 @@ class CanaryManager:
         rids = self._adapter.rids(fb) or ()
         self._expected_written += ran * self._adapter.num_tokens(fb) * len(self.groups)
         for _ in range(ran):
-            self._forward_info[self.forwards] = (rids, replayed)
+            self._forward_info[self.forwards % RID_HISTORY] = (self.forwards, rids, replayed)
             self.forwards += 1
-        while len(self._forward_info) > RID_HISTORY:
-            self._forward_info.popitem(last=False)
-        self._expected_written_at[self.forwards] = self._expected_written
+        self._expected_written_at.append((self.forwards, self._expected_written))
         if self._sweep_due():
             self.sweep()
         self._d2h.snapshot(self.forwards)
@@ -423,12 +403,13 @@ class CanaryManager:
         violation, reported once per new discrepancy.
         """
         groups = len(self.groups)
-        written = self._expected_written_at.pop(step, None)
-        for old in [k for k in self._expected_written_at if k < step]:
-            del self._expected_written_at[old]
-        want = (step, step * groups, step * groups, c[fp.C_SLOTS_WRITTEN] if written is None else written)
+        pending = self._expected_written_at
+        while pending and pending[0][0] < step:
+            pending.popleft()
+        written = pending.popleft()[1] if pending and pending[0][0] == step else c[fp.C_SLOTS_WRITTEN]
+        want = (step, step * groups, step * groups, written)
         got = (c[fp.C_FORWARD_INDEX], c[fp.C_VERIFY_LAUNCHES], c[fp.C_WRITE_LAUNCHES], c[fp.C_SLOTS_WRITTEN])
-        drift = tuple(g - w for g, w in zip(got, want))
+        drift = (got[0] - want[0], got[1] - want[1], got[2] - want[2], got[3] - want[3])
         if drift == self._health_drift:  # the common case: nothing changed
             return
         bad = [
@@ -442,7 +423,8 @@ class CanaryManager:
 
     def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
         """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
-        rids, replayed = self._forward_info.get(forward, ((), None))
+        entry = self._forward_info[forward % RID_HISTORY] if forward >= 0 else None
+        _, rids, replayed = entry if entry is not None and entry[0] == forward else (forward, (), None)
         if batch_index < 0:
             return "cache", None  # a sweep row: the slot is held by the prefix cache
         rid = str(rids[batch_index]) if batch_index < len(rids) else "?"
@@ -502,3 +484,49 @@ class CanaryManager:
                 f"kv-canary: single-forward manager index {index} out of range "
                 f"(0..{len(self.single_forward_managers) - 1})"
             )
+
+
+class _OutsideBracket:
+    """``with_ops_outside_graph``'s context manager (a class: this runs on every forward's host path)."""
+
+    __slots__ = ("_m", "_indices", "_fb")
+
+    def __init__(self, manager: CanaryManager, indices: Sequence[int], fb: object):
+        self._m, self._indices, self._fb = manager, indices, fb
+
+    def __enter__(self) -> None:
+        m = self._m
+        if m._in_outside_bracket:
+            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
+        for i in self._indices:
+            m._check_index(i)
+        m._in_outside_bracket = True
+        m._eager_tails = 0
+        try:
+            m._pre_ops_outside_graph(self._fb)
+        except BaseException:
+            m._in_outside_bracket = False
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        m = self._m
+        try:
+            if exc_type is None:
+                m._post_ops_outside_graph(self._fb, len(self._indices))
+        finally:
+            m._in_outside_bracket = False
+
+
+class _ActiveBracket:
+    """``with_active_single_forward_manager``'s context manager."""
+
+    __slots__ = ("_stack", "_index")
+
+    def __init__(self, stack: List[int], index: int):
+        self._stack, self._index = stack, index
+
+    def __enter__(self) -> None:
+        self._stack.append(self._index)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stack.pop()
