@@ -30,6 +30,15 @@ interrupted run keeps what it measured): the full report, ``overhead.json``
 ``scripts/overhead_report.py``) and ``overhead_extra.json`` (baselines, hit
 rates, the memory table and the storm measurement).
 
+Budget (the default 8 servers on one H100/H200): each server starts in 70-95 s
+(dummy weights, CUDA-graph capture of bs 1..64; our canary's servers also
+precompile its kernels, cached on disk after the first); a server of all five
+rows runs 4 x (~3.5 + 2.9 + 4.5 + 2.2 + 5) s of requests (one warmup + 3 timed
+repetitions), a one-row server ~20 s. About 19-20 minutes in all: run it in the
+background on the GPU host (``scripts/gpu_host.sh bench-start`` /
+``bench-wait``). Drop ``upstream_off`` from ``--configs`` to save ~2.5 min
+(upstream is then compared with sglang 0.5.12 without canary).
+
 GPU (default): sglang's own ``LlamaForCausalLM`` with the Llama-3-8B shape and
 dummy weights, no tokenizer (``--skip-tokenizer-init``), CUDA graphs, triton
 attention, ``--cuda-graph-max-bs 64``. CPU (``--device cpu``): the bundled tiny

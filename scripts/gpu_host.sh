@@ -44,10 +44,12 @@ case "$step" in
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;
   bench-start)
+    [ ! -f "$bench_dir/pid" ] || ! kill -0 "$(cat "$bench_dir/pid")" 2>/dev/null || { echo "a bench is running" >&2; exit 1; }
     mkdir -p "$bench_dir"; rm -f "$bench_dir/rc"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$bench_dir/gpu-info.txt"
+    (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) | tee "$bench_dir/gpu-info.txt"
     setsid bash -c 'python3 scripts/bench_overhead.py --out "$0/bench_overhead.json" --results-dir "$0" \
       --log-dir "$0/logs" "$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$bench_dir" "$@" < /dev/null &
+    echo $! > "$bench_dir/pid"
     sleep 5; echo "bench started in the background: $bench_dir/bench.log"; tail -5 "$bench_dir/bench.log" ;;
   bench-wait)
     limit="${1:-570}"; t0=$SECONDS
