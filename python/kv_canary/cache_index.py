@@ -18,7 +18,10 @@ held slot with one launch over ``num_slots`` lanes (device work O(num_slots)).
 
 Ordering: a slot evicted, reallocated and cached again between two sweeps is
 removed then re-added in queue order, so the sweep never checks a slot against a
-claim the cache no longer makes.
+claim the cache no longer makes. The tree's tensors were made on the scheduler's
+stream; sglang orders its forward stream after it before each forward, and the
+replay marks each tensor it reads as used on the forward stream
+(``record_stream``) so the allocator does not reuse it early.
 """
 
 from __future__ import annotations
@@ -78,11 +81,17 @@ class CachedSlotIndex:
             if op[0] == "clear":
                 self.held.zero_()
             elif op[0] == "remove":
-                self.held[op[1].to(torch.int64)] = 0
+                self.held[self._on_this_stream(op[1]).to(torch.int64)] = 0
                 self.nodes_removed += 1
             else:
                 self._apply_add(*op[1:])
                 self.nodes_added += 1
+
+    def _on_this_stream(self, t: torch.Tensor) -> torch.Tensor:
+        """The engine made ``t`` on its own stream: keep its memory from reuse until this stream has read it."""
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+        return t
 
     def _apply_add(self, slots: torch.Tensor, tokens: Sequence[int], start: int,
                    pred_of_first: Optional[torch.Tensor]) -> None:
@@ -91,9 +100,9 @@ class CachedSlotIndex:
         host[0] = torch.as_tensor(list(tokens[:n]), dtype=torch.int32)
         torch.arange(start, start + n, dtype=torch.int32, out=host[1])
         dev = host.to(self.device, non_blocking=True)
-        index = slots.to(device=self.device, dtype=torch.int64)
-        first = (pred_of_first.to(device=self.device, dtype=torch.int32).reshape(1) if pred_of_first is not None
-                 else torch.zeros(1, dtype=torch.int32, device=self.device))
+        index = self._on_this_stream(slots).to(device=self.device, dtype=torch.int64)
+        first = (self._on_this_stream(pred_of_first).to(device=self.device, dtype=torch.int32).reshape(1)
+                 if pred_of_first is not None else torch.zeros(1, dtype=torch.int32, device=self.device))
         self.token[index] = dev[0]
         self.position[index] = dev[1]
         self.pred[index] = torch.cat([first, index[:-1].to(torch.int32)])
