@@ -10,13 +10,14 @@
 #   bash scripts/gpu_host.sh install-upstream       # sglang 0.5.14 into /tmp/site-upstream (carry .bundle/upstream)
 #   bash scripts/gpu_host.sh bench-start [args]     # scripts/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
-#   bash scripts/gpu_host.sh unit                   # kernel/runner unit tests on the GPU (CUDA graphs too)
+#   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
-#   2. install-b                                      carry [.bundle/part-b, .bundle/kvc] timeout 300
+#   2. install-b && unit -k "index_sweep or ring_reader or kernels"   carry [.bundle/part-b, .bundle/kvc]
+#                                                     (the new CUDA paths, compiled; ~2 min)  timeout 420
 #   3. install-upstream && bench-start && bench-wait 480   carry [.bundle/upstream]     timeout 600
 #   4. bench-wait 570   (repeat until it prints BENCH_DONE)                                timeout 600
 # Each bench-wait leaves overhead.json, overhead_extra.json, bench_overhead.json, bench.log and
@@ -65,7 +66,7 @@ case "$step" in
     bash .bundle/part-b/install.sh
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .bundle/kvc/*.whl
     python3 -c 'import sglang, kv_canary.sglang_plugin as p; print("sglang", sglang.__version__, "gate:", p.version_gate() or "ok")' ;;
-  unit) python3 -m pytest -q -rs test/unit -p no:cacheprovider 2>&1 | tee "$out/gpu-unit.log" ;;
+  unit) python3 -m pytest -q -rs test/unit -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-unit.log" ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
   bench)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu-info.txt"
