@@ -1,33 +1,53 @@
 #!/usr/bin/env python3
-"""End-to-end serving overhead of the kv-canary: the same batches against servers with the canary off and on.
+"""End-to-end serving overhead of the kv-canary, side by side with upstream sglang 0.5.14's in-tree canary.
 
-One run starts a real sglang server once per entry of ``--configs`` (default
-``off,on,off``: ``--kv-canary none``, ``--kv-canary raise`` with the default
-``SGLANG_KV_CANARY_*`` settings, ``none`` again to show run-to-run noise) and,
-on each, times every row: one ``/generate`` request carrying a batch of
-``input_ids`` (exact concurrency), ``ignore_eos``, temperature 0, fixed
-``max_new_tokens``. Every repetition uses fresh random prompts whose first two
-tokens encode a per-server request counter (with the 8B vocabulary the first
-token alone is unique), so there are no radix-cache hits (the cached tokens
-reported by sglang are recorded as proof). One untimed warmup repetition per
-row precedes ``--reps`` timed ones.
+One run starts a real sglang server once per entry of ``--configs`` and, on
+each, times the rows that config measures, with the same client: one
+``/generate`` request carrying a batch of ``input_ids`` (exact concurrency),
+``ignore_eos``, temperature 0, fixed ``max_new_tokens``; one untimed warmup
+repetition per row, then ``--reps`` timed ones (medians reported).
+
+Configs (``CONFIGS``): ``off`` (sglang 0.5.12, ``--kv-canary none``), ``ours``
+(``--kv-canary raise``, default settings), ``ours_sweep16`` (+
+``--kv-canary-sweep-interval 16``; decode bs64 only), ``upstream_off`` /
+``upstream`` / ``upstream_sweep16`` (sglang 0.5.14 from ``--upstream-site``:
+no canary; ``--kv-canary raise --kv-canary-real-data partial`` with
+``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``; + sweep 16), and ``storm``
+(ours in ``log`` mode with one persistent corruption of a shared-prefix slot
+that every later request reads; shared-prefix row only). A second ``off``
+measures run-to-run noise.
+
+Rows: decode bs 1/32/64, prefill bs 8 x 8k (fresh random prompts whose first
+two tokens encode a per-server counter: no radix hits), ``shared_prefix`` (64
+requests sharing a 4k-token system prompt + 64 own tokens: radix hits, the
+hit rate is checked from sglang's cached-token counts) and
+``decode_bs64_sweep16`` (the decode bs64 shape on the sweep servers, compared
+with the off server's decode bs64).
+
+Outputs (``--out`` and ``--results-dir``, rewritten after every server so an
+interrupted run keeps what it measured): the full report, ``overhead.json``
+(the per-row summary in the shape docs/performance.md is generated from by
+``scripts/overhead_report.py``) and ``overhead_extra.json`` (baselines, hit
+rates, the memory table and the storm measurement).
+
+Budget (the default 8 servers on one H100/H200): each server starts in 70-95 s
+(dummy weights, CUDA-graph capture of bs 1..64; our canary's servers also
+precompile its kernels, cached on disk after the first); a server of all five
+rows runs 4 x (~3.5 + 2.9 + 4.5 + 2.2 + 5) s of requests (one warmup + 3 timed
+repetitions), a one-row server ~20 s. About 19-20 minutes in all: run it in the
+background on the GPU host (``scripts/gpu_host.sh bench-start`` /
+``bench-wait``). Drop ``upstream_off`` from ``--configs`` to save ~2.5 min
+(upstream is then compared with sglang 0.5.12 without canary).
 
 GPU (default): sglang's own ``LlamaForCausalLM`` with the Llama-3-8B shape and
-dummy weights (a model folder holding only config.json and
-generation_config.json), no tokenizer (``--skip-tokenizer-init``). CPU
-(``--device cpu``): the bundled tiny model, sizes scaled down by ``--scale``;
-the canary's Triton kernels run under ``TRITON_INTERPRET=1``. CPU timings only
-prove the script works.
-
-Reported per row: the median wall time per config, the overhead of each "on"
-config against the first "off" one, and the spread of later "off" configs
-against the first (noise). Also, per server: the last ``kv_canary_stats=``
-line (proof the canary ran), whether decode steps ran from CUDA graphs, and
-violation lines. A markdown table goes to stdout; everything goes to ``--out``
-(JSON, rewritten after each server so an interrupted run keeps its results).
+dummy weights, no tokenizer (``--skip-tokenizer-init``), CUDA graphs, triton
+attention, ``--cuda-graph-max-bs 64``. CPU (``--device cpu``): the bundled tiny
+model, sizes scaled down by ``--scale``; the canary's Triton kernels run under
+``TRITON_INTERPRET=1``; upstream configs need ``--upstream-site``. CPU timings
+only prove the script works.
 
     export PYTHONPATH=/tmp/site:$PWD/python
-    python scripts/bench_overhead.py --out bench_overhead.json
+    python scripts/bench_overhead.py --out bench_overhead.json --results-dir results/
     python scripts/bench_overhead.py --device cpu                      # smoke run
 """
 
@@ -45,13 +65,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import requests
 
-from kv_canary.violations import STATS_PREFIX, VIOLATION_PREFIX, parse_lines
+from kv_canary.memory import canary_memory_bytes
+from kv_canary.violations import PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
 from kv_canary_testing import default_cache_dir
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
 from kv_canary_testing.server import SglangServer
@@ -61,18 +82,36 @@ from kv_canary_testing.server import SglangServer
 
 @dataclass(frozen=True)
 class Row:
-    """One measured shape: ``batch`` concurrent requests of ``input_len`` prompt and ``output_len`` new tokens."""
+    """``batch`` concurrent requests of ``input_len`` prompt and ``output_len`` new tokens.
+
+    ``shared_prefix_len``: the first that many prompt tokens are one system prompt shared by every
+    request of every repetition (radix hits); the rest are the request's own. ``baseline_row``: the
+    row of the off servers this row is compared with (default itself).
+    """
 
     name: str
     batch: int
     input_len: int
     output_len: int
+    shared_prefix_len: int = 0
+    baseline_row: str = ""
+
+    @property
+    def baseline(self) -> str:
+        return self.baseline_row or self.name
 
     def scaled(self, scale: float) -> "Row":
-        return Row(self.name, self.batch, _scale_len(self.input_len, scale), _scale_len(self.output_len, scale))
+        own = self.input_len - self.shared_prefix_len
+        prefix = _scale_len(self.shared_prefix_len, scale) if self.shared_prefix_len else 0
+        return Row(self.name, self.batch, prefix + _scale_len(own, scale), _scale_len(self.output_len, scale),
+                   prefix, self.baseline_row)
 
     def describe(self) -> str:
-        return f"bs={self.batch} in={self.input_len} out={self.output_len}"
+        shared = f" ({self.shared_prefix_len} shared)" if self.shared_prefix_len else ""
+        return f"bs={self.batch} in={self.input_len}{shared} out={self.output_len}"
+
+    def prompt_tokens(self) -> int:
+        return self.batch * self.input_len
 
 
 MIN_SCALED_LEN = 2  # a scaled prompt still holds the 2-token unique request id
@@ -82,6 +121,10 @@ def _scale_len(n: int, scale: float) -> int:
     return n if n <= 1 else max(MIN_SCALED_LEN, round(n * scale))
 
 
+SHARED_PREFIX_LEN = 4096
+SHARED_OWN_LEN = 64
+MIN_HIT_RATE = 0.9  # the shared-prefix row must be served from the radix cache
+
 ROWS: Dict[str, Row] = {
     r.name: r
     for r in (
@@ -89,10 +132,63 @@ ROWS: Dict[str, Row] = {
         Row("decode_bs32", batch=32, input_len=1024, output_len=256),
         Row("decode_bs64", batch=64, input_len=1024, output_len=256),
         Row("prefill_bs8", batch=8, input_len=8192, output_len=1),
+        Row("shared_prefix", batch=64, input_len=SHARED_PREFIX_LEN + SHARED_OWN_LEN, output_len=256,
+            shared_prefix_len=SHARED_PREFIX_LEN),
+        Row("decode_bs64_sweep16", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
     )
 }
+BASE_ROWS = ("decode_bs1", "decode_bs32", "decode_bs64", "prefill_bs8", "shared_prefix")
+SWEEP_ROWS = ("decode_bs64_sweep16",)
+SWEEP_INTERVAL = 16
 
-CONFIG_MODES = {"off": "none", "on": "raise"}  # --configs entry -> --kv-canary value
+# ---------------------------------------------------------------- server configs
+
+OURS, UPSTREAM = "sglang-0.5.12+kv_canary", "sglang-0.5.14"  # the two software stacks
+STORM_ENV = (  # one corruption of a slot a forward reads, never repeated: read again by every later request
+    ("SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB", "1"),
+    ("SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS", "1"),
+)
+# The storm's injection waits this many forwards: at least the warmup repetition's decode steps, so the
+# system prompt is in the radix cache and every request reads the cached copy (in the first batch, the
+# few requests prefilled together compute private copies; a flip there would be read by one request only).
+STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
+UPSTREAM_CANARY_ENV = (("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1"),)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server: the software stack, its canary flags/env, the rows it measures and its role in the summary."""
+
+    name: str
+    stack: str
+    args: Tuple[str, ...]
+    role: str  # off | ours | upstream_off | upstream | storm
+    rows: Tuple[str, ...] = BASE_ROWS
+    env: Tuple[Tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env)
+        return f"{self.stack} {' '.join(self.args) or '(no canary flags)'}{' ' + env if env else ''}"
+
+
+_SWEEP = ("--kv-canary-sweep-interval", str(SWEEP_INTERVAL))
+_UP_CANARY = ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
+CONFIGS: Dict[str, ServerConfig] = {
+    c.name: c
+    for c in (
+        ServerConfig("off", OURS, ("--kv-canary", "none"), "off"),
+        ServerConfig("ours", OURS, ("--kv-canary", "raise"), "ours"),
+        ServerConfig("ours_sweep16", OURS, ("--kv-canary", "raise") + _SWEEP, "ours", SWEEP_ROWS),
+        ServerConfig("upstream_off", UPSTREAM, (), "upstream_off"),
+        ServerConfig("upstream", UPSTREAM, _UP_CANARY, "upstream", env=UPSTREAM_CANARY_ENV),
+        ServerConfig("upstream_sweep16", UPSTREAM, _UP_CANARY + _SWEEP, "upstream", SWEEP_ROWS,
+                     env=UPSTREAM_CANARY_ENV),
+        ServerConfig("storm", OURS, ("--kv-canary", "log"), "storm", ("shared_prefix",), env=STORM_ENV),
+    )
+}
+# Off first and again near the end (noise and drift), upstream after ours (its site is installed last).
+DEFAULT_CONFIGS = ("off", "ours", "ours_sweep16", "upstream_off", "upstream", "upstream_sweep16", "off", "storm")
+CPU_DEFAULT_CONFIGS = ("off", "ours", "ours_sweep16", "off", "storm")
 
 # ---------------------------------------------------------------- models and server flags
 
@@ -134,6 +230,9 @@ CPU_MIN_CHUNKED_PREFILL = 256
 CPU_DEFAULT_SCALE = 1 / 64  # CPU smoke: the Triton interpreter verifies slowly
 KV_HEADROOM = 1.25  # pool size over the largest row's tokens
 KV_ROUND = 1024
+MEMORY_CONTEXT_LENS = (131072,)  # extra context lengths the memory table is computed for
+DEFAULT_REQ_ROWS = 4097  # sglang's req pool on a large GPU without --max-running-requests (memory table)
+DEFAULT_UPSTREAM_SITE = "/tmp/site-upstream"
 
 GPU_STARTUP_TIMEOUT_S = 600.0
 CPU_STARTUP_TIMEOUT_S = 300.0
@@ -144,6 +243,7 @@ SETTLE_POLL_S = 0.25
 STOP_GRACE_S = 10.0
 
 CUDA_GRAPH_LINE = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: (True|False)")
+KV_ALLOC_LINE = re.compile(r"KV Cache is allocated\. #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 
 
 def write_llama_dir(path: Path) -> Path:
@@ -156,8 +256,8 @@ def write_llama_dir(path: Path) -> Path:
 
 
 def needed_kv_tokens(rows: Sequence[Row]) -> int:
-    """KV slots the largest row needs at once, with headroom, rounded up."""
-    peak = max(r.batch * (r.input_len + r.output_len) for r in rows)
+    """KV slots the largest row needs at once (a shared prefix once), with headroom, rounded up."""
+    peak = max(r.shared_prefix_len + r.batch * (r.input_len - r.shared_prefix_len + r.output_len) for r in rows)
     return -(-int(peak * KV_HEADROOM) // KV_ROUND) * KV_ROUND
 
 
@@ -194,8 +294,24 @@ def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
     }
 
 
+def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
+               extra_canary_env: Dict[str, str]) -> Dict[str, str]:
+    """Environment of one server: the plan's, the config's canary env, upstream's site first on PYTHONPATH."""
+    env = dict(plan["env"])
+    env.update(dict(config.env))
+    if config.role == "storm":
+        env[STORM_WARMUP_ENV] = str(plan["storm_warmup_forwards"])
+    if config.stack == UPSTREAM:
+        if not upstream_site:
+            raise ValueError(f"config {config.name} needs --upstream-site (sglang 0.5.14 installed there)")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (upstream_site, os.environ.get("PYTHONPATH", "")) if p)
+    elif config.role in ("ours", "storm"):
+        env.update(extra_canary_env)
+    return env
+
+
 class PromptSource:
-    """Fresh random prompts; each request's first two tokens encode a counter unique for the server's life."""
+    """Prompts for one server; the request-unique part starts with two tokens encoding a per-server counter."""
 
     def __init__(self, token_range: tuple, seed: int):
         self.lo, self.hi = token_range
@@ -203,16 +319,23 @@ class PromptSource:
         self.seed = seed
         self.counter = 0
 
+    def system_prompt(self, row: Row) -> List[int]:
+        """The row's shared system prompt: the same on every repetition and every server."""
+        rng = random.Random(f"{self.seed}/{row.name}/system")
+        return [rng.randrange(self.lo, self.hi) for _ in range(row.shared_prefix_len)]
+
     def batch(self, row: Row, rep: int) -> List[List[int]]:
         """Prompts for repetition ``rep`` of ``row`` (rep -1 = warmup); same seed -> same ids on every server."""
         rng = random.Random(f"{self.seed}/{row.name}/{rep}")
+        shared = self.system_prompt(row)
+        own_len = row.input_len - row.shared_prefix_len
         out = []
         for _ in range(row.batch):
             c = self.counter
             self.counter += 1
             head = [self.lo + c % self.span, self.lo + (c // self.span) % self.span]
-            body = [rng.randrange(self.lo, self.hi) for _ in range(row.input_len - len(head))]
-            out.append((head + body)[: row.input_len])
+            body = [rng.randrange(self.lo, self.hi) for _ in range(own_len - len(head))]
+            out.append(shared + (head + body)[:own_len])
         return out
 
 
@@ -247,16 +370,23 @@ def run_batch(base_url: str, prompts: List[List[int]], max_new_tokens: int) -> d
 
 
 def log_facts(text: str) -> dict:
-    """What a server log says: canary install/stats lines, violations, CUDA-graph use of decode steps."""
+    """What a server log says: canary install/stats lines, violations, injections, CUDA-graph use, KV pool size."""
     stats = parse_lines(text, STATS_PREFIX)
     graph = CUDA_GRAPH_LINE.findall(text)
     installed = [ln for ln in text.splitlines() if "kv_canary_installed=1" in ln]
+    violations = parse_lines(text, VIOLATION_PREFIX)
+    kv = KV_ALLOC_LINE.findall(text)
     return {
         "canary_installed_line": installed[-1].strip() if installed else None,
         "canary_off_line": "kv_canary_off=1" in text,
         "canary_stats_last": stats[-1] if stats else None,
         "canary_stats_lines": len(stats),
-        "violation_lines": len(parse_lines(text, VIOLATION_PREFIX)),
+        "violation_lines": len(violations),
+        "violations_logged": violations[:16],
+        "perturbations": parse_lines(text, PERTURB_PREFIX)[:16],
+        "upstream_canary_lines": sum(1 for ln in text.splitlines() if "[canary] step=" in ln),
+        "kv_cache_allocated": ({"tokens": int(kv[-1][0]), "k_gb": float(kv[-1][1]), "v_gb": float(kv[-1][2])}
+                               if kv else None),
         "decode_log_lines_cuda_graph": {"True": graph.count("True"), "False": graph.count("False")},
     }
 
@@ -279,43 +409,54 @@ def wait_settled(server: SglangServer, timeout: float) -> None:
         time.sleep(SETTLE_POLL_S)
 
 
-def run_config(label: str, mode: str, plan: dict, args, rows: Sequence[Row], log_dir: Path,
+def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[str, Row], log_dir: Path,
                extra_env: Dict[str, str]) -> dict:
-    """Start one server, time every row on it, stop it; return its results (``error`` set on failure)."""
-    env = dict(plan["env"])
-    if mode != "none":
-        env.update(extra_env)
+    """Start one server, time the config's rows on it, stop it; return its results (``error`` set on failure)."""
+    result = {"label": label, "config": config.name, "role": config.role, "stack": config.stack,
+              "describe": config.describe(), "rows": {}, "error": None}
+    my_rows = [rows[n] for n in config.rows if n in rows]
+    if not my_rows:
+        result["skipped"] = "none of its rows selected"
+        return result
+    try:
+        env = server_env(config, plan, args.upstream_site, extra_env)
+    except ValueError as exc:
+        result["error"] = str(exc)
+        _progress(f"[{label}] SKIPPED: {exc}")
+        return result
     server = SglangServer(
-        ["--kv-canary", mode, *plan["args"]],
+        [*config.args, *plan["args"]],
         env=env,
         log_path=log_dir / f"{label.replace('#', '')}.log",
         device=args.device,
         model_path=plan["model_path"],
         max_total_tokens=plan["max_total_tokens"],
     )
-    result = {"label": label, "kv_canary": mode, "command": server.command(), "env": env,
-              "log_path": str(server.log_path), "rows": {}, "error": None}
+    result.update({"command": server.command(), "env": env, "log_path": str(server.log_path)})
     prompts = PromptSource(plan["token_range"], args.seed)
-    _progress(f"[{label}] starting server (--kv-canary {mode}) ...")
+    _progress(f"[{label}] starting server ({config.describe()}) ...")
     try:
         server.start(timeout=plan["startup_timeout"])
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
-        for row in rows:
-            run_batch(server.base_url, prompts.batch(row, -1), row.output_len)  # warmup, untimed
+        for row in my_rows:
+            warm = run_batch(server.base_url, prompts.batch(row, -1), row.output_len)  # warmup, untimed
             reps = [run_batch(server.base_url, prompts.batch(row, rep), row.output_len) for rep in range(args.reps)]
             times = [r["wall_s"] for r in reps]
+            hit = [round(r["cached_tokens"] / row.prompt_tokens(), 4) for r in reps]
             result["rows"][row.name] = {
                 "times_s": [round(t, 4) for t in times],
                 "median_s": round(statistics.median(times), 4),
                 "min_s": round(min(times), 4),
                 "max_s": round(max(times), 4),
+                "warmup_s": round(warm["wall_s"], 4),
                 "cached_tokens": [r["cached_tokens"] for r in reps],
+                "hit_rate": hit,
                 "output_tokens_per_rep": reps[0]["output_tokens"],
             }
-            _progress(f"[{label}] {row.name:<12} {row.describe():<28} median {statistics.median(times):8.3f}s "
-                      f"(reps {', '.join(f'{t:.3f}' for t in times)})")
-        if mode != "none":
+            _progress(f"[{label}] {row.name:<20} {row.describe():<36} median {statistics.median(times):8.3f}s "
+                      f"(reps {', '.join(f'{t:.3f}' for t in times)}; radix hit rate {min(hit):.3f})")
+        if config.stack == OURS and config.role != "off":
             wait_settled(server, SETTLE_TIMEOUT_S)
     except Exception as exc:  # keep the other configs' results: record and go on
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -329,50 +470,133 @@ def run_config(label: str, mode: str, plan: dict, args, rows: Sequence[Row], log
 # ---------------------------------------------------------------- report
 
 
-def pct(value: float, base: float) -> Optional[float]:
-    """100 * (value - base) / base, or None when base is not positive."""
-    return None if not base or base <= 0 else round(100.0 * (value - base) / base, 2)
+def pct(value: Optional[float], base: Optional[float]) -> Optional[float]:
+    """100 * (value - base) / base, or None when either is missing or base is not positive."""
+    if value is None or base is None or base <= 0:
+        return None
+    return round(100.0 * (value - base) / base, 2)
 
 
-def summarize(runs: Sequence[dict], rows: Sequence[Row]) -> dict:
-    """Per row: medians per config, overhead of "on" configs and spread of later "off" configs vs the first "off"."""
-    baseline = next((r for r in runs if r["kv_canary"] == "none"), None)
-    out = {}
+def _median(run: Optional[dict], row: str) -> Optional[float]:
+    return None if run is None else run["rows"].get(row, {}).get("median_s")
+
+
+def _first(runs: Sequence[dict], role: str, row: str, skip: Sequence[dict] = ()) -> Optional[dict]:
+    """The first run of ``role`` that measured ``row`` (not in ``skip``)."""
+    for r in runs:
+        if r["role"] == role and row in r["rows"] and all(r is not s for s in skip):
+            return r
+    return None
+
+
+def summarize(runs: Sequence[dict], rows: Sequence[Row]) -> Tuple[dict, dict]:
+    """(overhead rows in docs/results/overhead.json's shape, per-row details for overhead_extra.json).
+
+    off_s: the first off server's median of the row's baseline shape; ours_pct / upstream_pct: the
+    canary server against the off server of its own stack (upstream against sglang 0.5.14 without
+    canary when measured, else against 0.5.12 off); noise_pct: the second off server against the first.
+    """
+    table, details = {}, {}
     for row in rows:
-        medians = {r["label"]: r["rows"].get(row.name, {}).get("median_s") for r in runs}
-        base = baseline["rows"].get(row.name, {}).get("median_s") if baseline else None
-        entry = {"medians_s": medians, "baseline": baseline["label"] if baseline else None,
-                 "overhead_pct": {}, "off_spread_pct": {}}
-        for r in runs:
-            m = medians[r["label"]]
-            if r is baseline or m is None or base is None:
-                continue
-            key = "overhead_pct" if r["kv_canary"] != "none" else "off_spread_pct"
-            entry[key][r["label"]] = pct(m, base)
-        out[row.name] = entry
-    return out
+        base_row = row.baseline
+        off1 = _first(runs, "off", base_row)
+        off2 = _first(runs, "off", base_row, skip=[off1] if off1 else [])
+        ours = _first(runs, "ours", row.name)
+        up = _first(runs, "upstream", row.name)
+        up_off = _first(runs, "upstream_off", base_row)
+        off_s = _median(off1, base_row)
+        up_base = _median(up_off, base_row) if up_off else off_s
+        table[row.name] = {
+            "off_s": off_s,
+            "ours_pct": pct(_median(ours, row.name), off_s),
+            "upstream_pct": pct(_median(up, row.name), up_base),
+            "noise_pct": pct(_median(off2, base_row), off_s),
+        }
+        details[row.name] = {
+            "shape": row.describe(),
+            "baseline_row": base_row,
+            "medians_s": {r["label"]: _median(r, row.name if r["role"] in ("ours", "upstream", "storm") else base_row)
+                          for r in runs if row.name in r["rows"] or base_row in r["rows"]},
+            "upstream_baseline": (up_off["label"] if up_off else (off1["label"] if off1 else None)),
+            "upstream_vs_ours_off_pct": pct(_median(up, row.name), off_s),
+            "upstream_off_vs_ours_off_pct": pct(up_base, off_s) if up_off else None,
+            "hit_rate_min": {r["label"]: min(r["rows"][row.name]["hit_rate"]) for r in runs if row.name in r["rows"]},
+        }
+        if row.shared_prefix_len:
+            details[row.name]["hit_rate_ok"] = all(v >= MIN_HIT_RATE for v in details[row.name]["hit_rate_min"].values())
+    return table, details
+
+
+def _install_fields(run: Optional[dict]) -> Dict[str, str]:
+    line = (run or {}).get("canary_installed_line") or ""
+    return dict(item.split("=", 1) for item in line.split() if "=" in item and not item.startswith("["))
+
+
+def memory_table(runs: Sequence[dict]) -> Optional[dict]:
+    """Canary device bytes vs KV pool bytes: this run (from the install line), and computed for longer contexts."""
+    ours = next((r for r in runs if r["role"] == "ours" and r.get("canary_installed_line")), None)
+    f = _install_fields(ours)
+    if not f or "canary_bytes" not in f:
+        return None
+    slots, rows, ctx = int(f["slots"]), int(f["req_rows"]), int(f["max_context_len"])
+    kv = int(f["kv_pool_bytes"])
+    common = dict(num_slots=slots, num_groups=len(f["groups"].split(",")),
+                  ring_capacity=int(f["ring_capacity"]), token_oracle=f.get("token_oracle", "1") == "1",
+                  max_batch_size=int(f["max_batch_size"]), sweep=int(f.get("sweep_interval", "0")) > 0)
+    cases = [("this run", rows, ctx)] + [(f"context {c}", rows, c) for c in MEMORY_CONTEXT_LENS] + [
+        (f"context {c}, {DEFAULT_REQ_ROWS} request rows", DEFAULT_REQ_ROWS, c) for c in MEMORY_CONTEXT_LENS]
+    table = []
+    for label, r, c in cases:
+        m = canary_memory_bytes(req_rows=r, context_len=c, **common)
+        table.append({"case": label, "slots": slots, "req_rows": r, "context_len": c, "kv_pool_bytes": kv,
+                      "canary_bytes": m.total, "canary_pct_of_kv_pool": round(m.pct_of(kv), 3),
+                      "breakdown": asdict(m)})
+    return {"logged_canary_bytes": int(f["canary_bytes"]), "cases": table}
+
+
+def storm_summary(runs: Sequence[dict]) -> Optional[dict]:
+    """Log mode under one persistent corruption of a shared-prefix slot, against the clean ours/off servers."""
+    storm = next((r for r in runs if r["role"] == "storm"), None)
+    if storm is None:
+        return None
+    row = "shared_prefix"
+    ours, off = _first(runs, "ours", row), _first(runs, "off", row)
+    st = storm.get("canary_stats_last") or {}
+    logged = storm.get("violations_logged") or []
+    keys = [tuple(v.get(k) for k in ("kind", "group", "slot", "position", "stored", "expected")) for v in logged]
+    pert = storm.get("perturbations") or []
+    prefix_len = ROWS[row].shared_prefix_len
+    return {
+        "storm_s": _median(storm, row),
+        "clean_ours_s": _median(ours, row),
+        "off_s": _median(off, row),
+        "storm_vs_clean_ours_pct": pct(_median(storm, row), _median(ours, row)),
+        "storm_vs_off_pct": pct(_median(storm, row), _median(off, row)),
+        "injections": len(pert),
+        "injected_position": int(pert[0]["position"]) if pert else None,
+        "injected_in_shared_prefix": bool(pert) and int(pert[0]["position"]) < prefix_len,
+        "violation_rows_on_device": int(st.get("violations", 0) or 0),
+        "violations_repeated": int(st.get("violations_repeated", 0) or 0),
+        "violation_lines": storm.get("violation_lines"),
+        "distinct_violations_logged_once": len(keys) == len(set(keys)),
+        "error": storm.get("error"),
+    }
 
 
 def _fmt_pct(v: Optional[float]) -> str:
-    return "n/a" if v is None else f"{v:+.1f}%"
+    return "n/a" if v is None else f"{v:+.2f}%"
 
 
-def markdown_table(runs: Sequence[dict], rows: Sequence[Row], summary: dict) -> str:
+def markdown_table(runs: Sequence[dict], rows: Sequence[Row]) -> str:
+    """Per row and server: median seconds (a quick look; docs tables come from scripts/overhead_report.py)."""
     labels = [r["label"] for r in runs]
-    on_labels = [r["label"] for r in runs if r["kv_canary"] != "none"]
-    base = next((s["baseline"] for s in summary.values() if s["baseline"]), None)
-    spread_labels = [r["label"] for r in runs if r["kv_canary"] == "none" and r["label"] != base]
-    if base is None:  # no "off" config: nothing to compare against
-        on_labels = spread_labels = []
-    head = (["row", "shape"] + [f"{lb} median s" for lb in labels]
-            + [f"{lb} vs {base}" for lb in on_labels] + [f"{lb} vs {base} (noise)" for lb in spread_labels])
+    head = ["row", "shape"] + [f"{lb} s" for lb in labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        s = summary[row.name]
         cells = [row.name, row.describe()]
-        cells += ["n/a" if s["medians_s"][lb] is None else f"{s['medians_s'][lb]:.3f}" for lb in labels]
-        cells += [_fmt_pct(s["overhead_pct"].get(lb)) for lb in on_labels]
-        cells += [_fmt_pct(s["off_spread_pct"].get(lb)) for lb in spread_labels]
+        for r in runs:
+            m = _median(r, row.name)
+            cells.append("" if m is None else f"{m:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -437,17 +661,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: Llama-3-8B-shaped dummy model; cpu: tiny model smoke run (default cuda)")
     p.add_argument("--rows", default=",".join(ROWS),
-                   help=f"comma-separated rows to run, in order (default all: {','.join(ROWS)})")
-    p.add_argument("--configs", default="off,on,off",
-                   help="comma-separated server configs in order: off = --kv-canary none, on = --kv-canary raise "
-                        "(default off,on,off)")
+                   help=f"comma-separated rows to run (default all: {','.join(ROWS)})")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated servers in order, from {', '.join(CONFIGS)} ('on' = ours); default "
+                        f"{','.join(DEFAULT_CONFIGS)} (cpu: {','.join(CPU_DEFAULT_CONFIGS)})")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per row, after one warmup (default 3)")
     p.add_argument("--scale", type=float, default=None,
                    help=f"multiply prompt/output lengths (default 1 on cuda, {CPU_DEFAULT_SCALE:g} on cpu)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed (same prompts on every server)")
+    p.add_argument("--upstream-site", default=None,
+                   help=f"folder holding sglang 0.5.14 (shared/gpu-host/build_upstream_bundle.sh; default on cuda "
+                        f"{DEFAULT_UPSTREAM_SITE})")
     p.add_argument("--canary-env", action="append", default=[], metavar="SGLANG_KV_CANARY_X=V",
-                   help="extra canary env var for the 'on' servers (repeatable; default: none, i.e. defaults)")
-    p.add_argument("--out", default="bench_overhead.json", help="JSON results file (default bench_overhead.json)")
+                   help="extra canary env var for our canary servers (repeatable; default: none, i.e. defaults)")
+    p.add_argument("--out", default="bench_overhead.json", help="full JSON report (default bench_overhead.json)")
+    p.add_argument("--results-dir", default=None,
+                   help="also write overhead.json + overhead_extra.json here (default: next to --out)")
     p.add_argument("--log-dir", default=None, help="server logs folder (default: <out stem>_logs next to --out)")
     args = p.parse_args(argv)
     if args.reps < 1:
@@ -456,42 +685,71 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.scale = 1.0 if args.device == "cuda" else CPU_DEFAULT_SCALE
     if args.scale <= 0:
         p.error("--scale must be > 0")
+    if args.upstream_site is None and args.device == "cuda":
+        args.upstream_site = DEFAULT_UPSTREAM_SITE
     args.row_names = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in args.row_names if r not in ROWS]
     if unknown or not args.row_names:
         p.error(f"--rows: unknown {unknown or 'empty'}; choose from {', '.join(ROWS)}")
-    args.config_names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    bad = [c for c in args.config_names if c not in CONFIG_MODES]
+    # A row compared with another shape's off median (the sweep row) needs that shape measured too.
+    for name in list(args.row_names):
+        if ROWS[name].baseline not in args.row_names:
+            args.row_names.insert(args.row_names.index(name), ROWS[name].baseline)
+    default = DEFAULT_CONFIGS if args.device == "cuda" else CPU_DEFAULT_CONFIGS
+    names = [c.strip() for c in (args.configs or ",".join(default)).split(",") if c.strip()]
+    args.config_names = ["ours" if c == "on" else c for c in names]
+    bad = [c for c in args.config_names if c not in CONFIGS]
     if bad or not args.config_names:
-        p.error(f"--configs: unknown {bad or 'empty'}; use off and on")
+        p.error(f"--configs: unknown {bad or 'empty'}; choose from {', '.join(CONFIGS)}")
+    needs_upstream = [c for c in args.config_names if CONFIGS[c].stack == UPSTREAM]
+    if needs_upstream and not (args.upstream_site and Path(args.upstream_site, "sglang").is_dir()):
+        p.error(f"--configs {','.join(needs_upstream)} need sglang 0.5.14 in --upstream-site "
+                f"(got {args.upstream_site!r}, which holds no sglang/): run its install.sh first")
     return args
+
+
+def write_results(report: dict, out_path: Path, results_dir: Path) -> None:
+    out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    results_dir.mkdir(parents=True, exist_ok=True)
+    overhead = {"device": report["host"].get("device_name"), "date": report["date"][:10],
+                "command": report["command"], "rows": report["overhead_rows"]}
+    (results_dir / "overhead.json").write_text(json.dumps(overhead, indent=2) + "\n")
+    extra = {k: report.get(k) for k in ("host", "date", "reps", "warmup_reps", "scale", "max_total_tokens",
+                                        "configs", "row_details", "memory", "storm", "elapsed_s")}
+    extra["servers"] = [{k: r.get(k) for k in ("label", "describe", "startup_s", "error", "canary_installed_line",
+                                               "canary_stats_last", "violation_lines", "upstream_canary_lines",
+                                               "kv_cache_allocated", "decode_log_lines_cuda_graph")}
+                        for r in report["runs"]]
+    (results_dir / "overhead_extra.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.monotonic()
     out_path = Path(args.out).resolve()
+    results_dir = Path(args.results_dir).resolve() if args.results_dir else out_path.parent
     log_dir = Path(args.log_dir).resolve() if args.log_dir else out_path.with_name(out_path.stem + "_logs")
     log_dir.mkdir(parents=True, exist_ok=True)
     stray = sorted(k for k in os.environ if k.startswith("SGLANG_KV_CANARY_"))
     if stray:
-        raise SystemExit(f"unset {', '.join(stray)} first (the 'on' config is the default canary configuration); "
+        raise SystemExit(f"unset {', '.join(stray)} first (each server's canary settings come from its config); "
                          "pass non-default settings with --canary-env")
     canary_env = _parse_env_pairs(args.canary_env)
-    rows = [ROWS[n].scaled(args.scale) for n in args.row_names]
-    plan = server_plan(args.device, args.scale, rows)
+    rows = {n: ROWS[n].scaled(args.scale) for n in args.row_names}
+    plan = server_plan(args.device, args.scale, list(rows.values()))
+    plan["storm_warmup_forwards"] = ROWS["shared_prefix"].scaled(args.scale).output_len
 
     host = probe_environment(args.device)
     if host.get("kv_canary_plugin_entry_point") is False:
         raise SystemExit("the sglang plugin entry point 'kv_canary' is not installed in this environment "
                          "(pip install -e . or add its dist-info); --kv-canary would be an unknown flag")
     _progress(f"device={host.get('device_name')} sglang={host.get('sglang')} torch={host.get('torch')} "
-              f"rows={','.join(r.name for r in rows)} configs={','.join(args.config_names)} reps={args.reps} "
-              f"scale={args.scale:g}")
+              f"rows={','.join(rows)} configs={','.join(args.config_names)} reps={args.reps} "
+              f"scale={args.scale:g} upstream_site={args.upstream_site}")
     report = {
-        "benchmark": "kv_canary end-to-end serving overhead",
+        "benchmark": "kv_canary end-to-end serving overhead, side by side with upstream sglang 0.5.14's canary",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": shlex.join(["python3", *sys.argv]),
         "cwd": os.getcwd(),
         "host": host,
         "device": args.device,
@@ -503,41 +761,56 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "canary_env": canary_env,
         "max_total_tokens": plan["max_total_tokens"],
-        "rows": {r.name: asdict(r) for r in rows},
+        "configs": {n: CONFIGS[n].describe() for n in dict.fromkeys(args.config_names)},
+        "rows": {r.name: asdict(r) for r in rows.values()},
         "timing": "wall time of one batched /generate request (all prompts at once); median of the timed reps",
         "runs": [],
     }
-
+    table_rows = [r for r in rows.values()]
     counts: Dict[str, int] = {}
     for name in args.config_names:
         counts[name] = counts.get(name, 0) + 1
         label = f"{name}#{counts[name]}"
-        report["runs"].append(run_config(label, CONFIG_MODES[name], plan, args, rows, log_dir, canary_env))
-        report["summary"] = summarize(report["runs"], rows)
+        report["runs"].append(run_config(label, CONFIGS[name], plan, args, rows, log_dir, canary_env))
+        report["overhead_rows"], report["row_details"] = summarize(report["runs"], table_rows)
+        report["memory"] = memory_table(report["runs"])
+        report["storm"] = storm_summary(report["runs"])
         report["elapsed_s"] = round(time.monotonic() - t_start, 1)
-        out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write_results(report, out_path, results_dir)
 
-    table = markdown_table(report["runs"], rows, report["summary"])
+    table = markdown_table(report["runs"], table_rows)
     report["table_markdown"] = table
-    out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_results(report, out_path, results_dir)
 
-    print(f"\n## kv-canary serving overhead ({host.get('device_name')}, sglang {host.get('sglang')}, "
-          f"reps={args.reps}, scale={args.scale:g})\n")
+    print(f"\n## kv-canary serving overhead ({host.get('device_name')}, reps={args.reps}, scale={args.scale:g})\n")
     print(table)
-    print()
+    print("\noverhead.json rows:")
+    for name, v in report["overhead_rows"].items():
+        print(f"  {name:<20} off {v['off_s']}s  ours {_fmt_pct(v['ours_pct'])}  upstream {_fmt_pct(v['upstream_pct'])}"
+              f"  noise {_fmt_pct(v['noise_pct'])}")
+    for name, d in report["row_details"].items():
+        if "hit_rate_ok" in d:
+            print(f"  {name}: radix hit rate per server (min of reps) {d['hit_rate_min']} ok={d['hit_rate_ok']}")
+    if report["memory"]:
+        for c in report["memory"]["cases"]:
+            print(f"  memory {c['case']}: canary {c['canary_bytes'] / 2**20:.1f} MiB = "
+                  f"{c['canary_pct_of_kv_pool']:.2f}% of the KV pool ({c['kv_pool_bytes'] / 2**30:.2f} GiB)")
+    if report["storm"]:
+        print(f"  storm: {json.dumps(report['storm'])}")
     for run in report["runs"]:
         st = run.get("canary_stats_last") or {}
         graph = run.get("decode_log_lines_cuda_graph", {})
         canary = (f"slots_verified={st.get('slots_verified')} slots_written={st.get('slots_written')} "
-                  f"verify_launches={st.get('verify_launches')} graph_forwards={st.get('graph_forwards')} "
-                  f"violations={st.get('violations')}" if st else "no kv_canary_stats line")
-        print(f"- {run['label']} (--kv-canary {run['kv_canary']}): startup {run.get('startup_s', 'n/a')}s; "
-              f"decode log lines with cuda graph True/False: {graph.get('True', 0)}/{graph.get('False', 0)}; "
+                  f"sweeps={st.get('sweeps')} graph_forwards={st.get('graph_forwards')} "
+                  f"violations={st.get('violations')}" if st else
+                  f"upstream [canary] lines={run.get('upstream_canary_lines')}")
+        print(f"- {run['label']} ({run.get('describe')}): startup {run.get('startup_s', 'n/a')}s; "
+              f"decode lines cuda graph True/False: {graph.get('True', 0)}/{graph.get('False', 0)}; "
               f"{canary}; violation lines={run.get('violation_lines')}"
               + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
     if args.device == "cpu":
         print("\nnote: CPU smoke run (tiny model, Triton interpreter): the timings say nothing about GPU overhead.")
-    print(f"\nresults: {out_path}  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")
+    print(f"\nresults: {out_path} {results_dir}/overhead.json  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")
     return 1 if any(r.get("error") for r in report["runs"]) else 0
 
 

@@ -21,6 +21,7 @@ from .adapter.disagg import check_disaggregation, disaggregation_mode
 from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
+from .memory import canary_memory_bytes, kv_pool_bytes
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
@@ -73,6 +74,13 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "SGLANG_KV_CANARY_KERNEL_BACKEND=torch cannot run inside CUDA graphs: "
             "use the triton backend or pass --disable-cuda-graph"
         )
+    tracker = None
+    if kernels.name == "triton":
+        from .kernels import triton_kernels as tk
+        from .kernels.variants import VariantTracker, track
+
+        tracker = VariantTracker()
+        kernels = track(kernels, tracker, tk.write_block)
     manager = CanaryManager(
         config=config,
         groups=groups,
@@ -81,30 +89,98 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         capacities=capacities,
         batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device),
         device=device,
+        variant_tracker=tracker,
     )
     pd_mode = disaggregation_mode(server_args)
     if pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
         manager.attach_transfer(TransferBook(pd_mode, new_origin(groups[0].num_slots, device)))
+    if tracker is not None:
+        _precompile(manager, capacities, server_args, tk.write_block)
+        logger.info("kv_canary_precompiled=1 %s", tracker.describe())
     _patch_model_forward(model_runner.model, manager)
+    memory = canary_memory_bytes(
+        num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
+        context_len=int(req_to_token.shape[1]), ring_capacity=config.ring_capacity,
+        token_oracle=config.uses_token_oracle, max_batch_size=capacities.max_batch_size,
+        sweep=config.sweep_interval > 0,
+    )
+    kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
+    reserved = getattr(model_runner, "kv_canary_reserved_bytes", None)
+    if reserved is not None and memory.total > reserved:
+        logger.warning("kv_canary: allocated %d bytes, more than the %d held back from the KV pool's budget",
+                       memory.total, reserved)
     if config.scrub_slots_per_forward:
         span = groups[0].num_slots - 1
         logger.info(format_line("kv_canary_scrub", config.scrub_slots_per_forward, {
             "pool_slots": span, "every_slot_within_forwards": -(-span // config.scrub_slots_per_forward)}))
     logger.info(installed_line(config, type(model_runner.token_to_kv_pool).__name__, groups, kernels.name,
-                               capacities, pd_mode))
+                               capacities, pd_mode, memory={
+                                   "req_rows": int(req_to_token.shape[0]), "canary_bytes": memory.total,
+                                   "kv_pool_bytes": kv_bytes,
+                                   "canary_pct_of_kv_pool": f"{memory.pct_of(kv_bytes):.3f}",
+                                   "reserved_before_kv_pool": "none" if reserved is None else reserved}))
     return manager
 
 
 def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,
-                   capacities: LaunchCapacities, disaggregation: Optional[str] = None) -> str:
-    """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=...`` (parseable)."""
+                   capacities: LaunchCapacities, disaggregation: Optional[str] = None,
+                   memory: Optional[dict] = None) -> str:
+    """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=... canary_bytes=...`` (parseable)."""
     return " ".join([
         format_line(INSTALLED_PREFIX, 1, {}), config.describe(),
         format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
                                         "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,
                                         "max_context_len": capacities.max_context_len,
-                                        "disaggregation": disaggregation}),
+                                        "disaggregation": disaggregation, **(memory or {})}),
     ])
+
+
+REQ_ROWS_BOUND = 4096 + 1  # sglang 0.5.12 caps its request pool at 4096 rows (+1 padding row)
+EXTRA_CONTEXT_BOUND = 64  # req_to_token width = context_len + a few (speculative decoding adds draft tokens)
+MIN_KV_BYTES_PER_SLOT = 1024  # used only when the pool configurator does not expose its per-token size
+
+
+def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
+    """Device bytes to hold back from the KV pool's budget for the canary (0 when the canary is off).
+
+    Called from sglang's memory profiling, before the pool is sized: the request pool's
+    rows are not known yet, so the token table is bounded by sglang's own cap (or
+    --max-running-requests + 1); the per-slot buffers scale with the slots the remaining
+    bytes buy at the pool's per-token size. An upper bound of what ``install_canary``
+    allocates (``canary_memory_bytes``), which it checks.
+    """
+    server_args = model_runner.server_args
+    config = config_from_server_args(server_args)
+    if not config.enabled or getattr(model_runner, "is_draft_worker", False):
+        return 0
+    mrr = getattr(server_args, "max_running_requests", None)
+    rows = min(REQ_ROWS_BOUND, int(mrr) + 1) if mrr else REQ_ROWS_BOUND
+    ctx = int(model_runner.model_config.context_len) + EXTRA_CONTEXT_BOUND
+    common = dict(num_groups=1, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
+                  token_oracle=config.uses_token_oracle, max_batch_size=rows + 1, sweep=config.sweep_interval > 0)
+    fixed = canary_memory_bytes(num_slots=0, **common).total
+    per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
+    try:
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+        cell = int(getattr(create_memory_pool_configurator(model_runner), "_cell_size", 0) or 0)
+    except Exception:  # noqa: BLE001 - a configurator we cannot build: fall back to the bound below
+        cell = 0
+    cell = cell if cell > 0 else MIN_KV_BYTES_PER_SLOT
+    slots = max(0, available_bytes - fixed) // (cell + per_slot) + 1
+    return fixed + slots * per_slot
+
+
+def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_args: Any, write_block) -> None:
+    """Every TAIL block size a forward can pick and every verify-grid specialization a batch size gives."""
+    from .kernels import VERIFY_BLOCK
+    from .kernels.variants import programs_classes, write_block_lengths
+
+    del server_args  # the longest new run is bounded by the context length (chunking only makes it shorter)
+    lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
+    sizes = sorted(programs_classes(
+        lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
+    manager.precompile(lengths, sizes)
 
 
 def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:

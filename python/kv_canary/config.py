@@ -180,7 +180,7 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                              "forwards before any perturbation (default 50)"),
     "PERTURB_SEED": ("perturb_seed", _parse_int(0), "seed of the perturbation RNG (default 0)"),
     "PERTURB_MAX_INJECTIONS": ("perturb_max_injections", _parse_int(0),
-                               "stop perturbing after this many injections (default 0 = no limit)"),
+                               "stop perturbing after this many injections; 0 = no limit (default 0)"),
 }
 
 

@@ -9,6 +9,8 @@ then registers hooks with sglang's ``HookRegistry``:
   validated with the ``SGLANG_KV_CANARY_*`` env vars and the server-args allow-list
   (``adapter/server_args``) before any process starts; every hook below must have been
   applied by sglang (``check_hooks_applied``), else startup is refused;
+* ``ModelRunnerKVCacheMixin._profile_available_bytes``: hold the canary's bytes back before the KV
+  pool is sized from free memory (no OOM after startup);
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
@@ -17,6 +19,8 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;
 * ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
+* ``RadixCache._record_store_event`` / ``_delete_leaf`` / ``reset``: keep the sweep's device index
+  of cached slots in step with the tree (``--kv-canary-sweep-interval`` only);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic;
 * ``Scheduler.process_input_requests``: ``--kv-canary contain`` aborts and evicts
@@ -70,7 +74,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
-    for target, (hook_name, kind) in HOOKS.items():
+    for target, (hook_name, kind) in {**HOOKS, **PD_HOOKS}.items():
         HookRegistry.register(target, _resolve_hook(hook_name), kinds[kind])
     _registered = True
 
@@ -88,6 +92,8 @@ HOOKS = {
     "sglang.srt.server_args.ServerArgs.add_cli_args": ("_after_add_cli_args", "after"),
     "sglang.srt.server_args.ServerArgs.from_cli_args": ("_around_from_cli_args", "around"),
     "sglang.srt.server_args.ServerArgs.__init__": ("_around_server_args_init", "around"),
+    "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes": (
+        "_after_profile_available_bytes", "after"),
     "sglang.srt.model_executor.model_runner.ModelRunner.init_memory_pool": ("_after_init_memory_pool", "after"),
     "sglang.srt.model_executor.model_runner.ModelRunner.initialize": ("_around_initialize", "around"),
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("_around_forward", "around"),
@@ -98,7 +104,14 @@ HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("_after_scheduler_init", "after"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("_after_process_input_requests", "after"),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("_after_forward_batch_init_new", "after"),
-    # PD disaggregation (adapter/disagg): the records travel with the KV
+    # the sweep's cached-slot index follows the radix cache
+    "sglang.srt.mem_cache.radix_cache.RadixCache._record_store_event": ("_after_radix_node_stored", "after"),
+    "sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf": ("_after_radix_delete_leaf", "after"),
+    "sglang.srt.mem_cache.radix_cache.RadixCache.reset": ("_after_radix_reset", "after"),
+}
+# PD disaggregation (adapter/disagg): the records travel with the KV; required with --disaggregation-mode
+# only (the transfer backend's module may not even import where PD is not installed)
+PD_HOOKS = {
     "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": ("disagg.around_init_kv_manager",
                                                                                  "around"),
     "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": ("disagg.around_init_kv_manager",
@@ -114,14 +127,16 @@ HOOKS = {
 }
 
 
-def check_hooks_applied() -> None:
+def check_hooks_applied(server_args=None) -> None:
     """Refuse to run half-wired: sglang's HookRegistry only logs a hook it failed to apply."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from .adapter.disagg import disaggregation_mode
     from .config import FLAG_MODE, CanaryConfigError
 
     patched = getattr(HookRegistry, "_patched", None)
-    missing = sorted(t for t in HOOKS if patched is None or t not in patched)
+    required = {**HOOKS, **(PD_HOOKS if disaggregation_mode(server_args) in ("prefill", "decode") else {})}
+    missing = sorted(t for t in required if patched is None or t not in patched)
     if missing:
         raise CanaryConfigError(
             f"{FLAG_MODE}: sglang did not apply the canary's hook(s) on {', '.join(missing)} (see the "
@@ -226,7 +241,7 @@ def apply_canary_settings(server_args, mode, sweep_interval, real_data="partial"
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
     if config.enabled:
         check_supported(server_args, config.mode.value)  # again: __post_init__ may have changed settings
-        check_hooks_applied()
+        check_hooks_applied(server_args)
         logger.info("kv_canary: %s", config.describe())
 
 
@@ -238,6 +253,19 @@ def _canary_of(model_runner):
     if getattr(model_runner, "is_draft_worker", False):
         return None
     return getattr(model_runner, "canary_manager", None)
+
+
+def _after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):
+    """Hold the canary's device bytes back before sglang sizes the KV pool from free memory."""
+    from .api import canary_reserved_bytes
+
+    reserve = canary_reserved_bytes(model_runner, int(available_bytes))
+    if reserve <= 0:
+        return None
+    model_runner.kv_canary_reserved_bytes = reserve
+    logger.info("kv_canary_reserved_bytes=%d available_bytes_before=%d (held back before the KV pool is sized)",
+                reserve, available_bytes)
+    return int(available_bytes) - reserve
 
 
 def _after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:
@@ -299,7 +327,7 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     if manager is None:
         mode = str(getattr(scheduler.server_args, "kv_canary", "none"))
         if mode != "none":
-            check_hooks_applied()
+            check_hooks_applied(scheduler.server_args)
             raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
         return
 
@@ -336,6 +364,28 @@ def _export_metrics(scheduler) -> None:
     manager = _scheduler_canary(scheduler)
     if metrics is not None and manager is not None:
         metrics.update(manager, getattr(scheduler, "kv_canary_containment", None))
+
+
+def _after_radix_node_stored(_result, tree, node, *args, **kwargs) -> None:
+    """A radix node with new slots: the sweep's cached-slot index learns them (host queue only)."""
+    if getattr(tree, "kv_canary_index", None) is not None:
+        from .adapter.radix import on_node_stored
+
+        on_node_stored(tree, node)
+
+
+def _after_radix_delete_leaf(_result, tree, node, *args, **kwargs) -> None:
+    if getattr(tree, "kv_canary_index", None) is not None:
+        from .adapter.radix import on_node_removed
+
+        on_node_removed(tree, node)
+
+
+def _after_radix_reset(_result, tree, *args, **kwargs) -> None:
+    if getattr(tree, "kv_canary_index", None) is not None:
+        from .adapter.radix import on_reset
+
+        on_reset(tree)
 
 
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:

@@ -433,3 +433,56 @@ def test_sweep_of_cached_sequences_matches_reference_and_finds_unused_corruption
     assert rows[0] == rows[1] and len(rows[0]) == 1
     r = rows[0][0]
     assert (r[fp.V_REASON], r[fp.V_POSITION], r[fp.V_BATCH_INDEX], r[fp.V_ROW]) == (fp.R_KV_HASH, 20, -1, -1)
+
+
+def _index_of(sim, rows_lengths):
+    """A CachedSlotIndex holding whole cached sequences, as the radix hooks would fill it."""
+    from kv_canary.cache_index import CachedSlotIndex
+
+    index = CachedSlotIndex(NUM_SLOTS, DEVICE)
+    for row, n in rows_lengths:
+        seq = sim.r2t[row, :n].to(torch.int64)
+        index.add(seq, sim.tokens[row, :n].tolist(), 0, None)
+    index.apply_pending()
+    return index
+
+
+def test_index_sweep_matches_reference_and_finds_unused_corruption():
+    from kv_canary.kernels import index_sweep
+
+    sims = [Sim(tk), Sim(ref)]
+    launch = {id(tk): index_sweep.launch_index_sweep, id(ref): ref.launch_index_sweep}
+    for s in sims:
+        _scenario(s)
+    cached = [(3, 33), (1, 93)]
+    for s in sims:
+        sweep = launch[id(s.backend)]
+        index = _index_of(s, cached)
+        sweep(s.group, index, s.counters, s.ring)
+        assert int(s.counters[fp.C_VIOLATIONS]) == 0
+        assert int(s.counters[fp.C_SLOTS_SWEPT]) == 33 + 93
+        s.group.v_views[0][int(s.r2t[3, 20]), 1] ^= 1 << 9  # a slot only the cache holds
+        sweep(s.group, index, s.counters, s.ring)
+        # a slot the cache no longer holds is not checked, even when corrupt
+        index.remove(s.r2t[3, :33].to(torch.int64))
+        index.apply_pending()
+        sweep(s.group, index, s.counters, s.ring)
+        assert int(s.counters[fp.C_SLOTS_SWEPT]) == 2 * (33 + 93) + 93
+    rows = [[s.ring[i].tolist() for i in range(int(s.counters[fp.C_VIOLATIONS]))] for s in sims]
+    assert rows[0] == rows[1] and len(rows[0]) == 1
+    r = rows[0][0]
+    assert (r[fp.V_REASON], r[fp.V_POSITION], r[fp.V_BATCH_INDEX], r[fp.V_ROW]) == (fp.R_KV_HASH, 20, -1, -1)
+
+
+def test_index_sweep_catches_a_cached_slot_rewritten_by_another_sequence():
+    """The cache claims token t at position p; the slot's record now says another token (a reused slot)."""
+    from kv_canary.kernels import index_sweep
+
+    s = Sim(tk)
+    _scenario(s)
+    index = _index_of(s, [(3, 33)])
+    slot = int(s.r2t[3, 10])
+    index.token[slot] += 1  # the claim no longer matches the record's token
+    index_sweep.launch_index_sweep(s.group, index, s.counters, s.ring)
+    assert int(s.counters[fp.C_VIOLATIONS]) == 1
+    assert s.ring[0, fp.V_REASON].item() & fp.R_TOKEN and s.ring[0, fp.V_SLOT].item() == slot

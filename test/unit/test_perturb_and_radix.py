@@ -52,16 +52,71 @@ def _tree():
     return cache, a, b
 
 
-def test_radix_walk_flattens_cached_sequences_with_predecessors():
-    cache, a, b = _tree()
-    assert RadixCacheView.supports(cache)
-    e = RadixCacheView(cache).sweep_entries(torch.device("cpu"))
-    got = {s: (p, pos, t) for s, p, pos, t in zip(*(x.tolist() for x in (e.slots, e.preds, e.positions, e.tokens)))}
+@pytest.fixture
+def hooked_radix(monkeypatch):
+    """RadixCache with the plugin's tree-change hooks applied as sglang's HookRegistry applies AFTER hooks."""
+    from kv_canary import sglang_plugin as plugin
+
+    cls = radix_cache.RadixCache
+    for name, hook in (("_record_store_event", plugin._after_radix_node_stored),
+                       ("_delete_leaf", plugin._after_radix_delete_leaf), ("reset", plugin._after_radix_reset)):
+        original = getattr(cls, name)
+
+        def wrapped(*args, _original=original, _hook=hook, **kwargs):
+            result = _original(*args, **kwargs)
+            _hook(result, *args, **kwargs)
+            return result
+
+        monkeypatch.setattr(cls, name, wrapped)
+    return cls
+
+
+def _index_state(index):
+    index.apply_pending()
+    held = index.held.nonzero().flatten().tolist()
+    return {s: (int(index.pred[s]), int(index.position[s]), int(index.token[s])) for s in held}
+
+
+def _want(*seqs):
     want = {}
-    for seq, slots in ((a, list(range(1, 11))), (b, list(range(1, 6)) + [11, 12, 13])):
+    for seq, slots in seqs:
         for pos, (tok, slot) in enumerate(zip(seq, slots)):
             want[slot] = (slots[pos - 1] if pos else 0, pos, tok)
-    assert got == want and e.size == 13  # the shared prefix appears once
+    return want
+
+
+def test_cache_index_follows_inserts_splits_evictions_and_reset(hooked_radix):
+    from kv_canary.cache_index import CachedSlotIndex
+
+    class Allocator:  # the tree frees evicted slots here
+        device = torch.device("cpu")
+        freed = []
+
+        def free(self, slots):
+            self.freed += slots.tolist()
+
+    allocator = Allocator()
+    cache = radix_cache.RadixCache.create_simulated(mock_allocator=allocator)
+    a = [100 + i for i in range(10)]
+    _insert(cache, a, list(range(1, 11)))  # before the index is attached: picked up by attach_index's walk
+    index = CachedSlotIndex(32, torch.device("cpu"))
+    RadixCacheView(cache).attach_index(index)
+    assert _index_state(index) == _want((a, list(range(1, 11))))
+    b = a[:5] + [200, 201, 202]
+    _insert(cache, b, list(range(1, 6)) + [11, 12, 13])  # splits a's node at 5; the shared prefix is held once
+    c = b + [300, 301]
+    _insert(cache, c, list(range(1, 6)) + [11, 12, 13, 14, 15])  # extends b: a child node at position 8
+    state = _index_state(index)
+    assert state == _want((a, list(range(1, 11))), (c, list(range(1, 6)) + [11, 12, 13, 14, 15]))
+    assert len(state) == 15 and index.pending == 0
+    # a running request holds c: evicting everything evictable frees only a's own tail (slots 6..10)
+    match = cache.match_prefix(base_prefix_cache.MatchPrefixParams(key=radix_cache.RadixKey(c)))
+    cache.inc_lock_ref(match.last_device_node)
+    cache.evict(base_prefix_cache.EvictParams(num_tokens=100))
+    assert sorted(allocator.freed) == list(range(6, 11))
+    assert _index_state(index) == _want((c, list(range(1, 6)) + [11, 12, 13, 14, 15]))
+    cache.reset()
+    assert _index_state(index) == {}
 
 
 def test_unused_slot_is_never_held_by_a_running_request():

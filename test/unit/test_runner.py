@@ -64,7 +64,8 @@ class Harness:
             return wrapped
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                ref.launch_record_sampled, ref.launch_scrub, spy("sweep", ref.launch_sweep), False)
+                                ref.launch_record_sampled, ref.launch_scrub, spy("sweep", ref.launch_index_sweep),
+                                graph_safe=False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
@@ -243,3 +244,82 @@ def test_a_cuda_graph_recapture_after_init_raises_no_health_violation(caplog):
     assert m.health_violations == 0, caplog.text
     assert parse_lines(caplog.text, VIOLATION_PREFIX) == []
     assert m.forwards == 5 and int(m.last_counters[fp.C_FORWARD_INDEX]) == 5
+
+
+def test_log_mode_storm_reads_only_new_rows_and_logs_each_violation_once(caplog):
+    """One corrupt slot read by every later forward: host work per poll stays O(new rows), one line in total."""
+    h = Harness(mode=CanaryMode.LOG, delay=1)
+    h.manager.mark_init_finished()
+    h.step(h.batch({r: [5, 6, 7, 8] for r in (1, 2, 3)}))
+    for r in (2, 3):  # two more requests share request 1's prefix slots (a radix hit)
+        h.r2t[r, :4] = h.r2t[1, :4]
+    h.k[int(h.r2t[1, 2]), 0, 0] += 1.0  # one persistent corruption, read by all three each forward
+    reader = h.manager._ring_reader
+    per_poll = []
+    with caplog.at_level(logging.INFO, logger="kv_canary"):
+        for _ in range(40):
+            before = reader.rows_read
+            h.step(h.batch({r: [9] for r in (1, 2, 3)}, decode=True))
+            per_poll.append(reader.rows_read - before)
+        h.manager.poll(drain=True)
+    rows_on_device = int(h.manager.counters[fp.C_VIOLATIONS])
+    assert rows_on_device == 3 * 40 and reader.rows_read == rows_on_device  # every row read exactly once
+    assert max(per_poll) == 3  # only the newest forward's rows, never the ring (capacity 4096)
+    lines = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert len(lines) == 1 and lines[0]["kind"] == "kv_hash" and lines[0]["position"] == "2"
+    assert h.manager.violations_repeated == rows_on_device - 1
+    assert h.manager.violations_reported == rows_on_device
+    stats = parse_lines(caplog.text, "kv_canary_stats")
+    assert len(stats) == 2  # one with the new violation, one settled line: not one per forward
+
+
+def test_ring_reads_are_budgeted_and_overwritten_rows_are_counted_lost():
+    """More rows per forward than the ring holds: each poll reads at most the budget, the rest is counted lost."""
+    h = Harness(mode=CanaryMode.LOG, delay=0, ring_capacity=16, max_logged_violations=1)
+    h.manager.mark_init_finished()
+    h.step(h.batch({r: list(range(5, 15)) for r in (1, 2, 3)}))
+    for r in (1, 2, 3):
+        h.k[h.r2t[r, :10].long(), 0, 0] += 1.0  # 30 corrupt slots, each read every forward
+    reader = h.manager._ring_reader
+    assert reader.budget == 16
+    for _ in range(5):
+        before = reader.rows_read
+        h.step(h.batch({r: [9] for r in (1, 2, 3)}, decode=True))
+        assert reader.rows_read - before <= 16
+    m = h.manager
+    read_or_lost = reader.rows_read + m.violations_lost
+    assert int(m.counters[fp.C_VIOLATIONS]) == 5 * 30 and read_or_lost == 5 * 30
+    assert m.violations_lost > 0 and m.violations_reported == 5 * 30
+
+
+def test_precompile_covers_every_variant_a_workload_launches(caplog):
+    """After install-time precompile + seal, real extend and decode forwards of any length launch no new variant."""
+    from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
+
+    h = Harness(mode=CanaryMode.LOG)
+    m = h.manager
+    tracker = VariantTracker()
+    from kv_canary.kernels.triton_kernels import write_block
+    m.kernels = track(m.kernels, tracker, write_block)
+    for sfm in m.single_forward_managers:
+        sfm._kernels = m.kernels
+    m.variant_tracker = tracker
+    lengths = sorted(write_block_lengths(write_block, CTX).values())
+    assert [write_block(n) for n in lengths] == [16, 32, 64]  # CTX = 64: blocks up to 64
+    sizes = sorted(programs_classes(lambda bs: m.capacities.verify_programs_per_request(bs, 256), 9).values())
+    m.precompile(lengths, sizes)
+    precompiled = set(tracker.seen)
+    assert precompiled and int(m.counters[fp.C_SLOTS_WRITTEN]) == 0  # inert: slot 0 only
+    m.mark_init_finished()
+    with caplog.at_level(logging.WARNING, logger="kv_canary"):
+        h.step(h.batch({1: list(range(5, 45)), 2: [3, 4, 5]}))  # extend, longest run 40 -> block 64
+        h.step(h.batch({1: [7], 2: [8]}, decode=True))
+        h.step(h.batch({3: list(range(10, 20))}))  # block 16
+    assert tracker.after_startup == {} and "kv_canary_jit_after_startup" not in caplog.text
+    assert tracker.seen == precompiled
+    # A variant precompile did not launch (here: a decode-dtype batch of a block never precompiled) is reported.
+    tracker.seen.clear()
+    tracker.seen.update(k for k in precompiled if not (k[0] == "write" and k[-8] == 64))
+    with caplog.at_level(logging.WARNING, logger="kv_canary"):
+        h.step(h.batch({4: list(range(5, 45))}))
+    assert tracker.after_startup and "kv_canary_jit_after_startup=1 kernel=write" in caplog.text

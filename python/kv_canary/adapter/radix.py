@@ -1,4 +1,4 @@
-"""Read sglang's radix prefix cache: the slots it holds, in sequence order.
+"""Read sglang's radix prefix cache: the slots it holds, in sequence order; keep the canary's index of them.
 
 A node (``TreeNode``) holds ``value`` (int64 device tensor of token slots),
 ``key.token_ids`` (the tokens) and ``lock_ref`` (> 0 while a running request
@@ -11,14 +11,19 @@ from __future__ import annotations
 import random
 from typing import Iterator, List, Optional, Tuple
 
-import torch
-
-from ..views import SweepEntries
+INDEX_ATTR = "kv_canary_index"  # the CachedSlotIndex a RadixCache reports its changes to
 
 
 class RadixCacheView:
     def __init__(self, tree_cache):
         self._tree = tree_cache
+
+    def attach_index(self, index) -> None:
+        """Report every later change of the tree to ``index`` (a ``CachedSlotIndex``), starting from what it holds."""
+        setattr(self._tree, INDEX_ATTR, index)
+        index.clear()
+        for node, start, parent in self._walk():
+            on_node_stored(self._tree, node, start=start)
 
     @staticmethod
     def supports(tree_cache) -> bool:
@@ -36,36 +41,6 @@ class RadixCacheView:
             end = start + len(node.value)
             stack.extend((child, end, node) for child in node.children.values())
 
-    def sweep_entries(self, device: torch.device) -> SweepEntries:
-        """Every resident cached slot with its predecessor, position and token (bounded by the pool size)."""
-        nodes = list(self._walk())
-        if not nodes:
-            empty = torch.zeros(0, dtype=torch.int64, device=device)
-            return SweepEntries(empty, empty, empty, empty)
-        offsets, lengths, positions, tokens = {}, [], [], []
-        offset = 0
-        for node, start, _ in nodes:
-            n = len(node.value)
-            offsets[id(node)] = offset
-            lengths.append(n)
-            positions.append(torch.arange(start, start + n, dtype=torch.int64))
-            tokens.append(torch.as_tensor(list(node.key.token_ids[:n]), dtype=torch.int64))
-            offset += n
-        slots = torch.cat([node.value.to(device=device, dtype=torch.int64) for node, _, _ in nodes])
-        # predecessor: the previous flat entry, except at a node's first slot: its parent's last slot
-        prev_index = torch.arange(-1, offset - 1, dtype=torch.int64)
-        for (node, _, parent), n in zip(nodes, lengths):
-            first = offsets[id(node)]
-            prev_index[first] = offsets[id(parent)] + len(parent.value) - 1 if id(parent) in offsets else -1
-        prev_index = prev_index.to(device)
-        preds = torch.where(prev_index >= 0, slots[prev_index.clamp(min=0)], torch.zeros_like(slots))
-        return SweepEntries(
-            slots=slots,
-            preds=preds,
-            positions=torch.cat(positions).to(device),
-            tokens=torch.cat(tokens).to(device),
-        )
-
     def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
         """(slot, position) of a random slot held only by the cache (no running request), or None."""
         unused: List[Tuple[object, int]] = [(n, s) for n, s, _ in self._walk() if n.lock_ref == 0]
@@ -74,3 +49,40 @@ class RadixCacheView:
         node, start = rng.choice(unused)
         k = rng.randrange(len(node.value))
         return int(node.value[k].item()), start + k
+
+
+# ---------------------------------------------------------------- tree-change hooks (registered by the plugin)
+
+
+def _node_start(node) -> int:
+    """First position of ``node``: the key lengths of its ancestors (host walk up, O(depth))."""
+    start, p = 0, node.parent
+    while p is not None and p.parent is not None:  # the root holds no key
+        start += len(p.key)
+        p = p.parent
+    return start
+
+
+def on_node_stored(tree, node, start: Optional[int] = None) -> None:
+    """A node with new slots entered the tree (``RadixCache._record_store_event``)."""
+    index = getattr(tree, INDEX_ATTR, None)
+    if index is None or node.value is None or len(node.value) == 0:
+        return
+    start = _node_start(node) if start is None else start
+    parent = node.parent
+    pred = parent.value[-1:] if start > 0 and parent is not None and len(parent.value) else None
+    index.add(node.value, node.key.token_ids, start, pred)
+
+
+def on_node_removed(tree, node) -> None:
+    """A leaf left the tree and its slots were freed (``RadixCache._delete_leaf``)."""
+    index = getattr(tree, INDEX_ATTR, None)
+    if index is not None and node.value is not None:
+        index.remove(node.value)
+
+
+def on_reset(tree) -> None:
+    """The tree was emptied (``RadixCache.reset``)."""
+    index = getattr(tree, INDEX_ATTR, None)
+    if index is not None:
+        index.clear()

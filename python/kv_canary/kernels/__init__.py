@@ -1,13 +1,13 @@
 """HEAD-verify / TAIL-write kernels: Triton (GPU, or CPU under TRITON_INTERPRET=1) and a torch reference.
 
-``select_kernels`` returns a ``CanaryKernels`` with two functions of the same
+``select_kernels`` returns a ``CanaryKernels`` whose functions have the same
 signature in both backends:
 
     verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, expected_tokens=)
     write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
     record_sampled(token_oracle, sampled, batch_size)
     scrub(group, counters, ring, per_forward, group_index=)
-    sweep(group, entries, counters, ring, group_index=)
+    sweep_index(group, cached_slot_index, counters, ring, group_index=)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class CanaryKernels:
     write: Callable[..., None]
     record_sampled: Callable[..., None]
     scrub: Callable[..., None]
-    sweep: Callable[..., None]
+    sweep_index: Callable[..., None]
     graph_safe: bool
 
 
@@ -45,11 +45,12 @@ def resolve_backend(requested: KernelBackend, device: torch.device) -> KernelBac
 def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKernels:
     backend = resolve_backend(requested, device)
     if backend is KernelBackend.TRITON:
+        from . import index_sweep
         from . import triton_kernels as tk
 
         return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_record_sampled,
-                             tk.launch_scrub, tk.launch_sweep, graph_safe=True)
+                             tk.launch_scrub, index_sweep.launch_index_sweep, graph_safe=True)
     from . import reference as ref
 
     return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_record_sampled, ref.launch_scrub,
-                         ref.launch_sweep, graph_safe=False)
+                         ref.launch_index_sweep, graph_safe=False)

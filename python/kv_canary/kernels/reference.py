@@ -88,8 +88,8 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 
 
-def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: int = 0) -> None:
-    del block
+def _sweep_entries(group, entries, counters, ring, group_index: int = 0) -> None:
+    """Check a flat list of cached (slot, predecessor, position, token) entries (``SweepEntries``)."""
     if entries.slots.numel() == 0:
         return
     slots, preds = entries.slots.to(torch.int64), entries.preds.to(torch.int64)
@@ -188,3 +188,13 @@ def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 0
     known = o.known_lens[rows].to(torch.int64)
     ok = (pos >= known) & (pos >= 0) & (pos < o.expected_tokens.shape[1])
     o.expected_tokens[rows[ok], pos[ok]] = sampled[:batch_size][ok].to(o.expected_tokens.dtype)
+
+
+def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> None:
+    """The cached-slot index sweep (``index_sweep.launch_index_sweep``'s twin): compacts the held slots (syncs)."""
+    from ..views import SweepEntries
+
+    slots = index.held.nonzero().flatten().to(torch.int64)
+    entries = SweepEntries(slots=slots, preds=index.pred[slots].to(torch.int64),
+                           positions=index.position[slots].to(torch.int64), tokens=index.token[slots].to(torch.int64))
+    _sweep_entries(group, entries, counters, ring, group_index=group_index)

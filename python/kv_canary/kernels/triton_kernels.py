@@ -184,33 +184,6 @@ def verify_kernel(
 
 
 @triton.jit
-def sweep_kernel(
-    records, slots, preds, positions, tokens, num_entries,
-    base, sources, num_sources,
-    counters, ring, ring_capacity, num_slots,
-    GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """SWEEP: verify a flat list of cached slots (slot, predecessor slot, position, token).
-
-    Ring rows get batch_index = row = -1 (held by the cache, not by a request).
-    """
-    pid = tl.program_id(0)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    m = idx < num_entries
-    raw_slot = tl.load(slots + idx, mask=m, other=0).to(tl.int64)
-    raw_pred = tl.load(preds + idx, mask=m, other=0).to(tl.int64)
-    pos = tl.load(positions + idx, mask=m, other=0).to(tl.int64)
-    want_token = tl.load(tokens + idx, mask=m, other=0).to(tl.int64)
-    reason, stored, expected = _check_slots(
-        records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, True, WT)
-    report = tl.load(counters + _C_REPORT_ENABLED)
-    forward_index = tl.load(counters + _C_FORWARD_INDEX)
-    _append_violations(counters, ring, ring_capacity, (reason != 0) & (report != 0),
-                       reason.to(tl.int64) | GROUP_BITS, raw_slot, pos, -1, -1, stored, expected, forward_index)
-    tl.atomic_add(counters + _C_SLOTS_SWEPT, tl.sum(m.to(tl.int64), axis=0))
-
-
-@triton.jit
 def scrub_kernel(
     records, full_base, full_sources, num_full_sources, counters, ring, ring_capacity, num_slots, per_forward,
     GROUP_BITS: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
@@ -394,18 +367,6 @@ def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 1
     record_sampled_kernel[(triton.cdiv(batch_size, block),)](
         o.expected_tokens, o.expected_tokens.stride(0), o.known_lens, o.next_rows, o.next_positions, sampled,
         batch_size, BLOCK=block,
-    )
-
-
-def launch_sweep(group, entries, counters, ring, group_index: int = 0, block: int = 256) -> None:
-    """entries: ``SweepEntries`` (flat int64 device tensors of equal length)."""
-    n = int(entries.slots.shape[0])
-    if n == 0:
-        return
-    sweep_kernel[(triton.cdiv(n, block),)](
-        group.records, entries.slots, entries.preds, entries.positions, entries.tokens, n,
-        *_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
     )
 
 

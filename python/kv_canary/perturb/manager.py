@@ -65,7 +65,8 @@ class PerturbManager:
         self._prefix_cache = None  # RadixCacheView, attached by the adapter
         self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
-        self.injection_count = 0
+        self.injection_count = 0  # injections so far (SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS caps it)
+        self.active = config.any_perturbation  # read on every forward's host path: computed once
 
     @staticmethod
     def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
@@ -79,25 +80,22 @@ class PerturbManager:
             f"{', '.join(g.name for g in groups)}"
         )
 
-    @property
-    def active(self) -> bool:
-        return self._config.any_perturbation
+    def _exhausted(self) -> bool:
+        cap = self._config.perturb_max_injections
+        return cap > 0 and self.injection_count >= cap
 
     def attach_prefix_cache(self, prefix_cache) -> None:
         self._prefix_cache = prefix_cache
 
     def _draw(self, prob: float) -> bool:
-        limit = self._config.perturb_max_injections
-        if limit and self.injection_count >= limit:
-            return False
-        return prob > 0 and self._rng.random() < prob
+        return prob > 0 and not self._exhausted() and self._rng.random() < prob
 
     # ------------------------------------------------------------------ pre-forward
 
     def perturb_pre_forward(self, *, forward_index: int, host_batch: Callable[[], Optional[HostBatch]],
                             view: Callable[[], ForwardView]) -> None:
         """The pre-forward modes, for the forward about to run as ``forward_index``."""
-        if not self._gate.is_open(forward_index):
+        if not self._gate.is_open(forward_index) or self._exhausted():
             return
         c = self._config
         batch: Optional[HostBatch] = None
@@ -197,7 +195,8 @@ class PerturbManager:
         """Undo transient pre-forward corruption; run the post-forward mode for forward ``forward_index``."""
         while self._restore:
             self._restore.pop()()
-        if not self._gate.is_open(forward_index) or not self._draw(self._config.perturb_real_kv_post_forward_prob):
+        if (not self._gate.is_open(forward_index) or self._exhausted()
+                or not self._draw(self._config.perturb_real_kv_post_forward_prob)):
             return
         slots = [s for s in written() if s > 0]
         if not slots:

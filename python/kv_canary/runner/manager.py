@@ -28,8 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections import OrderedDict
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from collections import OrderedDict, deque
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -42,11 +42,13 @@ from ..perturb import PerturbManager
 from ..token_oracle import AdmittedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
+from ..cache_index import CachedSlotIndex
 from ..transfer import Arrival, TransferBook
 from ..violations import (
     READY_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
     health_violation,
 )
+from .ring_reader import RingReader
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
@@ -55,6 +57,7 @@ RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
 HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
 SCRUB_BATCH_INDEX = -2  # ring rows of the scrub (the sweep's are -1)
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
+MIN_RING_READ_BUDGET = 256  # ring rows the host reads per poll at most (at least 4 x max_logged_violations)
 
 
 class CanaryBracketError(RuntimeError):
@@ -94,6 +97,7 @@ class CanaryManager:
         batch_adapter: BatchAdapter,
         device: torch.device,
         num_single_forward_managers: int = 1,
+        variant_tracker=None,
     ):
         if config.mode is CanaryMode.NONE:
             raise ValueError("CanaryManager needs --kv-canary log or raise")
@@ -123,6 +127,8 @@ class CanaryManager:
         ]
         self.perturb = PerturbManager(config=config, groups=self.groups, req_to_token=req_to_token)
         self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps)
+        self._ring_reader = RingReader(self.ring, self.counters,
+                                       budget=max(MIN_RING_READ_BUDGET, 4 * config.max_logged_violations))
         self.init_finished = False
         self._capturing = 0
         self._active: List[int] = []  # stack of active single-forward-manager indices
@@ -134,25 +140,30 @@ class CanaryManager:
         self.contained_requests = 0  # requests --kv-canary contain ordered aborted
         self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
         self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
+        # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
+        self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
+        self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
         """Host-side accounting that restarts when init finishes (it mirrors the zeroed device counters)."""
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
         self.outer_steps = 0
-        # forward index -> (request ids in batch order, replayed from a CUDA graph)
-        self._forward_info: "OrderedDict[int, Tuple[Sequence[str], bool]]" = OrderedDict()
+        # forward index % RID_HISTORY -> (forward index, request ids in batch order, replayed from a CUDA graph)
+        self._forward_info: List[Optional[Tuple[int, Sequence[str], bool]]] = [None] * RID_HISTORY
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
         self._violations_seen = 0
         self.violations_reported = 0
         self.violations_lost = 0
         self.violations_repeated = 0
         self._reported: "OrderedDict[tuple, None]" = OrderedDict()
+        self._distinct_reported = 0  # violations logged (or summarized) as new, lost rows included
+        self._reason_names: Dict[int, Tuple[str, str]] = {}  # ring reason bits -> (kind, group)
         self.last_counters: Optional[List[int]] = None  # the newest counter copy the host has read
         self._last_stats_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
-        self._expected_written_at: Dict[int, int] = {}
+        self._expected_written_at: Deque[Tuple[int, int]] = deque()  # (forward, expected slots written), in order
         self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
         self._swept_at = 0
@@ -163,34 +174,16 @@ class CanaryManager:
 
     # ------------------------------------------------------------------ engine wiring
 
-    @contextlib.contextmanager
     def with_ops_outside_graph(
         self, *, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: object
-    ) -> Iterator[None]:
-        """Host work around one outer step; never captured into a CUDA graph."""
-        if self._in_outside_bracket:
-            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
-        for i in single_forward_indices:
-            self._check_index(i)
-        fb = maybe_inaccurate_forward_batch
-        self._in_outside_bracket = True
-        self._eager_tails = 0
-        try:
-            self._pre_ops_outside_graph(fb)
-            yield
-            self._post_ops_outside_graph(fb, len(single_forward_indices))
-        finally:
-            self._in_outside_bracket = False
+    ) -> "_OutsideBracket":
+        """Host work around one outer step; never captured into a CUDA graph (a context manager)."""
+        return _OutsideBracket(self, single_forward_indices, maybe_inaccurate_forward_batch)
 
-    @contextlib.contextmanager
-    def with_active_single_forward_manager(self, index: int) -> Iterator[None]:
+    def with_active_single_forward_manager(self, index: int) -> "_ActiveBracket":
         """Route the patched model.forward calls in this block to single-forward manager ``index``."""
         self._check_index(index)
-        self._active.append(index)
-        try:
-            yield
-        finally:
-            self._active.pop()
+        return _ActiveBracket(self._active, index)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -225,9 +218,43 @@ class CanaryManager:
             self.token_oracle.reset()
         self._reset_host_state()
         self.init_finished = True
+        if self.variant_tracker is not None:
+            self.variant_tracker.seal()  # precompile and graph capture are over: a new variant now is a JIT
         logger.info(format_line(READY_PREFIX, 1, {"mode": self.config.mode.value,
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
+
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int]) -> None:
+        """Launch every kernel variant once at install so Triton compiles none while serving.
+
+        Inert launches: every request is row 0 with a new run of n tokens at position 0
+        written to the padding slot 0, so nothing is read (no prefix) and nothing is
+        written (slot 0 is masked); only counters move, and init zeroes them. One launch
+        per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
+        int32 starts/lengths; decode-like batches: int64), plus the sweep.
+        """
+        dev = self.counters.device
+        with self.capturing():
+            for bs in batch_sizes:
+                for n in block_lengths:
+                    for lens_dtype in (torch.int32, torch.int64):
+                        view = ForwardView(
+                            input_ids=torch.zeros(bs * n, dtype=torch.int64, device=dev),
+                            positions=torch.zeros(bs * n, dtype=torch.int64, device=dev),
+                            out_cache_loc=torch.zeros(bs * n, dtype=torch.int64, device=dev),
+                            req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
+                            seq_lens=torch.full((bs,), n, dtype=torch.int64, device=dev),
+                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * n,
+                            new_lens=torch.full((bs,), n, dtype=lens_dtype, device=dev),
+                            batch_size=bs, max_new_len=n,
+                        )
+                        for sfm in self.single_forward_managers:
+                            sfm.pre_ops_maybe_inside_graph(view)
+                            sfm.post_ops_maybe_inside_graph(view)
+            if self.cache_index is not None:  # empty: nothing held, nothing checked
+                for group_index, group in enumerate(self.groups):
+                    self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
+                                             group_index=group_index)
 
     # ------------------------------------------------------------------ inside (maybe captured)
 
@@ -338,6 +365,8 @@ class CanaryManager:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
         self._prefix_cache = prefix_cache
         self.perturb.attach_prefix_cache(prefix_cache)
+        if self.cache_index is not None:
+            prefix_cache.attach_index(self.cache_index)
 
     def attach_containment(self, target: ContainmentTarget) -> None:
         """The engine's abort/evict side for ``--kv-canary contain``."""
@@ -363,11 +392,9 @@ class CanaryManager:
             self.transfer.forward_ran(rids)
         self._expected_written += ran * self._adapter.num_tokens(fb) * len(self.groups)
         for _ in range(ran):
-            self._forward_info[self.forwards] = (rids, replayed)
+            self._forward_info[self.forwards % RID_HISTORY] = (self.forwards, rids, replayed)
             self.forwards += 1
-        while len(self._forward_info) > RID_HISTORY:
-            self._forward_info.popitem(last=False)
-        self._expected_written_at[self.forwards] = self._expected_written
+        self._expected_written_at.append((self.forwards, self._expected_written))
         if self._sweep_due():
             self.sweep()
         self._d2h.snapshot(self.forwards)
@@ -375,17 +402,19 @@ class CanaryManager:
 
     def _sweep_due(self) -> bool:
         every = self.config.sweep_interval
-        return bool(every) and self._prefix_cache is not None and self.forwards // every > self._swept_at // every
+        return (bool(every) and self._prefix_cache is not None and self.cache_index is not None
+                and self.forwards // every > self._swept_at // every)
 
     def sweep(self) -> None:
-        """Verify every slot the prefix cache holds (eager, outside any graph).
+        """Verify every slot the prefix cache holds (outside any graph, no host sync).
 
-        Bound: one launch per group over at most the pool's slot count (the cache
-        holds distinct slots); host work is one walk of the resident tree nodes.
+        Bound: the tree changes since the last sweep are replayed into the device index
+        (a few small writes per changed node), then one launch per group over the pool's
+        ``num_slots`` lanes checks every held slot.
         """
-        entries = self._prefix_cache.sweep_entries(self.counters.device)
+        self.cache_index.apply_pending()
         for group_index, group in enumerate(self.groups):
-            self.kernels.sweep(group, entries, self.counters, self.ring, group_index=group_index)
+            self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring, group_index=group_index)
         self._swept_at = self.forwards
         self.sweeps += 1
 
@@ -394,27 +423,62 @@ class CanaryManager:
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
         for step, host_counters in ready:
             self._check_health(step, host_counters)
-            self._handle_counters(host_counters)
+            self._handle_counters(host_counters, catch_up=drain)
         if drain and self.forwards != self._settled_forward:
             # Settled: the host has read everything the device counted up to now.
             self._settled_forward = self.forwards
             self._last_stats_forward = self.forwards
             logger.info(self.stats_line() + " settled=1")
 
-    def _handle_counters(self, host_counters: List[int]) -> None:
+    def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
+        """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
         self.last_counters = host_counters
         total = int(host_counters[fp.C_VIOLATIONS])
-        new = total - self._violations_seen
-        if new > 0:
-            violations, lost = self._read_ring(self._violations_seen, total)
-            self._violations_seen = total
+        reported = self._distinct_reported
+        while self._violations_seen < total:
+            first, rows, lost = self._ring_reader.read(self._violations_seen, total)
+            self._violations_seen = first + len(rows)
             self.violations_lost += lost
-            self._report(violations, lost)
+            self._report_rows(first, rows, lost)
+            if not catch_up:
+                break
         every = self.config.stats_print_every_n_steps
         forward = int(host_counters[fp.C_FORWARD_INDEX])
-        if (every and forward - self._last_stats_forward >= every) or new > 0:
+        if (every and forward - self._last_stats_forward >= every) or self._distinct_reported > reported:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
+
+    def _report_rows(self, first: int, rows: List[List[int]], lost: int) -> None:
+        """Ring rows (sequence numbers from ``first``): repeats of a reported violation are counted without decoding."""
+        fresh, seqs = [], []
+        dedup = self.config.mode is not CanaryMode.RAISE  # raise reports whatever it read, then stops
+        for k, r in enumerate(rows):
+            key = self._row_key(r)
+            if dedup and key in self._reported:
+                self._reported.move_to_end(key)
+                self.violations_repeated += 1
+                self.violations_reported += 1
+                continue
+            fresh.append(r)
+            seqs.append(first + k)
+        if fresh or lost:
+            names = [g.name for g in self.groups]
+            violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward)[0]
+                          for r, seq in zip(fresh, seqs)]
+            self._report(violations, lost)
+
+    def _row_key(self, r: List[int]) -> tuple:
+        """The dedup key of a raw ring row: the same as ``_violation_key`` of its decoded ``Violation``."""
+        reason = r[fp.V_REASON]
+        names = self._reason_names.get(reason)
+        if names is None:
+            v = decode_rows(torch.tensor([r]), 0, [g.name for g in self.groups], lambda *_: ("?", None))[0]
+            names = self._reason_names[reason] = (v.kind, v.group)
+        return names + (r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_STORED], r[fp.V_EXPECTED])
+
+    @staticmethod
+    def _violation_key(v: Violation) -> tuple:
+        return (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
 
     def _check_health(self, step: int, c: List[int]) -> None:
         """The device must have run HEAD and TAIL for every forward the host counted up to ``step``.
@@ -424,12 +488,13 @@ class CanaryManager:
         violation, reported once per new discrepancy.
         """
         groups = len(self.groups)
-        written = self._expected_written_at.pop(step, None)
-        for old in [k for k in self._expected_written_at if k < step]:
-            del self._expected_written_at[old]
-        want = (step, step * groups, step * groups, c[fp.C_SLOTS_WRITTEN] if written is None else written)
+        pending = self._expected_written_at
+        while pending and pending[0][0] < step:
+            pending.popleft()
+        written = pending.popleft()[1] if pending and pending[0][0] == step else c[fp.C_SLOTS_WRITTEN]
+        want = (step, step * groups, step * groups, written)
         got = (c[fp.C_FORWARD_INDEX], c[fp.C_VERIFY_LAUNCHES], c[fp.C_WRITE_LAUNCHES], c[fp.C_SLOTS_WRITTEN])
-        drift = tuple(g - w for g, w in zip(got, want))
+        drift = (got[0] - want[0], got[1] - want[1], got[2] - want[2], got[3] - want[3])
         if drift == self._health_drift:  # the common case: nothing changed
             return
         bad = [
@@ -441,17 +506,10 @@ class CanaryManager:
         self.health_violations += len(bad)
         self._report(bad, 0)
 
-    def _read_ring(self, first: int, end: int):
-        cap = self.ring.shape[0]
-        lost = max(0, end - first - cap)
-        first += lost
-        ring = self.ring.cpu()  # a sync, but only when there is something to report
-        index = torch.arange(first, end) % cap
-        return decode_rows(ring[index], first, [g.name for g in self.groups], self._describe_forward), lost
-
     def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
         """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
-        rids, replayed = self._forward_info.get(forward, ((), None))
+        entry = self._forward_info[forward % RID_HISTORY] if forward >= 0 else None
+        _, rids, replayed = entry if entry is not None and entry[0] == forward else (forward, (), None)
         if batch_index == SCRUB_BATCH_INDEX:
             return "scrub", None  # a scrub row: found by the round-robin whole-slot check
         if batch_index < 0:
@@ -468,7 +526,7 @@ class CanaryManager:
             ]
         new = []
         for v in violations:
-            key = (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
+            key = self._violation_key(v)
             if key in self._reported:
                 self._reported.move_to_end(key)
                 self.violations_repeated += 1
@@ -477,6 +535,7 @@ class CanaryManager:
             new.append(v)
         while len(self._reported) > REPORTED_MEMORY:
             self._reported.popitem(last=False)
+        self._distinct_reported += len(new) + lost
         limit = self.config.max_logged_violations
         for v in new[:limit]:
             logger.error(v.format())
@@ -554,3 +613,49 @@ class CanaryManager:
                 f"kv-canary: single-forward manager index {index} out of range "
                 f"(0..{len(self.single_forward_managers) - 1})"
             )
+
+
+class _OutsideBracket:
+    """``with_ops_outside_graph``'s context manager (a class: this runs on every forward's host path)."""
+
+    __slots__ = ("_m", "_indices", "_fb")
+
+    def __init__(self, manager: CanaryManager, indices: Sequence[int], fb: object):
+        self._m, self._indices, self._fb = manager, indices, fb
+
+    def __enter__(self) -> None:
+        m = self._m
+        if m._in_outside_bracket:
+            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
+        for i in self._indices:
+            m._check_index(i)
+        m._in_outside_bracket = True
+        m._eager_tails = 0
+        try:
+            m._pre_ops_outside_graph(self._fb)
+        except BaseException:
+            m._in_outside_bracket = False
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        m = self._m
+        try:
+            if exc_type is None:
+                m._post_ops_outside_graph(self._fb, len(self._indices))
+        finally:
+            m._in_outside_bracket = False
+
+
+class _ActiveBracket:
+    """``with_active_single_forward_manager``'s context manager."""
+
+    __slots__ = ("_stack", "_index")
+
+    def __init__(self, stack: List[int], index: int):
+        self._stack, self._index = stack, index
+
+    def __enter__(self) -> None:
+        self._stack.append(self._index)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stack.pop()

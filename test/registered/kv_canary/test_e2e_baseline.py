@@ -64,6 +64,16 @@ def test_mixed_workload_has_no_violation(server):
         assert "cuda graph: True" in log.text
         assert log.last_stat("graph_forwards") > 0
     assert "Traceback" not in log.text
+    # The canary's bytes were held back before sglang sized the KV pool, and cover what it allocated.
+    reserved = [ln for ln in log.text.splitlines() if "kv_canary_reserved_bytes=" in ln]
+    installed = [ln for ln in log.text.splitlines() if "kv_canary_installed=1" in ln]
+    assert reserved and installed, "no memory reservation / install line"
+    fields = dict(item.split("=", 1) for item in installed[-1].split() if "=" in item)
+    print(f"kv_canary_e2e_memory canary_bytes={fields['canary_bytes']} reserved={fields['reserved_before_kv_pool']} "
+          f"kv_pool_bytes={fields['kv_pool_bytes']} pct={fields['canary_pct_of_kv_pool']}")
+    assert 0 < int(fields["canary_bytes"]) <= int(fields["reserved_before_kv_pool"])
+    # Every kernel variant was compiled at install (precompile) or capture: none on the serving path.
+    assert "kv_canary_precompiled=1" in log.text and "kv_canary_jit_after_startup" not in log.text
 
 
 if __name__ == "__main__":

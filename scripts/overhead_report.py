@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""Regenerate docs/performance.md's overhead, memory and storm tables from docs/results/overhead*.json.
+
+``scripts/bench_overhead.py`` writes ``overhead.json`` (the per-row summary:
+off seconds, ours / upstream overhead and off-vs-off noise in percent) and
+``overhead_extra.json`` (baselines, radix hit rates, the memory table, the storm
+measurement, per-server facts). This script rewrites the part of the doc between
+the ``<!-- overhead:begin -->`` / ``<!-- overhead:end -->`` markers from them and
+leaves everything else (the history) alone.
+
+    python scripts/overhead_report.py                      # rewrite docs/performance.md
+    python scripts/overhead_report.py --check              # exit 1 if the doc is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
+ROW_LABELS = {
+    "decode_bs1": "decode bs1 (1k in, 512 out)",
+    "decode_bs32": "decode bs32 (1k in, 256 out)",
+    "decode_bs64": "decode bs64 (1k in, 256 out)",
+    "prefill_bs8": "prefill bs8 × 8k",
+    "shared_prefix": "shared prefix (64 × (4k common + 64 own), 256 out, radix hits)",
+    "decode_bs64_sweep16": "decode bs64, `--kv-canary-sweep-interval 16` (both canaries)",
+}
+GOAL_PCT = {"decode_bs64_sweep16": 1.0}  # the issue's goals; every other row 0.5%
+DEFAULT_GOAL_PCT = 0.5
+STORM_GOAL_PCT = 5.0
+
+
+def _pct(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:+.2f}%"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def overhead_section(overhead: dict, extra: Optional[dict]) -> str:
+    lines = [
+        f"Measured on **{overhead.get('device')}** on {overhead.get('date')} with `{overhead.get('command')}` "
+        "(Llama-3-8B shape, dummy weights, CUDA graphs, triton attention, `--cuda-graph-max-bs 64`, one client "
+        "for every server; one warmup then the median of the timed repetitions; each canary against the server "
+        "without canary of its own sglang). Raw: `docs/results/overhead.json`, `docs/results/overhead_extra.json`.",
+        "",
+        "| row | off s | ours | upstream 0.5.14 (partial real data + token check) | off-vs-off noise | goal (ours) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, v in overhead["rows"].items():
+        goal = GOAL_PCT.get(name, DEFAULT_GOAL_PCT)
+        ours = v.get("ours_pct")
+        met = "n/a" if ours is None else ("met" if ours <= goal else "**missed**")
+        off = "n/a" if v.get("off_s") is None else f"{v['off_s']:.3f}"
+        lines.append(f"| {ROW_LABELS.get(name, name)} | {off} | {_pct(ours)} | {_pct(v.get('upstream_pct'))} | "
+                     f"{_pct(v.get('noise_pct'))} | ≤ {goal:g}%: {met} |")
+    details = (extra or {}).get("row_details") or {}
+    hits = details.get("shared_prefix", {}).get("hit_rate_min")
+    if hits:
+        ok = details["shared_prefix"].get("hit_rate_ok")
+        lines += ["", "Shared-prefix radix hit rate (cached prompt tokens / prompt tokens, lowest repetition) per "
+                  "server: " + ", ".join(f"{k} {v:.1%}" for k, v in hits.items())
+                  + ("" if ok else " — **below the 90% the row needs**") + "."]
+    up = details.get("decode_bs1", {}).get("upstream_baseline")
+    if up:
+        lines += ["", f"Upstream's percentages are against `{up}` (sglang 0.5.14 without canary)."]
+    return "\n".join(lines)
+
+
+def memory_section(memory: Optional[dict]) -> str:
+    if not memory:
+        return "No memory table recorded (the run had no `ours` server install line)."
+    lines = [
+        "Canary device memory from `kv_canary.memory.canary_memory_bytes` (the function the install log line "
+        f"uses; this run's line said {memory['logged_canary_bytes']:,} bytes) against the KV pool's bytes:",
+        "",
+        "| case | slots | request rows | context | records (+ sweep index) | token table | ring + counters | canary total | "
+        "KV pool | canary / KV pool |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in memory["cases"]:
+        b = c["breakdown"]
+        lines.append(
+            f"| {c['case']} | {c['slots']:,} | {c['req_rows']:,} | {c['context_len']:,} | "
+            f"{_mib(b['records'] + b.get('sweep_index', 0))} | "
+            f"{_mib(b['token_table'])} | {_mib(b['ring'] + b['counters'])} | {_mib(c['canary_bytes'])} | "
+            f"{c['kv_pool_bytes'] / 2**30:.2f} GiB | {c['canary_pct_of_kv_pool']:.2f}% |")
+    return "\n".join(lines)
+
+
+def storm_section(storm: Optional[dict]) -> str:
+    if not storm:
+        return "No storm measurement recorded."
+    verdict = ("n/a" if storm.get("storm_vs_clean_ours_pct") is None else
+               ("met" if storm["storm_vs_clean_ours_pct"] <= STORM_GOAL_PCT else "**missed**"))
+    return "\n".join([
+        "`--kv-canary log` with one persistent corruption (`SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB=1`, "
+        "`..._MAX_INJECTIONS=1`: one flipped K/V byte of a slot a forward reads, at position "
+        f"{storm.get('injected_position')}, {'inside' if storm.get('injected_in_shared_prefix') else 'outside'} "
+        "the shared 4k prefix), shared-prefix row:",
+        "",
+        "| storm median s | clean `ours` median s | storm vs clean | storm vs off | violation rows on the device | "
+        "lines logged | repeats counted | each distinct violation logged once |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| {storm.get('storm_s')} | {storm.get('clean_ours_s')} | {_pct(storm.get('storm_vs_clean_ours_pct'))} "
+        f"(goal ≤ {STORM_GOAL_PCT:g}%: {verdict}) | {_pct(storm.get('storm_vs_off_pct'))} | "
+        f"{storm.get('violation_rows_on_device')} | {storm.get('violation_lines')} | "
+        f"{storm.get('violations_repeated')} | {storm.get('distinct_violations_logged_once')} |",
+    ])
+
+
+def render(results: Path) -> str:
+    overhead_path = results / "overhead.json"
+    if not overhead_path.exists():
+        body = ("No side-by-side run recorded yet: run the benchmark on the GPU host "
+                "(`scripts/gpu_host.sh`, steps `bench-start` / `bench-wait`), copy its `overhead.json` and "
+                "`overhead_extra.json` into `docs/results/` and run `python scripts/overhead_report.py`.")
+        return f"{BEGIN}\n{body}\n{END}"
+    overhead = json.loads(overhead_path.read_text())
+    extra_path = results / "overhead_extra.json"
+    extra = json.loads(extra_path.read_text()) if extra_path.exists() else None
+    parts = [
+        BEGIN,
+        "<!-- generated by scripts/overhead_report.py from docs/results/overhead*.json: do not edit by hand -->",
+        "",
+        "### Serving overhead, side by side with upstream",
+        "",
+        overhead_section(overhead, extra),
+        "",
+        "### Canary memory",
+        "",
+        memory_section((extra or {}).get("memory")),
+        "",
+        "### Violation storm (log mode)",
+        "",
+        storm_section((extra or {}).get("storm")),
+        END,
+    ]
+    return "\n".join(parts)
+
+
+def update_doc(doc: str, section: str) -> str:
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"the doc has no {BEGIN} ... {END} markers")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return head + section + tail
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder with overhead.json")
+    p.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"))
+    p.add_argument("--check", action="store_true", help="do not write; exit 1 if the doc is out of date")
+    args = p.parse_args(argv)
+    doc_path = Path(args.doc)
+    doc = doc_path.read_text()
+    new = update_doc(doc, render(Path(args.results)))
+    if args.check:
+        if new != doc:
+            print(f"{doc_path} is out of date: run python scripts/overhead_report.py", file=sys.stderr)
+            return 1
+        return 0
+    doc_path.write_text(new)
+    print(f"wrote {doc_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""The side-by-side overhead benchmark's logic (no server), the docs generator, and the canary memory function.
+
+The benchmark itself runs on the GPU host; ``scripts/bench_overhead.py --device cpu`` is its smoke run.
+These tests pin what cannot be seen there: the summary arithmetic for every role (upstream included), the
+shared-prefix prompts, the memory table and the storm verdict, and the doc regeneration.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_canary.memory import canary_memory_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load("bench_overhead")
+report = _load("overhead_report")
+
+
+def test_shared_prefix_prompts_share_the_system_prompt_and_nothing_else():
+    src = bench.PromptSource((1000, 128256), seed=0)
+    row = bench.ROWS["shared_prefix"]
+    warm, rep0 = src.batch(row, -1), src.batch(row, 0)
+    system = warm[0][: row.shared_prefix_len]
+    assert all(len(p) == row.input_len for p in warm + rep0)
+    assert all(p[: row.shared_prefix_len] == system for p in warm + rep0)  # every request, every repetition
+    own = {tuple(p[row.shared_prefix_len:][:2]) for p in warm + rep0}
+    assert len(own) == 2 * row.batch  # each request's own part starts with a unique id
+    fresh = src.batch(bench.ROWS["decode_bs64"], 0)
+    assert len({tuple(p[:2]) for p in fresh}) == 64 and not any(p[:len(system)] == system for p in fresh)
+    scaled = row.scaled(1 / 64)
+    assert (scaled.shared_prefix_len, scaled.input_len, scaled.batch) == (64, 66, 64)
+
+
+def test_kv_pool_counts_a_shared_prefix_once():
+    rows = [bench.ROWS["shared_prefix"]]
+    assert bench.needed_kv_tokens(rows) == 30720  # (4096 + 64 * (64 + 256)) * 1.25, a multiple of 1024
+
+
+def _run(label, role, medians, **extra):
+    rows = {name: {"median_s": m, "hit_rate": [0.98]} for name, m in medians.items()}
+    return {"label": label, "role": role, "rows": rows, **extra}
+
+
+def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
+    base = {"decode_bs1": 2.0, "decode_bs64": 4.0, "shared_prefix": 5.0}
+    runs = [
+        _run("off#1", "off", base),
+        _run("ours#1", "ours", {"decode_bs1": 2.02, "decode_bs64": 4.0, "shared_prefix": 5.05}),
+        _run("ours_sweep16#1", "ours", {"decode_bs64_sweep16": 4.04}),
+        _run("upstream_off#1", "upstream_off", {"decode_bs1": 2.2, "decode_bs64": 4.4, "shared_prefix": 5.5}),
+        _run("upstream#1", "upstream", {"decode_bs1": 2.266, "decode_bs64": 4.444, "shared_prefix": 5.5}),
+        _run("upstream_sweep16#1", "upstream", {"decode_bs64_sweep16": 6.6}),
+        _run("off#2", "off", {"decode_bs1": 2.01, "decode_bs64": 3.98, "shared_prefix": 5.0}),
+    ]
+    rows = [bench.ROWS[n] for n in ("decode_bs1", "decode_bs64", "shared_prefix", "decode_bs64_sweep16")]
+    table, details = bench.summarize(runs, rows)
+    assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 1.0, "upstream_pct": 3.0, "noise_pct": 0.5}
+    assert table["decode_bs64"] == {"off_s": 4.0, "ours_pct": 0.0, "upstream_pct": 1.0, "noise_pct": -0.5}
+    assert table["decode_bs64_sweep16"] == {"off_s": 4.0, "ours_pct": 1.0, "upstream_pct": 50.0, "noise_pct": -0.5}
+    assert set(table["shared_prefix"]) == {"off_s", "ours_pct", "upstream_pct", "noise_pct"}  # the issue's shape
+    assert details["decode_bs1"]["upstream_baseline"] == "upstream_off#1"
+    assert details["shared_prefix"]["hit_rate_ok"] is True
+    # Without an upstream_off server, upstream is compared with 0.5.12 off; missing servers give None.
+    table, _ = bench.summarize([runs[0], runs[4]], rows[:1])
+    assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": None, "upstream_pct": 13.3, "noise_pct": None}
+
+
+def test_low_radix_hit_rate_is_flagged():
+    runs = [_run("off#1", "off", {"shared_prefix": 5.0})]
+    runs[0]["rows"]["shared_prefix"]["hit_rate"] = [0.95, 0.5]
+    _, details = bench.summarize(runs, [bench.ROWS["shared_prefix"]])
+    assert details["shared_prefix"]["hit_rate_ok"] is False
+
+
+def test_upstream_servers_get_the_upstream_site_first_and_refuse_without_it():
+    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
+    env = bench.server_env(bench.CONFIGS["upstream"], plan, "/tmp/site-upstream", {"SGLANG_KV_CANARY_X": "1"})
+    assert env["PYTHONPATH"].split(":")[0] == "/tmp/site-upstream"
+    assert env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] == "1" and "SGLANG_KV_CANARY_X" not in env
+    assert bench.CONFIGS["upstream"].args == ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
+    assert "--kv-canary-sweep-interval" in bench.CONFIGS["upstream_sweep16"].args
+    with pytest.raises(ValueError, match="--upstream-site"):
+        bench.server_env(bench.CONFIGS["upstream_off"], plan, None, {})
+    ours = bench.server_env(bench.CONFIGS["ours"], plan, None, {"SGLANG_KV_CANARY_X": "1"})
+    assert ours["SGLANG_KV_CANARY_X"] == "1" and "PYTHONPATH" not in ours
+    storm = bench.server_env(bench.CONFIGS["storm"], plan, None, {})
+    assert storm["SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"] == "256"  # after the warmup repetition's decode
+    assert storm["SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS"] == "1"
+
+
+def test_memory_table_reads_the_install_line_and_uses_the_memory_function():
+    line = ("kv_canary_installed=1 mode=raise ring_capacity=4096 token_oracle=1 pool=MHATokenToKVPool groups=full "
+            "slots=131073 kernels=triton max_batch_size=66 max_context_len=16384 req_rows=65 canary_bytes=8651072 "
+            "kv_pool_bytes=17179869184 canary_pct_of_kv_pool=0.050")
+    memory = bench.memory_table([{"role": "ours", "canary_installed_line": line}])
+    this, ctx128k, many_rows = memory["cases"]
+    want = canary_memory_bytes(num_slots=131073, num_groups=1, req_rows=65, context_len=16384, ring_capacity=4096,
+                               token_oracle=True, max_batch_size=66)
+    assert this["canary_bytes"] == want.total and this["kv_pool_bytes"] == 17179869184
+    assert ctx128k["context_len"] == 131072 and ctx128k["canary_bytes"] > this["canary_bytes"]
+    assert many_rows["req_rows"] == bench.DEFAULT_REQ_ROWS
+    assert bench.memory_table([{"role": "off", "canary_installed_line": None}]) is None
+
+
+def test_storm_summary_checks_each_distinct_violation_is_logged_once():
+    v = {"kind": "kv_hash", "group": "full", "slot": "7", "position": "12", "stored": "1", "expected": "2"}
+    storm = _run("storm#1", "storm", {"shared_prefix": 5.1}, violations_logged=[v],
+                 perturbations=[{"kv_canary_perturb": "real_kv_used", "position": "12"}],
+                 canary_stats_last={"violations": "900", "violations_repeated": "899"}, violation_lines=1)
+    runs = [_run("off#1", "off", {"shared_prefix": 5.0}), _run("ours#1", "ours", {"shared_prefix": 5.0}), storm]
+    s = bench.storm_summary(runs)
+    assert s["storm_vs_clean_ours_pct"] == 2.0 and s["injected_in_shared_prefix"]
+    assert s["distinct_violations_logged_once"] and s["violations_repeated"] == 899
+    storm["violations_logged"] = [v, dict(v)]
+    assert not bench.storm_summary(runs)["distinct_violations_logged_once"]
+
+
+def test_report_regenerates_the_doc_section_and_keeps_the_rest(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"# P\n\nintro\n\n{report.BEGIN}\nold\n{report.END}\n\n## History\n\nkept\n")
+    rows = {"decode_bs1": {"off_s": 2.5, "ours_pct": 0.3, "upstream_pct": 3.4, "noise_pct": 0.02},
+            "decode_bs64_sweep16": {"off_s": 4.4, "ours_pct": 1.5, "upstream_pct": 55.0, "noise_pct": 0.1}}
+    (results / "overhead.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "date": "2026-11-22", "command": "python3 scripts/bench_overhead.py", "rows": rows}))
+    assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 1
+    assert report.main(["--results", str(results), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "old" not in text and "## History\n\nkept" in text and text.startswith("# P\n\nintro")
+    assert "| +0.30% | +3.40% | +0.02% | ≤ 0.5%: met |" in text
+    assert "+1.50% | +55.00% | +0.10% | ≤ 1%: **missed** |" in text
+    assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 0
+
+
+def test_committed_performance_doc_is_up_to_date():
+    assert report.main(["--check"]) == 0
+
+
+def test_memory_function_matches_what_a_real_manager_allocates():
+    from kv_canary.adapter.batch_adapter import SglangBatchAdapter
+    from kv_canary.buffer_groups import PoolLayout, build_group
+    from kv_canary.config import CanaryConfig, CanaryMode
+    from kv_canary.kernels import select_kernels
+    from kv_canary.runner import CanaryManager
+    from kv_canary.views import LaunchCapacities
+
+    device = torch.device("cpu")
+    for token_oracle in (True, False):
+        config = CanaryConfig(mode=CanaryMode.LOG, ring_capacity=64, token_oracle=token_oracle)
+        group = build_group(PoolLayout("full", [torch.zeros(100, 2, 8)], [torch.zeros(100, 2, 8)]), config, device)
+        r2t = torch.zeros(5, 48, dtype=torch.int32)
+        m = CanaryManager(config=config, groups=[group], kernels=select_kernels(config.kernel_backend, device),
+                          req_to_token=r2t, capacities=LaunchCapacities(6, 48, 1),
+                          batch_adapter=SglangBatchAdapter(max_batch_size=6, device=device), device=device)
+        tensors = [g.records for g in m.groups] + [m.counters, m.ring]
+        allocated = sum(t.numel() * t.element_size() for t in tensors)
+        allocated += m.token_oracle.memory_bytes if m.token_oracle is not None else 0
+        want = canary_memory_bytes(num_slots=100, num_groups=1, req_rows=5, context_len=48, ring_capacity=64,
+                                   token_oracle=token_oracle, max_batch_size=6)
+        assert want.total == allocated
+        assert want.pct_of(100 * 2 * 2 * 8 * 4) == pytest.approx(100.0 * allocated / 12800)
