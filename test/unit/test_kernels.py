@@ -403,38 +403,6 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     assert (row[fp.V_REASON], row[fp.V_ROW], row[fp.V_POSITION]) == (fp.R_KV_HASH, 2, 7)
 
 
-def _sweep_entries(sim, rows_lengths):
-    """The slots of whole cached sequences (as a radix walk yields them), flattened."""
-    from kv_canary.views import SweepEntries
-
-    slots, preds, positions, tokens = [], [], [], []
-    for row, n in rows_lengths:
-        seq = sim.r2t[row, :n].to(torch.int64).cpu()
-        slots.append(seq)
-        preds.append(torch.cat([torch.zeros(1, dtype=torch.int64), seq[:-1]]))
-        positions.append(torch.arange(n))
-        tokens.append(sim.tokens[row, :n].to(torch.int64).cpu())
-    return SweepEntries(*(torch.cat(x).to(DEVICE) for x in (slots, preds, positions, tokens)))
-
-
-def test_sweep_of_cached_sequences_matches_reference_and_finds_unused_corruption():
-    sims = [Sim(tk), Sim(ref)]
-    for s in sims:
-        _scenario(s)
-    cached = [(3, 33), (1, 93)]
-    for s in sims:
-        s.backend.launch_sweep(s.group, _sweep_entries(s, cached), s.counters, s.ring)
-        assert int(s.counters[fp.C_VIOLATIONS]) == 0
-        assert int(s.counters[fp.C_SLOTS_SWEPT]) == 33 + 93
-        # a slot only the cache holds: flip a hashed byte
-        s.group.sources[1].view[int(s.r2t[3, 20]), 1] ^= 1 << 9
-        s.backend.launch_sweep(s.group, _sweep_entries(s, cached), s.counters, s.ring)
-    rows = [[s.ring[i].tolist() for i in range(int(s.counters[fp.C_VIOLATIONS]))] for s in sims]
-    assert rows[0] == rows[1] and len(rows[0]) == 1
-    r = rows[0][0]
-    assert (r[fp.V_REASON], r[fp.V_POSITION], r[fp.V_BATCH_INDEX], r[fp.V_ROW]) == (fp.R_KV_HASH, 20, -1, -1)
-
-
 def _index_of(sim, rows_lengths):
     """A CachedSlotIndex holding whole cached sequences, as the radix hooks would fill it."""
     from kv_canary.cache_index import CachedSlotIndex
@@ -461,7 +429,7 @@ def test_index_sweep_matches_reference_and_finds_unused_corruption():
         sweep(s.group, index, s.counters, s.ring)
         assert int(s.counters[fp.C_VIOLATIONS]) == 0
         assert int(s.counters[fp.C_SLOTS_SWEPT]) == 33 + 93
-        s.group.v_views[0][int(s.r2t[3, 20]), 1] ^= 1 << 9  # a slot only the cache holds
+        s.group.sources[1].view[int(s.r2t[3, 20]), 1] ^= 1 << 9  # a slot only the cache holds (V, layer 0)
         sweep(s.group, index, s.counters, s.ring)
         # a slot the cache no longer holds is not checked, even when corrupt
         index.remove(s.r2t[3, :33].to(torch.int64))

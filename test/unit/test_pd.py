@@ -225,7 +225,10 @@ def _gate_results(cases):
             os.environ.clear()
             os.environ.update(saved)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    from kv_canary_testing.server import SglangServer
+
+    env = SglangServer(device="cpu").environment()  # the libcuda stand-in: sglang's scheduler module imports
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert len(lines) == len(cases), r.stdout[-2000:] + r.stderr[-3000:]
     return lines
