@@ -162,7 +162,7 @@ class ServerConfig:
     name: str
     stack: str
     args: Tuple[str, ...]
-    role: str  # off | ours | upstream_off | upstream | storm
+    role: str  # off | ours | upstream_off | upstream | storm | variant
     rows: Tuple[str, ...] = BASE_ROWS
     env: Tuple[Tuple[str, str], ...] = ()
 
@@ -172,6 +172,8 @@ class ServerConfig:
 
 
 _SWEEP = ("--kv-canary-sweep-interval", str(SWEEP_INTERVAL))
+VARIANT_ROWS = ("decode_bs1", "decode_bs64", "prefill_bs8")
+SCRUB_SLOTS = 4096  # slots per forward whose every byte the scrub checks
 _UP_CANARY = ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
 CONFIGS: Dict[str, ServerConfig] = {
     c.name: c
@@ -184,6 +186,12 @@ CONFIGS: Dict[str, ServerConfig] = {
         ServerConfig("upstream_sweep16", UPSTREAM, _UP_CANARY + _SWEEP, "upstream", SWEEP_ROWS,
                      env=UPSTREAM_CANARY_ENV),
         ServerConfig("storm", OURS, ("--kv-canary", "log"), "storm", ("shared_prefix",), env=STORM_ENV),
+        # issue 7's cost of full coverage: every byte on every read, or the budgeted scrub (not in the summary
+        # table; their medians are in the full report, compared with the same run's off server)
+        ServerConfig("ours_all", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
+                     VARIANT_ROWS),
+        ServerConfig("ours_scrub", OURS, ("--kv-canary", "raise"), "variant", VARIANT_ROWS,
+                     env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_SLOTS)),)),
     )
 }
 # Off first and again near the end (noise and drift), upstream after ours (its site is installed last).
@@ -305,7 +313,7 @@ def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
         if not upstream_site:
             raise ValueError(f"config {config.name} needs --upstream-site (sglang 0.5.14 installed there)")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (upstream_site, os.environ.get("PYTHONPATH", "")) if p)
-    elif config.role in ("ours", "storm"):
+    elif config.role in ("ours", "storm", "variant"):
         env.update(extra_canary_env)
     return env
 
