@@ -147,6 +147,8 @@ OURS, UPSTREAM = "sglang-0.5.12+kv_canary", "sglang-0.5.14"  # the two software 
 STORM_ENV = (  # one corruption of a slot a forward reads, never repeated: read again by every later request
     ("SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB", "1"),
     ("SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS", "1"),
+    # inside the window partial hashes: a flip anywhere else in the slot is not seen by the default settings
+    ("SGLANG_KV_CANARY_PERTURB_KV_BYTES", "hashed"),
 )
 # The storm's injection waits this many forwards: at least the warmup repetition's decode steps, so the
 # system prompt is in the radix cache and every request reads the cached copy (in the first batch, the

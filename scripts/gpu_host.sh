@@ -19,6 +19,7 @@
 #   2. install-b && unit -k "index_sweep or ring_reader or kernels"   carry [.bundle/part-b, .bundle/kvc]
 #                                                     (the new CUDA paths, compiled; ~2 min)  timeout 420
 #   3. install-upstream && bench-start && bench-wait 480   carry [.bundle/upstream]     timeout 600
+#      (never pipe bench-start into another command: the background run holds the pipe open)
 #   4. bench-wait 570   (repeat until it prints BENCH_DONE)                                timeout 600
 # Each bench-wait leaves overhead.json, overhead_extra.json, bench_overhead.json, bench.log and
 # server-logs.tgz in $OUT (partial until BENCH_DONE). Then, here: copy overhead*.json into docs/results/
@@ -49,7 +50,7 @@ case "$step" in
     mkdir -p "$bench_dir"; rm -f "$bench_dir/rc"
     (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) | tee "$bench_dir/gpu-info.txt"
     setsid bash -c 'python3 scripts/bench_overhead.py --out "$0/bench_overhead.json" --results-dir "$0" \
-      --log-dir "$0/logs" "$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$bench_dir" "$@" < /dev/null &
+      --log-dir "$0/logs" "$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$bench_dir" "$@" < /dev/null > /dev/null 2>&1 &
     echo $! > "$bench_dir/pid"
     sleep 5; echo "bench started in the background: $bench_dir/bench.log"; tail -5 "$bench_dir/bench.log" ;;
   bench-wait)
