@@ -43,7 +43,19 @@ def disaggregation_mode(server_args: Any) -> str:
 
 
 def check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optional[Mapping[str, str]] = None) -> None:
-    """Refuse (``CanaryConfigError``) a PD configuration the canary cannot verify; no-op outside PD."""
+    """Refuse (``CanaryConfigError``) a PD configuration the canary cannot verify; no-op outside PD.
+
+    Every refusal names the flag or variable and says what to do.
+    """
+    try:
+        _check_disaggregation(server_args, config, environ)
+    except CanaryConfigError as e:
+        if f"{FLAG_MODE} none" in str(e):
+            raise
+        raise CanaryConfigError(f"{e}. Change it, or run this server with {FLAG_MODE} none.") from None
+
+
+def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optional[Mapping[str, str]]) -> None:
     environ = os.environ if environ is None else environ
     mode = disaggregation_mode(server_args)
     if mode not in PD_MODES:
