@@ -25,6 +25,8 @@ ENV = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
     "SGLANG_KV_CANARY_PERTURB_SEED": "5",
     "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(INJECTIONS),
+    # inside the window the default --kv-canary-real-data partial hashes: every injection is detected
+    "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed",
 }
 MESSAGE = "kv-canary contain: aborted"
 
