@@ -7,8 +7,9 @@ fed; the first group's launch also checks them (position = the slot's index in
 the sequence, token = the request's own token from the token oracle), the last
 group's launch bumps the device forward counter. With the scrub on, HEAD also
 checks every K/V byte of a fixed number of slots (round-robin over the pool)
-and TAIL records every new slot's whole-row hash. Both only launch kernels on preallocated buffers: no host
-sync, no allocation, grids fixed by the batch size (see ``LaunchCapacities``).
+and TAIL records every new slot's whole-row hash. Both only launch kernels on
+preallocated buffers: no host sync, no allocation, grids fixed by the batch size
+(see ``LaunchCapacities``).
 """
 
 from __future__ import annotations
