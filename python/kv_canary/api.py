@@ -26,7 +26,7 @@ from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
 from .transfer import TransferBook, new_origin
-from .violations import INSTALLED_PREFIX, OFF_PREFIX, format_line
+from .violations import INSTALLED_PREFIX, OFF_PREFIX, format_line, set_process_tags
 
 logger = logging.getLogger("kv_canary")
 
@@ -47,7 +47,9 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 
 
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
-    config = config_from_server_args(server_args)
+    tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
+    set_process_tags(tp_rank=tp_rank)  # every canary line names its TP rank (each rank verifies its own shard)
+    config = config_from_server_args(server_args).for_tp_rank(tp_rank)
     if not config.enabled:
         logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None

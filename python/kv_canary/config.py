@@ -9,7 +9,7 @@ startup, so a typo never silently turns a feature off.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 ENV_PREFIX = "SGLANG_KV_CANARY_"
@@ -181,6 +181,8 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_SEED": ("perturb_seed", _parse_int(0), "seed of the perturbation RNG (default 0)"),
     "PERTURB_MAX_INJECTIONS": ("perturb_max_injections", _parse_int(0),
                                "stop perturbing after this many injections; 0 = no limit (default 0)"),
+    "PERTURB_TP_RANK": ("perturb_tp_rank", _parse_int(-1),
+                        "tensor parallel: only this rank perturbs its KV shard; -1 = every rank (default -1)"),
 }
 
 
@@ -214,6 +216,7 @@ class CanaryConfig:
     perturb_warmup_steps: int = 50
     perturb_seed: int = 0
     perturb_max_injections: int = 0
+    perturb_tp_rank: int = -1
     env_overrides: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
@@ -320,4 +323,12 @@ class CanaryConfig:
             f"perturb_position_shift_prob={self.perturb_position_shift_prob} "
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
             + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
+            + (f" perturb_tp_rank={self.perturb_tp_rank}" if self.perturb_tp_rank >= 0 else "")
         )
+
+    def for_tp_rank(self, tp_rank: int) -> "CanaryConfig":
+        """This rank's config: without the perturbations when ``perturb_tp_rank`` names another rank."""
+        if self.perturb_tp_rank < 0 or self.perturb_tp_rank == tp_rank:
+            return self
+        return replace(self, **{f.name: 0.0 for f in fields(self) if f.name.startswith("perturb_")
+                                and f.name.endswith("_prob")})

@@ -56,10 +56,19 @@ class Violation:
         return format_line(VIOLATION_PREFIX, self.seq, fields, skip=("seq",))
 
 
+_PROCESS_TAGS: Dict[str, object] = {}  # appended to every line this process writes (e.g. tp_rank)
+
+
+def set_process_tags(**tags: object) -> None:
+    """Fields every later line of this process ends with (install sets ``tp_rank``: one log per TP rank)."""
+    _PROCESS_TAGS.clear()
+    _PROCESS_TAGS.update(tags)
+
+
 def format_line(prefix: str, head: object, fields: Dict[str, object], skip: Iterable[str] = ()) -> str:
-    """``prefix=head k=v k=v``; values must not contain spaces (they are replaced by '_')."""
+    """``prefix=head k=v k=v`` then the process tags; values must not contain spaces (they become '_')."""
     parts = [f"{prefix}={head}"]
-    for key, value in fields.items():
+    for key, value in (*fields.items(), *((k, v) for k, v in _PROCESS_TAGS.items() if k not in fields)):
         if key in skip:
             continue
         parts.append(f"{key}={str(value).replace(' ', '_')}")

@@ -18,12 +18,21 @@ in the meantime is matched against a tree that no longer holds the bad slots.
   at later safe points until the aborted requests have released it; a slot that
   stays unheld or locked is dropped after ``PENDING_TTL`` safe points (a later
   hit on it is detected and contained again).
+
+Tensor parallel: each rank verifies its own KV shard, so a corrupt byte of one
+rank's shard is seen by that rank alone, while every rank must abort the same
+requests and evict the same nodes at the same point (their schedulers run in
+lockstep). At every safe point the ranks agree on what is pending: one gloo
+all-reduce of a count over sglang's TP CPU group, and only when it is non-zero an
+all-gather of the orders, merged the same way on every rank (per request, the
+message of the lowest rank that has one). Cost: one small CPU collective per
+scheduler iteration, in contain mode with ``--tp-size`` > 1 only.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from ..containment import ContainOrder
 from ..violations import CONTAIN_PREFIX, format_line
@@ -36,6 +45,10 @@ PENDING_TTL = 1024  # safe points a bad slot no cache node holds stays pending
 class SchedulerContainment:
     def __init__(self, scheduler):
         self._scheduler = scheduler
+        self._tp_size = int(getattr(scheduler, "tp_size", 1) or 1)
+        self._tp_group = getattr(scheduler, "tp_cpu_group", None) if self._tp_size > 1 else None
+        self._new: Tuple[Dict[str, str], List[int]] = ({}, [])  # submitted here since the last agreement (TP)
+        self.exchanges = 0  # safe points at which the TP ranks exchanged orders
         self._aborts: Dict[str, str] = {}
         self._slots: Dict[int, int] = {}  # bad slot -> safe points left
         self.aborted = 0
@@ -45,13 +58,41 @@ class SchedulerContainment:
     # ------------------------------------------------------------------ ContainmentTarget
 
     def submit(self, order: ContainOrder) -> None:
-        self._aborts.update(order.aborts)
-        for slot in order.slots:
+        if self._tp_group is not None:  # queued for the ranks' agreement at the next safe point
+            for rid, message in order.aborts.items():
+                self._new[0].setdefault(rid, message)
+            self._new[1].extend(order.slots)
+            return
+        self._queue(order.aborts, order.slots)
+
+    def _queue(self, aborts: Dict[str, str], slots) -> None:
+        for rid, message in aborts.items():
+            self._aborts.setdefault(rid, message)
+        for slot in slots:
             self._slots[slot] = PENDING_TTL
 
     # ------------------------------------------------------------------ safe point
 
+    def _agree(self) -> None:
+        """TP: every rank queues the union of all ranks' new orders (same order, same messages)."""
+        import torch
+        import torch.distributed as dist
+
+        aborts, slots = self._new
+        pending = torch.tensor([len(aborts) + len(slots)], dtype=torch.int64)
+        dist.all_reduce(pending, group=self._tp_group)
+        if int(pending[0]) == 0:
+            return
+        gathered: List[object] = [None] * self._tp_size
+        dist.all_gather_object(gathered, (aborts, sorted(set(slots))), group=self._tp_group)
+        self._new = ({}, [])
+        self.exchanges += 1
+        for rank_aborts, rank_slots in gathered:  # rank order: the lowest rank's message wins
+            self._queue(rank_aborts, rank_slots)
+
     def apply(self) -> None:
+        if self._tp_group is not None:
+            self._agree()
         if self._aborts:
             aborts, self._aborts = self._aborts, {}
             self._abort(aborts)

@@ -39,7 +39,7 @@ def _only(*values) -> Callable[[Any, Any], bool]:
 
 _OFF = _only(False, None)
 _SPEC = "speculative decoding (EAGLE support is a later release)"
-_TP = "tensor/pipeline/context parallelism: the canary verifies one process's whole KV pool"
+_TP = "pipeline/context parallelism splits a sequence's KV across processes; the canary verifies one process's pool"
 
 RULES: Dict[str, Rule] = {
     "speculative_algorithm": Rule(
@@ -60,7 +60,11 @@ RULES: Dict[str, Rule] = {
         _OFF, "off", "offloaded decode KV is written outside the forwards the canary brackets"),
     "enable_dp_attention": Rule(_OFF, "off", "DP attention runs idle/padded batches per rank that are not verified"),
     "dp_size": Rule(_only(1), "1", "data-parallel schedulers are not verified yet"),
-    "tp_size": Rule(_only(1), "1", f"{_TP} (tensor parallel support is a later release)"),
+    "tp_size": Rule(
+        lambda value, args: value in (None, 1) or (isinstance(value, int) and value > 1 and getattr(
+            args, "disaggregation_mode", "null") in (None, "null")),
+        "any size (each rank verifies its own KV shard); 1 with --disaggregation-mode",
+        "PD disaggregation with tensor parallel ranks is not verified yet (records travel per rank)"),
     "pp_size": Rule(_only(1), "1", _TP),
     "attn_cp_size": Rule(_only(1), "1", _TP),
     "nnodes": Rule(_only(1), "1", "multi-node serving is not verified"),

@@ -1,0 +1,151 @@
+"""Tensor parallel (``--tp-size 2``) on two GPUs: each rank verifies its own KV shard, every line names its
+rank, ``contain`` aborts the same requests on both ranks, ``raise`` on one rank stops the whole server.
+
+The model is sglang's own ``LlamaForCausalLM`` (its layers shard over the ranks; the tiny external model's
+plain torch layers do not), config only, dummy weights, CUDA graphs. A ``real_kv_used`` perturbation runs on
+rank 1 only (``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``): it flips a hashed byte of rank 1's shard, which rank 0
+never sees -- the case where the ranks must agree on what to abort.
+
+GPU only: sglang 0.5.12's CPU path cannot run TP > 1 here (its PyNcclCommunicator needs CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
+from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cuda_ci
+from kv_canary_testing.model_dir import write_model_dir
+from kv_canary_testing.workload import build_workload, run_requests
+
+register_cuda_ci(est_time=420, suite="kv-canary-cuda")
+
+
+def _skip_reason():
+    if e2e_device() != "cuda":
+        return ("tensor parallel needs two CUDA GPUs: sglang 0.5.12's CPU path cannot run --tp-size 2 "
+                "(PyNcclCommunicator needs CUDA); runs in the CUDA suite on a two-GPU host")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return f"--tp-size 2 needs two GPUs; this host has {torch.cuda.device_count()}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+INJECTIONS = 3
+PERTURB = {
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.2",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
+    "SGLANG_KV_CANARY_PERTURB_SEED": "5",
+    "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(INJECTIONS),
+    "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed",
+    "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1",
+}
+MESSAGE = "kv-canary contain: aborted"
+
+
+def _tp_model(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("tp-llama"), config_overrides={
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "bfloat16"})
+
+
+def _server(tmp_path_factory, mode, name, env=None, extra=()):
+    srv = canary_server(mode, log_path=tmp_path_factory.mktemp(name) / "server.log", env=env,
+                        extra_args=["--tp-size", "2", "--dtype", "bfloat16", "--cuda-graph-max-bs", "16",
+                                    "--model-path", str(_tp_model(tmp_path_factory)), *extra])
+    return srv
+
+
+def _by_rank(lines):
+    out = {}
+    for line in lines:
+        out.setdefault(line.get("tp_rank"), []).append(line)
+    return out
+
+
+@pytest.fixture(scope="module")
+def contain_tp(tmp_path_factory):
+    srv = _server(tmp_path_factory, "contain", "tp-contain", env=PERTURB, extra=["--kv-canary-sweep-interval", "8"])
+    srv.start(timeout=900)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _settled(srv, ranks=("0", "1"), timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = srv.log_text()
+        stats = _by_rank(parse_lines(text, STATS_PREFIX))
+        if all(stats.get(r) and stats[r][-1].get("settled") == "1" for r in ranks) or time.monotonic() > deadline:
+            return text, stats
+        time.sleep(0.5)
+
+
+@pytest.mark.e2e
+def test_tp2_contain_aborts_the_same_requests_on_both_ranks(contain_tp):
+    srv = contain_tp
+    specs = build_workload(48, seed=31, n_aborts=0)
+    result = run_requests(srv.base_url, specs, concurrency=8, timeout=300)
+    text, stats = _settled(srv)
+    injections = _by_rank(parse_lines(text, PERTURB_PREFIX))
+    violations = _by_rank(parse_lines(text, VIOLATION_PREFIX))
+    contains = _by_rank([c for c in parse_lines(text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"])
+    failed = [o for o in result.outcomes if o.status != "ok"]
+    print(f"kv_canary_e2e_tp_contain device={e2e_device()} tp=2 {result.summary()} "
+          f"injections_rank1={len(injections.get('1', []))} violations_rank0={len(violations.get('0', []))} "
+          f"violations_rank1={len(violations.get('1', []))} "
+          f"slots_verified_rank0={stats['0'][-1]['slots_verified']} "
+          f"slots_verified_rank1={stats['1'][-1]['slots_verified']} "
+          f"aborts_rank0={len(contains.get('0', []))} aborts_rank1={len(contains.get('1', []))} "
+          f"aborted_by_canary={len(failed)}")
+    # each rank verified its own shard, and every canary line names its rank
+    assert set(stats) == {"0", "1"} and all(int(stats[r][-1]["slots_verified"]) > 0 for r in stats)
+    assert set(injections) == {"1"} and len(injections["1"]) == INJECTIONS  # rank 1's shard only
+    # rank 0's shard is intact: it sees nothing; rank 1 sees exactly the flipped slots
+    assert "0" not in violations and violations.get("1"), text[-3000:]
+    flipped = {p["slot"] for p in injections["1"]}
+    assert all(v["kind"] == "kv_hash" and v["slot"] in flipped for v in violations["1"])
+    # contain: both ranks abort the same requests (rank 1's findings, agreed at the scheduler's safe point)
+    rids = {r: {c["rid"]: c["state"] for c in contains.get(r, [])} for r in ("0", "1")}
+    assert rids["0"] and rids["0"] == rids["1"], rids
+    assert {v["rid"] for v in violations["1"]} <= set(rids["1"])
+    assert failed and all(MESSAGE in o.error and "kind=kv_hash" in o.error for o in failed)
+    assert {o.rid for o in failed} == {rid for rid, st in rids["0"].items() if st == "aborted"}
+    assert result.succeeded == len(specs) - len(failed) and srv.is_running()
+    # retries of the aborted prompts are computed fresh on both ranks: no new violation
+    before = len(parse_lines(text, VIOLATION_PREFIX))
+    by_index = {s.index: s for s in specs}
+    for o in failed:
+        r = requests.post(srv.base_url + "/generate", timeout=300, json={
+            "text": by_index[o.index].text(), "rid": f"retry-{o.rid}",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})
+        r.raise_for_status()
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
+    text2, _ = _settled(srv)
+    assert len(parse_lines(text2, VIOLATION_PREFIX)) == before and srv.is_running()
+
+
+@pytest.mark.e2e
+def test_tp2_raise_on_one_rank_stops_the_server(tmp_path_factory):
+    srv = _server(tmp_path_factory, "raise", "tp-raise", env=PERTURB)
+    srv.start(timeout=900)
+    try:
+        result = run_requests(srv.base_url, build_workload(24, seed=41, n_aborts=0), concurrency=6, timeout=300)
+        code = srv.wait_exit(timeout=180)
+        text = srv.log_text()
+        violations = parse_lines(text, VIOLATION_PREFIX)
+        print(f"kv_canary_e2e_tp_raise {result.summary()} exit={code} violations={len(violations)} "
+              f"ranks={sorted({v.get('tp_rank') for v in violations})}")
+        assert code != 0 and "CanaryViolationError" in text
+        assert violations and all(v.get("tp_rank") == "1" and v["kind"] == "kv_hash" for v in violations)
+        assert result.failed > 0  # in-flight requests failed instead of hanging
+    finally:
+        srv.stop()
