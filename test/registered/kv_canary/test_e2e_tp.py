@@ -90,6 +90,35 @@ def _settled(srv, ranks=("0", "1"), timeout=60.0):
 
 
 @pytest.mark.e2e
+def test_tp2_raise_mixed_workload_has_no_violation_on_either_rank(tmp_path_factory):
+    """Shared prefixes, chunked prefill, aborts, eviction (a small pool) under --tp-size 2 in raise mode."""
+    srv = _server(tmp_path_factory, "raise", "tp-clean", extra=["--kv-canary-sweep-interval", "8",
+                                                                "--max-total-tokens", "4096"])
+    srv.start(timeout=900)
+    try:
+        specs = build_workload(120, seed=2027, n_aborts=6)
+        result = run_requests(srv.base_url, specs, concurrency=16, abort_mode="disconnect", timeout=600)
+        text, stats = _settled(srv)
+        violations = parse_lines(text, VIOLATION_PREFIX)
+        print(f"kv_canary_e2e_tp_clean device={e2e_device()} tp=2 {result.summary()} " + " ".join(
+            f"rank{r}_slots_verified={stats[r][-1]['slots_verified']} rank{r}_slots_swept="
+            f"{stats[r][-1]['slots_swept']} rank{r}_forwards={stats[r][-1]['forwards_host']}" for r in sorted(stats))
+            + f" violations={len(violations)}")
+        assert result.failed == 0, "\n".join(result.errors[:5])
+        assert result.succeeded == len(specs) - 6 and result.cached_tokens > 0
+        assert srv.is_running() and violations == [], violations[:3]
+        assert set(stats) == {"0", "1"}
+        for r in stats:
+            last = stats[r][-1]
+            assert int(last["slots_verified"]) > 0 and int(last["slots_swept"]) > 0
+            assert int(last["violations"]) == 0 and int(last["health_violations"]) == 0
+        # the ranks ran the same forwards over the same slots (one schedule, two shards)
+        assert stats["0"][-1]["slots_verified"] == stats["1"][-1]["slots_verified"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.e2e
 def test_tp2_contain_aborts_the_same_requests_on_both_ranks(contain_tp):
     srv = contain_tp
     specs = build_workload(48, seed=31, n_aborts=0)
