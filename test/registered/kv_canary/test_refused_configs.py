@@ -45,7 +45,7 @@ CASES = [
      "--disaggregation-transfer-backend mooncake only, not nixl"),
     ("disagg-real-data-all", ["--disaggregation-mode", "prefill", "--kv-canary-real-data", "all"],
      "--kv-canary-real-data partial only, not all"),
-    ("tp2-pd", ["--tp-size", "2", "--disaggregation-mode", "decode"], "cannot verify --tp-size 2"),
+    ("tp2-pd", ["--tp-size", "2", "--disaggregation-mode", "decode"], "--tp-size 1 only, not 2"),
     ("pp2", ["--pp-size", "2"], "cannot verify --pp-size 2"),
     ("kv-fp8", ["--kv-cache-dtype", "fp8_e5m2"], "cannot verify --kv-cache-dtype fp8_e5m2"),
     ("two-batch-overlap", ["--enable-two-batch-overlap"], "cannot verify --enable-two-batch-overlap"),
