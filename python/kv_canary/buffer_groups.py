@@ -98,7 +98,14 @@ class CanaryBufferGroup:
         return torch.cat([s.view[slots, : s.words] for s in self.sources], dim=1)
 
 
-LayoutExtractor = Callable[[object], List[PoolLayout]]
+@dataclass(frozen=True)
+class PoolContext:
+    """What an extractor may need beyond the pool object (read from the engine by the adapter)."""
+
+    sliding_window: Optional[int] = None  # the engine's sliding-window size (hybrid SWA models), else None
+
+
+LayoutExtractor = Callable[[object, PoolContext], List[PoolLayout]]
 _REGISTRY: Dict[type, LayoutExtractor] = {}
 
 
@@ -179,7 +186,8 @@ def _source_table(sources: Sequence[KVRow], fallback: torch.Tensor, device: torc
     return torch.tensor(table or [[0, 0, 0, 0]], dtype=torch.int64, device=device), base
 
 
-def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.device) -> List[CanaryBufferGroup]:
+def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.device,
+                          context: Optional[PoolContext] = None) -> List[CanaryBufferGroup]:
     """Build the groups for ``pool`` and keep them on it as ``pool.kv_canary_groups``.
 
     Raises ``CanaryConfigError`` naming the class when the pool kind is unsupported.
@@ -191,6 +199,6 @@ def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.devi
             f"supported: {', '.join(registered_pool_classes()) or 'none registered'}. "
             "Run with --kv-canary none for this model/configuration."
         )
-    groups = [build_group(layout, config, device) for layout in extractor(pool)]
+    groups = [build_group(layout, config, device) for layout in extractor(pool, context or PoolContext())]
     pool.kv_canary_groups = groups
     return groups

@@ -349,6 +349,11 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
             f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
         )
+    elif manager.config.perturb_real_kv_unused_cache_prob > 0:
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB needs sglang's radix cache, but the prefix "
+            f"cache is {type(tree).__name__}: unset it"
+        )
 
 
 def _after_process_input_requests(_result, scheduler, *args, **kwargs) -> None:

@@ -158,13 +158,30 @@ class PerturbManager:
             self._log("next_token_swap", slot=-1, rid=batch.rids[i], position=batch.seq_lens[i] - 1,
                       forward=forward_index, fed=token, own=own[i])
 
+    def _group_slot(self, engine_slot: int) -> int:
+        """The target group's slot for an engine slot (a translated group: its map; <= 0: none)."""
+        slot_map = self._group.slot_map
+        if slot_map is None:
+            return engine_slot
+        if not 0 <= engine_slot < int(slot_map.shape[0]):
+            return -1
+        return int(slot_map[engine_slot].item())
+
+    def _translated_fields(self, engine_slot: int) -> dict:
+        return {} if self._group.slot_map is None else {"engine_slot": engine_slot}
+
     def _real_kv_used(self, batch: HostBatch, forward_index: int) -> None:
-        entry = pick_read_slot(batch, self._req_to_token, self._rng)
+        # a windowed group: only what its attention reads (the last ``window`` positions) is a read slot
+        entry = pick_read_slot(batch, self._req_to_token, self._rng, window=self._group.window)
         if entry is None:
             return
-        flip = flip_kv_byte(self._group, entry.slot, self._rng, self._config.perturb_kv_bytes)
-        self._log("real_kv_used", slot=entry.slot, rid=entry.rid, position=entry.position, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+        slot = self._group_slot(entry.slot)
+        if slot <= 0:
+            return
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+        self._log("real_kv_used", slot=slot, rid=entry.rid, position=entry.position, forward=forward_index,
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
+                  **self._translated_fields(entry.slot))
 
     def _real_kv_unused_cache(self, forward_index: int) -> None:
         picked = self._prefix_cache.pick_unused_slot(self._rng)
@@ -201,10 +218,14 @@ class PerturbManager:
         slots = [s for s in written() if s > 0]
         if not slots:
             return
-        slot = self._rng.choice(slots)
+        engine_slot = self._rng.choice(slots)
+        slot = self._group_slot(engine_slot)
+        if slot <= 0:
+            return
         flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_post_forward", slot=slot, rid="?", position=-1, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
+                  **self._translated_fields(engine_slot))
 
     def _log(self, mode: str, **fields) -> None:
         line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})
