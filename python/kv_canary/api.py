@@ -128,6 +128,11 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
 
 def check_groups_supported(config: CanaryConfig, groups, pool_name: str, pd_mode: Optional[str]) -> None:
     """Features not verified with several buffer groups (hybrid SWA) are refused, naming the flag."""
+    if config.swa_divergence_stats_interval and not any(g.window > 0 for g in groups):
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL={config.swa_divergence_stats_interval}: the KV pool "
+            f"{pool_name} has no sliding-window group (groups {','.join(g.name for g in groups)}); unset it"
+        )
     if len(groups) <= 1:
         return
     names = ",".join(g.name for g in groups)

@@ -3,6 +3,7 @@
 | pool class | groups | what is hashed |
 | --- | --- | --- |
 | ``MHATokenToKVPool`` | ``full`` | K and V rows of every layer (window or all, per ``--kv-canary-real-data``) |
+| ``MLATokenToKVPool`` | ``full`` | the one latent row per layer (``kv_lora_rank + qk_rope_head_dim``; no V half), as stored (any dtype, fp8 included) |
 | ``SWAKVPool`` | ``full`` (full-attention layers), ``swa`` (sliding-window layers: slots through the allocator's ``full_to_swa_index_mapping``, verified inside the window) | each group's own K/V rows |
 
 Any other class is refused at install by ``attach_canary_buffers`` (naming it and listing these).
@@ -19,6 +20,12 @@ from ..config import CanaryConfigError
 def _mha_layouts(pool, context: PoolContext) -> List[PoolLayout]:
     del context
     return [PoolLayout(name="full", k_buffers=pool.k_buffer, v_buffers=pool.v_buffer)]
+
+
+def _mla_layouts(pool, context: PoolContext) -> List[PoolLayout]:
+    """``MLATokenToKVPool``: one latent row per layer (K = the row, V = its first kv_lora_rank values)."""
+    del context
+    return [PoolLayout(name="full", k_buffers=pool.kv_buffer, v_buffers=None)]
 
 
 def _swa_layouts(pool, context: PoolContext) -> List[PoolLayout]:
@@ -59,9 +66,10 @@ def pool_context(model_runner) -> PoolContext:
 
 
 def register_sglang_pools() -> None:
-    """Idempotent: MHA and hybrid sliding-window (two groups)."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    """Idempotent: MHA, MLA and hybrid sliding-window (two groups)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     register_pool_class(MHATokenToKVPool, _mha_layouts)
+    register_pool_class(MLATokenToKVPool, _mla_layouts)
     register_pool_class(SWAKVPool, _swa_layouts)

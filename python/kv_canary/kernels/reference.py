@@ -102,6 +102,10 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
             counters[fp.C_FORWARD_INDEX],
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
+        if group.slot_map is not None:
+            counters[fp.C_SWA_VERIFIED] += m.sum()
+            counters[fp.C_SWA_DIVERGENCE] += (m & (raw_slot != full_slot)).sum()
+            counters[fp.C_SWA_OUT_OF_WINDOW] += lo.sum()
     counters[fp.C_VERIFY_LAUNCHES] += 1
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 

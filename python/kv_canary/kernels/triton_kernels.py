@@ -42,6 +42,9 @@ _C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
 _C_SLOTS_SWEPT = tl.constexpr(fp.C_SLOTS_SWEPT)
 _C_CURRENT_FORWARD = tl.constexpr(fp.C_CURRENT_FORWARD)
 _C_SLOTS_SCRUBBED = tl.constexpr(fp.C_SLOTS_SCRUBBED)
+_C_SWA_VERIFIED = tl.constexpr(fp.C_SWA_VERIFIED)
+_C_SWA_DIVERGENCE = tl.constexpr(fp.C_SWA_DIVERGENCE)
+_C_SWA_OUT_OF_WINDOW = tl.constexpr(fp.C_SWA_OUT_OF_WINDOW)
 
 
 @triton.jit
@@ -188,14 +191,19 @@ def verify_kernel(
     num_blocks = tl.cdiv(prefix - lo, BLOCK)
     lanes = tl.arange(0, BLOCK)
     verified = tl.zeros((BLOCK,), dtype=tl.int64)
+    diverged = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in range(j, num_blocks, programs_per_req):
         pos = lo + b * BLOCK + lanes
         m = pos < prefix
         raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
         raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
+        full_slot = raw_slot
         raw_slot = _translate(slot_map, map_len, raw_slot, m, TRANSLATE)
         raw_pred = tl.where(pos > 0, _translate(slot_map, map_len, raw_pred, m & (pos > 0), TRANSLATE), 0)
-        pred_known = (pos == 0) | (raw_pred > 0)
+        if TRANSLATE:  # a released predecessor (mapping 0, outside the window): its record is gone
+            pred_known = (pos == 0) | (raw_pred > 0)
+        else:
+            pred_known = pos >= 0
         want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
         reason, stored, expected = _check_slots(
             records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, CHECK_TOKENS, WT,
@@ -204,7 +212,13 @@ def verify_kernel(
         _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
                            i, row, stored, expected, forward_index)
         verified += m.to(tl.int64)
+        diverged += (m & (raw_slot != full_slot)).to(tl.int64)
     tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
+    if TRANSLATE:  # the SWA divergence reporter's counts
+        tl.atomic_add(counters + _C_SWA_VERIFIED, tl.sum(verified, axis=0))
+        tl.atomic_add(counters + _C_SWA_DIVERGENCE, tl.sum(diverged, axis=0))
+        if j == 0:
+            tl.atomic_add(counters + _C_SWA_OUT_OF_WINDOW, lo)
     if (i == 0) & (j == 0):
         tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1)
         tl.store(counters + _C_CURRENT_FORWARD, forward_index)  # for this forward's TAIL rows

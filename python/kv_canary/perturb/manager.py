@@ -41,6 +41,7 @@ from .real_kv import check_flip_spec, flip_kv_byte
 from .slot_picker import pick_read_slot
 
 logger = logging.getLogger("kv_canary")
+ANY_GROUP = "*"  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP: a random group per injection
 
 
 class WarmupGate:
@@ -59,9 +60,12 @@ class PerturbManager:
         self._req_to_token = req_to_token
         self._rng = random.Random(config.perturb_seed)
         self._gate = WarmupGate(config.perturb_warmup_steps)
+        # "*": each K/V injection hits a group drawn at random (one server exercises every group)
+        self._groups = list(groups) if config.perturb_target_group == ANY_GROUP else []
         self._group = self._target_group(groups, config.perturb_target_group)
         if config.any_perturbation:
-            check_flip_spec(self._group, config.perturb_kv_bytes)
+            for group in self._groups or [self._group]:
+                check_flip_spec(group, config.perturb_kv_bytes)
         self._prefix_cache = None  # RadixCacheView, attached by the adapter
         self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
@@ -70,14 +74,14 @@ class PerturbManager:
 
     @staticmethod
     def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
-        if not name:
+        if not name or name == ANY_GROUP:
             return groups[0]
         for g in groups:
             if g.name == name:
                 return g
         raise CanaryConfigError(
             f"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP={name!r}: this pool has groups "
-            f"{', '.join(g.name for g in groups)}"
+            f"{', '.join(g.name for g in groups)} (or '{ANY_GROUP}': a random group per injection)"
         )
 
     def _exhausted(self) -> bool:
@@ -158,6 +162,11 @@ class PerturbManager:
             self._log("next_token_swap", slot=-1, rid=batch.rids[i], position=batch.seq_lens[i] - 1,
                       forward=forward_index, fed=token, own=own[i])
 
+    def _pick_group(self) -> None:
+        """With target group '*', draw the group the next K/V injection hits."""
+        if self._groups:
+            self._group = self._rng.choice(self._groups)
+
     def _group_slot(self, engine_slot: int) -> int:
         """The target group's slot for an engine slot (a translated group: its map; <= 0: none)."""
         slot_map = self._group.slot_map
@@ -171,6 +180,7 @@ class PerturbManager:
         return {} if self._group.slot_map is None else {"engine_slot": engine_slot}
 
     def _real_kv_used(self, batch: HostBatch, forward_index: int) -> None:
+        self._pick_group()
         # a windowed group: only what its attention reads (the last ``window`` positions) is a read slot
         entry = pick_read_slot(batch, self._req_to_token, self._rng, window=self._group.window)
         if entry is None:
@@ -219,6 +229,7 @@ class PerturbManager:
         if not slots:
             return
         engine_slot = self._rng.choice(slots)
+        self._pick_group()
         slot = self._group_slot(engine_slot)
         if slot <= 0:
             return
