@@ -34,6 +34,7 @@ from kv_canary.swa_divergence import SwaDivergenceLog
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
 register_cuda_ci(est_time=200, suite="kv-canary-cuda")
 
+POOL_TOKENS = 1024
 ENV = {
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.06",
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.06",
@@ -48,10 +49,13 @@ ENV = {
 @pytest.fixture(scope="module")
 def swa_run(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("swa") / "server.log"
+    # A small pool and decodes longer than the window: the SWA slots a running request releases outside
+    # its window come back to the SWA allocator while its full slots are still held, so once the pool
+    # wraps, swa slots diverge from full slots (the translation matters).
     srv = canary_server("log", log_path=log_path, env=ENV, model_path=write_swa_model_dir(),
-                        extra_args=["--swa-full-tokens-ratio", "1.0"])
+                        extra_args=["--swa-full-tokens-ratio", "1.0"], max_total_tokens=POOL_TOKENS)
     with srv:
-        result = run_requests(srv.base_url, build_workload(40, seed=7, n_aborts=3), concurrency=8,
+        result = run_requests(srv.base_url, build_workload(40, seed=7, n_aborts=3, max_new_tokens=(16, 48)), concurrency=8,
                               abort_mode="mixed", timeout=300)
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
