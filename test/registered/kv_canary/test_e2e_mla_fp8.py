@@ -22,7 +22,7 @@ from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, r
 from kv_canary_testing.model_dir import write_mla_model_dir
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cpu_ci(est_time=300, suite="kv-canary-cpu")
+register_cpu_ci(est_time=90, suite="kv-canary-cpu")
 register_cuda_ci(est_time=200, suite="kv-canary-cuda")
 
 ENV = {

@@ -24,17 +24,19 @@ eviction and radix cache are sglang's own. On the GPU host (Triton attention)
 the window is applied by attention too.
 """
 
+import random
+
 import pytest
 
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
-from kv_canary_testing.model_dir import SWA_WINDOW, write_swa_model_dir
-from kv_canary_testing.workload import build_workload, run_requests
+from kv_canary_testing.model_dir import NUM_WORDS, SWA_WINDOW, write_swa_model_dir
+from kv_canary_testing.workload import RequestSpec, build_workload, run_requests
 from kv_canary.swa_divergence import SwaDivergenceLog
 
-register_cpu_ci(est_time=300, suite="kv-canary-cpu")
+register_cpu_ci(est_time=200, suite="kv-canary-cpu")
 register_cuda_ci(est_time=200, suite="kv-canary-cuda")
 
-POOL_TOKENS = 1024
+POOL_TOKENS = 512
 ENV = {
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.06",
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.06",
@@ -46,6 +48,19 @@ ENV = {
 }
 
 
+def _divergence_phase():
+    """One long request decoding past its window while short ones churn through the small pool.
+
+    Its SWA slots outside the window go back to the SWA allocator at its first decode steps while its
+    full slots stay held, so when the pool wraps the two allocators hand out different slots: later
+    requests read swa slots != full slots (the reporter's swa_full_idx_divergence).
+    """
+    rng = random.Random(3)
+    words = lambda n: tuple(rng.randrange(NUM_WORDS) for _ in range(n))  # noqa: E731
+    return ([RequestSpec(1000, "long", words(260), 64)]
+            + [RequestSpec(1001 + i, "short", words(56), 10) for i in range(14)])
+
+
 @pytest.fixture(scope="module")
 def swa_run(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("swa") / "server.log"
@@ -55,8 +70,14 @@ def swa_run(tmp_path_factory):
     srv = canary_server("log", log_path=log_path, env=ENV, model_path=write_swa_model_dir(),
                         extra_args=["--swa-full-tokens-ratio", "1.0"], max_total_tokens=POOL_TOKENS)
     with srv:
-        result = run_requests(srv.base_url, build_workload(40, seed=7, n_aborts=3, max_new_tokens=(16, 48)), concurrency=8,
+        result = run_requests(srv.base_url, build_workload(32, seed=7, n_aborts=3, max_new_tokens=(12, 40),
+                                                             prefix_len=(48, 128), long_len=(160, 280)), concurrency=8,
                               abort_mode="mixed", timeout=300)
+        tail = run_requests(srv.base_url, _divergence_phase(), concurrency=6, timeout=300)
+        result.sent += tail.sent
+        result.succeeded += tail.succeeded
+        result.failed += tail.failed
+        result.errors += tail.errors
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
     explained = lambda p, v: ((v["group"], v["slot"]) == (p["group"], p["slot"])  # noqa: E731
@@ -84,6 +105,7 @@ def test_swa_pool_serves_with_two_groups(swa_run):
     assert "pool=SWAKVPool groups=full,swa" in log.text, log.text[-3000:]
     assert result.failed == 0 and swa_run["running"], "\n".join(result.errors[:5])
     assert result.cached_tokens > 0, "no SWARadixCache prefix hits"
+    assert result.uncached_prompt_tokens > POOL_TOKENS, "no eviction forced"
     assert log.last_stat("health_violations") == 0
     assert "kv_canary_jit_after_startup" not in log.text
 
