@@ -23,7 +23,22 @@ from .kvc_tiny import KvcTinyForCausalLM
 
 
 class LagunaForCausalLM(KvcTinyForCausalLM):
-    """``KvcTinyForCausalLM`` under a hybrid-SWA architecture name (see the module doc)."""
+    """``KvcTinyForCausalLM`` under a hybrid-SWA architecture name (see the module doc).
+
+    The sliding layers' ``RadixAttention`` get ``sliding_window_size = config.sliding_window`` (the
+    window sglang's SWA allocator and radix cache use too), so a backend that applies windows (Triton on
+    the GPU host) reads them windowed and through the full -> swa translation; ``torch_native`` ignores it.
+    """
+
+    def __init__(self, config, quant_config=None, prefix: str = "", **kwargs):
+        super().__init__(config, quant_config=quant_config, prefix=prefix, **kwargs)
+        window = int(getattr(config, "sliding_window", 0) or 0)
+        for layer, kind in zip(self.model.layers, getattr(config, "layer_types", None) or []):
+            if kind == "sliding_attention" and window > 0:
+                layer.self_attn.attn.sliding_window_size = window
+
+    def get_attention_sliding_window_size(self) -> int:
+        return int(self.config.sliding_window)
 
 
 EntryClass = [LagunaForCausalLM]
