@@ -18,7 +18,7 @@ import torch
 
 from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.disagg import check_disaggregation, disaggregation_mode
-from .adapter.pools import register_sglang_pools
+from .adapter.pools import pool_context, register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
 from .memory import canary_memory_bytes, kv_pool_bytes
@@ -67,7 +67,9 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         )
     device = torch.device(model_runner.device)
     register_sglang_pools()
-    groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device)
+    groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device, pool_context(model_runner))
+    check_groups_supported(config, groups, type(model_runner.token_to_kv_pool).__name__,
+                           disaggregation_mode(server_args))
     req_to_token = model_runner.req_to_token_pool.req_to_token
     capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)
     kernels = select_kernels(config.kernel_backend, device)
@@ -124,6 +126,28 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     return manager
 
 
+def check_groups_supported(config: CanaryConfig, groups, pool_name: str, pd_mode: Optional[str]) -> None:
+    """Features not verified with several buffer groups (hybrid SWA) are refused, naming the flag."""
+    if config.swa_divergence_stats_interval and not any(g.window > 0 for g in groups):
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL={config.swa_divergence_stats_interval}: the KV pool "
+            f"{pool_name} has no sliding-window group (groups {','.join(g.name for g in groups)}); unset it"
+        )
+    if len(groups) <= 1:
+        return
+    names = ",".join(g.name for g in groups)
+    if config.mode.value == "contain":
+        raise CanaryConfigError(
+            f"--kv-canary contain is not supported with the KV pool {pool_name} (groups {names}): its eviction "
+            "of corrupt radix-cache nodes is only verified on single-group pools; use --kv-canary log or raise"
+        )
+    if pd_mode in ("prefill", "decode"):
+        raise CanaryConfigError(
+            f"--kv-canary {config.mode.value} with --disaggregation-mode {pd_mode} is not supported with the KV "
+            f"pool {pool_name} (groups {names}): only the first group's records travel; use --kv-canary none"
+        )
+
+
 def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,
                    capacities: LaunchCapacities, disaggregation: Optional[str] = None,
                    memory: Optional[dict] = None) -> str:
@@ -158,7 +182,8 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
     mrr = getattr(server_args, "max_running_requests", None)
     rows = min(REQ_ROWS_BOUND, int(mrr) + 1) if mrr else REQ_ROWS_BOUND
     ctx = int(model_runner.model_config.context_len) + EXTRA_CONTEXT_BOUND
-    common = dict(num_groups=1, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
+    groups = 2 if getattr(model_runner.model_config, "is_hybrid_swa", False) else 1  # SWAKVPool: full + swa
+    common = dict(num_groups=groups, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
                   token_oracle=config.uses_token_oracle, max_batch_size=rows + 1, sweep=config.sweep_interval > 0)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed

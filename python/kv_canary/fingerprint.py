@@ -69,7 +69,11 @@ C_REPORT_ENABLED = 6  # 0 while capturing/warming up: violations are counted now
 C_SLOTS_SWEPT = 7  # cached slots checked by radix-cache sweeps
 C_CURRENT_FORWARD = 8  # the running forward's index, stored by its HEAD for its TAIL's rows (TAIL bumps 5)
 C_SLOTS_SCRUBBED = 9  # slots whose every K/V byte the scrub checked
-NUM_COUNTERS = 10
+# windowed (hybrid sliding-window) groups, the SWA divergence reporter's inputs:
+C_SWA_VERIFIED = 10  # slots verified by windowed groups (the rest of C_SLOTS_VERIFIED: the full groups)
+C_SWA_DIVERGENCE = 11  # of those, entries whose group slot differs from the engine (full) slot
+C_SWA_OUT_OF_WINDOW = 12  # prefix positions a windowed group did not verify (outside its window)
+NUM_COUNTERS = 13
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)

@@ -347,7 +347,15 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     elif manager.config.sweep_interval > 0:
         raise CanaryConfigError(
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
-            f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
+            f"cache is {type(tree).__name__}: "
+            + (f"the sweep does not follow it yet (hybrid sliding-window models); unset {FLAG_SWEEP_INTERVAL}"
+               if type(tree).__name__ == "SWARadixCache" else
+               f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}")
+        )
+    elif manager.config.perturb_real_kv_unused_cache_prob > 0:
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB needs sglang's radix cache, but the prefix "
+            f"cache is {type(tree).__name__}: unset it"
         )
 
 

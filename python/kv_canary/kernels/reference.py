@@ -22,8 +22,21 @@ def _full_hash(group, slots: torch.Tensor) -> torch.Tensor:
     return kv_hash_from_words(group.all_words(slots))
 
 
-def _check_slots(group, raw_slot, raw_pred, pos, want_token):
-    """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0."""
+def translate(group, full_slots: torch.Tensor) -> torch.Tensor:
+    """The group's slots for engine slots (``group.slot_map``; -1 out of its range; identity without one)."""
+    full_slots = full_slots.to(torch.int64)
+    if group.slot_map is None:
+        return full_slots
+    n = group.slot_map.shape[0]
+    ok = (full_slots >= 0) & (full_slots < n)
+    return torch.where(ok, group.slot_map[full_slots.clamp(0, n - 1)].to(torch.int64), -1)
+
+
+def _check_slots(group, raw_slot, raw_pred, pos, want_token, pred_known=None):
+    """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0.
+
+    pred_known: lanes whose predecessor's record is readable (None: all); elsewhere the chain is not checked.
+    """
     slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
     slot = torch.where(slot_ok, raw_slot, 0)
     pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
@@ -38,6 +51,8 @@ def _check_slots(group, raw_slot, raw_pred, pos, want_token):
     bad_slot = ~slot_ok
     bad_pos = slot_ok & (rec_pos != pos)
     bad_chain = slot_ok & (rec_chain != want_chain)
+    if pred_known is not None:
+        bad_chain = bad_chain & pred_known
     bad_token = slot_ok & (rec_token != want_token)
     bad_hash = slot_ok & (live_hash != rec_hash)
     reason = ((bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN)
@@ -72,18 +87,25 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     width = int(prefix.max().item()) if bs else 0
     if width > 0:
         pos = torch.arange(width, device=device, dtype=torch.int64).expand(bs, width)
-        m = pos < prefix[:, None]
-        raw_slot = req_to_token[rows][:, :width].to(torch.int64)
+        lo = (prefix - group.window).clamp(min=0) if group.window > 0 else torch.zeros_like(prefix)
+        m = (pos < prefix[:, None]) & (pos >= lo[:, None])
+        full_slot = req_to_token[rows][:, :width].to(torch.int64)
+        raw_slot = translate(group, full_slot)
         raw_pred = torch.zeros_like(raw_slot)
         raw_pred[:, 1:] = raw_slot[:, :-1]
+        pred_known = (pos == 0) | (raw_pred > 0) if group.slot_map is not None else None
         want_token = None if expected_tokens is None else expected_tokens[rows][:, :width].to(torch.int64)
-        reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, want_token)
+        reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, want_token, pred_known)
         batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None]
         _append_violations(counters, ring, m & (reason != 0), [
             reason | (group_index << fp.GROUP_SHIFT), raw_slot, pos, batch_index, rows[:, None], stored, expected,
             counters[fp.C_FORWARD_INDEX],
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
+        if group.slot_map is not None:
+            counters[fp.C_SWA_VERIFIED] += m.sum()
+            counters[fp.C_SWA_DIVERGENCE] += (m & (raw_slot != full_slot)).sum()
+            counters[fp.C_SWA_OUT_OF_WINDOW] += lo.sum()
     counters[fp.C_VERIFY_LAUNCHES] += 1
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 
@@ -125,11 +147,11 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         csum = torch.cumsum(g, 0)
         seg_start = torch.cumsum(n.clamp(min=0), 0) - n.clamp(min=0)
         before = torch.where(seg_start > 0, csum[(seg_start - 1).clamp(min=0)], torch.zeros_like(seg_start))
-        raw_pred = req_to_token[rows, (p0 - 1).clamp(min=0)].to(torch.int64)
+        raw_pred = translate(group, req_to_token[rows, (p0 - 1).clamp(min=0)])
         pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
         carry = torch.where(p0 > 0, group.records[pred, fp.F_CHAIN], fp.CHAIN_ANCHOR)
         chain = carry[req_of] + (csum - before[req_of])
-        slot = view.out_cache_loc[tok_index].to(torch.int64)
+        slot = translate(group, view.out_cache_loc[tok_index])
         wm = (slot > 0) & (slot < group.num_slots) & (p0[req_of] >= 0)
         if token_oracle is not None:
             token_oracle.next_rows[:bs] = rows

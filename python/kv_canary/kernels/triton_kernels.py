@@ -42,6 +42,9 @@ _C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
 _C_SLOTS_SWEPT = tl.constexpr(fp.C_SLOTS_SWEPT)
 _C_CURRENT_FORWARD = tl.constexpr(fp.C_CURRENT_FORWARD)
 _C_SLOTS_SCRUBBED = tl.constexpr(fp.C_SLOTS_SCRUBBED)
+_C_SWA_VERIFIED = tl.constexpr(fp.C_SWA_VERIFIED)
+_C_SWA_DIVERGENCE = tl.constexpr(fp.C_SWA_DIVERGENCE)
+_C_SWA_OUT_OF_WINDOW = tl.constexpr(fp.C_SWA_OUT_OF_WINDOW)
 
 
 @triton.jit
@@ -86,11 +89,25 @@ def _kv_hash(slot, mask, base, sources, num_sources, WT: tl.constexpr):
 
 
 @triton.jit
+def _translate(slot_map, map_len, full_slot, m, TRANSLATE: tl.constexpr):
+    """A group's slot for engine (full) slot ``full_slot``: ``slot_map[full_slot]`` (-1 out of range).
+
+    Without TRANSLATE the group's slots are the engine's slots.
+    """
+    if TRANSLATE:
+        ok = m & (full_slot >= 0) & (full_slot < map_len)
+        return tl.where(ok, tl.load(slot_map + full_slot, mask=ok, other=-1).to(tl.int64), -1)
+    else:
+        return full_slot
+
+
+@triton.jit
 def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources,
-                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr):
+                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr, pred_known=True):
     """Check lanes ``m`` of (slot, predecessor slot, position, expected token) against the records.
 
-    raw_pred must be 0 where pos == 0. Returns (reason bits, stored, expected) per lane;
+    raw_pred must be 0 where pos == 0. ``pred_known``: lanes whose predecessor's record can be
+    read (False where a translated group released it: the chain link is then not checked). Returns (reason bits, stored, expected) per lane;
     stored/expected describe the first failing check in the order slot, position,
     chain, token, kv_hash.
     """
@@ -110,7 +127,7 @@ def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, bas
         want_token = rec_token
     bad_slot = ~slot_ok
     bad_pos = slot_ok & (rec_pos != pos)
-    bad_chain = slot_ok & (rec_chain != want_chain)
+    bad_chain = slot_ok & pred_known & (rec_chain != want_chain)
     bad_token = slot_ok & (rec_token != want_token)
     bad_hash = slot_ok & (live_hash != rec_hash)
     reason = (tl.where(bad_slot, _R_SLOT, 0) | tl.where(bad_pos, _R_POSITION, 0) | tl.where(bad_chain, _R_CHAIN, 0)
@@ -147,9 +164,17 @@ def verify_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens,
     base, sources, num_sources,
     counters, ring, ring_capacity, num_slots, programs_per_req, expected_tokens, et_stride,
+    slot_map, map_len, window,
     CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
+    TRANSLATE: tl.constexpr,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
+
+    A windowed group (``window`` > 0: sliding-window layers) verifies only the last
+    ``window`` positions of that prefix, what its attention reads. With TRANSLATE
+    the slot of position p is ``slot_map[req_to_token[row, p]]`` (hybrid SWA: the
+    full -> swa mapping); a predecessor outside the window whose mapping was
+    released (0) leaves that lane's chain link unchecked.
 
     Program (i, j) checks blocks j, j + programs_per_req, ... of request i's
     prefix. Each failing slot appends one ring row; the counters get the number
@@ -160,24 +185,40 @@ def verify_kernel(
     row = tl.load(req_pool_indices + i).to(tl.int64)
     prefix = tl.load(seq_lens + i).to(tl.int64) - tl.load(new_lens + i).to(tl.int64)
     prefix = tl.maximum(prefix, 0)
+    lo = tl.where(window > 0, tl.maximum(prefix - window, 0), 0)
     report = tl.load(counters + _C_REPORT_ENABLED)
     forward_index = tl.load(counters + _C_FORWARD_INDEX)
-    num_blocks = tl.cdiv(prefix, BLOCK)
+    num_blocks = tl.cdiv(prefix - lo, BLOCK)
     lanes = tl.arange(0, BLOCK)
     verified = tl.zeros((BLOCK,), dtype=tl.int64)
+    diverged = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in range(j, num_blocks, programs_per_req):
-        pos = b * BLOCK + lanes
+        pos = lo + b * BLOCK + lanes
         m = pos < prefix
         raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
         raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
+        full_slot = raw_slot
+        raw_slot = _translate(slot_map, map_len, raw_slot, m, TRANSLATE)
+        raw_pred = tl.where(pos > 0, _translate(slot_map, map_len, raw_pred, m & (pos > 0), TRANSLATE), 0)
+        if TRANSLATE:  # a released predecessor (mapping 0, outside the window): its record is gone
+            pred_known = (pos == 0) | (raw_pred > 0)
+        else:
+            pred_known = pos >= 0
         want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
         reason, stored, expected = _check_slots(
-            records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, CHECK_TOKENS, WT)
+            records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, CHECK_TOKENS, WT,
+            pred_known)
         bad = (reason != 0) & (report != 0)
         _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
                            i, row, stored, expected, forward_index)
         verified += m.to(tl.int64)
+        diverged += (m & (raw_slot != full_slot)).to(tl.int64)
     tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
+    if TRANSLATE:  # the SWA divergence reporter's counts
+        tl.atomic_add(counters + _C_SWA_VERIFIED, tl.sum(verified, axis=0))
+        tl.atomic_add(counters + _C_SWA_DIVERGENCE, tl.sum(diverged, axis=0))
+        if j == 0:
+            tl.atomic_add(counters + _C_SWA_OUT_OF_WINDOW, lo)
     if (i == 0) & (j == 0):
         tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1)
         tl.store(counters + _C_CURRENT_FORWARD, forward_index)  # for this forward's TAIL rows
@@ -221,8 +262,10 @@ def write_kernel(
     input_ids, positions, out_cache_loc,
     base, sources, num_sources, full_base, full_sources, num_full_sources,
     counters, ring, ring_capacity, num_slots, expected_tokens, et_stride, next_rows, next_positions,
+    slot_map, map_len,
     BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, GROUP_BITS: tl.constexpr,
     FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
+    TRANSLATE: tl.constexpr,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
 
@@ -238,6 +281,7 @@ def write_kernel(
     is written in parallel. With ORACLE, program (i, 0) also stores where
     request i's next sampled token will sit: ``next_rows/next_positions[i]``.
     With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
+    With TRANSLATE the group's slots (new ones and the predecessor) are ``slot_map[engine slot]``.
     """
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -248,6 +292,7 @@ def write_kernel(
     p0 = seq_len - n
     lanes = tl.arange(0, BLOCK)
     pred = tl.load(req_to_token + row * r2t_stride + tl.maximum(p0 - 1, 0), mask=p0 > 0, other=0).to(tl.int64)
+    pred = _translate(slot_map, map_len, pred, p0 > 0, TRANSLATE)
     pred = tl.where((pred > 0) & (pred < num_slots), pred, 0)
     pred_chain = tl.load(records + pred * _RW + 2, mask=p0 > 0, other=0)
     carry = tl.where(p0 > 0, pred_chain, _ANCHOR)
@@ -264,6 +309,7 @@ def write_kernel(
     g = tl.where(m, _chain_term(tok, pos), 0)
     chain = carry + tl.cumsum(g, axis=0)
     slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+    slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
     # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
     wm = m & (slot > 0) & (slot < num_slots)
     live_hash = _kv_hash(slot, wm, base, sources, num_sources, WT)
@@ -325,9 +371,9 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     verify_kernel[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, programs_per_req,
-        tokens, tokens.stride(0),
+        tokens, tokens.stride(0), *_map_args(group), group.window,
         CHECK_TOKENS=expected_tokens is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT,
-        WT=hash_word_tile(group), BLOCK=block,
+        WT=hash_word_tile(group), BLOCK=block, TRANSLATE=group.slot_map is not None,
     )
 
 
@@ -345,10 +391,11 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
         *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, tokens,
-        tokens.stride(0), next_rows, next_positions,
+        tokens.stride(0), next_rows, next_positions, *_map_args(group),
         BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, ORACLE=token_oracle is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
         WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
+        TRANSLATE=group.slot_map is not None,
     )
 
 
@@ -387,6 +434,13 @@ def hash_word_tile(group, full: bool = False) -> int:
 def _hash_args(group):
     """base, source table, number of sources (see ``CanaryBufferGroup``)."""
     return [group.base, group.source_table, len(group.sources)]
+
+
+def _map_args(group):
+    """slot map, its length (the records stand in when the group has no translation)."""
+    if group.slot_map is None:
+        return [group.records, 0]
+    return [group.slot_map, int(group.slot_map.shape[0])]
 
 
 def _full_hash_args(group):

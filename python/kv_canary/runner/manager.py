@@ -38,6 +38,7 @@ from ..config import CanaryConfig, CanaryMode
 from ..containment import ContainmentTarget, build_order
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
+from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
 from ..token_oracle import AdmittedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
@@ -141,6 +142,7 @@ class CanaryManager:
         self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
         self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
+        self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
         self._reset_host_state()
@@ -161,6 +163,7 @@ class CanaryManager:
         self._reason_names: Dict[int, Tuple[str, str]] = {}  # ring reason bits -> (kind, group)
         self.last_counters: Optional[List[int]] = None  # the newest counter copy the host has read
         self._last_stats_forward = 0
+        self._last_swa_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
         self._expected_written_at: Deque[Tuple[int, int]] = deque()  # (forward, expected slots written), in order
@@ -429,6 +432,9 @@ class CanaryManager:
             self._settled_forward = self.forwards
             self._last_stats_forward = self.forwards
             logger.info(self.stats_line() + " settled=1")
+            if self.config.swa_divergence_stats_interval and self.last_counters is not None:
+                self._last_swa_forward = self.forwards
+                logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
 
     def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
         """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
@@ -444,6 +450,10 @@ class CanaryManager:
                 break
         every = self.config.stats_print_every_n_steps
         forward = int(host_counters[fp.C_FORWARD_INDEX])
+        swa_every = self.config.swa_divergence_stats_interval
+        if swa_every and forward - self._last_swa_forward >= swa_every:
+            self._last_swa_forward = forward
+            logger.info(SwaDivergenceLog.from_counters(host_counters).format())
         if (every and forward - self._last_stats_forward >= every) or self._distinct_reported > reported:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
@@ -598,6 +608,7 @@ class CanaryManager:
                 "sweeps": self.sweeps,
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
                 "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
+                **({"slots_verified_swa": values[fp.C_SWA_VERIFIED]} if self._windowed else {}),
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,

@@ -47,7 +47,7 @@ CASES = [
      "--kv-canary-real-data partial only, not all"),
     ("tp2-pd", ["--tp-size", "2", "--disaggregation-mode", "decode"], "--tp-size 1 only, not 2"),
     ("pp2", ["--pp-size", "2"], "cannot verify --pp-size 2"),
-    ("kv-fp8", ["--kv-cache-dtype", "fp8_e5m2"], "cannot verify --kv-cache-dtype fp8_e5m2"),
+    ("kv-fp4", ["--kv-cache-dtype", "fp4_e2m1"], "cannot verify --kv-cache-dtype fp4_e2m1"),
     ("two-batch-overlap", ["--enable-two-batch-overlap"], "cannot verify --enable-two-batch-overlap"),
     ("memory-saver", ["--enable-memory-saver"], "cannot verify --enable-memory-saver"),
     ("mixed-chunk", ["--enable-mixed-chunk"], "cannot verify --enable-mixed-chunk"),
