@@ -64,8 +64,7 @@ class Harness:
             return wrapped
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                ref.launch_record_sampled, ref.launch_scrub, spy("sweep", ref.launch_index_sweep),
-                                graph_safe=False)
+                                ref.launch_scrub, spy("sweep", ref.launch_index_sweep), graph_safe=False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
@@ -105,9 +104,10 @@ class Harness:
             self.own[row] = self.own.get(row, []) + list(toks)
         kw = {}
         if not decode:
+            i32 = dict(dtype=torch.int32)  # as sglang's ForwardBatch.init_new builds them
             kw = dict(
-                extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre),
-                extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))]),
+                extend_seq_lens=torch.tensor(ext, **i32), extend_prefix_lens=torch.tensor(pre, **i32),
+                extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], **i32),
                 extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre, extend_num_tokens=sum(ext),
             )
         fb = ForwardBatch(
@@ -216,10 +216,26 @@ def test_log_mode_logs_each_violation_and_keeps_serving(caplog):
         h.step(h.batch({1: [9], 2: [5]}, decode=True))
     found = parse_lines(caplog.text, VIOLATION_PREFIX)
     assert {(v["rid"], v["position"], v["kind"]) for v in found} == {
-        ("r2", "1", "chain+token"),  # a foreign slot: another prefix and not request 2's own token
+        ("r2", "1", "chain"),  # a foreign slot: another prefix
         ("r2", "2", "chain"),  # request 2's own slot, but its link now points at the foreign one
     }
     assert h.manager.violations_reported == 4  # both decode forwards read the bad slots
+
+
+def test_a_whole_foreign_prefix_fails_the_token_check_once(caplog):
+    """Request 2's row points at request 1's self-consistent slots (a radix match to another prompt): every
+    link checks out; the chain of the read tokens is not the chain of request 2's own tokens."""
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [1, 2, 3]}))
+    h.r2t[2, :3] = h.r2t[1, :3]
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        for t in range(3):
+            h.step(h.batch({1: [8 + t], 2: [4 + t]}, decode=True))
+        h.manager.poll(drain=True)
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [(v["rid"], v["position"], v["kind"]) for v in found] == [("r2", "2", "token")]
+    assert h.manager.violations_reported == 1  # the next TAIL continues from what request 2 read
 
 
 def test_a_cuda_graph_recapture_after_init_raises_no_health_violation(caplog):
