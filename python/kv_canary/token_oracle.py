@@ -34,6 +34,7 @@ decode request inside a mixed batch, keeps the device-maintained chain.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,6 +48,7 @@ FedRequest = Tuple[int, Hashable, int, int, Record]
 """(req_to_token row, admission key, prefix length, new tokens, () -> (prompt ids, output ids so far))."""
 
 UNKNOWN = -1  # a staged token the host's record does not have (yet)
+CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
 
 
 class TokenOracle:
@@ -71,6 +73,8 @@ class TokenOracle:
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
         self._sampled_views: Dict[int, torch.Tensor] = {}
+        self._chain_cache: "OrderedDict[Tuple[int, ...], int]" = OrderedDict()  # recent prefixes -> chain
+        self._cached_tokens = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -87,6 +91,8 @@ class TokenOracle:
         self.pending.zero_()
         self._row_owner.clear()
         self._row_inits.clear()
+        self._chain_cache.clear()
+        self._cached_tokens = 0
 
     # ------------------------------------------------------------------ host side, before a forward
 
@@ -125,12 +131,31 @@ class TokenOracle:
         if a:
             base = self._admit_at
             arr[base:base + a] = admit_rows
-            arr[base + a:base + 2 * a] = prefix_chains_np(admit_prefixes)
+            arr[base + a:base + 2 * a] = self._prefix_chains(admit_prefixes)
             dev = self.staged[base:base + 2 * a]
             dev.copy_(buf[base:base + 2 * a], non_blocking=cuda)
             self.row_chain.index_copy_(0, dev[:a], dev[a:])
         self._staging.done()
         return a
+
+    def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:
+        """``prefix_chains_np``, remembering recent prefixes: requests sharing a system prompt are admitted with
+        the same cached prefix, whose chain is then computed once (keyed by the tokens themselves: exact)."""
+        index: Dict[Tuple[int, ...], int] = {}
+        which = [index.setdefault(tuple(p), len(index)) for p in prefixes]  # one hash per prefix
+        cache = self._chain_cache
+        unique = list(index)
+        chains: List[Optional[int]] = [cache.get(k) for k in unique]
+        missing = [i for i, c in enumerate(chains) if c is None]
+        if missing:
+            for i, chain in zip(missing, prefix_chains_np([unique[i] for i in missing])):
+                chains[i] = cache[unique[i]] = chain
+                self._cached_tokens += len(unique[i])
+        for k in unique:
+            cache.move_to_end(k)
+        while self._cached_tokens > CHAIN_CACHE_TOKENS and len(cache) > 1:
+            self._cached_tokens -= len(cache.popitem(last=False)[0])
+        return [chains[i] for i in which]
 
     def init_row(self, row: int, prompt: Sequence[int], outputs: Sequence[int]) -> None:
         """A request whose KV no forward of this server wrote (PD decode side: arrived by transfer, or reloaded).

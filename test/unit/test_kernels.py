@@ -417,6 +417,21 @@ def test_token_oracle_stages_the_fed_tokens_and_admits_a_request_once():
     assert int(oracle.row_chain[3]) == fp.prefix_chains_np([[4, 5, 6, 7]])[0] and int(oracle.next_token[3]) == 8
 
 
+def test_admissions_sharing_a_prefix_get_exact_chains_from_the_cache(monkeypatch):
+    from kv_canary import token_oracle
+
+    monkeypatch.setattr(token_oracle, "CHAIN_CACHE_TOKENS", 8)
+    oracle = TokenOracle(rows=6, max_batch_size=6, max_tokens_per_forward=16, device=DEVICE)
+    shared, other = [3, 1, 4, 1, 5], [3, 1, 4, 1, 6]
+    reqs = [(1, "a", 5, 1, lambda: (shared + [9], [])), (2, "b", 5, 1, lambda: (other + [9], [])),
+            (3, "c", 5, 1, lambda: (shared + [8], [])), (4, "d", 4, 1, lambda: (shared, []))]
+    for round_ in range(2):  # the second round hits (or, past the cache's bound, recomputes) every prefix
+        assert oracle.stage([(r, (k, round_), p, n, rec) for r, k, p, n, rec in reqs]) == 4
+        want = fp.prefix_chains_np([shared, other, shared, shared[:4]])
+        assert [int(oracle.row_chain[r]) for r in (1, 2, 3, 4)] == want
+        assert oracle._cached_tokens <= 8 or len(oracle._chain_cache) == 1
+
+
 def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 2**31 - 1, (3000,), generator=g)
