@@ -76,6 +76,7 @@ class Harness:
         self.next_slot = 1
         self.lens = {}
         self.own = {}  # row -> the request's tokens so far (the scheduler's record)
+        self.reqs = {}  # row -> its Req stand-in
 
     def batch(self, rows_tokens, decode=False):
         """rows_tokens: {row: [new token ids]} -> a real ForwardBatch (EXTEND or DECODE).
@@ -116,8 +117,10 @@ class Harness:
             seq_lens=torch.tensor(seqs), out_cache_loc=torch.tensor(locs), seq_lens_sum=sum(seqs),
             seq_lens_cpu=torch.tensor(seqs), positions=torch.tensor(pos), rids=[f"r{r}" for r in rows], **kw,
         )
-        fb.kv_canary_reqs = [SimpleNamespace(req_pool_idx=r, rid=f"r{r}", origin_input_ids=list(self.own[r]),
-                                             output_ids=[]) for r in rows]
+        for r in rows:  # the scheduler's Req objects: one per request, kept across its forwards
+            req = self.reqs.setdefault(r, SimpleNamespace(req_pool_idx=r, rid=f"r{r}", retraction_count=0))
+            req.origin_input_ids, req.output_ids = list(self.own[r]), []
+        fb.kv_canary_reqs = [self.reqs[r] for r in rows]
         return fb
 
     def step(self, fb):
@@ -236,6 +239,24 @@ def test_a_whole_foreign_prefix_fails_the_token_check_once(caplog):
     found = parse_lines(caplog.text, VIOLATION_PREFIX)
     assert [(v["rid"], v["position"], v["kind"]) for v in found] == [("r2", "2", "token")]
     assert h.manager.violations_reported == 1  # the next TAIL continues from what request 2 read
+
+
+def test_chunks_continue_and_a_retracted_request_is_admitted_again(caplog):
+    """A continuation chunk keeps the device's row chain; a retracted request re-admitted with fewer cached
+    positions gets its chain from the host again (else its HEAD would compare a longer prefix's chain)."""
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: [5, 6, 7], 2: [1]}))
+        h.step(h.batch({1: [8, 9]}))  # the next chunk of request 1
+        h.step(h.batch({1: [10]}, decode=True))
+        h.reqs[1].retraction_count += 1  # retracted; back with 3 of its 6 positions cached
+        h.lens[1], h.own[1] = 3, h.own[1][:3]
+        h.step(h.batch({1: [8, 9, 10]}))
+        h.step(h.batch({1: [11]}, decode=True))
+        h.manager.poll(drain=True)
+    assert parse_lines(caplog.text, VIOLATION_PREFIX) == []
+    assert h.manager.last_counters[fp.C_SLOTS_VERIFIED] == 3 + 5 + 3 + 6
 
 
 def test_a_cuda_graph_recapture_after_init_raises_no_health_violation(caplog):
