@@ -170,7 +170,8 @@ class TokenOracle:
         self._row_inits.append((row, chain, int(own[held]) if own else 0))
 
     def _apply_row_inits(self) -> None:
-        inits, self._row_inits = self._row_inits, []
+        inits = list({r: (r, c, t) for r, c, t in self._row_inits}.values())  # the latest per row: indices unique
+        self._row_inits = []
         self.flush_pending()  # a pending sample of the row's previous owner must not land after this
         for k in range(0, len(inits), self.max_batch_size):
             part = inits[k:k + self.max_batch_size]
