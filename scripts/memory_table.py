@@ -40,7 +40,8 @@ def main() -> int:
     p.add_argument("--before", action="store_true", help="add the pre-issue-12 token table for comparison")
     args = p.parse_args()
     mib = 1 << 20
-    head = "| request rows | context | sweep | records + sweep index | token oracle | ring + counters | canary total | % of KV pool (16 GiB) |"
+    head = ("| request rows | context | sweep | records + sweep index | token oracle | ring + counters | canary total "
+            "| % of KV pool (16 GiB) |")
     sep = "|---:|---:|---|---:|---:|---:|---:|---:|"
     if args.before:
         head += " before issue 12 | before, % |"
