@@ -21,7 +21,7 @@ from .adapter.disagg import check_disaggregation, disaggregation_mode
 from .adapter.pools import pool_context, register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
-from .memory import canary_memory_bytes, kv_pool_bytes
+from .memory import DEFAULT_MAX_PREFILL_TOKENS, canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
@@ -106,7 +106,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
         context_len=int(req_to_token.shape[1]), ring_capacity=config.ring_capacity,
         token_oracle=config.uses_token_oracle, max_batch_size=capacities.max_batch_size,
-        sweep=config.sweep_interval > 0,
+        sweep=config.sweep_interval > 0, max_tokens_per_forward=capacities.tokens_per_forward,
     )
     kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
     reserved = getattr(model_runner, "kv_canary_reserved_bytes", None)
@@ -157,6 +157,7 @@ def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: s
         format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
                                         "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,
                                         "max_context_len": capacities.max_context_len,
+                                        "max_tokens_per_forward": capacities.tokens_per_forward,
                                         "disaggregation": disaggregation, **(memory or {})}),
     ])
 
@@ -183,8 +184,12 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
     rows = min(REQ_ROWS_BOUND, int(mrr) + 1) if mrr else REQ_ROWS_BOUND
     ctx = int(model_runner.model_config.context_len) + EXTRA_CONTEXT_BOUND
     groups = 2 if getattr(model_runner.model_config, "is_hybrid_swa", False) else 1  # SWAKVPool: full + swa
+    max_bs = max(rows, int(getattr(server_args, "cuda_graph_max_bs", 0) or 0)) + 1  # >= compute_capacities'
+    tokens = tokens_per_forward_bound(context_len=ctx, max_batch_size=max_bs,
+                                      max_prefill_tokens=_max_prefill_tokens(server_args))
     common = dict(num_groups=groups, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
-                  token_oracle=config.uses_token_oracle, max_batch_size=rows + 1, sweep=config.sweep_interval > 0)
+                  token_oracle=config.uses_token_oracle, max_batch_size=max_bs, sweep=config.sweep_interval > 0,
+                  max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
     try:
@@ -210,6 +215,13 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
     manager.precompile(lengths, sizes)
 
 
+def _max_prefill_tokens(server_args: Any) -> int:
+    """sglang's prefill token budget per forward (and the chunk size, when larger)."""
+    budget = int(getattr(server_args, "max_prefill_tokens", 0) or DEFAULT_MAX_PREFILL_TOKENS)
+    chunk = int(getattr(server_args, "chunked_prefill_size", 0) or 0)
+    return max(budget, chunk)
+
+
 def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:
     req_pool = model_runner.req_to_token_pool
     max_bs = max(int(req_pool.size), int(getattr(server_args, "cuda_graph_max_bs", 0) or 0)) + 1
@@ -218,10 +230,13 @@ def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.dev
         target = 2 * sms
     else:
         target = 1  # CPU/interpreter: one program per request
+    ctx = int(req_pool.req_to_token.shape[1])
     return LaunchCapacities(
         max_batch_size=max_bs,
-        max_context_len=int(req_pool.req_to_token.shape[1]),
+        max_context_len=ctx,
         verify_programs_target=target,
+        max_tokens_per_forward=tokens_per_forward_bound(
+            context_len=ctx, max_batch_size=max_bs, max_prefill_tokens=_max_prefill_tokens(server_args)),
     )
 
 

@@ -14,7 +14,7 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
-* ``ModelRunner.sample``: the sampled token ids join the token oracle (device scatter);
+* ``ModelRunner.sample``: the sampled token ids join the token oracle (one device copy; the next HEAD scatters);
 * ``ForwardBatch.init_new``: keep the batch's Req objects (cached-prefix tokens for the token check);
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;

@@ -19,8 +19,9 @@ forward -> TAIL (fingerprint the new slots; check the positions and tokens the
 model was fed) -> outside post-ops (count the forward, queue the async counter
 copy, read copies a few forwards old, log/raise violations, stats). Everything
 between the outside pre- and post-ops may be captured in a CUDA graph; the
-outside ops never are. After the engine samples, ``record_sampled`` adds the
-sampled ids to the token oracle (device work: what the next forward must feed).
+outside ops never are. After the engine samples, ``record_sampled`` copies the
+sampled ids into the token oracle (one device copy; the next forward's HEAD lands
+them where its TAIL expects what each request is fed).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
-from ..token_oracle import AdmittedRequest, TokenOracle
+from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..cache_index import CachedSlotIndex
@@ -78,9 +79,9 @@ class BatchAdapter(Protocol):
 
     def written_slots(self, forward_batch: object) -> Sequence[int]: ...
 
-    def extend_requests(self, forward_batch: object) -> Sequence[AdmittedRequest]:
-        """(row, rid, record()) of each request an extend batch admits/continues; record() is the
-        scheduler's (prompt ids, output ids so far)."""
+    def extend_requests(self, forward_batch: object) -> Sequence[FedRequest]:
+        """(row, admission key, prefix length, new tokens, record()) of each request of an extend batch, batch
+        order; record() is the scheduler's (prompt ids, output ids so far). [] for other batches."""
         ...
 
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
@@ -110,19 +111,21 @@ class CanaryManager:
         self._req_to_token = req_to_token
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
-        # Each request's own tokens by position, from the scheduler's record (never from input_ids):
-        # TAIL checks the tokens it is fed against it, HEAD the slots' recorded tokens.
+        # Each request's own tokens, from the scheduler's record (never from input_ids): TAIL checks the
+        # tokens it is fed against it, HEAD the chain of the tokens it reads. O(rows + tokens of one forward).
         self.token_oracle = (
-            TokenOracle(rows=req_to_token.shape[0], ctx=req_to_token.shape[1], max_batch_size=capacities.max_batch_size,
-                        device=device, record_sampled_kernel=kernels.record_sampled)
+            TokenOracle(rows=req_to_token.shape[0], max_batch_size=capacities.max_batch_size,
+                        max_tokens_per_forward=capacities.tokens_per_forward, device=device,
+                        verify_reads=config.verify_tokens, check_fed=config.write_input_assert)
             if config.uses_token_oracle else None
         )
+        self._sample_sink: Optional[Callable[[torch.Tensor], None]] = None  # the oracle's, once init finished
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
                 token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
-                verify_tokens=config.verify_tokens, check_fed=config.write_input_assert,
+                check_fed=config.write_input_assert,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -219,6 +222,7 @@ class CanaryManager:
         self._d2h.drain()
         if self.token_oracle is not None:
             self.token_oracle.reset()
+            self._sample_sink = self.token_oracle.record_sampled
         self._reset_host_state()
         self.init_finished = True
         if self.variant_tracker is not None:
@@ -241,15 +245,17 @@ class CanaryManager:
             for bs in batch_sizes:
                 for n in block_lengths:
                     for lens_dtype in (torch.int32, torch.int64):
+                        extend = lens_dtype is torch.int32  # extend batches: staged expected tokens
                         view = ForwardView(
                             input_ids=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             positions=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             out_cache_loc=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
                             seq_lens=torch.full((bs,), n, dtype=torch.int64, device=dev),
-                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * n,
+                            # extend: every request reads tokens [0, n) (inert), so the staged reads stay in bounds
+                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * (0 if extend else n),
                             new_lens=torch.full((bs,), n, dtype=lens_dtype, device=dev),
-                            batch_size=bs, max_new_len=n,
+                            batch_size=bs, max_new_len=n, staged=extend,
                         )
                         for sfm in self.single_forward_managers:
                             sfm.pre_ops_maybe_inside_graph(view)
@@ -290,10 +296,11 @@ class CanaryManager:
     def record_sampled(self, sampled: torch.Tensor) -> None:
         """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
 
-        Called after each sampling step, outside any graph; device work only.
+        Called after each sampling step, outside any graph: one device copy (the next forward's HEAD scatters).
         """
-        if self.token_oracle is not None and self.init_finished:
-            self.token_oracle.record_sampled(sampled, int(sampled.shape[0]))
+        sink = self._sample_sink
+        if sink is not None:
+            sink(sampled)
 
     def _on_eager_tail(self) -> None:
         if not self._capturing:
@@ -305,8 +312,9 @@ class CanaryManager:
         if not self.init_finished:
             return
         if self.token_oracle is not None:
-            # Newly admitted requests: the scheduler's record of their tokens (one non-blocking copy each).
-            self.token_oracle.admit(self._adapter.extend_requests(fb))
+            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
+            # a newly admitted request's expected chain over its cached prefix.
+            self.token_oracle.stage(self._adapter.extend_requests(fb))
         if self._arrivals:  # after arrival, before the first forward that reads them
             self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
             self._arrivals = []
@@ -323,7 +331,7 @@ class CanaryManager:
         it arrived by transfer), called when sglang builds the prebuilt batch.
         """
         if self.token_oracle is not None:
-            self.token_oracle.admit([(row, rid, lambda: (prompt_ids, output_ids))])
+            self.token_oracle.init_row(row, prompt_ids, output_ids)
 
     def attach_transfer(self, book: TransferBook) -> None:
         """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
