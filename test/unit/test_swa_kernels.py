@@ -25,7 +25,6 @@ from kv_canary.buffer_groups import PoolLayout, build_group  # noqa: E402
 from kv_canary.config import CanaryConfig  # noqa: E402
 from kv_canary.kernels import reference as ref  # noqa: E402
 from kv_canary.kernels import triton_kernels as tk  # noqa: E402
-from kv_canary.token_oracle import TokenOracle  # noqa: E402
 from kv_canary.views import ForwardView  # noqa: E402
 
 FULL_SLOTS, SWA_SLOTS, CTX, WINDOW = 400, 160, 120, 12
@@ -48,8 +47,6 @@ class SwaSim:
                        build_group(PoolLayout("swa", self.ks, self.vs, slot_translation=self.mapping, window=WINDOW),
                                    config, DEVICE)]
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
-        self.oracle = TokenOracle(rows=8, ctx=CTX, max_batch_size=8, device=DEVICE,
-                                  record_sampled_kernel=backend.launch_record_sampled)
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=DEVICE)
         self.counters[fp.C_REPORT_ENABLED] = 1
         self.ring = torch.zeros(512, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
@@ -67,7 +64,6 @@ class SwaSim:
             swa = torch.tensor([self.swa_free.pop(0) for _ in toks], dtype=torch.int64)
             self.mapping[full.to(DEVICE)] = swa.to(DEVICE)
             self.r2t[row, prefix: prefix + len(toks)] = full.to(torch.int32).to(DEVICE)
-            self.oracle.expected_tokens[row, prefix: prefix + len(toks)] = torch.tensor(toks, dtype=torch.int32)
             starts.append(len(ids))
             pos += [prefix + k for k in range(len(toks))]
             ids += toks
@@ -86,8 +82,7 @@ class SwaSim:
             batch_size=len(reqs), max_new_len=max(lens),
         )
         for gi, group in enumerate(self.groups):
-            self.backend.launch_verify(group, view, self.r2t, self.counters, self.ring, 2, 16, group_index=gi,
-                                       expected_tokens=self.oracle.expected_tokens)
+            self.backend.launch_verify(group, view, self.r2t, self.counters, self.ring, 2, 16, group_index=gi)
         loc = view.out_cache_loc
         for layer in range(2):  # "attention" writes K/V: full layers at full slots, the swa layer translated
             self.kf[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
@@ -96,8 +91,7 @@ class SwaSim:
         self.vs[0][self.mapping[loc]] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
         for gi, group in enumerate(self.groups):
             self.backend.launch_write(group, view, self.r2t, self.counters, self.ring, gi == 1, block=16,
-                                      group_index=gi, check_fed=gi == 0,
-                                      token_oracle=self.oracle if gi == 0 else None)
+                                      group_index=gi, check_fed=gi == 0)  # the token oracle: test_kernels
 
     def release_outside_window(self, row, seq_len):
         """sglang's _evict_swa: free the SWA slots of positions < seq_len - window - 1 (mapping -> 0)."""
@@ -122,8 +116,7 @@ class SwaSim:
         )
         before = int(self.counters[fp.C_VIOLATIONS])
         for gi, group in enumerate(self.groups):
-            self.backend.launch_verify(group, view, self.r2t, self.counters, self.ring, 3, 16, group_index=gi,
-                                       expected_tokens=self.oracle.expected_tokens)
+            self.backend.launch_verify(group, view, self.r2t, self.counters, self.ring, 3, 16, group_index=gi)
         n = int(self.counters[fp.C_VIOLATIONS]) - before
         return sorted(tuple(self.ring[(before + i) % self.ring.shape[0]].tolist()) for i in range(n))
 
