@@ -506,11 +506,9 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     base = {k: int(s.counters[k]) for k in (fp.C_VIOLATIONS, fp.C_SLOTS_VERIFIED)}
 
     g = torch.Generator().manual_seed(99)
-    for step in range(4):
-        toks = torch.randint(1, 500, (bs,), generator=g).tolist()
-        reqs = [(row, lengths[row] + step, [t]) for row, t in zip(rows, toks)]
-        eager_sim.forward(reqs)
-        # the graph side: allocate, map, "attention" writes K/V, then replay HEAD+TAIL
+
+    def graph_step(reqs):
+        """The graph side of one decode step: allocate, map, "attention" writes K/V, then replay HEAD+TAIL."""
         slots = s.alloc(bs)
         for (row, prefix, toks_), slot in zip(reqs, slots.tolist()):
             s.r2t[row, prefix] = slot
@@ -518,18 +516,25 @@ def test_verify_and_write_replay_from_a_cuda_graph():
         for layer in range(LAYERS):
             s.k[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
             s.v[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
-        static["input_ids"].copy_(torch.tensor(toks))
+        static["input_ids"].copy_(torch.tensor([t[0] for _, _, t in reqs]))
         static["out_cache_loc"].copy_(slots)
         static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
         static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
         graph.replay()
+
+    for step in range(4):
+        toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+        reqs = [(row, lengths[row] + step, [t]) for row, t in zip(rows, toks)]
+        eager_sim.forward(reqs)
+        graph_step(reqs)
     torch.cuda.synchronize()
     assert torch.equal(graph_sim.group.records.cpu(), eager_sim.group.records.cpu())
     assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS]
     assert int(s.counters[fp.C_SLOTS_VERIFIED]) > base[fp.C_SLOTS_VERIFIED]
-    # A corrupted prefix byte is caught by the next replay.
+    # A corrupted prefix byte is caught by the next step's replay (and nothing else is reported).
     s.group.sources[0].view[int(s.r2t[2, 7]), 0] ^= 1 << 3
-    graph.replay()
+    toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+    graph_step([(row, lengths[row] + 4, [t]) for row, t in zip(rows, toks)])
     torch.cuda.synchronize()
     assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS] + 1
     row = s.ring[base[fp.C_VIOLATIONS] % s.ring.shape[0]].tolist()

@@ -61,6 +61,8 @@ def _one_forward(group, slots, write_kv):
     return verify
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU pool: with CUDA present sglang's MHATokenToKVPool."
+                    "set_kv_buffer calls its CUDA-only store_cache op; this runs on the CPU machine (CI)")
 @pytest.mark.parametrize("dtype", FP8, ids=["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_mha_pool_hashes_the_stored_bytes(dtype):
     register_sglang_pools()
