@@ -380,8 +380,8 @@ def write_kernel(
         else:  # the chain of the request's own tokens (a wrong fed token then fails the next HEAD)
             if has_last:
                 own = anchor
-                for bb in range(0, tl.cdiv(n, BLOCK)):
-                    kk = bb * BLOCK + lanes
+                for cc in range(0, tl.cdiv(n, BLOCK)):  # not `bb`: compiled Triton types a loop variable once
+                    kk = cc * BLOCK + lanes
                     mk = kk < n
                     w = _own_tokens(staged, next_token, row, start, i, kk, mk, STAGED)
                     own += tl.sum(tl.where(mk, _chain_term(w, p0 + kk), 0), axis=0)
