@@ -35,6 +35,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .staging import PinnedDoubleBuffer
+
 # device bytes per slot: held (int8) + position, pred, token (int32); plus 2 x 12 bytes of pinned host staging
 BYTES_PER_SLOT = 1 + 3 * 4
 
@@ -49,7 +51,7 @@ class CachedSlotIndex:
         self.token = torch.zeros(num_slots, dtype=torch.int32, device=device)
         # queued changes, oldest first: ("add", slots, tokens, start, pred_of_first) | ("remove", slots) | ("clear",)
         self._pending: List[Tuple] = []
-        self._staging = _Staging(num_slots, device)  # a run of adds holds each pool slot at most once
+        self._staging = PinnedDoubleBuffer((3, num_slots), torch.int32, device)  # a run of adds holds each pool slot at most once
         self._zero = torch.zeros(1, dtype=torch.int32, device=device)
         self.nodes_added = 0
         self.nodes_removed = 0
@@ -115,14 +117,15 @@ class CachedSlotIndex:
             self._apply_adds(run[:half])
             self._apply_adds(run[half:])
             return
-        host = self._staging.take(total)  # int32[3, total]: token, position; row 2 starts with each node's offset
+        host = self._staging.take()[0][:, :total]  # int32[3, total]: token, position; row 2 starts with each node's offset
         a = 0
         for k, ((_, slots, tokens, start, _pred), n) in enumerate(zip(run, sizes)):
             host[0, a:a + n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
             torch.arange(start, start + n, dtype=torch.int32, out=host[1, a:a + n])
             host[2, k] = a
             a += n
-        dev = self._staging.to_device(host, self.device)
+        dev = host.to(self.device, non_blocking=self._staging.is_cuda)
+        self._staging.done()
         index = torch.cat([self._on_this_stream(op[1]) for op in run]).to(device=self.device, dtype=torch.int64)
         firsts = torch.cat([
             self._on_this_stream(op[4]).to(device=self.device, dtype=torch.int32).reshape(1)
@@ -134,30 +137,3 @@ class CachedSlotIndex:
         self.pred[index] = pred
         self.held[index] = 1
         self.nodes_added += len(run)
-
-
-class _Staging:
-    """Two pinned host buffers of int32[3, capacity] used in turn; a buffer is reused once its copy landed."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.capacity = capacity
-        self._cuda = device.type == "cuda"
-        self._bufs = [torch.zeros((3, capacity), dtype=torch.int32, pin_memory=self._cuda) for _ in range(2)]
-        self._events: List[Optional[object]] = [None, None]
-        self._cur = 1
-
-    def take(self, n: int) -> torch.Tensor:
-        self._cur ^= 1
-        event = self._events[self._cur]
-        if event is not None:
-            event.synchronize()  # the copy from this buffer was issued one batch ago: normally long done
-            self._events[self._cur] = None
-        return self._bufs[self._cur][:, :n]
-
-    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        dev = host.to(device, non_blocking=self._cuda)
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[self._cur] = event
-        return dev

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from .fingerprint import prefix_chains_np
+from .staging import PinnedDoubleBuffer
 from .views import CanaryCapacityError
 
 Record = Callable[[], Tuple[Sequence[int], Sequence[int]]]
@@ -69,7 +70,7 @@ class TokenOracle:
         self.next_rows = torch.full((max_batch_size,), -1, **i64)
         self.sampled = torch.full((max_batch_size,), -1, **i64)
         self.pending = torch.zeros(1, **i64)
-        self._staging = _Staging(self.staged.numel(), device)
+        self._staging = PinnedDoubleBuffer((self.staged.numel(),), torch.int64, device)
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
         self._sampled_views: Dict[int, torch.Tensor] = {}
@@ -225,31 +226,3 @@ def _fill(arr: np.ndarray, at: int, prompt: Sequence[int], outputs: Sequence[int
         arr[at:at + known] = np.asarray(_slice(prompt, outputs, start, start + known), dtype=np.int64)
     if known < count:
         arr[at + known:at + count] = UNKNOWN
-
-
-class _Staging:
-    """Two host staging buffers (pinned on CUDA) used in turn; a buffer is reused once its copies landed."""
-
-    def __init__(self, capacity: int, device: torch.device):
-        pin = device.type == "cuda"
-        self._bufs = [torch.zeros(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._arrs = [b.numpy() for b in self._bufs]
-        self._events: List[Optional[object]] = [None, None]
-        self.is_cuda = pin
-        self._cur = 0
-
-    def take(self) -> Tuple[torch.Tensor, np.ndarray]:
-        """The next buffer (waiting only for the copies issued from it two uses ago: normally long done)."""
-        self._cur ^= 1
-        event = self._events[self._cur]
-        if event is not None:
-            event.synchronize()
-            self._events[self._cur] = None
-        return self._bufs[self._cur], self._arrs[self._cur]
-
-    def done(self) -> None:
-        """Mark the copies issued from the current buffer (an event on the current stream)."""
-        if self.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[self._cur] = event
