@@ -110,7 +110,7 @@ def test_book_counts_arrivals_verified_by_their_first_forward_and_names_the_orig
                             "pd_fake_requests": 0}
 
 
-def _decode_harness(mode=CanaryMode.LOG):
+def _decode_harness(mode=CanaryMode.LOG, **config_fields):
     """test_runner's Harness (real ForwardBatch objects, reference kernels) as a PD decode side."""
     import importlib.util
     from pathlib import Path
@@ -118,7 +118,7 @@ def _decode_harness(mode=CanaryMode.LOG):
     spec = importlib.util.spec_from_file_location("kvc_test_runner", Path(__file__).with_name("test_runner.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    h = mod.Harness(mode=mode)
+    h = mod.Harness(mode=mode, **config_fields)
     group = h.manager.groups[0]
     h.manager.attach_transfer(TransferBook("decode", new_origin(group.num_slots, torch.device("cpu"))))
     h.manager.mark_init_finished()
@@ -157,6 +157,41 @@ def test_decode_side_verifies_the_transfer_and_continues_the_chain(caplog):
     (v,) = parse_lines(caplog.text, "kv_canary_violation")
     assert (v["kind"], v["rid"], v["position"]) == ("kv_hash", "r2", "1")
     assert (v["bootstrap_room"], v["origin_room"]) == ("4242", "4242") and int(v["origin_slot"]) > 0
+
+
+def test_a_prefill_flip_and_a_transfer_flip_of_the_same_byte_do_not_cancel(caplog):
+    """The CI miss of issue 10: both PD servers ran SGLANG_KV_CANARY_PERTURB_SEED=5, so their RNG streams were
+    mirrors; a prefill forward of one request (real_kv_post_forward) and that request's arrival on the decode
+    (transfer) drew the same position, half and byte, and two XORs with 0xFF left the KV unchanged. The transfer
+    mode flips with its own mask: the byte stays changed, and the decode side reports it."""
+    from kv_canary.perturb.real_kv import FLIP_MASK, TRANSFER_FLIP_MASK
+
+    assert TRANSFER_FLIP_MASK not in (0, FLIP_MASK)
+    same = dict(mode=CanaryMode.LOG, perturb_seed=5, perturb_warmup_steps=0, perturb_kv_bytes="hashed")
+    prefill, p_group = _decode_harness(perturb_real_kv_post_forward_prob=1.0, **same)
+    h, group = _decode_harness(perturb_transfer_prob=1.0, **same)
+    tokens = [5, 6, 7, 8, 9, 10]
+    with caplog.at_level("WARNING", logger="kv_canary"):
+        prefill.step(prefill.batch({1: tokens}))  # TAIL fingerprints, then the post-forward flip
+    src = prefill.r2t[1, : len(tokens)].long()
+    dst = torch.arange(200, 200 + len(tokens))
+    h.k[dst], h.v[dst] = prefill.k[src], prefill.v[src]  # the transfer: bytes and records as they are
+    group.records[dst] = p_group.records[src]
+    h.manager.transfer.origin[dst] = torch.stack([torch.full_like(src, 7), src], 1)
+    h.r2t[2, : len(tokens)] = dst.to(torch.int32)
+    h.lens[2] = len(tokens)
+    h.manager.note_transfer_arrival(Arrival(rid="r2", room=7, row=2, received=len(tokens)), tokens, [11])
+    with caplog.at_level("WARNING", logger="kv_canary"):
+        h.step(h.batch({2: [11]}, decode=True))  # the transfer flip, then HEAD reads every received slot
+        h.manager.poll(drain=True)
+    pre, xfer = parse_lines(caplog.text, "kv_canary_perturb")
+    assert (pre["kv_canary_perturb"], xfer["kv_canary_perturb"]) == ("real_kv_post_forward", "transfer")
+    # the mirrored streams picked the same position, half and byte on both sides
+    assert src.tolist().index(int(pre["slot"])) == int(xfer["position"])
+    assert (pre["half"], pre["layer"], pre["byte"]) == (xfer["half"], xfer["layer"], xfer["byte"])
+    (v,) = parse_lines(caplog.text, "kv_canary_violation")
+    assert (v["kind"], v["rid"], v["position"], v["slot"]) == ("kv_hash", "r2", xfer["position"], xfer["slot"])
+    assert v["origin_slot"] == pre["slot"]  # one violation explains both injections
 
 
 def test_a_fake_transfer_is_fingerprinted_in_place_without_touching_the_counters(caplog):

@@ -11,7 +11,8 @@ Modes (env-var probabilities per forward, after a warmup gate):
 * ``real_kv_post_forward`` (post-forward): flip a K/V byte of a slot this
   forward just wrote, stream-ordered after its TAIL write; the next read catches it.
 * ``transfer`` (PD decode side, pre-forward): flip a K/V byte of a slot a
-  request received by transfer, after arrival and before its first read.
+  request received by transfer, after arrival and before its first read (with
+  its own XOR mask: it never cancels a prefill-side flip of the same byte).
 * ``position_shift`` (pre-forward, decode forwards): the whole forward runs at
   positions + 1 (a position bookkeeping bug: RoPE rotates K for the wrong
   position); TAIL catches it in that forward.
@@ -37,7 +38,7 @@ from ..config import CanaryConfig, CanaryConfigError
 from ..views import ForwardView, HostBatch
 from ..buffer_groups import CanaryBufferGroup
 from ..violations import PERTURB_PREFIX, format_line
-from .real_kv import check_flip_spec, flip_kv_byte
+from .real_kv import TRANSFER_FLIP_MASK, check_flip_spec, flip_kv_byte
 from .slot_picker import pick_read_slot
 
 logger = logging.getLogger("kv_canary")
@@ -211,7 +212,10 @@ class PerturbManager:
                 continue
             position = self._rng.randrange(a.received)
             slot = int(self._req_to_token[a.row, position].item())
-            flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+            # Its own mask: a PD pair with one SGLANG_KV_CANARY_PERTURB_SEED draws mirrored streams, and a
+            # prefill-side real_kv_post_forward flip (0xFF) of this very byte would otherwise be undone.
+            flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes,
+                                mask=TRANSFER_FLIP_MASK)
             self._log("transfer", slot=slot, rid=a.rid, position=position, forward=forward_index,
                       bootstrap_room=a.room, half=flip.half, layer=flip.layer, byte=flip.byte,
                       hashed=int(flip.hashed))

@@ -8,6 +8,13 @@
 * ``hashed``: uniform over the bytes the kv_hash covers (the window);
 * ``LAYER:HALF:BYTE``: one place, e.g. ``-1:k:mid`` (the middle byte of the last
   layer's K row); a negative LAYER counts from the last.
+
+The byte is XORed with a mask: ``FLIP_MASK`` (0xFF) for the modes that corrupt
+a server's own pool, ``TRANSFER_FLIP_MASK`` for the PD ``transfer`` mode. Two
+flips of one byte with the same mask cancel; a PD pair runs a prefill-side flip
+and a decode-side flip over the same KV bytes (a prefill slot is copied to a
+decode slot), so the two masks differ: injections on both sides of one slot
+always leave a changed byte behind.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import torch
 
 from ..buffer_groups import CanaryBufferGroup, KVRow
 from ..config import CanaryConfigError
+
+FLIP_MASK = 0xFF  # real_kv_* modes: a server corrupting its own pool
+TRANSFER_FLIP_MASK = 0x5A  # PD transfer mode: != FLIP_MASK, so it never undoes a prefill-side flip of the byte
 
 
 @dataclass(frozen=True)
@@ -69,10 +79,11 @@ def check_flip_spec(group: CanaryBufferGroup, where: str) -> None:
     _place(group, where, random.Random(0))
 
 
-def flip_kv_byte(group: CanaryBufferGroup, slot: int, rng: random.Random, where: str = "anywhere") -> ByteFlip:
-    """XOR 0xFF into one byte of ``slot``'s K/V rows (device op, no sync)."""
+def flip_kv_byte(group: CanaryBufferGroup, slot: int, rng: random.Random, where: str = "anywhere",
+                 mask: int = FLIP_MASK) -> ByteFlip:
+    """XOR ``mask`` (non-zero, < 256) into one byte of ``slot``'s K/V rows (device op, no sync)."""
     row, byte = _place(group, where, rng)
     bytes_ = row.view[slot].view(torch.uint8)
-    bytes_[byte] ^= 0xFF
+    bytes_[byte] ^= mask
     hashed = any(s.layer == row.layer and s.half == row.half and byte < s.words * 4 for s in group.sources)
     return ByteFlip(half=row.half, layer=row.layer, byte=byte, hashed=hashed)
