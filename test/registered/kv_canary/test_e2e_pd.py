@@ -31,7 +31,7 @@ from kv_canary_testing.canary_e2e import (
 from kv_canary_testing.pd import pd_skip_reason
 from kv_canary_testing.workload import RequestSpec, build_workload, run_requests
 
-register_cpu_ci(est_time=600, suite="kv-canary-cpu")
+register_cpu_ci(est_time=420, suite="kv-canary-cpu")
 register_cuda_ci(est_time=600, suite="kv-canary-cuda")
 
 pytestmark = pytest.mark.skipif(pd_skip_reason(e2e_device()) is not None, reason=str(pd_skip_reason(e2e_device())))
