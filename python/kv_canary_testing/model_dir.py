@@ -173,3 +173,28 @@ def write_mla_model_dir(path: str | os.PathLike | None = None, wide: bool = Fals
     """``write_model_dir`` for the MLA tiny model (default folder ``<cache>/tiny-model-mla[-wide]``)."""
     out = Path(path) if path is not None else default_cache_dir() / ("tiny-model-mla-wide" if wide else "tiny-model-mla")
     return write_model_dir(out, config_overrides=mla_config_overrides(wide))
+
+
+QWEN3_NEXT_ARCHITECTURE = "Qwen3NextForCausalLM"  # sglang's own class (no external model: GPU host only)
+
+
+def qwen3_next_config_overrides() -> dict:
+    """A tiny Qwen3-Next (hybrid linear attention): 4 layers, layer 3 full attention (gated, partial rotary),
+    layers 0-2 Gated DeltaNet, a 4-expert MoE MLP. sglang builds ``HybridLinearKVPool`` (the full layer's
+    K/V in an inner ``MHATokenToKVPool``, the linear layers' conv/ssm state in a ``MambaPool``).
+    head_dim 128: sglang's CUDA rotary kernel takes 64/128/256/512 (others JIT-compile a fallback)."""
+    return {
+        "architectures": [QWEN3_NEXT_ARCHITECTURE], "model_type": "qwen3_next", "torch_dtype": "bfloat16",
+        "num_hidden_layers": 4, "full_attention_interval": 4, "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "num_experts_per_tok": 2,
+        "num_experts": 4, "norm_topk_prob": True, "mlp_only_layers": [],
+    }
+
+
+def write_qwen3_next_model_dir(path: str | os.PathLike | None = None) -> Path:
+    """``write_model_dir`` for the tiny Qwen3-Next (default folder ``<cache>/tiny-model-qwen3-next``)."""
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-qwen3-next"
+    return write_model_dir(out, config_overrides=qwen3_next_config_overrides())
