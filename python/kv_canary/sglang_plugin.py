@@ -360,7 +360,10 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     elif manager.config.sweep_interval > 0:
         raise CanaryConfigError(
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
-            f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
+            f"cache is {type(tree).__name__}: "
+            + (f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}" if "Chunk" in type(tree).__name__ else
+               f"the sweep follows RadixCache and SWARadixCache only (not yet this model's cache); unset "
+               f"{FLAG_SWEEP_INTERVAL}")
         )
     elif manager.config.perturb_real_kv_unused_cache_prob > 0:
         raise CanaryConfigError(
