@@ -21,7 +21,11 @@ What changes the slots the tree holds, and the hook that reports it (plugin HOOK
 * ``reset`` (after): cleared.
 
 Splits (``_split_node``) and compaction move slots between nodes without changing
-any slot's position, token or predecessor, so they need no report.
+any slot's position, token or predecessor, so they need no report. (A split clones
+the values, so a later insert through the node re-adds its slots: the same claims
+again. A claim that does change -- a revived parent's new last slot as its children's
+predecessor -- always follows that insert's free of the old slots, so the index
+replays the two in order.)
 """
 
 from __future__ import annotations
