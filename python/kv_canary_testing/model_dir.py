@@ -165,8 +165,11 @@ def mla_config_overrides(wide: bool = False) -> dict:
     288 take the split latent/rotary path; the narrow row does not compile there). For the GPU host.
     """
     lora, rope = (512, 64) if wide else (32, 16)
+    # wide: bf16 as DeepSeek serves (the Triton MLA kernels' tiles are sized for 16-bit queries; CPU passes
+    # --dtype float32 whatever the config says)
     return {"architectures": [MLA_ARCHITECTURE], "kv_lora_rank": lora, "qk_rope_head_dim": rope,
-            "qk_nope_head_dim": 128 if wide else 16, "v_head_dim": lora}
+            "qk_nope_head_dim": 128 if wide else 16, "v_head_dim": lora,
+            **({"torch_dtype": "bfloat16"} if wide else {})}
 
 
 def write_mla_model_dir(path: str | os.PathLike | None = None, wide: bool = False) -> Path:
