@@ -8,12 +8,14 @@ import pytest
 from kv_canary_testing.canary_e2e import MAX_TOTAL_TOKENS, CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cpu_ci(est_time=400, suite="kv-canary-cpu")
+register_cpu_ci(est_time=200, suite="kv-canary-cpu")
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("real_data,page_size", [("all", 1), ("all", 16), ("none", 1), ("none", 16)])
+# all at page size 1 is test_e2e_perturb_modes' log run (no unexplained violation); the page size only
+# changes which slots a forward reads, not which bytes are hashed: one page size per setting suffices
+@pytest.mark.parametrize("real_data,page_size", [("all", 16), ("none", 1)])
 def test_mixed_workload_has_no_violation(tmp_path, real_data, page_size):
     srv = canary_server("raise", log_path=tmp_path / "server.log",
                         extra_args=["--kv-canary-real-data", real_data, "--page-size", str(page_size),
