@@ -20,7 +20,9 @@ then registers hooks with sglang's ``HookRegistry``:
   manager 0 active, so the canary's kernels are recorded into the graph;
 * ``Scheduler.__init__``: hand the radix cache to the canary (sweep, unused-cache perturbation);
 * ``RadixCache._record_store_event`` / ``_delete_leaf`` / ``reset``: keep the sweep's device index
-  of cached slots in step with the tree (``--kv-canary-sweep-interval`` only);
+  of cached slots in step with the tree (``--kv-canary-sweep-interval`` only); for hybrid
+  sliding-window models ``SWARadixCache._insert_helper`` / ``_delete_leaf`` / ``_delete_tombstone_leaf``
+  / ``reset`` and ``SWATokenToKVPoolAllocator.free`` (``adapter/swa_radix``);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic;
 * ``Scheduler.process_input_requests``: ``--kv-canary contain`` aborts and evicts
@@ -108,6 +110,14 @@ HOOKS = {
     "sglang.srt.mem_cache.radix_cache.RadixCache._record_store_event": ("_after_radix_node_stored", "after"),
     "sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf": ("_after_radix_delete_leaf", "after"),
     "sglang.srt.mem_cache.radix_cache.RadixCache.reset": ("_after_radix_reset", "after"),
+    # ... and sglang's SWARadixCache (hybrid sliding-window models; adapter/swa_radix)
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._insert_helper": ("swa_radix.around_insert_helper", "around"),
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._delete_leaf": ("swa_radix.after_delete_node", "after"),
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._delete_tombstone_leaf": ("swa_radix.after_delete_node",
+                                                                                  "after"),
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset": ("swa_radix.after_reset", "after"),
+    "sglang.srt.mem_cache.swa_memory_pool.SWATokenToKVPoolAllocator.free": ("swa_radix.after_allocator_free",
+                                                                            "after"),
 }
 # PD disaggregation (adapter/disagg): the records travel with the KV; required with --disaggregation-mode
 # only (the transfer backend's module may not even import where PD is not installed)
@@ -321,6 +331,7 @@ def _scheduler_canary(scheduler):
 def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
     from .adapter.radix import RadixCacheView
+    from .adapter.swa_radix import SWARadixCacheView
     from .config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
 
     manager = _scheduler_canary(scheduler)
@@ -344,13 +355,15 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     tree = getattr(scheduler, "tree_cache", None)
     if RadixCacheView.supports(tree):
         manager.attach_prefix_cache(RadixCacheView(tree))
+    elif SWARadixCacheView.supports(tree):
+        manager.attach_prefix_cache(SWARadixCacheView(tree))
     elif manager.config.sweep_interval > 0:
         raise CanaryConfigError(
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
             f"cache is {type(tree).__name__}: "
-            + (f"the sweep does not follow it yet (hybrid sliding-window models); unset {FLAG_SWEEP_INTERVAL}"
-               if type(tree).__name__ == "SWARadixCache" else
-               f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}")
+            + (f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}" if "Chunk" in type(tree).__name__ else
+               f"the sweep follows RadixCache and SWARadixCache only (not yet this model's cache); unset "
+               f"{FLAG_SWEEP_INTERVAL}")
         )
     elif manager.config.perturb_real_kv_unused_cache_prob > 0:
         raise CanaryConfigError(

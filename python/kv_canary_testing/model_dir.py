@@ -157,13 +157,47 @@ def write_swa_model_dir(path: str | os.PathLike | None = None, window: int = SWA
 MLA_ARCHITECTURE = "MiniCPM3ForCausalLM"  # kvc_tiny_mla: the tiny model with MLA attention under an MLA name
 
 
-def mla_config_overrides() -> dict:
-    """Config of the MLA tiny model: latent 32 + rotary 16 values per slot and layer (192 bytes in float32)."""
-    return {"architectures": [MLA_ARCHITECTURE], "kv_lora_rank": 32, "qk_rope_head_dim": 16,
-            "qk_nope_head_dim": 16, "v_head_dim": 32}
+def mla_config_overrides(wide: bool = False) -> dict:
+    """Config of the MLA tiny model: latent 32 + rotary 16 values per slot and layer (192 bytes in float32).
+
+    ``wide``: DeepSeek-V2/V3's widths, latent 512 + rotary 64 (576 values per row), the only MLA head sizes
+    sglang 0.5.12's Triton MLA kernels are built for (``decode_attention``/``extend_attention``: Lk 576 or
+    288 take the split latent/rotary path; the narrow row does not compile there). For the GPU host.
+    """
+    lora, rope = (512, 64) if wide else (32, 16)
+    # wide: bf16 as DeepSeek serves (the Triton MLA kernels' tiles are sized for 16-bit queries; CPU passes
+    # --dtype float32 whatever the config says)
+    return {"architectures": [MLA_ARCHITECTURE], "kv_lora_rank": lora, "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": 128 if wide else 16, "v_head_dim": lora,
+            **({"torch_dtype": "bfloat16"} if wide else {})}
 
 
-def write_mla_model_dir(path: str | os.PathLike | None = None) -> Path:
-    """``write_model_dir`` for the MLA tiny model (default folder ``<cache>/tiny-model-mla``)."""
-    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-mla"
-    return write_model_dir(out, config_overrides=mla_config_overrides())
+def write_mla_model_dir(path: str | os.PathLike | None = None, wide: bool = False) -> Path:
+    """``write_model_dir`` for the MLA tiny model (default folder ``<cache>/tiny-model-mla[-wide]``)."""
+    out = Path(path) if path is not None else default_cache_dir() / ("tiny-model-mla-wide" if wide else "tiny-model-mla")
+    return write_model_dir(out, config_overrides=mla_config_overrides(wide))
+
+
+QWEN3_NEXT_ARCHITECTURE = "Qwen3NextForCausalLM"  # sglang's own class (no external model: GPU host only)
+
+
+def qwen3_next_config_overrides() -> dict:
+    """A tiny Qwen3-Next (hybrid linear attention): 4 layers, layer 3 full attention (gated, partial rotary),
+    layers 0-2 Gated DeltaNet, a 4-expert MoE MLP. sglang builds ``HybridLinearKVPool`` (the full layer's
+    K/V in an inner ``MHATokenToKVPool``, the linear layers' conv/ssm state in a ``MambaPool``).
+    head_dim 128: sglang's CUDA rotary kernel takes 64/128/256/512 (others JIT-compile a fallback)."""
+    return {
+        "architectures": [QWEN3_NEXT_ARCHITECTURE], "model_type": "qwen3_next", "torch_dtype": "bfloat16",
+        "num_hidden_layers": 4, "full_attention_interval": 4, "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "num_experts_per_tok": 2,
+        "num_experts": 4, "norm_topk_prob": True, "mlp_only_layers": [],
+    }
+
+
+def write_qwen3_next_model_dir(path: str | os.PathLike | None = None) -> Path:
+    """``write_model_dir`` for the tiny Qwen3-Next (default folder ``<cache>/tiny-model-qwen3-next``)."""
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-qwen3-next"
+    return write_model_dir(out, config_overrides=qwen3_next_config_overrides())

@@ -126,14 +126,45 @@ def test_swa_pool_two_groups_on_the_allocators_live_mapping():
     assert torch.equal(swa.slot_map[loc], alloc.full_to_swa_index_mapping[loc])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU pool: with CUDA present sglang's MHATokenToKVPool."
+                    "set_kv_buffer calls its CUDA-only store_cache op; this runs on the CPU machine (CI)")
+def test_hybrid_linear_pool_verifies_the_full_attention_layers_of_its_inner_pool():
+    """``HybridLinearKVPool`` (Qwen3-Next class): one ``full`` group = its inner MHA pool (full layers only)."""
+    register_sglang_pools()
+    pool = memory_pool.HybridLinearKVPool(size=32, dtype=torch.float32, page_size=1, head_num=2, head_dim=8,
+                                          full_attention_layer_ids=[1, 3], enable_kvcache_transpose=False,
+                                          device="cpu", mamba_pool=None)
+    (group,) = attach_canary_buffers(pool, CanaryConfig(real_data=RealData.ALL), CPU)
+    assert group.name == "full" and group.slot_map is None and group.num_slots == 33
+    assert sorted({r.layer for r in group.rows}) == [0, 1]  # the two full-attention layers, nothing else
+    assert group.rows[2].view.data_ptr() == pool.full_kv_pool.k_buffer[1].data_ptr()
+
+    class Layer:  # sglang's RadixAttention as set_kv_buffer sees it: model layer id 3 = inner layer 1
+        layer_id, k_scale, v_scale = 3, None, None
+
+    def write(loc):
+        k = torch.randn(len(loc), 2, 8)
+        pool.set_kv_buffer(Layer(), loc, k, k + 1)
+        pool.full_kv_pool.k_buffer[0][loc] = torch.randn(len(loc), 2, 8)  # the other full layer
+
+    verify = _one_forward(group, list(range(1, 9)), write)
+    assert verify() == []
+    pool.get_key_buffer(3)[5].view(-1)[3] += 1.0  # model layer 3's K row of slot 5
+    assert [(r[fp.V_REASON], r[fp.V_SLOT]) for r in verify()] == [(fp.R_KV_HASH, 5)]
+    inner = pool.full_kv_pool
+    pool.full_kv_pool = object()
+    with pytest.raises(CanaryConfigError, match="HybridLinearKVPool's full_kv_pool is object"):
+        attach_canary_buffers(pool, CanaryConfig(), CPU)
+    pool.full_kv_pool = inner
+
+
 def test_unsupported_pools_are_refused_naming_the_class_and_listing_the_supported():
     register_sglang_pools()
-    assert registered_pool_classes() == ["MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool"]
-    for cls in (memory_pool.HybridLinearKVPool, memory_pool.MHATokenToKVPoolFP4, memory_pool.MLATokenToKVPoolFP4,
-                memory_pool.NSATokenToKVPool):
+    assert registered_pool_classes() == ["HybridLinearKVPool", "MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool"]
+    for cls in (memory_pool.MHATokenToKVPoolFP4, memory_pool.MLATokenToKVPoolFP4, memory_pool.NSATokenToKVPool):
         pool = cls.__new__(cls)  # the class is what matters (exact match: subclasses must register)
         with pytest.raises(CanaryConfigError) as e:
             attach_canary_buffers(pool, CanaryConfig(), CPU)
         msg = str(e.value)
         assert f"does not support the KV pool class {cls.__name__}" in msg
-        assert "supported: MHATokenToKVPool, MLATokenToKVPool, SWAKVPool" in msg and "--kv-canary none" in msg
+        assert "supported: HybridLinearKVPool, MHATokenToKVPool, MLATokenToKVPool, SWAKVPool" in msg and "--kv-canary none" in msg

@@ -205,3 +205,52 @@ def test_swa_chain_catches_a_foreign_slot_inside_the_window(backend):
     assert keys[(1, 2, n2 - 4)] & (fp.R_POSITION | fp.R_CHAIN)
     assert keys[(1, 2, n2 - 3)] == fp.R_CHAIN  # the successor's link
     assert not any(g == 0 for g, _, _ in keys)  # the full group is untouched
+
+
+def _cache_index_of(sim, rows_lengths):
+    """The sweep's index over engine slots for whole cached sequences (as the radix hooks fill it)."""
+    from kv_canary.cache_index import CachedSlotIndex
+
+    index = CachedSlotIndex(FULL_SLOTS, DEVICE)
+    for row, n in rows_lengths:
+        toks = sim.groups[0].records[sim.r2t[row, :n].to(torch.int64), fp.F_TOKEN].tolist()
+        index.add(sim.r2t[row, :n].to(torch.int64), toks, 0, None)
+    index.apply_pending()
+    return index
+
+
+def test_swa_index_sweep_translates_and_skips_released_slots():
+    """Both groups swept from one engine-slot index: the swa group through the mapping, released slots never."""
+    from kv_canary.kernels import index_sweep
+
+    sims = [SwaSim(tk), SwaSim(ref)]
+    lengths = [_scenario(s) for s in sims][0]
+    launch = {id(tk): index_sweep.launch_index_sweep, id(ref): ref.launch_index_sweep}
+    cached = list(lengths.items())
+    found = []
+    for s in sims:
+        sweep = launch[id(s.backend)]
+        index = _cache_index_of(s, cached)
+        live_swa = sum(int((s.mapping[s.r2t[r, :n].to(torch.int64)] > 0).sum()) for r, n in cached)
+        assert 0 < live_swa < sum(lengths.values())  # some swa slots were released (tombstone-like)
+        before = int(s.counters[fp.C_VIOLATIONS])
+        for gi, group in enumerate(s.groups):
+            sweep(group, index, s.counters, s.ring, group_index=gi)
+        assert int(s.counters[fp.C_VIOLATIONS]) == before  # clean: no false alarm in either group
+        assert int(s.counters[fp.C_SLOTS_SWEPT]) == sum(lengths.values()) + live_swa
+        # a flipped byte in a live swa slot of a cached position; a released slot's row flipped too
+        n1 = lengths[1]
+        s.ks[0][int(s.mapping[int(s.r2t[1, n1 - 5])])].view(-1)[0] += 1.0
+        released = int(s.r2t[1, 3])
+        assert int(s.mapping[released]) == 0
+        s.kf[0][released].view(-1)[0] += 1.0  # the full group still holds it: caught there
+        for gi, group in enumerate(s.groups):
+            sweep(group, index, s.counters, s.ring, group_index=gi)
+        n = int(s.counters[fp.C_VIOLATIONS]) - before
+        found.append(sorted(tuple(s.ring[(before + i) % s.ring.shape[0]].tolist()) for i in range(n)))
+    assert found[0] == found[1]
+    keys = {(r[fp.V_REASON] >> fp.GROUP_SHIFT, r[fp.V_SLOT], r[fp.V_POSITION]): r[fp.V_REASON] & 0xFF
+            for r in found[0]}
+    s = sims[0]
+    assert keys == {(1, int(s.mapping[int(s.r2t[1, lengths[1] - 5])]), lengths[1] - 5): fp.R_KV_HASH,
+                    (0, int(s.r2t[1, 3]), 3): fp.R_KV_HASH}, keys

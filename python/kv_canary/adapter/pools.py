@@ -5,6 +5,7 @@
 | ``MHATokenToKVPool`` | ``full`` | K and V rows of every layer (window or all, per ``--kv-canary-real-data``) |
 | ``MLATokenToKVPool`` | ``full`` | the one latent row per layer (``kv_lora_rank + qk_rope_head_dim``; no V half), as stored (any dtype, fp8 included) |
 | ``SWAKVPool`` | ``full`` (full-attention layers), ``swa`` (sliding-window layers: slots through the allocator's ``full_to_swa_index_mapping``, verified inside the window) | each group's own K/V rows |
+| ``HybridLinearKVPool`` | ``full`` (the full-attention layers: its inner MHA or MLA pool, engine slots) | the inner pool's rows; the linear-attention (mamba) state is not covered |
 
 Any other class is refused at install by ``attach_canary_buffers`` (naming it and listing these).
 """
@@ -59,6 +60,28 @@ def _swa_layouts(pool, context: PoolContext) -> List[PoolLayout]:
     ]
 
 
+def _hybrid_linear_layouts(pool, context: PoolContext) -> List[PoolLayout]:
+    """``HybridLinearKVPool`` (Qwen3-Next, Kimi-Linear class): the full-attention layers' inner pool.
+
+    Its ``full_kv_pool`` (an ``MHATokenToKVPool``, or ``MLATokenToKVPool`` with ``use_mla``) holds only the
+    full-attention layers, indexed by the engine's slots; sglang maps model layer ids onto it
+    (``full_attention_layer_id_mapping``), so its layer k is the k-th full-attention layer. The
+    linear-attention state lives in ``mamba_pool`` (one in-place-updated state per request, not a per-slot
+    row) and is not covered.
+    """
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    inner = pool.full_kv_pool
+    if type(inner) is MHATokenToKVPool:
+        return _mha_layouts(inner, context)
+    if type(inner) is MLATokenToKVPool:
+        return _mla_layouts(inner, context)
+    raise CanaryConfigError(
+        f"--kv-canary: HybridLinearKVPool's full_kv_pool is {type(inner).__name__}; only MHATokenToKVPool and "
+        "MLATokenToKVPool are supported. Run with --kv-canary none for this model/configuration."
+    )
+
+
 def pool_context(model_runner) -> PoolContext:
     """What the extractors need from sglang's ``ModelRunner`` besides the pool."""
     window = getattr(model_runner, "sliding_window_size", None)
@@ -66,10 +89,11 @@ def pool_context(model_runner) -> PoolContext:
 
 
 def register_sglang_pools() -> None:
-    """Idempotent: MHA, MLA and hybrid sliding-window (two groups)."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    """Idempotent: MHA, MLA, hybrid sliding-window (two groups) and hybrid linear attention (its full layers)."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     register_pool_class(MHATokenToKVPool, _mha_layouts)
     register_pool_class(MLATokenToKVPool, _mla_layouts)
     register_pool_class(SWAKVPool, _swa_layouts)
+    register_pool_class(HybridLinearKVPool, _hybrid_linear_layouts)

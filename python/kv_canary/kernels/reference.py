@@ -129,13 +129,16 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 
 
-def _sweep_entries(group, entries, counters, ring, group_index: int = 0) -> None:
-    """Check a flat list of cached (slot, predecessor, position, token) entries (``SweepEntries``)."""
+def _sweep_entries(group, entries, counters, ring, group_index: int = 0, pred_known=None) -> None:
+    """Check a flat list of cached (slot, predecessor, position, token) entries (``SweepEntries``).
+
+    pred_known: entries whose predecessor's record is readable (None: all; see ``_check_slots``).
+    """
     if entries.slots.numel() == 0:
         return
     slots, preds = entries.slots.to(torch.int64), entries.preds.to(torch.int64)
     pos, tokens = entries.positions.to(torch.int64), entries.tokens.to(torch.int64)
-    reason, stored, expected = _check_slots(group, slots, preds, pos, tokens)
+    reason, stored, expected = _check_slots(group, slots, preds, pos, tokens, pred_known)
     minus_one = torch.full_like(pos, -1)
     _append_violations(counters, ring, reason != 0, [
         reason | (group_index << fp.GROUP_SHIFT), slots, pos, minus_one, minus_one, stored, expected,
@@ -245,6 +248,16 @@ def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> No
     from ..views import SweepEntries
 
     slots = index.held.nonzero().flatten().to(torch.int64)
-    entries = SweepEntries(slots=slots, preds=index.pred[slots].to(torch.int64),
-                           positions=index.position[slots].to(torch.int64), tokens=index.token[slots].to(torch.int64))
+    preds = index.pred[slots].to(torch.int64)
+    positions = index.position[slots].to(torch.int64)
+    tokens = index.token[slots].to(torch.int64)
+    if group.slot_map is not None:  # engine slots -> the group's; only where the mapping is live
+        group_slots = translate(group, slots)
+        live = group_slots > 0
+        group_slots, preds, positions, tokens = group_slots[live], preds[live], positions[live], tokens[live]
+        preds = torch.where(positions > 0, translate(group, preds), 0)
+        _sweep_entries(group, SweepEntries(slots=group_slots, preds=preds, positions=positions, tokens=tokens),
+                       counters, ring, group_index=group_index, pred_known=(positions == 0) | (preds > 0))
+        return
+    entries = SweepEntries(slots=slots, preds=preds, positions=positions, tokens=tokens)
     _sweep_entries(group, entries, counters, ring, group_index=group_index)

@@ -198,10 +198,15 @@ class PerturbManager:
         picked = self._prefix_cache.pick_unused_slot(self._rng)
         if picked is None:
             return
-        slot, position = picked
+        engine_slot, position = picked
+        self._pick_group()
+        slot = self._group_slot(engine_slot)  # a translated group: 0 where its KV was released (SWA tombstone)
+        if slot <= 0:
+            return
         flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_unused_cache", slot=slot, rid="cache", position=position, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
+                  **self._translated_fields(engine_slot))
 
     def perturb_transferred(self, *, forward_index: int, arrivals) -> None:
         """PD decode side: per arrived request (``transfer.Arrival``), maybe flip a byte of one received slot."""
