@@ -39,6 +39,9 @@ class ForwardView:
     new_lens: torch.Tensor
     batch_size: int
     max_new_len: int  # host-side bound on new_lens (sizes the TAIL grid)
+    # A speculative TARGET_VERIFY forward: every request's new tokens are the last sampled token
+    # then draft_tokens_per_request - 1 drafts (``kv_canary.speculative``); 0 otherwise.
+    draft_tokens_per_request: int = 0
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,10 @@ class KvcTinyForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    def get_embed_and_head(self):
+        """(embedding, lm_head) weights: an EAGLE draft model shares them."""
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
     @torch.no_grad()
     def forward(
         self,

@@ -1,0 +1,247 @@
+"""EAGLE (spec v2, topk = 1) on the target model: TARGET_VERIFY views, accept/reject, no false alarm.
+
+Real sglang 0.5.12 objects and code: the verify batches are ``ForwardBatch`` objects in
+``ForwardMode.TARGET_VERIFY``; the rows are laid out by sglang's own Triton helpers, run
+under the interpreter on CPU, as ``EagleDraftInputV2Mixin.prepare_for_decode`` (over-allocation
+``assign_req_to_token_pool_func``) and ``prepare_for_v2_verify`` (``assign_extend_cache_locs``)
+lay them out on a GPU; the accepted tokens reach the oracle through the plugin's
+``EAGLEWorkerV2.verify`` hook with a real ``GenerationBatchResult``. The canary runs with the
+reference kernels (test_runner's Harness); page size 1 and 16.
+
+sglang 0.5.12 cannot run EAGLE on CPU (see docs/speculative.md), so these batches are built
+here, not captured from a server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kv_canary import fingerprint as fp
+from kv_canary.adapter.batch_adapter import SglangBatchAdapter
+from kv_canary.adapter.speculative import after_eagle_v2_verify
+from kv_canary.config import CanaryMode
+from kv_canary.runner import CanaryManager
+from kv_canary.violations import CanaryViolationError
+
+sglang_fb = pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
+ForwardBatch, ForwardMode = sglang_fb.ForwardBatch, sglang_fb.ForwardMode
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+from sglang.srt.speculative.eagle_info_v2 import assign_extend_cache_locs  # noqa: E402
+from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func  # noqa: E402
+from sglang.srt.utils.common import next_power_of_2  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("kvc_test_runner_spec", Path(__file__).with_name("test_runner.py"))
+_runner = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_runner)
+SLOTS, CTX = _runner.SLOTS, _runner.CTX
+
+
+class EagleHarness(_runner.Harness):
+    """test_runner's Harness plus spec v2's bookkeeping: over-allocated rows, verify rounds, acceptance."""
+
+    def __init__(self, n: int = 3, page_size: int = 1, **kw):
+        super().__init__(**kw)
+        self.n = n  # speculative_num_draft_tokens (= num_steps + 1 for topk 1)
+        self.page_size = page_size
+        self.alloc = {}  # row -> kv_allocated_len
+        self.bonus = {}  # row -> the token sampled last (fed at position committed)
+        self.worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(
+            canary_manager=self.manager, is_draft_worker=False)))
+        self._pages = iter(range(1, SLOTS // page_size))  # page 0 holds the padding slot
+        self.row_pages = {}
+
+    # ---- sglang's layout of a row ----------------------------------------------------
+
+    def _new_slots(self, row: int, start: int, count: int) -> list:
+        """Slots for positions [start, start + count) of the row; page_size > 1: position p lives in the
+        row's page p // page_size at offset p % page_size (sglang's paged allocator)."""
+        if self.page_size == 1:
+            slots = list(range(self.next_slot, self.next_slot + count))
+            self.next_slot += count
+            return slots
+        slots = []
+        for p in range(start, start + count):
+            key = (row, p // self.page_size)
+            if key not in self.row_pages:
+                self.row_pages[key] = next(self._pages)
+            slots.append(self.row_pages[key] * self.page_size + p % self.page_size)
+        return slots
+
+    def prefill(self, rows_tokens, bonus):
+        """The target's EXTEND forward, then ModelRunner.sample (the plugin's hook) with the bonus tokens."""
+        if self.page_size > 1:
+            for row, toks in rows_tokens.items():
+                start = self.lens.get(row, 0)
+                self.r2t[row, start:start + len(toks)] = torch.tensor(self._new_slots(row, start, len(toks)),
+                                                                      dtype=torch.int32)
+        fb = self._extend_batch(rows_tokens)
+        self.step(fb)
+        self.manager.record_sampled(torch.tensor([bonus[r] for r in rows_tokens]))
+        for row, toks in rows_tokens.items():
+            self.alloc[row] = self.lens[row]
+            self.bonus[row] = bonus[row]
+
+    def _extend_batch(self, rows_tokens):
+        if self.page_size == 1:
+            return self.batch(rows_tokens)
+        # the Harness allocates consecutive slots; keep the page-aligned ones written above
+        saved = {row: self.r2t[row].clone() for row in rows_tokens}
+        fb = self.batch(rows_tokens)
+        locs = []
+        for row, toks in rows_tokens.items():
+            self.r2t[row] = saved[row]
+            start = self.lens[row] - len(toks)
+            locs += self.r2t[row, start:start + len(toks)].tolist()
+        fb.out_cache_loc = torch.tensor(locs)
+        return fb
+
+    def _prepare_for_decode(self, rows):
+        """EagleDraftInputV2Mixin.prepare_for_decode: each row holds committed + 2 * alloc_len_per_decode slots."""
+        per_decode = self.n  # get_alloc_len_per_decode() for spec v2, topk 1: num_steps + 1
+        cur, nxt, locs = [], [], []
+        for row in rows:
+            c, want = self.alloc[row], self.lens[row] + 2 * per_decode
+            want = max(c, want)
+            cur.append(c)
+            nxt.append(want)
+            locs += self._new_slots(row, c, want - c)
+            self.alloc[row] = want
+        assign_req_to_token_pool_func(
+            torch.tensor(rows), self.r2t, torch.tensor(cur), torch.tensor(nxt), torch.tensor(locs, dtype=torch.int64),
+            len(rows),
+        )
+
+    def verify_batch(self, drafts):
+        """drafts: {row: [n - 1 draft tokens]} -> the TARGET_VERIFY ForwardBatch prepare_for_v2_verify builds."""
+        rows = list(drafts)
+        self._prepare_for_decode(rows)
+        bs, n = len(rows), self.n
+        seq = torch.tensor([self.lens[r] for r in rows])
+        ids = torch.tensor([t for r in rows for t in [self.bonus[r], *drafts[r]]])
+        out = torch.empty(bs * n, dtype=torch.int64)
+        assign_extend_cache_locs[(bs,)](
+            torch.tensor(rows), self.r2t, seq, seq + n, out, self.r2t.shape[1], next_power_of_2(bs),
+        )
+        positions = (seq[:, None] + torch.arange(n)[None, :]).flatten()  # build_tree's positions for topk 1
+        return ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=ids,
+            req_pool_indices=torch.tensor(rows), seq_lens=seq, out_cache_loc=out, seq_lens_sum=int(seq.sum()),
+            seq_lens_cpu=seq.clone(), positions=positions, rids=[f"r{r}" for r in rows],
+        )
+
+    def accept(self, fb, accept_lens, new_bonus):
+        """EAGLEWorkerV2.verify's result for the batch, through the plugin's AFTER hook; the scheduler's update."""
+        rows = fb.req_pool_indices.tolist()
+        n = self.n
+        ids = fb.input_ids.view(len(rows), n)
+        predict = torch.zeros(len(rows) * n, dtype=torch.int32)
+        for i, (row, a) in enumerate(zip(rows, accept_lens)):
+            # accepted drafts are the target's predictions; the last accepted entry is the new bonus token
+            predict[i * n:i * n + a - 1] = ids[i, 1:a].to(torch.int32)
+            predict[i * n + a - 1] = new_bonus[row]
+            predict[i * n + a:(i + 1) * n] = 9999  # the target's guesses after a rejected draft: never appended
+        result = GenerationBatchResult(next_token_ids=predict, accept_lens=torch.tensor(accept_lens, dtype=torch.int32),
+                                       speculative_num_draft_tokens=n)
+        after_eagle_v2_verify(result, self.worker, fb)
+        for i, (row, a) in enumerate(zip(rows, accept_lens)):
+            self.own[row] = self.own[row] + [int(x) for x in ids[i, :a]]
+            self.lens[row] += a
+            self.bonus[row] = new_bonus[row]
+
+    def round(self, drafts, accept_lens, new_bonus):
+        fb = self.verify_batch(drafts)
+        self.step(fb)
+        self.accept(fb, accept_lens, new_bonus)
+        return fb
+
+
+def _clean(h):
+    c = h.manager.last_counters
+    return int(c[fp.C_VIOLATIONS])
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_verify_rounds_with_accept_and_reject_raise_nothing(page_size):
+    h = EagleHarness(n=3, page_size=page_size, mode=CanaryMode.RAISE)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, bonus={1: 11, 2: 12})
+    # all accepted / all rejected / partly accepted, in both requests
+    h.round({1: [13, 14], 2: [15, 16]}, accept_lens=[3, 1], new_bonus={1: 17, 2: 18})
+    h.round({1: [19, 20], 2: [21, 22]}, accept_lens=[2, 3], new_bonus={1: 23, 2: 24})
+    h.round({1: [25, 26], 2: [27, 28]}, accept_lens=[1, 2], new_bonus={1: 29, 2: 30})
+    h.round({1: [31, 32], 2: [33, 34]}, accept_lens=[3, 3], new_bonus={1: 35, 2: 36})
+    assert _clean(h) == 0
+    c = h.manager.last_counters
+    # every verify wrote all n slots; HEAD read exactly the committed prefixes
+    assert int(c[fp.C_SLOTS_WRITTEN]) == 6 + 4 * 2 * 3
+    committed_before = [(4, 2), (4 + 3, 2 + 1), (7 + 2, 3 + 3), (9 + 1, 6 + 2)]
+    assert int(c[fp.C_SLOTS_VERIFIED]) == sum(a + b for a, b in committed_before)
+    # the oracle holds each committed position's own token (what the scheduler appended)
+    for row in (1, 2):
+        L = h.lens[row]
+        assert h.manager.token_oracle.expected_tokens[row, :L].tolist() == h.own[row]
+        assert int(h.manager.token_oracle.expected_tokens[row, L]) == h.bonus[row]
+
+
+def test_the_view_counts_the_drafts_and_a_padding_lane_reads_nothing():
+    h = EagleHarness(n=4)
+    h.prefill({3: [5, 6, 7]}, bonus={3: 8})
+    fb = h.verify_batch({3: [9, 10, 11]})
+    view = SglangBatchAdapter(max_batch_size=4, device=torch.device("cpu")).view(fb)
+    assert view.seq_lens.tolist() == [3 + 4] and view.new_lens.tolist() == [4]
+    assert view.draft_tokens_per_request == 4
+    hb = SglangBatchAdapter(max_batch_size=4, device=torch.device("cpu")).host_batch(fb)
+    assert list(hb.read_positions(0)) == [0, 1, 2]
+    # a CUDA-graph padding request: out_cache_loc 0, seq_len = the fill value (1), row 0
+    pad = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, input_ids=torch.cat([fb.input_ids, fb.input_ids]),
+        req_pool_indices=torch.tensor([3, 0]), seq_lens=torch.tensor([3, 1]),
+        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(4, dtype=torch.int64)]), seq_lens_sum=4,
+        positions=torch.cat([fb.positions, torch.zeros(4, dtype=torch.int64)]),
+    )
+    view = SglangBatchAdapter(max_batch_size=4, device=torch.device("cpu")).view(pad)
+    assert view.seq_lens.tolist() == [7, 0]
+
+
+def test_the_old_decode_like_view_was_a_false_alarm():
+    """Issue 8: read as decode-like, a verify's drafts are stamped at positions shifted by -n."""
+    h = EagleHarness(n=3, mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8]}, bonus={1: 11})
+    fb = h.verify_batch({1: [13, 14]})
+    fb.forward_mode = ForwardMode.DECODE  # what the adapter assumed before
+    h.step(fb)
+    h.manager.poll(drain=True)
+    assert h.manager.last_counters[fp.C_VIOLATIONS] > 0
+
+
+def test_a_corrupt_accepted_slot_is_caught_and_a_rejected_one_is_never_read():
+    h = EagleHarness(n=3, mode=CanaryMode.RAISE)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8]}, bonus={1: 11})
+    fb = h.round({1: [13, 14]}, accept_lens=[1], new_bonus={1: 17})  # both drafts rejected
+    rejected = fb.out_cache_loc[1:].tolist()
+    h.k[rejected] += 1.0  # stale KV past the committed length: the next verify rewrites it first
+    h.round({1: [19, 20]}, accept_lens=[3], new_bonus={1: 23})
+    assert _clean(h) == 0
+    accepted = int(h.r2t[1, 6])  # a draft accepted in the last round
+    h.k[accepted, 0, 0] += 1.0
+    with pytest.raises(CanaryViolationError):
+        h.round({1: [25, 26]}, accept_lens=[1], new_bonus={1: 29})
+        h.manager.poll(drain=True)
+
+
+def test_a_wrong_token_fed_at_the_committed_position_is_caught():
+    """Drafts are not token-checked, the token sampled last round is: a verify fed the wrong one is flagged."""
+    h = EagleHarness(n=3, mode=CanaryMode.RAISE)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8]}, bonus={1: 11})
+    h.bonus[1] = 12  # the scheduler sampled 11; the verify is fed 12
+    with pytest.raises(CanaryViolationError, match="token"):
+        h.round({1: [13, 14]}, accept_lens=[1], new_bonus={1: 17})
+        h.manager.poll(drain=True)
