@@ -245,3 +245,29 @@ def test_a_wrong_token_fed_at_the_committed_position_is_caught():
     with pytest.raises(CanaryViolationError, match="token"):
         h.round({1: [13, 14]}, accept_lens=[1], new_bonus={1: 17})
         h.manager.poll(drain=True)
+
+
+def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2_without_cuda_graphs():
+    from kv_canary.adapter.server_args import check_supported
+    from kv_canary.config import CanaryConfigError
+
+    def args(**kw):
+        base = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, disable_overlap_schedule=False,
+                    enable_multi_layer_eagle=False, speculative_adaptive=False, disable_cuda_graph=False,
+                    device="cpu")
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    from kv_canary.adapter.server_args import RULES
+
+    rule = RULES["speculative_algorithm"]
+    assert rule.allowed("EAGLE", args()) and rule.allowed(None, args(speculative_algorithm=None))
+    assert rule.allowed("EAGLE", args(device="cuda", disable_cuda_graph=True))
+    assert rule.allowed("EAGLE", args(speculative_eagle_topk=None))  # raw flags: sglang picks, checked again
+    for bad in (dict(speculative_eagle_topk=4), dict(disable_overlap_schedule=True), dict(device="cuda"),
+                dict(enable_multi_layer_eagle=True), dict(speculative_adaptive=True)):
+        assert not rule.allowed("EAGLE", args(**bad)), bad
+    for algo in ("EAGLE3", "STANDALONE", "NGRAM", "DFLASH", "FROZEN_KV_MTP"):
+        assert not rule.allowed(algo, args(speculative_algorithm=algo)), algo
+    with pytest.raises(CanaryConfigError, match="cannot verify --speculative-algorithm NGRAM"):
+        check_supported(args(speculative_algorithm="NGRAM"), "raise", given_only=True)

@@ -38,14 +38,35 @@ def _only(*values) -> Callable[[Any, Any], bool]:
 
 
 _OFF = _only(False, None)
-_SPEC = ("the target's TARGET_VERIFY views are built (EAGLE spec v2, topk 1: kv_canary.speculative), but the "
-         "draft model's KV pool is not verified and no end-to-end run has proven it yet (docs/speculative.md)")
+_SPEC_SUPPORTED = ("EAGLE with --speculative-eagle-topk 1, the overlap scheduler on (spec v2), without CUDA graphs "
+                   "(--disable-cuda-graph, or --device cpu)")
+_SPEC_WHY = (
+    "the canary verifies speculative decoding only where it was run end to end: EAGLE's target model with topk 1 "
+    "(EAGLEWorkerV2: TARGET_VERIFY views, drafts staged, accepted tokens recorded; docs/speculative.md), the draft "
+    "model's own KV pool not verified (logged at startup); topk > 1 and --disable-overlap-schedule (spec v1: tree "
+    "positions, KV moved between slots), EAGLE3, STANDALONE, NGRAM, DFLASH, multi-layer/adaptive EAGLE, and EAGLE "
+    "inside CUDA graphs (not run on a GPU yet) are not verified")
+
+
+def _spec_allowed(value, args) -> bool:
+    """EAGLE, spec v2 (topk 1, overlap on), eager. ``None`` fields of raw flags are sglang's to pick (checked again)."""
+    if value is None:
+        return True
+    topk = getattr(args, "speculative_eagle_topk", None)
+    return (
+        value == "EAGLE"
+        and topk in (None, 1)
+        and not getattr(args, "disable_overlap_schedule", False)
+        and not getattr(args, "enable_multi_layer_eagle", False)
+        and not getattr(args, "speculative_adaptive", False)
+        and (getattr(args, "disable_cuda_graph", False) or getattr(args, "device", None) == "cpu")
+    )
+
+
 _TP = "pipeline/context parallelism splits a sequence's KV across processes; the canary verifies one process's pool"
 
 RULES: Dict[str, Rule] = {
-    "speculative_algorithm": Rule(
-        _only(None), "unset",
-        f"speculative decoding is not verified yet: {_SPEC}"),
+    "speculative_algorithm": Rule(_spec_allowed, f"unset, or {_SPEC_SUPPORTED}", _SPEC_WHY),
     "device": Rule(_only(None, "cuda", "cpu"), "cuda or cpu", "the canary's kernels are verified on CUDA and CPU only"),
     "kv_cache_dtype": Rule(_only("auto"), "auto",
                            "quantized / cast KV caches (fp8, fp4) are not verified yet"),

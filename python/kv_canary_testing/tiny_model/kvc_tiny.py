@@ -223,6 +223,10 @@ class KvcTinyForCausalLM(nn.Module):
                 value = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
             else:
                 continue
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                # kvc_branch_scale: how much attention/MLP add to the residual stream (0: the next token
+                # is a function of the current one; small: mostly, which an EAGLE draft can guess)
+                value = value * float(_cfg(self.config, "kvc_branch_scale", 1.0))
             param.data.copy_(value.to(device=param.device, dtype=param.dtype))
 
 

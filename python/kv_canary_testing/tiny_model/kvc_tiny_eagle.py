@@ -103,6 +103,13 @@ class KvcTinyForCausalLMEagle(nn.Module):
                     value = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
                 else:
                     continue
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    value = value * float(_cfg(self.config, "kvc_branch_scale", 1.0))
+                if name == "model.fc.weight" and _cfg(self.config, "kvc_eagle_identity_fc", False):
+                    # h = embed(token): with kvc_branch_scale 0 the draft predicts what a target whose
+                    # branches are small predicts (shared lm_head), so drafts are often accepted
+                    hidden = param.shape[0]
+                    value = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
                 param.data.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
