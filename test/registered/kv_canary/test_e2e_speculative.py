@@ -17,7 +17,7 @@ from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, r
 from kv_canary_testing.model_dir import write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cpu_ci(est_time=420, suite="kv-canary-cpu")
+register_cpu_ci(est_time=500, suite="kv-canary-cpu")
 register_cuda_ci(est_time=180, suite="kv-canary-cuda")
 
 NUM_STEPS, NUM_DRAFT_TOKENS = 2, 3
@@ -32,7 +32,7 @@ def eagle_server(tmp_path_factory):
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
         "--speculative-num-steps", str(NUM_STEPS), "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", str(NUM_DRAFT_TOKENS), "--speculative-draft-load-format", "dummy",
-        "--max-running-requests", "8",
+        "--max-running-requests", "8", "--kv-canary-sweep-interval", "4",
     ]
     if e2e_device() == "cuda":
         extra.append("--disable-cuda-graph")
@@ -70,11 +70,12 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
     log = CanaryLog.read_settled(eagle_server)
     running = eagle_server.is_running()
     print(f"kv_canary_e2e_eagle {result.summary()} slots_verified={log.last_stat('slots_verified')} "
-          f"slots_written={log.last_stat('slots_written')} violations={log.last_stat('violations')}")
+          f"slots_written={log.last_stat('slots_written')} slots_swept={log.last_stat('slots_swept')} "
+          f"violations={log.last_stat('violations')}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5])
     assert result.cached_tokens > 0
     assert log.violations == [] and log.last_stat("violations") == 0
-    assert log.last_stat("slots_verified") > 0
+    assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
     assert DRAFT_SKIPPED in log.text
 
 
