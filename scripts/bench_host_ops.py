@@ -8,10 +8,13 @@ graphs do), then times on the host, per step:
 * ``replay``: ``graph.replay()`` alone;
 * ``bracketed``: the same replay inside ``with_ops_outside_graph`` +
   ``with_active_single_forward_manager`` (what the ModelRunner.forward hook adds):
-  bracket checks, forward accounting, the async counter copy, reading landed copies.
+  bracket checks, forward accounting, the async counter copy, reading landed copies;
+* ``bracketed_sample``: the same, plus the ``ModelRunner.sample`` hook's work after it
+  (``record_sampled``: the token oracle's copy of the sampled ids).
 
-The difference is the canary's host work per decode step. GPU time of the
-canary kernels per step is in ``bench_kernels.py``.
+The differences are the canary's host work per decode step (``canary_host_us_per_step``)
+and the sample hook's (``sample_hook_us_per_step``). GPU time of the canary kernels per
+step is in ``bench_kernels.py``.
 
     export PYTHONPATH=/tmp/site:$PWD/python
     python scripts/bench_host_ops.py [--steps 3000] [--bs 1] [--ctx 1536]
@@ -94,6 +97,10 @@ def main() -> int:
                       req_to_token=r2t, capacities=caps, batch_adapter=SglangBatchAdapter(max_batch_size=bs + 1,
                       device=device), device=device)
     fb = DecodeBatch(torch, bs, ctx, device)
+    # One decode step replayed at fixed positions advances each row's expected chain but not its prefix: the
+    # HEAD's chain compare (one lane per request) is left out so the replays stay clean (no ring reads).
+    m.token_oracle.verify_reads = False
+
     def head_tail():
         view = m.pre_ops_maybe_inside_graph(fb)
         m.post_ops_maybe_inside_graph(view)
@@ -117,27 +124,31 @@ def main() -> int:
         replay = lambda: m.counters.add_(bump)  # noqa: E731
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     m.mark_init_finished()
-    # Records (and expected tokens) for the prefix: one extend-like TAIL pass per request.
+    # Records for the prefix (one extend-like TAIL pass per request), then the token oracle's view of each
+    # request: its own prompt (the chain) and its next (decode) token, as a PD arrival would set them.
     from kv_canary.views import ForwardView
     for i in range(bs):
         prompt = torch.randint(1, 1000, (ctx,), device=device)
-        m.token_oracle.expected_tokens[i + 1, :ctx] = prompt.to(torch.int32)  # the request's own tokens
-        m.token_oracle.expected_tokens[i + 1, ctx] = fb.input_ids[i].to(torch.int32)  # its next (decode) token
         view = ForwardView(
             input_ids=prompt, positions=torch.arange(ctx, device=device),
             out_cache_loc=r2t[i + 1, :ctx].to(torch.int64), req_pool_indices=fb.req_pool_indices[i:i + 1],
             seq_lens=torch.tensor([ctx], device=device), new_starts=torch.zeros(1, dtype=torch.int64, device=device),
             new_lens=torch.tensor([ctx], device=device), batch_size=1, max_new_len=ctx)
-        m.kernels.write(group, view, r2t, m.counters, m.ring, False, token_oracle=m.token_oracle)
+        m.kernels.write(group, view, r2t, m.counters, m.ring, False, check_fed=False)
+        m.token_oracle.init_row(i + 1, prompt.tolist(), [int(fb.input_ids[i])])
+    m.token_oracle.stage([])
+    sampled = fb.input_ids.to(torch.int32)  # what the engine "samples" each step: the token fed next
     sync()
 
-    def run(bracketed: bool) -> float:
+    def run(bracketed: bool, sample: bool = False) -> float:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             if bracketed:
                 with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
                     with m.with_active_single_forward_manager(0):
                         replay()
+                if sample:
+                    m.record_sampled(sampled)
             else:
                 with m.with_active_single_forward_manager(0):
                     replay()
@@ -145,17 +156,20 @@ def main() -> int:
         sync()
         return cpu
 
-    samples = {"replay": [], "bracketed": []}
+    samples = {"replay": [], "bracketed": [], "bracketed_sample": []}
     for _ in range(5):
         samples["replay"].append(run(False))
         samples["bracketed"].append(run(True))
+        samples["bracketed_sample"].append(run(True, sample=True))
     m.poll(drain=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)", "bs": bs, "ctx": ctx, "steps": args.steps,
         "host_us_per_step_replay_only": round(med["replay"], 2),
         "host_us_per_step_bracketed": round(med["bracketed"], 2),
+        "host_us_per_step_bracketed_sample": round(med["bracketed_sample"], 2),
         "canary_host_us_per_step": round(med["bracketed"] - med["replay"], 2),
+        "sample_hook_us_per_step": round(med["bracketed_sample"] - med["bracketed"], 2),
         "stats": m.stats_line(),
         "note": "replay-only steps are not counted by the host, so health violations are expected here",
     }

@@ -51,7 +51,6 @@ HEAD_DIM = 128
 KV_DTYPE_BYTES = 2  # bf16
 KV_ROW_BYTES = KV_HEADS * HEAD_DIM * KV_DTYPE_BYTES
 REQ_TO_TOKEN_ENTRY_BYTES = 4  # int32, as sglang's req_to_token
-EXPECTED_TOKEN_BYTES = 4  # int32 per position, same shape as req_to_token (token check)
 CHAIN_BYTES = 8
 RECORD_BYTES = 32  # int64[RECORD_WIDTH]
 INT64_BYTES = 8
@@ -102,15 +101,17 @@ class Case:
 def case_bytes(case: Case, hashed_layers: int, r2t_width: int, verify_tokens: bool) -> int:
     """Device bytes one case allocates (K/V of the hashed layers, records, req_to_token, tokens, setup tensors)."""
     pool = case.pool_slots * (2 * hashed_layers * KV_ROW_BYTES + RECORD_BYTES)
-    r2t = (case.bs + 1) * r2t_width * REQ_TO_TOKEN_ENTRY_BYTES * (2 if verify_tokens else 1)
+    del verify_tokens  # the token oracle is O(rows + tokens of one forward): negligible here
+    r2t = (case.bs + 1) * r2t_width * REQ_TO_TOKEN_ENTRY_BYTES
     setup = case.slots_verified * 3 * INT64_BYTES  # prefill ids, slots, permutation
     return pool + r2t + setup
 
 
 def verify_bytes_per_slot(hash_words: int, hashed_layers: int, verify_tokens: bool) -> int:
-    """Bytes HEAD verify needs per slot: 2 req_to_token entries, record, predecessor chain, hashed K and V,
-    and the request's expected token when the token check is on."""
-    tokens = EXPECTED_TOKEN_BYTES if verify_tokens else 0
+    """Bytes HEAD verify needs per slot: 2 req_to_token entries, record, predecessor chain, hashed K and V
+    (the token check reads one chain per request, not per slot)."""
+    del verify_tokens
+    tokens = 0
     return 2 * REQ_TO_TOKEN_ENTRY_BYTES + RECORD_BYTES + CHAIN_BYTES + 2 * hashed_layers * hash_words * 4 + tokens
 
 
@@ -238,9 +239,13 @@ class CaseRig:
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.counters[fp.C_REPORT_ENABLED] = 1
         ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
-        oracle = (TokenOracle(rows=r2t.shape[0], ctx=r2t.shape[1], max_batch_size=bs + 1, device=device,
-                              record_sampled_kernel=select_kernels(KernelBackend.TRITON, device).record_sampled)
-                  if config.uses_token_oracle else None)
+        def make_oracle():
+            return (TokenOracle(rows=r2t.shape[0], max_batch_size=max(args.batch_sizes) + 1,
+                                max_tokens_per_forward=bs * ctx, device=device,
+                                verify_reads=config.verify_tokens, check_fed=config.write_input_assert)
+                    if config.uses_token_oracle else None)
+
+        oracle = make_oracle()
         target = (VERIFY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
                   if device.type == "cuda" else CPU_VERIFY_PROGRAMS_TARGET)
         capacities = LaunchCapacities(max_batch_size=max(args.batch_sizes) + 1, max_context_len=width,
@@ -251,6 +256,13 @@ class CaseRig:
             counters=self.counters, ring=ring, capacities=capacities, on_tail=lambda: None,
             token_oracle=oracle,
         )
+        # The timed decode step is replayed at the same positions: its TAIL's token-oracle updates (the row's
+        # expected chain, the next-token announcements) go to a twin oracle, so HEAD keeps seeing a clean prefix.
+        self.sfm_write = SingleForwardManager(
+            index=0, groups=[self.group], kernels=select_kernels(KernelBackend.TRITON, device), req_to_token=r2t,
+            counters=self.counters, ring=ring, capacities=capacities, on_tail=lambda: None,
+            token_oracle=make_oracle(),
+        )
 
         def ids(count):
             return torch.randint(1, args.vocab, (count,), generator=gen, device=device, dtype=torch.int64)
@@ -258,9 +270,6 @@ class CaseRig:
         # Prefill: the real TAIL fingerprints positions [0, ctx) of every request (and stores their tokens).
         prefill_ids = ids(bs * ctx)
         decode_ids = ids(bs)
-        if oracle is not None:  # the requests' own tokens, as the scheduler records them
-            oracle.expected_tokens[rows, :ctx] = prefill_ids.view(bs, ctx).to(torch.int32)
-            oracle.expected_tokens[rows, ctx] = decode_ids.to(torch.int32)
         prefill = ForwardView(
             input_ids=prefill_ids,
             positions=torch.arange(ctx, dtype=torch.int64, device=device).repeat(bs),
@@ -272,8 +281,13 @@ class CaseRig:
             batch_size=bs,
             max_new_len=ctx,
         )
-        self.sfm.post_ops_maybe_inside_graph(prefill)
+        select_kernels(KernelBackend.TRITON, device).write(self.group, prefill, r2t, self.counters, ring, True,
+                                                           check_fed=False)
         del prefill
+        for o in (oracle, self.sfm_write._oracle):
+            if o is not None:  # each request's own prefix (its chain) and next (decode) token
+                o.row_chain[rows] = self.group.records[slots[:, ctx - 1].to(torch.int64), fp.F_CHAIN]
+                o.next_token[rows] = decode_ids
         # Decode: one new token per request at position ctx; HEAD verifies the ctx cached slots.
         self.view = ForwardView(
             input_ids=decode_ids,
@@ -292,7 +306,7 @@ class CaseRig:
         self.sfm.pre_ops_maybe_inside_graph(self.view)
 
     def write(self) -> None:
-        self.sfm.post_ops_maybe_inside_graph(self.view)
+        self.sfm_write.post_ops_maybe_inside_graph(self.view)
 
     def forward(self) -> None:
         self.verify()

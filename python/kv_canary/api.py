@@ -18,10 +18,10 @@ import torch
 
 from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.disagg import check_disaggregation, disaggregation_mode
-from .adapter.pools import register_sglang_pools
+from .adapter.pools import pool_context, register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
-from .memory import canary_memory_bytes, kv_pool_bytes
+from .memory import DEFAULT_MAX_PREFILL_TOKENS, canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
@@ -67,7 +67,9 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         )
     device = torch.device(model_runner.device)
     register_sglang_pools()
-    groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device)
+    groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device, pool_context(model_runner))
+    check_groups_supported(config, groups, type(model_runner.token_to_kv_pool).__name__,
+                           disaggregation_mode(server_args))
     req_to_token = model_runner.req_to_token_pool.req_to_token
     capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)
     kernels = select_kernels(config.kernel_backend, device)
@@ -104,7 +106,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
         context_len=int(req_to_token.shape[1]), ring_capacity=config.ring_capacity,
         token_oracle=config.uses_token_oracle, max_batch_size=capacities.max_batch_size,
-        sweep=config.sweep_interval > 0,
+        sweep=config.sweep_interval > 0, max_tokens_per_forward=capacities.tokens_per_forward,
     )
     kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
     reserved = getattr(model_runner, "kv_canary_reserved_bytes", None)
@@ -124,6 +126,28 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     return manager
 
 
+def check_groups_supported(config: CanaryConfig, groups, pool_name: str, pd_mode: Optional[str]) -> None:
+    """Features not verified with several buffer groups (hybrid SWA) are refused, naming the flag."""
+    if config.swa_divergence_stats_interval and not any(g.window > 0 for g in groups):
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL={config.swa_divergence_stats_interval}: the KV pool "
+            f"{pool_name} has no sliding-window group (groups {','.join(g.name for g in groups)}); unset it"
+        )
+    if len(groups) <= 1:
+        return
+    names = ",".join(g.name for g in groups)
+    if config.mode.value == "contain":
+        raise CanaryConfigError(
+            f"--kv-canary contain is not supported with the KV pool {pool_name} (groups {names}): its eviction "
+            "of corrupt radix-cache nodes is only verified on single-group pools; use --kv-canary log or raise"
+        )
+    if pd_mode in ("prefill", "decode"):
+        raise CanaryConfigError(
+            f"--kv-canary {config.mode.value} with --disaggregation-mode {pd_mode} is not supported with the KV "
+            f"pool {pool_name} (groups {names}): only the first group's records travel; use --kv-canary none"
+        )
+
+
 def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,
                    capacities: LaunchCapacities, disaggregation: Optional[str] = None,
                    memory: Optional[dict] = None) -> str:
@@ -133,6 +157,7 @@ def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: s
         format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
                                         "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,
                                         "max_context_len": capacities.max_context_len,
+                                        "max_tokens_per_forward": capacities.tokens_per_forward,
                                         "disaggregation": disaggregation, **(memory or {})}),
     ])
 
@@ -158,8 +183,13 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
     mrr = getattr(server_args, "max_running_requests", None)
     rows = min(REQ_ROWS_BOUND, int(mrr) + 1) if mrr else REQ_ROWS_BOUND
     ctx = int(model_runner.model_config.context_len) + EXTRA_CONTEXT_BOUND
-    common = dict(num_groups=1, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
-                  token_oracle=config.uses_token_oracle, max_batch_size=rows + 1, sweep=config.sweep_interval > 0)
+    groups = 2 if getattr(model_runner.model_config, "is_hybrid_swa", False) else 1  # SWAKVPool: full + swa
+    max_bs = max(rows, int(getattr(server_args, "cuda_graph_max_bs", 0) or 0)) + 1  # >= compute_capacities'
+    tokens = tokens_per_forward_bound(context_len=ctx, max_batch_size=max_bs,
+                                      max_prefill_tokens=_max_prefill_tokens(server_args))
+    common = dict(num_groups=groups, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
+                  token_oracle=config.uses_token_oracle, max_batch_size=max_bs, sweep=config.sweep_interval > 0,
+                  max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
     try:
@@ -178,11 +208,19 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
     from .kernels import VERIFY_BLOCK
     from .kernels.variants import programs_classes, write_block_lengths
 
-    del server_args  # the longest new run is bounded by the context length (chunking only makes it shorter)
+    # the longest new run is bounded by the context length (chunking only makes it shorter); speculative
+    # decoding adds the verify forwards' variant (int64 lengths, staged drafts)
     lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
-    manager.precompile(lengths, sizes)
+    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)))
+
+
+def _max_prefill_tokens(server_args: Any) -> int:
+    """sglang's prefill token budget per forward (and the chunk size, when larger)."""
+    budget = int(getattr(server_args, "max_prefill_tokens", 0) or DEFAULT_MAX_PREFILL_TOKENS)
+    chunk = int(getattr(server_args, "chunked_prefill_size", 0) or 0)
+    return max(budget, chunk)
 
 
 def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:
@@ -193,10 +231,13 @@ def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.dev
         target = 2 * sms
     else:
         target = 1  # CPU/interpreter: one program per request
+    ctx = int(req_pool.req_to_token.shape[1])
     return LaunchCapacities(
         max_batch_size=max_bs,
-        max_context_len=int(req_pool.req_to_token.shape[1]),
+        max_context_len=ctx,
         verify_programs_target=target,
+        max_tokens_per_forward=tokens_per_forward_bound(
+            context_len=ctx, max_batch_size=max_bs, max_prefill_tokens=_max_prefill_tokens(server_args)),
     )
 
 

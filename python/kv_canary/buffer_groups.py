@@ -2,9 +2,9 @@
 
 A *buffer group* is one index space of KV slots that attention reads: its
 fingerprint records plus zero-copy int32 views of the real K/V bytes to hash.
-An MHA pool has one group (``full``); a hybrid sliding-window pool will have two
-(``full`` and ``swa``, the latter with a slot translation); an MLA pool has no
-V half. Pool classes are registered by the adapter layer with a
+An MHA pool has one group (``full``); a hybrid sliding-window pool has two
+(``full`` and ``swa``, the latter with a slot translation and a window); an MLA
+pool has no V half. Pool classes are registered by the adapter layer with a
 ``PoolLayout`` extractor, so this module never names an engine class.
 """
 
@@ -25,6 +25,12 @@ class PoolLayout:
     name: str
     k_buffers: Sequence[torch.Tensor]
     v_buffers: Optional[Sequence[torch.Tensor]]  # None for MLA-style pools (no V half)
+    # engine slot (req_to_token / out_cache_loc) -> this group's slot, a live int device tensor the
+    # engine owns (hybrid SWA: full -> swa; 0 = no slot, e.g. released outside the window); None: same slots
+    slot_translation: Optional[torch.Tensor] = None
+    # > 0: attention reads only the last ``window`` positions before a forward's new tokens
+    # (sliding-window layers); HEAD verifies only those. 0: the whole prefix.
+    window: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class CanaryBufferGroup:
         words hashed, index of its first word in the canonical order)
     base: the int32 view with the lowest address (kernel pointer base; offsets >= 0)
     full_table / full_base: the same over ``rows`` (every byte: the scrub's FULL_HASH)
+    slot_map: engine slot -> group slot (None: identity); the kernels apply it to req_to_token and
+        out_cache_loc entries before touching records or K/V rows
+    window: > 0: HEAD verifies only the last ``window`` positions of each prefix
     """
 
     name: str
@@ -67,6 +76,8 @@ class CanaryBufferGroup:
     base: torch.Tensor
     full_table: torch.Tensor
     full_base: torch.Tensor
+    slot_map: Optional[torch.Tensor] = None  # ``PoolLayout.slot_translation``
+    window: int = 0  # ``PoolLayout.window``
 
     @property
     def num_slots(self) -> int:
@@ -87,7 +98,14 @@ class CanaryBufferGroup:
         return torch.cat([s.view[slots, : s.words] for s in self.sources], dim=1)
 
 
-LayoutExtractor = Callable[[object], List[PoolLayout]]
+@dataclass(frozen=True)
+class PoolContext:
+    """What an extractor may need beyond the pool object (read from the engine by the adapter)."""
+
+    sliding_window: Optional[int] = None  # the engine's sliding-window size (hybrid SWA models), else None
+
+
+LayoutExtractor = Callable[[object, PoolContext], List[PoolLayout]]
 _REGISTRY: Dict[type, LayoutExtractor] = {}
 
 
@@ -142,9 +160,16 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
     records = torch.zeros((num_slots, RECORD_WIDTH), dtype=torch.int64, device=device)
     source_table, base = _source_table(sources, rows[0].view, device)
     full_table, full_base = _source_table(rows, rows[0].view, device)
+    if layout.window < 0:
+        raise CanaryConfigError(f"kv-canary: pool group '{layout.name}' has a negative window {layout.window}")
+    slot_map = layout.slot_translation
+    if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype not in (torch.int32, torch.int64)):
+        raise CanaryConfigError(f"kv-canary: pool group '{layout.name}': the slot translation must be a 1-D "
+                                f"int32/int64 tensor, not {tuple(slot_map.shape)} {slot_map.dtype}")
     return CanaryBufferGroup(
         name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
         source_table=source_table, base=base, full_table=full_table, full_base=full_base,
+        slot_map=slot_map, window=int(layout.window),
     )
 
 
@@ -161,7 +186,8 @@ def _source_table(sources: Sequence[KVRow], fallback: torch.Tensor, device: torc
     return torch.tensor(table or [[0, 0, 0, 0]], dtype=torch.int64, device=device), base
 
 
-def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.device) -> List[CanaryBufferGroup]:
+def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.device,
+                          context: Optional[PoolContext] = None) -> List[CanaryBufferGroup]:
     """Build the groups for ``pool`` and keep them on it as ``pool.kv_canary_groups``.
 
     Raises ``CanaryConfigError`` naming the class when the pool kind is unsupported.
@@ -173,6 +199,6 @@ def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.devi
             f"supported: {', '.join(registered_pool_classes()) or 'none registered'}. "
             "Run with --kv-canary none for this model/configuration."
         )
-    groups = [build_group(layout, config, device) for layout in extractor(pool)]
+    groups = [build_group(layout, config, device) for layout in extractor(pool, context or PoolContext())]
     pool.kv_canary_groups = groups
     return groups

@@ -11,10 +11,15 @@ The engine adapter reports tree changes as they happen (``add`` when a node with
 new slots is stored, ``remove`` when a node is evicted, ``clear`` on a reset).
 Those calls only queue the change on the host (O(1) work, no device op), so the
 scheduler's tree operations never launch or wait for anything. ``apply_pending``
-replays the queue in order on the current stream right before a sweep: per
-queued node a few small device writes plus one pinned, non-blocking host->device
-copy of its tokens and positions; never a host sync. The sweep then checks every
-held slot with one launch over ``num_slots`` lanes (device work O(num_slots)).
+replays the queue in order on the current stream right before a sweep. A run of
+consecutive ``add``s is applied as one batch: the tokens and positions of all its
+nodes go through one preallocated pinned staging buffer in one non-blocking
+host->device copy, and one scatter per index tensor writes them (a constant
+number of launches per batch, not per node; no host allocation of pinned memory,
+which can synchronise the device). A ``remove`` is one scatter. Never a host
+sync, except waiting for a staging buffer's copy issued two batches earlier
+(long done). The sweep then checks every held slot with one launch over
+``num_slots`` lanes (device work O(num_slots)).
 
 Ordering: a slot evicted, reallocated and cached again between two sweeps is
 removed then re-added in queue order, so the sweep never checks a slot against a
@@ -30,7 +35,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-# bytes per slot: held (int8) + position, pred, token (int32)
+from .staging import PinnedDoubleBuffer
+
+# device bytes per slot: held (int8) + position, pred, token (int32); plus 2 x 12 bytes of pinned host staging
 BYTES_PER_SLOT = 1 + 3 * 4
 
 
@@ -44,6 +51,8 @@ class CachedSlotIndex:
         self.token = torch.zeros(num_slots, dtype=torch.int32, device=device)
         # queued changes, oldest first: ("add", slots, tokens, start, pred_of_first) | ("remove", slots) | ("clear",)
         self._pending: List[Tuple] = []
+        self._staging = PinnedDoubleBuffer((3, num_slots), torch.int32, device)  # a run of adds holds each pool slot at most once
+        self._zero = torch.zeros(1, dtype=torch.int32, device=device)
         self.nodes_added = 0
         self.nodes_removed = 0
 
@@ -77,15 +86,19 @@ class CachedSlotIndex:
     def apply_pending(self) -> None:
         """Replay the queued changes, in order, as device writes on the current stream."""
         ops, self._pending = self._pending, []
+        run: List[Tuple] = []  # consecutive adds, applied together
         for op in ops:
+            if op[0] == "add":
+                run.append(op)
+                continue
+            self._apply_adds(run)
+            run = []
             if op[0] == "clear":
                 self.held.zero_()
-            elif op[0] == "remove":
+            else:
                 self.held[self._on_this_stream(op[1]).to(torch.int64)] = 0
                 self.nodes_removed += 1
-            else:
-                self._apply_add(*op[1:])
-                self.nodes_added += 1
+        self._apply_adds(run)
 
     def _on_this_stream(self, t: torch.Tensor) -> torch.Tensor:
         """The engine made ``t`` on its own stream: keep its memory from reuse until this stream has read it."""
@@ -93,17 +106,34 @@ class CachedSlotIndex:
             t.record_stream(torch.cuda.current_stream(t.device))
         return t
 
-    def _apply_add(self, slots: torch.Tensor, tokens: Sequence[int], start: int,
-                   pred_of_first: Optional[torch.Tensor]) -> None:
-        n = len(slots)
-        host = torch.empty((2, n), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        host[0] = torch.as_tensor(list(tokens[:n]), dtype=torch.int32)
-        torch.arange(start, start + n, dtype=torch.int32, out=host[1])
-        dev = host.to(self.device, non_blocking=True)
-        index = self._on_this_stream(slots).to(device=self.device, dtype=torch.int64)
-        first = (self._on_this_stream(pred_of_first).to(device=self.device, dtype=torch.int32).reshape(1)
-                 if pred_of_first is not None else torch.zeros(1, dtype=torch.int32, device=self.device))
+    def _apply_adds(self, run: List[Tuple]) -> None:
+        """Nodes ("add", slots, tokens, start, pred_of_first) with no remove between them (no slot twice)."""
+        if not run:
+            return
+        sizes = [len(op[1]) for op in run]
+        total = sum(sizes)
+        if total > self._staging.capacity:  # more than the pool's slots at once: cannot happen; split anyway
+            half = len(run) // 2 or 1
+            self._apply_adds(run[:half])
+            self._apply_adds(run[half:])
+            return
+        host = self._staging.take()[0][:, :total]  # int32[3, total]: token, position; row 2 starts with each node's offset
+        a = 0
+        for k, ((_, slots, tokens, start, _pred), n) in enumerate(zip(run, sizes)):
+            host[0, a:a + n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
+            torch.arange(start, start + n, dtype=torch.int32, out=host[1, a:a + n])
+            host[2, k] = a
+            a += n
+        dev = host.to(self.device, non_blocking=self._staging.is_cuda)
+        self._staging.done()
+        index = torch.cat([self._on_this_stream(op[1]) for op in run]).to(device=self.device, dtype=torch.int64)
+        firsts = torch.cat([
+            self._on_this_stream(op[4]).to(device=self.device, dtype=torch.int32).reshape(1)
+            if op[4] is not None else self._zero for op in run])
+        pred = torch.cat([self._zero, index[:-1].to(torch.int32)])
+        pred[dev[2, :len(run)].to(torch.int64)] = firsts  # a node's first slot: its parent's last slot (or 0)
         self.token[index] = dev[0]
         self.position[index] = dev[1]
-        self.pred[index] = torch.cat([first, index[:-1].to(torch.int32)])
+        self.pred[index] = pred
         self.held[index] = 1
+        self.nodes_added += len(run)

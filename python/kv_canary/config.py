@@ -151,6 +151,10 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "SCRUB_SLOTS_PER_FORWARD": ("scrub_slots_per_forward", _parse_int(0, 1 << 24),
                                 "slots per forward whose every K/V byte the scrub checks, cycling through the "
                                 "pool (0 = off, the default); with --kv-canary-real-data partial or none"),
+    "SWA_DIVERGENCE_STATS_INTERVAL": ("swa_divergence_stats_interval", _parse_int(0),
+                                      "hybrid sliding-window pools: forwards between kv_canary_swa_divergence= "
+                                      "lines (verify entries of the full and swa groups, swa/full slot "
+                                      "divergence, out-of-window tokens); 0 = off (default)"),
     "PERTURB_REAL_KV_USED_PROB": ("perturb_real_kv_used_prob", _parse_prob,
                                   "per-forward probability of flipping a K/V byte of a slot the forward reads"),
     "PERTURB_REQ_TO_TOKEN_PROB": ("perturb_req_to_token_prob", _parse_prob,
@@ -175,7 +179,8 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                          "where K/V flips land: anywhere (default: uniform over every byte of every layer's K "
                          "and V row), hashed (inside the hashed window only), or LAYER:HALF:BYTE, e.g. -1:k:mid"),
     "PERTURB_TARGET_GROUP": ("perturb_target_group", lambda name, raw: raw.strip(),
-                             "buffer group the K/V perturbations hit (default: the first, 'full')"),
+                             "buffer group the K/V perturbations hit (default: the first, 'full'; hybrid SWA: 'swa'; '*': a "
+                             "random group per injection)"),
     "PERTURB_WARMUP_STEPS": ("perturb_warmup_steps", _parse_int(0),
                              "forwards before any perturbation (default 50)"),
     "PERTURB_SEED": ("perturb_seed", _parse_int(0), "seed of the perturbation RNG (default 0)"),
@@ -204,6 +209,7 @@ class CanaryConfig:
     kernel_backend: KernelBackend = KernelBackend.AUTO
     stats_print_every_n_steps: int = 100
     max_logged_violations: int = 64
+    swa_divergence_stats_interval: int = 0
     perturb_real_kv_used_prob: float = 0.0
     perturb_req_to_token_prob: float = 0.0
     perturb_real_kv_unused_cache_prob: float = 0.0

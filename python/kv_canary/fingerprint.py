@@ -25,6 +25,7 @@ same formulas with the same constants.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 RECORD_WIDTH = 5
@@ -69,7 +70,11 @@ C_REPORT_ENABLED = 6  # 0 while capturing/warming up: violations are counted now
 C_SLOTS_SWEPT = 7  # cached slots checked by radix-cache sweeps
 C_CURRENT_FORWARD = 8  # the running forward's index, stored by its HEAD for its TAIL's rows (TAIL bumps 5)
 C_SLOTS_SCRUBBED = 9  # slots whose every K/V byte the scrub checked
-NUM_COUNTERS = 10
+# windowed (hybrid sliding-window) groups, the SWA divergence reporter's inputs:
+C_SWA_VERIFIED = 10  # slots verified by windowed groups (the rest of C_SLOTS_VERIFIED: the full groups)
+C_SWA_DIVERGENCE = 11  # of those, entries whose group slot differs from the engine (full) slot
+C_SWA_OUT_OF_WINDOW = 12  # prefix positions a windowed group did not verify (outside its window)
+NUM_COUNTERS = 13
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)
@@ -99,3 +104,50 @@ def kv_hash_from_words(words: torch.Tensor) -> torch.Tensor:
     terms = mix64((words.to(torch.int64) & MASK_32) + (idx + 1) * WORD_MUL)
     return mix64(terms.sum(dim=1) ^ HASH_SEED)
 
+
+
+# ---------------------------------------------------------------- numpy twin (host side of the token oracle)
+
+
+def mix64_np(x: "np.ndarray") -> "np.ndarray":
+    """``mix64`` on a uint64 numpy array (wrapping; logical shifts are plain uint64 shifts)."""
+    x = x ^ (x >> np.uint64(29))
+    x = x * np.uint64(MIX_M1)
+    x = x ^ (x >> np.uint64(32))
+    x = x * np.uint64(MIX_M2)
+    x = x ^ (x >> np.uint64(33))
+    return x
+
+
+def chain_terms_np(tokens, positions) -> "np.ndarray":
+    """g(token, position) for int sequences of equal length -> uint64 array (bit-equal to ``chain_term``)."""
+    t = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+    p = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return mix64_np(t * np.uint64(G_TOKEN_MUL) + p * np.uint64(G_POS_MUL) + np.uint64(G_ADD))
+
+
+def prefix_chains_np(prefixes) -> "list[int]":
+    """CHAIN(len(s) - 1) of each token sequence s (CHAIN_ANCHOR for an empty one), as Python ints in int64 range.
+
+    One vectorized pass over all sequences (the host sets a newly admitted request's expected chain
+    over its cached prefix with it); bit-equal to the records TAIL writes for the same tokens.
+    """
+    lens = [len(s) for s in prefixes]
+    total = sum(lens)
+    out = [CHAIN_ANCHOR] * len(prefixes)
+    if total == 0:
+        return out
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in prefixes if len(s)])
+    positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens if n])
+    terms = chain_terms_np(tokens, positions)
+    starts = np.cumsum([0] + [n for n in lens if n])[:-1]
+    with np.errstate(over="ignore"):
+        sums = np.add.reduceat(terms, starts) + np.uint64(CHAIN_ANCHOR)
+    sums = sums.view(np.int64)
+    k = 0
+    for i, n in enumerate(lens):
+        if n:
+            out[i] = int(sums[k])
+            k += 1
+    return out

@@ -14,7 +14,7 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``ModelRunner.init_memory_pool``: ``install_canary`` right after the KV pool exists;
 * ``ModelRunner.initialize``: ``mark_init_finished`` after warmup and graph capture;
 * ``ModelRunner.forward``: the outside-graph bracket + active single-forward manager 0;
-* ``ModelRunner.sample``: the sampled token ids join the token oracle (device scatter);
+* ``ModelRunner.sample``: the sampled token ids join the token oracle (one device copy; the next HEAD scatters);
 * ``ForwardBatch.init_new``: keep the batch's Req objects (cached-prefix tokens for the token check);
 * ``CudaGraphRunner.capture_one_batch_size``: warmup runs and capture happen with
   manager 0 active, so the canary's kernels are recorded into the graph;
@@ -353,7 +353,15 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     elif manager.config.sweep_interval > 0:
         raise CanaryConfigError(
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
-            f"cache is {type(tree).__name__}: drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}"
+            f"cache is {type(tree).__name__}: "
+            + (f"the sweep does not follow it yet (hybrid sliding-window models); unset {FLAG_SWEEP_INTERVAL}"
+               if type(tree).__name__ == "SWARadixCache" else
+               f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}")
+        )
+    elif manager.config.perturb_real_kv_unused_cache_prob > 0:
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB needs sglang's radix cache, but the prefix "
+            f"cache is {type(tree).__name__}: unset it"
         )
 
 

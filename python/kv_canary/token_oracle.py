@@ -1,121 +1,228 @@
-"""The token oracle: each request's own tokens, as the scheduler records them, on the device.
+"""The token oracle: what each request must be fed and must read, as the scheduler records it.
 
-What a forward *feeds* the model (``input_ids``) is checked against this, so the
-oracle is never filled from ``input_ids``:
+Never filled from ``input_ids`` (what a forward *feeds* the model is checked against it).
+Its device state is O(request rows + tokens of one forward), at any context length:
 
-* at admission (the first extend forward of a request in a req_to_token row),
-  the host copies the scheduler's record of the request -- prompt ids, then the
-  output ids it already has (a retracted request) -- into the row, through a
-  pinned staging buffer with a non-blocking copy (no host wait);
-* after each sampling step, ``record_sampled`` scatters the sampled token ids
-  (a device tensor) to the position they will be fed at, on the device.
+* **fed tokens of an EXTEND forward** (TAIL checks them): before the forward, the host
+  stages each request's own tokens for exactly the positions the forward feeds, from the
+  scheduler's record (``origin_input_ids`` + ``output_ids``), into ``staged`` through a
+  pinned buffer and one non-blocking copy. Request i's entries sit at
+  ``staged[new_starts[i] + i + k]`` for k in [0, new_len]: k < new_len the token fed at
+  ``prefix + k`` (-1 where the host's record does not have it yet: a decode request of a
+  mixed batch under the overlap scheduler; TAIL then uses ``next_token[row]``), and one
+  more entry, the record's token at ``seq_len`` (-1 if unknown): a known one means the
+  chunk is unfinished, so the token sampled after it is thrown away and must not count.
+* **fed tokens of a DECODE forward**: ``next_token[row]``, written on the device from the
+  sampled ids. The ``ModelRunner.sample`` hook only copies them into ``sampled`` (one
+  ``copy_``); the next forward's HEAD (captured with it) scatters ``sampled[i]`` to
+  ``next_token[next_rows[i]]`` for the ``pending`` entries the previous TAIL announced
+  (TAIL stores ``next_rows[i]`` = row, or -1 for a thrown-away sample / padding, and
+  resets ``sampled[i]`` to -1 so a forward that sampled nothing scatters nothing).
+* **tokens of the slots a forward reads** (HEAD): ``row_chain[row]`` is the CHAIN
+  (``fingerprint``: an additive hash over the prefix) of the request's own tokens over the
+  positions its row holds. The host sets it when a request is admitted (its cached prefix,
+  ``fingerprint.prefix_chains_np``); each TAIL advances it over the tokens it wrote. HEAD
+  compares the last read slot's recorded chain with it: with the local link checks, equal
+  chains mean every read token is the request's own (a radix match to another prompt's
+  slots fails here). A mismatch is reported once (``token`` at the last read position,
+  stored/expected = the two chains); TAIL then continues from the recorded chain.
 
-Tensors (all on the canary's device):
-
-* ``expected_tokens``: int32[rows, ctx] -- row r's own token at each position;
-* ``known_lens``: int32[rows] -- positions of the row filled at admission; a
-  sampled token lands only at or past it (an unfinished chunked prefill samples
-  a token that is thrown away, and the prompt goes on);
-* ``next_rows`` / ``next_positions``: int64[max_batch_size] -- written by the
-  TAIL of the forward just run: request i's row and the position its sampled
-  token will take (-1: none).
+Admission (``stage``): a request is new in its row when the adapter's admission key
+(rid, retraction count, Req identity) differs from the row's; a continuation chunk, or a
+decode request inside a mixed batch, keeps the device-maintained chain.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from collections import OrderedDict
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-AdmittedRequest = Tuple[int, str, Callable[[], Tuple[Sequence[int], Sequence[int]]]]
-"""(req_to_token row, request id, () -> (prompt ids, output ids so far))."""
+from .fingerprint import prefix_chains_np
+from .staging import PinnedDoubleBuffer
+from .views import CanaryCapacityError
 
-STAGING_MIN_TOKENS = 1 << 20  # ints per pinned staging buffer (two of them); at least one full row
+Record = Callable[[], Tuple[Sequence[int], Sequence[int]]]
+FedRequest = Tuple[int, Hashable, int, int, Record]
+"""(req_to_token row, admission key, prefix length, new tokens, () -> (prompt ids, output ids so far))."""
+
+UNKNOWN = -1  # a staged token the host's record does not have (yet)
+CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
 
 
 class TokenOracle:
-    def __init__(self, *, rows: int, ctx: int, max_batch_size: int, device: torch.device, record_sampled_kernel):
-        self.expected_tokens = torch.zeros((rows, ctx), dtype=torch.int32, device=device)
-        self.known_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.next_rows = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.next_positions = torch.full((max_batch_size,), -1, dtype=torch.int64, device=device)
-        self._record_sampled_kernel = record_sampled_kernel
-        self._staging = _Staging(max(STAGING_MIN_TOKENS, ctx + 1), device)
-        self._row_owner: Dict[int, str] = {}  # row -> rid whose tokens the row holds
-        # Compile the sampling scatter now (no JIT after startup): nothing is written, next_positions are -1.
-        self.record_sampled(torch.zeros(1, dtype=torch.int64, device=device), 1)
+    def __init__(self, *, rows: int, max_batch_size: int, max_tokens_per_forward: int, device: torch.device,
+                 verify_reads: bool = True, check_fed: bool = True):
+        self.rows = rows
+        self.max_batch_size = max_batch_size
+        self.max_tokens_per_forward = max_tokens_per_forward
+        self.verify_reads = verify_reads  # HEAD compares the read prefix's chain with row_chain
+        self.check_fed = check_fed  # TAIL reports fed tokens that are not the request's own
+        i64 = dict(dtype=torch.int64, device=device)
+        self.row_chain = torch.zeros(rows, **i64)
+        self.next_token = torch.zeros(rows + 1, **i64)  # + a dummy row for masked scatters
+        # extend forwards: expected tokens (max tokens + one entry per request), then row initialisations
+        # (rows, chains[, next tokens]) of admitted / arrived requests
+        self._admit_at = max_tokens_per_forward + max_batch_size
+        self.staged = torch.full((self._admit_at + 3 * max_batch_size,), UNKNOWN, **i64)
+        self.next_rows = torch.full((max_batch_size,), -1, **i64)
+        self.sampled = torch.full((max_batch_size,), -1, **i64)
+        self.pending = torch.zeros(1, **i64)
+        self._staging = PinnedDoubleBuffer((self.staged.numel(),), torch.int64, device)
+        self._row_owner: Dict[int, Hashable] = {}
+        self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
+        self._sampled_views: Dict[int, torch.Tensor] = {}
+        self._chain_cache: "OrderedDict[Tuple[int, ...], int]" = OrderedDict()  # recent prefixes -> chain
+        self._cached_tokens = 0
 
     @property
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.expected_tokens, self.known_lens, self.next_rows, self.next_positions))
+        return sum(t.numel() * t.element_size() for t in (
+            self.row_chain, self.next_token, self.staged, self.next_rows, self.sampled, self.pending))
 
     def reset(self) -> None:
         """Forget every row (after warmup and graph capture)."""
-        self.expected_tokens.zero_()
-        self.known_lens.zero_()
-        self.next_positions.fill_(-1)
+        self.row_chain.zero_()
+        self.next_token.zero_()
+        self.staged.fill_(UNKNOWN)
+        self.next_rows.fill_(-1)
+        self.sampled.fill_(-1)
+        self.pending.zero_()
         self._row_owner.clear()
+        self._row_inits.clear()
+        self._chain_cache.clear()
+        self._cached_tokens = 0
 
-    def admit(self, requests: Iterable[AdmittedRequest]) -> int:
-        """Copy the scheduler's record of each newly admitted request into its row; returns how many."""
-        admitted = 0
-        for row, rid, record in requests:
-            if self._row_owner.get(row) == rid:
-                continue  # a continuation chunk (or a re-admission into the same row): the row holds it
-            self._row_owner[row] = rid
+    # ------------------------------------------------------------------ host side, before a forward
+
+    def stage(self, requests: Sequence[FedRequest]) -> int:
+        """Extend forward: stage the expected tokens of every request (batch order); returns how many were admitted.
+
+        Also applies row initialisations queued by ``init_row`` (any forward: call with ``[]``).
+        """
+        if self._row_inits:
+            self._apply_row_inits()
+        if not requests:
+            return 0
+        total = sum(n + 1 for _, _, _, n, _ in requests)
+        if total - len(requests) > self.max_tokens_per_forward or len(requests) > self.max_batch_size:
+            raise CanaryCapacityError(
+                f"kv-canary: an extend forward feeds {total - len(requests)} tokens to {len(requests)} requests; the "
+                f"token oracle holds {self.max_tokens_per_forward} tokens / {self.max_batch_size} requests per forward "
+                "(sized at startup from --max-prefill-tokens, the context length and --max-running-requests)"
+            )
+        buf, arr = self._staging.take()
+        at = 0
+        admit_rows: List[int] = []
+        admit_prefixes: List[Sequence[int]] = []
+        for row, key, prefix, n, record in requests:
             prompt, outputs = record()
-            self._staging.copy_row(self.expected_tokens, self.known_lens, row, prompt, outputs)
-            admitted += 1
-        self._staging.flush()
-        return admitted
+            _fill(arr, at, prompt, outputs, prefix, n + 1)
+            at += n + 1
+            if self._row_owner.get(row) != key:  # a new request in this row: its cached prefix's chain
+                self._row_owner[row] = key
+                if prefix > 0:
+                    admit_rows.append(row)
+                    admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
+        cuda = self._staging.is_cuda
+        self.staged[:at].copy_(buf[:at], non_blocking=cuda)
+        a = len(admit_rows)
+        if a:
+            base = self._admit_at
+            arr[base:base + a] = admit_rows
+            arr[base + a:base + 2 * a] = self._prefix_chains(admit_prefixes)
+            dev = self.staged[base:base + 2 * a]
+            dev.copy_(buf[base:base + 2 * a], non_blocking=cuda)
+            self.row_chain.index_copy_(0, dev[:a], dev[a:])
+        self._staging.done()
+        return a
 
-    def record_sampled(self, sampled: torch.Tensor, batch_size: int) -> None:
-        """sampled: int[>= batch_size] device tensor of the tokens just sampled, batch order."""
-        self._record_sampled_kernel(self, sampled, batch_size)
+    def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:
+        """``prefix_chains_np``, remembering recent prefixes: requests sharing a system prompt are admitted with
+        the same cached prefix, whose chain is then computed once (keyed by the tokens themselves: exact)."""
+        index: Dict[Tuple[int, ...], int] = {}
+        which = [index.setdefault(tuple(p), len(index)) for p in prefixes]  # one hash per prefix
+        cache = self._chain_cache
+        unique = list(index)
+        chains: List[Optional[int]] = [cache.get(k) for k in unique]
+        missing = [i for i, c in enumerate(chains) if c is None]
+        if missing:
+            for i, chain in zip(missing, prefix_chains_np([unique[i] for i in missing])):
+                chains[i] = cache[unique[i]] = chain
+                self._cached_tokens += len(unique[i])
+        for k in unique:
+            cache.move_to_end(k)
+        while self._cached_tokens > CHAIN_CACHE_TOKENS and len(cache) > 1:
+            self._cached_tokens -= len(cache.popitem(last=False)[0])
+        return [chains[i] for i in which]
+
+    def init_row(self, row: int, prompt: Sequence[int], outputs: Sequence[int]) -> None:
+        """A request whose KV no forward of this server wrote (PD decode side: arrived by transfer, or reloaded).
+
+        Its row holds positions [0, len(prompt) + len(outputs) - 1); the next forward feeds the last output
+        id. Applied on the device right before the next forward (on its stream, after the pending samples).
+        """
+        own = list(prompt) + list(outputs)
+        held = max(0, len(own) - 1)
+        chain = prefix_chains_np([own[:held]])[0]
+        self._row_owner.pop(row, None)  # a later extend of this row is a new admission
+        self._row_inits.append((row, chain, int(own[held]) if own else 0))
+
+    def _apply_row_inits(self) -> None:
+        inits = list({r: (r, c, t) for r, c, t in self._row_inits}.values())  # the latest per row: indices unique
+        self._row_inits = []
+        self.flush_pending()  # a pending sample of the row's previous owner must not land after this
+        for k in range(0, len(inits), self.max_batch_size):
+            part = inits[k:k + self.max_batch_size]
+            a = len(part)
+            buf, arr = self._staging.take()
+            arr[:a] = [r for r, _, _ in part]
+            arr[a:2 * a] = [c for _, c, _ in part]
+            arr[2 * a:3 * a] = [t for _, _, t in part]
+            dev = self.staged[self._admit_at:self._admit_at + 3 * a]
+            dev.copy_(buf[:3 * a], non_blocking=self._staging.is_cuda)
+            self.row_chain.index_copy_(0, dev[:a], dev[a:2 * a])
+            self.next_token.index_copy_(0, dev[:a], dev[2 * a:])
+            self._staging.done()
+
+    def flush_pending(self) -> None:
+        """Scatter the pending sampled ids now (what the next HEAD would do); device ops, no host sync."""
+        idx = torch.arange(self.max_batch_size, device=self.pending.device)
+        ok = (idx < self.pending) & (self.next_rows >= 0) & (self.sampled >= 0)
+        rows = torch.where(ok, self.next_rows, torch.full_like(self.next_rows, self.rows))  # dummy row
+        self.next_token.index_copy_(0, rows, torch.where(ok, self.sampled, torch.zeros_like(self.sampled)))
+        self.pending.zero_()
+
+    # ------------------------------------------------------------------ after sampling
+
+    def record_sampled(self, sampled: torch.Tensor) -> None:
+        """sampled: int[n] device tensor of the tokens just sampled, batch order: one copy (the next HEAD scatters)."""
+        n = int(sampled.shape[0])
+        view = self._sampled_views.get(n)
+        if view is None:
+            if n > self.max_batch_size:
+                raise CanaryCapacityError(
+                    f"kv-canary: {n} sampled tokens, the token oracle holds {self.max_batch_size} per forward")
+            view = self._sampled_views[n] = self.sampled[:n]
+        view.copy_(sampled)
 
 
-class _Staging:
-    """Two host staging buffers (pinned on CUDA) used in turn; a buffer is reused once its copies landed."""
+def _slice(prompt: Sequence[int], outputs: Sequence[int], a: int, b: int) -> Sequence[int]:
+    """Tokens [a, b) of prompt + outputs (b <= len(prompt) + len(outputs))."""
+    p = len(prompt)
+    if b <= p:
+        return prompt[a:b]
+    if a >= p:
+        return outputs[a - p:b - p]
+    return list(prompt[a:]) + list(outputs[:b - p])
 
-    def __init__(self, capacity: int, device: torch.device):
-        pin = device.type == "cuda"
-        self._bufs = [torch.zeros(capacity + 1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._events: List = [None, None]
-        self._is_cuda = pin
-        self._cur = 0
-        self._used = 0
 
-    def copy_row(self, tokens: torch.Tensor, known_lens: torch.Tensor, row: int,
-                 prompt: Sequence[int], outputs: Sequence[int]) -> None:
-        n = min(len(prompt) + len(outputs), tokens.shape[1])
-        if self._used + n + 1 > self._bufs[self._cur].shape[0]:
-            self.flush()
-            self._switch()
-        buf = self._bufs[self._cur]
-        a = self._used
-        arr = buf.numpy()
-        k = min(len(prompt), n)
-        arr[a:a + k] = np.asarray(prompt[:k], dtype=np.int32)
-        if n > k:
-            arr[a + k:a + n] = np.asarray(outputs[: n - k], dtype=np.int32)
-        arr[a + n] = n
-        tokens[row, :n].copy_(buf[a:a + n], non_blocking=self._is_cuda)
-        known_lens[row:row + 1].copy_(buf[a + n:a + n + 1], non_blocking=self._is_cuda)
-        self._used = a + n + 1
-
-    def flush(self) -> None:
-        """Mark the copies issued from the current buffer (an event on the current stream)."""
-        if self._is_cuda and self._used:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[self._cur] = event
-
-    def _switch(self) -> None:
-        self._cur ^= 1
-        self._used = 0
-        event = self._events[self._cur]
-        if event is not None:
-            event.synchronize()  # its copies were issued one buffer ago: normally long done
-            self._events[self._cur] = None
+def _fill(arr: np.ndarray, at: int, prompt: Sequence[int], outputs: Sequence[int], start: int, count: int) -> None:
+    """arr[at:at + count] = tokens [start, start + count) of prompt + outputs, UNKNOWN past their end."""
+    known = max(0, min(count, len(prompt) + len(outputs) - start))
+    if known:
+        arr[at:at + known] = np.asarray(_slice(prompt, outputs, start, start + known), dtype=np.int64)
+    if known < count:
+        arr[at + known:at + count] = UNKNOWN

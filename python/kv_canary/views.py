@@ -28,6 +28,9 @@ class ForwardView:
 
     input_ids, positions, out_cache_loc: int32/int64[num_tokens]
     req_pool_indices, seq_lens, new_starts, new_lens: int32/int64[batch_size]
+
+    ``staged``: an extend forward whose expected fed tokens the host staged in the token
+    oracle (``TokenOracle.stage``); otherwise (decode) they are the oracle's ``next_token``.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +45,7 @@ class ForwardView:
     # A speculative TARGET_VERIFY forward: every request's new tokens are the last sampled token
     # then draft_tokens_per_request - 1 drafts (``kv_canary.speculative``); 0 otherwise.
     draft_tokens_per_request: int = 0
+    staged: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class LaunchCapacities:
     max_batch_size: int  # requests per forward (sizes the uniform index buffers)
     max_context_len: int  # positions per request (req_to_token width)
     verify_programs_target: int  # total verify programs to aim for per launch
+    max_tokens_per_forward: int = 0  # new tokens of one forward (0: max_context_len + max_batch_size)
+
+    @property
+    def tokens_per_forward(self) -> int:
+        return self.max_tokens_per_forward or self.max_context_len + self.max_batch_size
 
     def verify_programs_per_request(self, batch_size: int, block: int) -> int:
         """Programs per request for a HEAD launch; depends only on batch size (graph-safe)."""

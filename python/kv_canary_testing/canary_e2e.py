@@ -54,14 +54,16 @@ def canary_server(
     device: Optional[str] = None,
     stats_every: int = 20,
     max_total_tokens: Optional[int] = None,
+    model_path=None,
 ) -> SglangServer:
+    """``model_path``: another tiny model folder (e.g. ``write_swa_model_dir()``); default the tiny model."""
     device = device or e2e_device()
     full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
     if device == "cpu":
         full_env["TRITON_INTERPRET"] = "1"
     full_env.update(env or {})
     args = ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
-    return SglangServer(args, env=full_env, log_path=log_path, device=device,
+    return SglangServer(args, env=full_env, log_path=log_path, device=device, model_path=model_path,
                         max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device])
 
 

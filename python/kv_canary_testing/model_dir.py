@@ -149,3 +149,38 @@ def write_eagle_model_dirs(root: str | os.PathLike | None = None, branch_scale: 
         "kvc_branch_scale": 0.0, "kvc_eagle_identity_fc": True,
     })
     return target, draft
+
+
+SWA_ARCHITECTURE = "LagunaForCausalLM"  # kvc_tiny_swa: the tiny model under a hybrid-SWA name
+SWA_WINDOW = 24  # config.sliding_window: sglang's sliding_window_size for the SWA layers
+
+
+def swa_config_overrides(window: int = SWA_WINDOW) -> dict:
+    """Config of the hybrid sliding-window tiny model: layer 0 sliding, layer 1 full, 4 layers in all."""
+    return {
+        "architectures": [SWA_ARCHITECTURE],
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": window,
+    }
+
+
+def write_swa_model_dir(path: str | os.PathLike | None = None, window: int = SWA_WINDOW) -> Path:
+    """``write_model_dir`` for the hybrid-SWA tiny model (default folder ``<cache>/tiny-model-swa``)."""
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-swa"
+    return write_model_dir(out, config_overrides=swa_config_overrides(window))
+
+
+MLA_ARCHITECTURE = "MiniCPM3ForCausalLM"  # kvc_tiny_mla: the tiny model with MLA attention under an MLA name
+
+
+def mla_config_overrides() -> dict:
+    """Config of the MLA tiny model: latent 32 + rotary 16 values per slot and layer (192 bytes in float32)."""
+    return {"architectures": [MLA_ARCHITECTURE], "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16, "v_head_dim": 32}
+
+
+def write_mla_model_dir(path: str | os.PathLike | None = None) -> Path:
+    """``write_model_dir`` for the MLA tiny model (default folder ``<cache>/tiny-model-mla``)."""
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-mla"
+    return write_model_dir(out, config_overrides=mla_config_overrides())

@@ -167,12 +167,25 @@ def test_memory_function_matches_what_a_real_manager_allocates():
         group = build_group(PoolLayout("full", [torch.zeros(100, 2, 8)], [torch.zeros(100, 2, 8)]), config, device)
         r2t = torch.zeros(5, 48, dtype=torch.int32)
         m = CanaryManager(config=config, groups=[group], kernels=select_kernels(config.kernel_backend, device),
-                          req_to_token=r2t, capacities=LaunchCapacities(6, 48, 1),
+                          req_to_token=r2t, capacities=LaunchCapacities(6, 48, 1, max_tokens_per_forward=200),
                           batch_adapter=SglangBatchAdapter(max_batch_size=6, device=device), device=device)
         tensors = [g.records for g in m.groups] + [m.counters, m.ring]
         allocated = sum(t.numel() * t.element_size() for t in tensors)
         allocated += m.token_oracle.memory_bytes if m.token_oracle is not None else 0
         want = canary_memory_bytes(num_slots=100, num_groups=1, req_rows=5, context_len=48, ring_capacity=64,
-                                   token_oracle=token_oracle, max_batch_size=6)
+                                   token_oracle=token_oracle, max_batch_size=6, max_tokens_per_forward=200)
         assert want.total == allocated
         assert want.pct_of(100 * 2 * 2 * 8 * 4) == pytest.approx(100.0 * allocated / 12800)
+
+
+@pytest.mark.parametrize("context_len", [4096, 32768, 131072, 1 << 20])
+@pytest.mark.parametrize("req_rows", [65, 4097])
+def test_canary_memory_is_at_most_2_percent_of_the_kv_pool_at_any_context_length(context_len, req_rows):
+    """Llama-3-8B KV rows (32 layers x K/V x 8 heads x 128 x bf16 = 128 KiB per slot), sweep on, a pool of
+    one context's worth of slots at least: nothing grows with req rows x context any more."""
+    per_slot = 32 * 2 * 8 * 128 * 2
+    slots = max(131072, context_len) + 1
+    m = canary_memory_bytes(num_slots=slots, num_groups=1, req_rows=req_rows, context_len=context_len + 4,
+                            ring_capacity=4096, token_oracle=True, max_batch_size=req_rows + 1, sweep=True)
+    assert m.pct_of(slots * per_slot) <= 2.0
+    assert m.token_table < 64 * (context_len + 16384 + 8 * req_rows)

@@ -37,7 +37,8 @@ class Sim:
     """A tiny KV pool + req_to_token + a slot allocator, driven like sglang does."""
 
     def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL,
-                 full_hash=False):
+                 full_hash=False, check_fed=True):
+        self.check_fed = check_fed
         self.full_hash = full_hash  # TAIL also records every slot's whole-row hash (the scrub's)
         g = torch.Generator().manual_seed(seed)
         self.backend = backend
@@ -46,9 +47,10 @@ class Sim:
         config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes, real_data=real_data)
         self.group = build_group(PoolLayout("full", self.k, self.v), config, DEVICE)
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
-        self.oracle = TokenOracle(rows=8, ctx=CTX, max_batch_size=8, device=DEVICE,
-                                  record_sampled_kernel=backend.launch_record_sampled)
-        self.tokens = self.oracle.expected_tokens  # each row's own tokens (the scheduler's record)
+        self.oracle = TokenOracle(rows=8, max_batch_size=8, max_tokens_per_forward=2 * CTX, device=DEVICE,
+                                  check_fed=check_fed)
+        self.own = {}  # row -> the request's own tokens (the scheduler's record: prompt + sampled ids)
+        self.keys = {}  # row -> admission key (a new one: a new request in the row)
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=DEVICE)
         self.counters[fp.C_REPORT_ENABLED] = 1
         self.ring = torch.zeros(256, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
@@ -60,17 +62,37 @@ class Sim:
         self.next_slot += n
         return slots
 
-    def forward(self, reqs, position_shift=0, fed=None):
+    def admit(self, row, tokens=()):
+        """A new request in ``row`` whose own tokens start with ``tokens`` (its cached prefix, say)."""
+        self.own[row] = list(tokens)
+        self.keys[row] = (row, self.keys.get(row, (row, 0))[1] + 1)
+
+    def sample(self, toks):
+        """The engine sampled ``toks`` (batch order of the last forward): the sample hook's copy."""
+        self.oracle.record_sampled(torch.tensor(toks, dtype=torch.int32, device=DEVICE))
+
+    def forward(self, reqs, position_shift=0, fed=None, decode=False, unfinished=()):
         """reqs: list of (row, prefix_len, new_token_ids). Fills KV for new tokens, then TAIL-writes.
 
-        The new tokens are the requests' own (entered in the token oracle first) unless ``fed``
-        gives other ids to feed; the model runs at positions + ``position_shift``.
+        The new tokens are the requests' own (the scheduler's record) unless ``fed`` gives other ids
+        to feed; the model runs at positions + ``position_shift``. An extend forward (default) stages
+        the record in the token oracle; a ``decode`` one expects each request's sampled token (``sample``
+        after the previous forward). Rows in ``unfinished`` have more prompt after this chunk.
         """
         ids, locs, rows, seqs, starts, lens, pos = [], [], [], [], [], [], []
+        fed_requests = []
         for row, prefix, toks in reqs:
+            if row not in self.keys:
+                self.admit(row)
+            own = self.own[row]
+            del own[prefix:]
+            own += list(toks)
+            if row in unfinished:
+                own.append(1)  # the record already holds the next prompt token
+            fed_requests.append((row, self.keys[row], prefix, len(toks),
+                                 lambda o=list(own): (o, [])))
             slots = self.alloc(len(toks))
             self.r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32).to(DEVICE)
-            self.tokens[row, prefix : prefix + len(toks)] = torch.tensor(toks, dtype=torch.int32, device=DEVICE)
             starts.append(len(ids))
             pos += [prefix + k + position_shift for k in range(len(toks))]
             ids += toks
@@ -88,9 +110,12 @@ class Sim:
             new_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
             batch_size=len(reqs),
             max_new_len=max(lens),
+            staged=not decode,
         )
+        if not decode:
+            self.oracle.stage(fed_requests)
         self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 2, 16,
-                                   expected_tokens=self.tokens)
+                                   token_oracle=self.oracle)
         # "attention" writes K/V of the new slots
         for layer in range(LAYERS):
             loc = view.out_cache_loc
@@ -98,7 +123,9 @@ class Sim:
             if self.v is not None:
                 self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
         self.backend.launch_write(self.group, view, self.r2t, self.counters, self.ring, True, block=16,
-                                  token_oracle=self.oracle, full_hash=self.full_hash)
+                                  check_fed=self.check_fed, token_oracle=self.oracle, full_hash=self.full_hash)
+        for row in unfinished:
+            self.own[row].pop()
         return view
 
     def new_violations(self, before):
@@ -120,7 +147,7 @@ class Sim:
         )
         before = int(self.counters[fp.C_VIOLATIONS])
         self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 3, 16,
-                                   expected_tokens=self.tokens)
+                                   token_oracle=self.oracle)
         return self.new_violations(before)
 
 
@@ -133,11 +160,15 @@ def _scenario(sim: Sim):
     sim.forward([(1, 40, tok(50)), (3, 0, tok(33))])
     # row 4 shares row 1's first 40 slots (a radix hit), then extends with its own tokens
     sim.r2t[4, :40] = sim.r2t[1, :40]
-    sim.tokens[4, :40] = sim.tokens[1, :40]  # the new request's own prompt (admission fills the oracle)
+    sim.admit(4, sim.own[1][:40])  # the new request's own prompt starts like row 1's (admission: the chain)
     sim.forward([(4, 40, tok(37))])
-    # decode steps for everybody
-    for step in range(3):
-        sim.forward([(1, 90 + step, tok(1)), (2, 70 + step, tok(1)), (4, 77 + step, tok(1))])
+    # decode steps for everybody: a mixed batch (staged), then decode forwards fed the sampled tokens
+    toks = [tok(1) for _ in range(3)]
+    sim.forward([(1, 90, toks[0]), (2, 70, toks[1]), (4, 77, toks[2])])
+    for step in range(1, 3):
+        toks = [tok(1) for _ in range(3)]
+        sim.sample([t[0] for t in toks])
+        sim.forward([(1, 90 + step, toks[0]), (2, 70 + step, toks[1]), (4, 77 + step, toks[2])], decode=True)
     return {1: 93, 2: 73, 3: 33, 4: 80}
 
 
@@ -195,16 +226,35 @@ def test_position_shift_is_detected():
 
 
 def test_foreign_prefix_with_consistent_chain_fails_the_token_check():
-    """A radix hit on the wrong prompt: the slots are self-consistent, only the token check sees it."""
+    """A radix hit on the wrong prompt: the slots are self-consistent, only the token check sees it.
+
+    Request 4 is admitted with a cached prefix of 80 slots whose tokens are not its own at position 10:
+    the last read slot's chain is not the chain of its own tokens (reported once, at the last read
+    position, stored/expected = the two chains); its TAIL continues from the recorded chain.
+    """
     sims = [Sim(tk), Sim(ref)]
     for s in sims:
         lengths = _scenario(s)
-        s.tokens[4, 10] += 1  # request 4's own prompt differs from the cached prefix at position 10
+        own = list(s.own[4][:80])
+        own[10] += 1  # request 4's own prompt differs from the cached prefix at position 10
+        s.oracle.init_row(4, own, [0])  # admitted with 80 cached positions (chain set by the host)
+        s.oracle.stage([])
     found = [s.verify_all(list(lengths.items())) for s in sims]
     assert found[0] == found[1]
-    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(4, 10, fp.R_TOKEN)]
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(4, 79, fp.R_TOKEN)]
     row = found[0][0]
-    assert row[fp.V_EXPECTED] == row[fp.V_STORED] + 1
+    s = sims[0]
+    assert row[fp.V_STORED] == int(s.group.records[int(s.r2t[4, 79]), fp.F_CHAIN])
+    assert row[fp.V_EXPECTED] == fp.prefix_chains_np([own])[0] != row[fp.V_STORED]
+    # request 4's next forward (fed its own token): its HEAD reads the same prefix (the same violation,
+    # a repeat the host counts); its TAIL continues from the recorded chain, so the reads after it are clean
+    for s in sims:
+        before = int(s.counters[fp.C_VIOLATIONS])
+        s.own[4] = own + [0]
+        s.forward([(4, 80, [0])], decode=True)
+        repeat = s.new_violations(before)
+        assert [r[:3] + r[5:7] for r in repeat] == [row[:3] + row[5:7]]
+        assert s.verify_all([(4, 81)]) == []
 
 
 def test_report_disabled_counts_nothing():
@@ -279,41 +329,124 @@ def test_tail_records_the_fed_positions_and_flags_a_shift_at_once():
     assert [(r[fp.V_POSITION], r[fp.V_REASON]) for r in again] == [(lengths[1], fp.R_POSITION)]
 
 
-def test_tail_flags_a_fed_token_that_is_not_the_requests_own():
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+def test_tail_flags_a_fed_token_that_is_not_the_requests_own(decode):
+    """Extend: the staged record; decode: the sampled token (the sample hook's copy, scattered by HEAD)."""
     sims = [Sim(tk), Sim(ref)]
     lengths = [_scenario(s) for s in sims][0]
     found = []
     for s in sims:
         before = int(s.counters[fp.C_VIOLATIONS])
-        s.forward([(1, lengths[1], [11]), (2, lengths[2], [12])], fed=[11, 13])  # request 2 is fed 13, not 12
+        rows = [(1, lengths[1], [11]), (2, lengths[2], [12]), (4, lengths[4], [14])]
+        if decode:
+            s.sample([11, 12, 14])  # the last forward's batch: rows 1, 2, 4
+        s.forward(rows, fed=[11, 13, 14], decode=decode)  # request 2 is fed 13, not 12
         found.append(s.new_violations(before))
     assert found[0] == found[1]
     assert [(r[fp.V_BATCH_INDEX], r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON], r[fp.V_STORED], r[fp.V_EXPECTED])
             for r in found[0]] == [(1, 2, lengths[2], fp.R_TOKEN, 13, 12)]
+    # reported by the forward that fed it, not again by the reads after it
+    assert [s.verify_all([(r, n + 1) for r, n in lengths.items() if r != 3]) for s in sims] == [[], []]
+
+
+def test_without_the_fed_check_the_next_read_flags_a_wrong_fed_token_once():
+    """ENABLE_WRITE_INPUT_ASSERT=0, VERIFY_TOKEN_ASSERT=1: the row chain follows the request's own tokens."""
+    sims = [Sim(tk, check_fed=False), Sim(ref, check_fed=False)]
+    lengths = [_scenario(s) for s in sims][0]
+    found = []
+    for s in sims:
+        before = int(s.counters[fp.C_VIOLATIONS])
+        s.sample([11, 12, 14])
+        s.forward([(1, lengths[1], [11]), (2, lengths[2], [12]), (4, lengths[4], [14])], fed=[11, 13, 14],
+                  decode=True)
+        assert s.new_violations(before) == []  # not checked when fed
+        found.append(s.verify_all([(r, n + 1) for r, n in lengths.items() if r != 3]))
+        # the next forward's HEAD reads it again (the same violation: a repeat); its TAIL continues from the
+        # recorded chain, so later reads are clean
+        before = int(s.counters[fp.C_VIOLATIONS])
+        s.sample([21, 22, 24])
+        s.forward([(1, lengths[1] + 1, [21]), (2, lengths[2] + 1, [22]), (4, lengths[4] + 1, [24])], decode=True)
+        assert [r[:3] + r[5:7] for r in s.new_violations(before)] == [r[:3] + r[5:7] for r in found[-1]]
+        assert s.verify_all([(r, n + 2) for r, n in lengths.items() if r != 3]) == []
+    assert found[0] == found[1]
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(2, lengths[2], fp.R_TOKEN)]
 
 
 @pytest.mark.parametrize("backend", [tk, ref], ids=["triton", "torch"])
 def test_sampled_tokens_become_the_next_expected_tokens(backend):
     sim = Sim(backend)
     lengths = _scenario(sim)
-    # The last TAIL (decode of rows 1, 2, 4) recorded where each request's next token goes.
-    assert sim.oracle.next_rows[:3].tolist() == [1, 2, 4]
-    assert sim.oracle.next_positions[:3].tolist() == [lengths[1], lengths[2], lengths[4]]
-    sim.oracle.known_lens[2] = lengths[2] + 1  # row 2: an unfinished chunked prefill, the prompt goes on there
-    sim.tokens[2, lengths[2]] = 55
-    sim.oracle.record_sampled(torch.tensor([101, 102, 104], device=DEVICE), 3)
-    assert int(sim.tokens[1, lengths[1]]) == 101 and int(sim.tokens[4, lengths[4]]) == 104
-    assert int(sim.tokens[2, lengths[2]]) == 55  # not overwritten
+    o = sim.oracle
+    # The last TAIL (decode of rows 1, 2, 4) announced where each request's next token goes.
+    assert o.next_rows[:3].tolist() == [1, 2, 4] and int(o.pending) == 3 and o.sampled[:3].tolist() == [-1] * 3
+    sim.sample([101, 102, 104])  # the sample hook: one copy, nothing scattered yet
+    assert o.sampled[:3].tolist() == [101, 102, 104]
+    assert sim.verify_all([(3, 33)]) == []  # the next HEAD scatters them
+    assert [int(o.next_token[r]) for r in (1, 2, 4)] == [101, 102, 104]
+    # an unfinished chunk (its record holds the next prompt token): the sample after it is thrown away
+    sim.forward([(5, 0, [7, 8, 9]), (6, 0, [3])], unfinished={5})
+    assert o.next_rows[:2].tolist() == [-1, 6]
+    sim.sample([55, 66])
+    assert sim.verify_all([(3, 33)]) == []
+    assert int(o.next_token[5]) == 0 and int(o.next_token[6]) == 66
+    # a forward that sampled nothing scatters nothing
+    sim.forward([(6, 1, [66])], decode=True)
+    assert sim.verify_all([(3, 33)]) == [] and int(o.next_token[6]) == 66
 
 
-def test_token_oracle_admits_a_request_once_with_prompt_and_outputs():
-    oracle = TokenOracle(rows=4, ctx=32, max_batch_size=4, device=DEVICE, record_sampled_kernel=tk.launch_record_sampled)
-    assert oracle.admit([(2, "a", lambda: ([5, 6, 7], [8]))]) == 1
-    assert oracle.expected_tokens[2, :5].tolist() == [5, 6, 7, 8, 0] and int(oracle.known_lens[2]) == 4
-    # a continuation chunk of the same request copies nothing; a new owner of the row does
-    assert oracle.admit([(2, "a", lambda: ([9], []))]) == 0
-    assert oracle.admit([(2, "b", lambda: ([1, 2], []))]) == 1
-    assert oracle.expected_tokens[2, :2].tolist() == [1, 2] and int(oracle.known_lens[2]) == 2
+def test_token_oracle_stages_the_fed_tokens_and_admits_a_request_once():
+    oracle = TokenOracle(rows=4, max_batch_size=4, max_tokens_per_forward=16, device=DEVICE)
+    # request a in row 2: 3 prompt tokens cached, fed the 4th and its first output
+    assert oracle.stage([(2, "a", 3, 2, lambda: ([5, 6, 7, 8], [9]))]) == 1
+    assert oracle.staged[:3].tolist() == [8, 9, -1]  # fed tokens, then the record's next one (unknown)
+    assert int(oracle.row_chain[2]) == fp.prefix_chains_np([[5, 6, 7]])[0]
+    # a continuation of the same request keeps the device chain; a new owner of the row is admitted
+    oracle.row_chain[2] = 1234
+    assert oracle.stage([(2, "a", 5, 1, lambda: ([5, 6, 7, 8], [9]))]) == 0
+    assert int(oracle.row_chain[2]) == 1234 and oracle.staged[:2].tolist() == [-1, -1]  # not in the record yet
+    assert oracle.stage([(2, "b", 2, 2, lambda: ([1, 2, 3, 4, 5], [])), (1, "c", 0, 1, lambda: ([7], []))]) == 1
+    assert oracle.staged[:5].tolist() == [3, 4, 5, 7, -1]  # b's chunk is unfinished: the record has token 4
+    assert int(oracle.row_chain[2]) == fp.prefix_chains_np([[1, 2]])[0]
+    from kv_canary.views import CanaryCapacityError
+
+    with pytest.raises(CanaryCapacityError, match="token oracle holds 16 tokens"):
+        oracle.stage([(3, "d", 0, 17, lambda: (list(range(17)), []))])
+    # PD: a request that arrived with its KV: chain over what the row holds, its next fed token
+    oracle.init_row(3, [4, 5, 6], [7, 8])
+    oracle.stage([])
+    assert int(oracle.row_chain[3]) == fp.prefix_chains_np([[4, 5, 6, 7]])[0] and int(oracle.next_token[3]) == 8
+
+
+def test_admissions_sharing_a_prefix_get_exact_chains_from_the_cache(monkeypatch):
+    from kv_canary import token_oracle
+
+    monkeypatch.setattr(token_oracle, "CHAIN_CACHE_TOKENS", 8)
+    oracle = TokenOracle(rows=6, max_batch_size=6, max_tokens_per_forward=16, device=DEVICE)
+    shared, other = [3, 1, 4, 1, 5], [3, 1, 4, 1, 6]
+    reqs = [(1, "a", 5, 1, lambda: (shared + [9], [])), (2, "b", 5, 1, lambda: (other + [9], [])),
+            (3, "c", 5, 1, lambda: (shared + [8], [])), (4, "d", 4, 1, lambda: (shared, []))]
+    for round_ in range(2):  # the second round hits (or, past the cache's bound, recomputes) every prefix
+        assert oracle.stage([(r, (k, round_), p, n, rec) for r, k, p, n, rec in reqs]) == 4
+        want = fp.prefix_chains_np([shared, other, shared, shared[:4]])
+        assert [int(oracle.row_chain[r]) for r in (1, 2, 3, 4)] == want
+        assert oracle._cached_tokens <= 8 or len(oracle._chain_cache) == 1
+
+
+def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 2**31 - 1, (3000,), generator=g)
+    tokens[:4] = torch.tensor([0, 1, 2**31 - 1, 151000])
+    positions = torch.randint(0, 1 << 20, (3000,), generator=g)
+    import numpy as np
+
+    assert np.array_equal(fp.chain_terms_np(tokens.numpy(), positions.numpy()).view(np.int64),
+                          fp.chain_term(tokens, positions).numpy())
+    sims = [Sim(tk), Sim(ref)]
+    for s in sims:
+        lengths = _scenario(s)
+        for row, n in lengths.items():
+            want = fp.prefix_chains_np([s.own[row][:n]])[0]
+            assert int(s.group.records[int(s.r2t[row, n - 1]), fp.F_CHAIN]) == want == int(s.oracle.row_chain[row])
 
 
 def test_scrub_checks_every_byte_of_a_round_robin_window():
@@ -361,7 +494,7 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     s = graph_sim
 
     def head_tail():
-        tk.launch_verify(s.group, view, s.r2t, s.counters, s.ring, 2, 16, expected_tokens=s.tokens)
+        tk.launch_verify(s.group, view, s.r2t, s.counters, s.ring, 2, 16, token_oracle=s.oracle)
         tk.launch_write(s.group, view, s.r2t, s.counters, s.ring, True, block=16, token_oracle=s.oracle)
 
     s.counters[fp.C_REPORT_ENABLED] = 0  # warmup + capture on padding data, as sglang's capture does
@@ -373,30 +506,35 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     base = {k: int(s.counters[k]) for k in (fp.C_VIOLATIONS, fp.C_SLOTS_VERIFIED)}
 
     g = torch.Generator().manual_seed(99)
-    for step in range(4):
-        toks = torch.randint(1, 500, (bs,), generator=g).tolist()
-        reqs = [(row, lengths[row] + step, [t]) for row, t in zip(rows, toks)]
-        eager_sim.forward(reqs)
-        # the graph side: allocate, map, "attention" writes K/V, then replay HEAD+TAIL
+
+    def graph_step(reqs):
+        """The graph side of one decode step: allocate, map, "attention" writes K/V, then replay HEAD+TAIL."""
         slots = s.alloc(bs)
         for (row, prefix, toks_), slot in zip(reqs, slots.tolist()):
             s.r2t[row, prefix] = slot
-            s.tokens[row, prefix] = toks_[0]
+            s.oracle.next_token[row] = toks_[0]  # what the sampled-id scatter would have written
         for layer in range(LAYERS):
             s.k[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
             s.v[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
-        static["input_ids"].copy_(torch.tensor(toks))
+        static["input_ids"].copy_(torch.tensor([t[0] for _, _, t in reqs]))
         static["out_cache_loc"].copy_(slots)
         static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
         static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
         graph.replay()
+
+    for step in range(4):
+        toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+        reqs = [(row, lengths[row] + step, [t]) for row, t in zip(rows, toks)]
+        eager_sim.forward(reqs)
+        graph_step(reqs)
     torch.cuda.synchronize()
     assert torch.equal(graph_sim.group.records.cpu(), eager_sim.group.records.cpu())
     assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS]
     assert int(s.counters[fp.C_SLOTS_VERIFIED]) > base[fp.C_SLOTS_VERIFIED]
-    # A corrupted prefix byte is caught by the next replay.
+    # A corrupted prefix byte is caught by the next step's replay (and nothing else is reported).
     s.group.sources[0].view[int(s.r2t[2, 7]), 0] ^= 1 << 3
-    graph.replay()
+    toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+    graph_step([(row, lengths[row] + 4, [t]) for row, t in zip(rows, toks)])
     torch.cuda.synchronize()
     assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS] + 1
     row = s.ring[base[fp.C_VIOLATIONS] % s.ring.shape[0]].tolist()
@@ -410,7 +548,7 @@ def _index_of(sim, rows_lengths):
     index = CachedSlotIndex(NUM_SLOTS, DEVICE)
     for row, n in rows_lengths:
         seq = sim.r2t[row, :n].to(torch.int64)
-        index.add(seq, sim.tokens[row, :n].tolist(), 0, None)
+        index.add(seq, sim.own[row][:n], 0, None)
     index.apply_pending()
     return index
 

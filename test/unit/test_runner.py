@@ -64,8 +64,7 @@ class Harness:
             return wrapped
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                ref.launch_record_sampled, ref.launch_scrub, spy("sweep", ref.launch_index_sweep),
-                                graph_safe=False)
+                                ref.launch_scrub, spy("sweep", ref.launch_index_sweep), graph_safe=False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
@@ -77,6 +76,7 @@ class Harness:
         self.next_slot = 1
         self.lens = {}
         self.own = {}  # row -> the request's tokens so far (the scheduler's record)
+        self.reqs = {}  # row -> its Req stand-in
 
     def batch(self, rows_tokens, decode=False):
         """rows_tokens: {row: [new token ids]} -> a real ForwardBatch (EXTEND or DECODE).
@@ -105,9 +105,10 @@ class Harness:
             self.own[row] = self.own.get(row, []) + list(toks)
         kw = {}
         if not decode:
+            i32 = dict(dtype=torch.int32)  # as sglang's ForwardBatch.init_new builds them
             kw = dict(
-                extend_seq_lens=torch.tensor(ext), extend_prefix_lens=torch.tensor(pre),
-                extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))]),
+                extend_seq_lens=torch.tensor(ext, **i32), extend_prefix_lens=torch.tensor(pre, **i32),
+                extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], **i32),
                 extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre, extend_num_tokens=sum(ext),
             )
         fb = ForwardBatch(
@@ -116,8 +117,10 @@ class Harness:
             seq_lens=torch.tensor(seqs), out_cache_loc=torch.tensor(locs), seq_lens_sum=sum(seqs),
             seq_lens_cpu=torch.tensor(seqs), positions=torch.tensor(pos), rids=[f"r{r}" for r in rows], **kw,
         )
-        fb.kv_canary_reqs = [SimpleNamespace(req_pool_idx=r, rid=f"r{r}", origin_input_ids=list(self.own[r]),
-                                             output_ids=[]) for r in rows]
+        for r in rows:  # the scheduler's Req objects: one per request, kept across its forwards
+            req = self.reqs.setdefault(r, SimpleNamespace(req_pool_idx=r, rid=f"r{r}", retraction_count=0))
+            req.origin_input_ids, req.output_ids = list(self.own[r]), []
+        fb.kv_canary_reqs = [self.reqs[r] for r in rows]
         return fb
 
     def step(self, fb):
@@ -216,10 +219,44 @@ def test_log_mode_logs_each_violation_and_keeps_serving(caplog):
         h.step(h.batch({1: [9], 2: [5]}, decode=True))
     found = parse_lines(caplog.text, VIOLATION_PREFIX)
     assert {(v["rid"], v["position"], v["kind"]) for v in found} == {
-        ("r2", "1", "chain+token"),  # a foreign slot: another prefix and not request 2's own token
+        ("r2", "1", "chain"),  # a foreign slot: another prefix
         ("r2", "2", "chain"),  # request 2's own slot, but its link now points at the foreign one
     }
     assert h.manager.violations_reported == 4  # both decode forwards read the bad slots
+
+
+def test_a_whole_foreign_prefix_fails_the_token_check_once(caplog):
+    """Request 2's row points at request 1's self-consistent slots (a radix match to another prompt): every
+    link checks out; the chain of the read tokens is not the chain of request 2's own tokens."""
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [1, 2, 3]}))
+    h.r2t[2, :3] = h.r2t[1, :3]
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        for t in range(3):
+            h.step(h.batch({1: [8 + t], 2: [4 + t]}, decode=True))
+        h.manager.poll(drain=True)
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [(v["rid"], v["position"], v["kind"]) for v in found] == [("r2", "2", "token")]
+    assert h.manager.violations_reported == 1  # the next TAIL continues from what request 2 read
+
+
+def test_chunks_continue_and_a_retracted_request_is_admitted_again(caplog):
+    """A continuation chunk keeps the device's row chain; a retracted request re-admitted with fewer cached
+    positions gets its chain from the host again (else its HEAD would compare a longer prefix's chain)."""
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: [5, 6, 7], 2: [1]}))
+        h.step(h.batch({1: [8, 9]}))  # the next chunk of request 1
+        h.step(h.batch({1: [10]}, decode=True))
+        h.reqs[1].retraction_count += 1  # retracted; back with 3 of its 6 positions cached
+        h.lens[1], h.own[1] = 3, h.own[1][:3]
+        h.step(h.batch({1: [8, 9, 10]}))
+        h.step(h.batch({1: [11]}, decode=True))
+        h.manager.poll(drain=True)
+    assert parse_lines(caplog.text, VIOLATION_PREFIX) == []
+    assert h.manager.last_counters[fp.C_SLOTS_VERIFIED] == 3 + 5 + 3 + 6
 
 
 def test_a_cuda_graph_recapture_after_init_raises_no_health_violation(caplog):

@@ -24,7 +24,9 @@ import torch
 from kv_canary import fingerprint as fp
 from kv_canary.adapter.batch_adapter import SglangBatchAdapter
 from kv_canary.adapter.speculative import after_eagle_v2_verify
-from kv_canary.config import CanaryMode
+from kv_canary.config import CanaryMode, KernelBackend
+from kv_canary.fingerprint import prefix_chains_np
+from kv_canary.kernels import select_kernels
 from kv_canary.runner import CanaryManager
 from kv_canary.violations import CanaryViolationError
 
@@ -41,11 +43,18 @@ _spec.loader.exec_module(_runner)
 SLOTS, CTX = _runner.SLOTS, _runner.CTX
 
 
+KERNELS = ["torch", "triton"]  # the reference kernels and the Triton ones (the interpreter on CPU)
+
+
 class EagleHarness(_runner.Harness):
     """test_runner's Harness plus spec v2's bookkeeping: over-allocated rows, verify rounds, acceptance."""
 
-    def __init__(self, n: int = 3, page_size: int = 1, **kw):
+    def __init__(self, n: int = 3, page_size: int = 1, kernels: str = "torch", **kw):
         super().__init__(**kw)
+        if kernels == "triton":  # the kernels a GPU (and the CPU e2e) runs, instead of the spied reference
+            triton = select_kernels(KernelBackend.TRITON, torch.device("cpu"))
+            for sfm in self.manager.single_forward_managers:
+                sfm._kernels = triton
         self.n = n  # speculative_num_draft_tokens (= num_steps + 1 for topk 1)
         self.page_size = page_size
         self.alloc = {}  # row -> kv_allocated_len
@@ -165,9 +174,20 @@ def _clean(h):
     return int(c[fp.C_VIOLATIONS])
 
 
+def _assert_oracle_at_accepted_prefix(h, rows):
+    """row_chain is the chain of the committed tokens (what the scheduler appended), the bonus token is what the
+    next forward must be fed (after the next HEAD's scatter, done here as it would)."""
+    o = h.manager.token_oracle
+    o.flush_pending()
+    for row in rows:
+        assert int(o.row_chain[row]) == prefix_chains_np([h.own[row]])[0], row
+        assert int(o.next_token[row]) == h.bonus[row], row
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_verify_rounds_with_accept_and_reject_raise_nothing(page_size):
-    h = EagleHarness(n=3, page_size=page_size, mode=CanaryMode.RAISE)
+def test_verify_rounds_with_accept_and_reject_raise_nothing(page_size, kernels):
+    h = EagleHarness(n=3, page_size=page_size, kernels=kernels, mode=CanaryMode.RAISE)
     h.manager.mark_init_finished()
     h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, bonus={1: 11, 2: 12})
     # all accepted / all rejected / partly accepted, in both requests
@@ -181,11 +201,8 @@ def test_verify_rounds_with_accept_and_reject_raise_nothing(page_size):
     assert int(c[fp.C_SLOTS_WRITTEN]) == 6 + 4 * 2 * 3
     committed_before = [(4, 2), (4 + 3, 2 + 1), (7 + 2, 3 + 3), (9 + 1, 6 + 2)]
     assert int(c[fp.C_SLOTS_VERIFIED]) == sum(a + b for a, b in committed_before)
-    # the oracle holds each committed position's own token (what the scheduler appended)
-    for row in (1, 2):
-        L = h.lens[row]
-        assert h.manager.token_oracle.expected_tokens[row, :L].tolist() == h.own[row]
-        assert int(h.manager.token_oracle.expected_tokens[row, L]) == h.bonus[row]
+    # the oracle is at the accepted prefix: no rejected draft's term in the chain, the bonus token next
+    _assert_oracle_at_accepted_prefix(h, (1, 2))
 
 
 def test_the_view_counts_the_drafts_and_a_padding_lane_reads_nothing():
@@ -271,3 +288,79 @@ def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2_without_cuda_graph
         assert not rule.allowed(algo, args(speculative_algorithm=algo)), algo
     with pytest.raises(CanaryConfigError, match="cannot verify --speculative-algorithm NGRAM"):
         check_supported(args(speculative_algorithm="NGRAM"), "raise", given_only=True)
+
+
+def _padded(fb, bs: int, n: int):
+    """The TARGET_VERIFY batch a CUDA graph captured for ``bs`` requests replays with ``fb`` in it, padded as
+    sglang's ``populate_from_forward_batch`` pads it: seq_lens = the fill value (1), out_cache_loc 0, and
+    stale input ids / positions / request rows (here: the first real request's row, the worst case)."""
+    raw = fb.batch_size
+    pad = bs - raw
+
+    def cat(t, fill):
+        return torch.cat([t, torch.full((fill,), int(t[0]), dtype=t.dtype)])
+
+    return ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=cat(fb.input_ids, pad * n),
+        req_pool_indices=cat(fb.req_pool_indices, pad), seq_lens=torch.cat([fb.seq_lens, torch.ones(pad,
+                                                                                                   dtype=fb.seq_lens.dtype)]),
+        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * n, dtype=fb.out_cache_loc.dtype)]),
+        positions=cat(fb.positions, pad * n), seq_lens_sum=int(fb.seq_lens.sum()) + pad, rids=fb.rids,
+    )
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_padded_graph_batches_verify_the_real_requests_only(kernels):
+    """CUDA-graph replays: the outside bracket sees the real batch, HEAD/TAIL the padded one (its padding lanes
+    point at a live row); rounds with accepted and rejected drafts raise nothing and the oracle stays exact."""
+    h = EagleHarness(n=3, kernels=kernels, mode=CanaryMode.RAISE)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, bonus={1: 11, 2: 12})
+    m = h.manager
+    for drafts, accept_lens in (({1: [13, 14], 2: [15, 16]}, [2, 1]), ({1: [19, 20], 2: [21, 22]}, [3, 2]),
+                                ({1: [25, 26], 2: [27, 28]}, [1, 3])):
+        fb = h.verify_batch(drafts)
+        padded = _padded(fb, 4, h.n)
+        with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+            with m.with_active_single_forward_manager(0):
+                h.model(padded.input_ids, padded.positions, padded)
+        base = 100 + 10 * len(h.own[1])
+        h.accept(fb, accept_lens, new_bonus={1: base, 2: base + 1})
+    m.poll(drain=True)
+    assert _clean(h) == 0 and m.health_violations == 0
+    assert int(m.last_counters[fp.C_SLOTS_WRITTEN]) == 6 + 3 * 2 * 3  # padding lanes write nothing
+    _assert_oracle_at_accepted_prefix(h, (1, 2))
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_an_accepted_draft_that_is_not_the_appended_token_is_caught(kernels):
+    """sglang's acceptance must append exactly the drafts the target verified: if the scheduler appended another
+    token than the one fed (and cached) at an accepted position, the next verify's HEAD reports it."""
+    h = EagleHarness(n=3, kernels=kernels, mode=CanaryMode.RAISE)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8]}, bonus={1: 11})
+    fb = h.verify_batch({1: [13, 14]})
+    h.step(fb)
+    fb.input_ids = fb.input_ids.clone()
+    fb.input_ids[1] = 77  # accept() builds predict from these: the "appended" token at position 5 is 77, fed 13
+    h.accept(fb, [3], new_bonus={1: 17})
+    with pytest.raises(CanaryViolationError, match="token"):
+        h.round({1: [19, 20]}, accept_lens=[1], new_bonus={1: 23})
+        h.manager.poll(drain=True)
+
+
+def test_without_the_verify_hook_the_next_verify_is_reported():
+    """The hook is what moves the oracle to the accepted prefix: skipped, the next verify fails (a stale chain)."""
+    h = EagleHarness(n=3, mode=CanaryMode.RAISE)
+    h.manager.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8]}, bonus={1: 11})
+    fb = h.verify_batch({1: [13, 14]})
+    h.step(fb)
+    # the scheduler's update (two tokens accepted) without the plugin's hook
+    h.own[1] = h.own[1] + [int(x) for x in fb.input_ids[:2]]
+    h.lens[1] += 2
+    h.bonus[1] = 17
+    h.manager.record_sampled(torch.tensor([17]))  # even with the bonus token known: the chain is stale
+    with pytest.raises(CanaryViolationError, match="token"):
+        h.round({1: [19, 20]}, accept_lens=[1], new_bonus={1: 23})
+        h.manager.poll(drain=True)

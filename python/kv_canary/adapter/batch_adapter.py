@@ -10,7 +10,8 @@ TARGET_VERIFY (speculative decoding): sglang's ``seq_lens`` is the committed
 length and the ``n`` draft tokens sit at ``[seq_lens, seq_lens + n)``
 (``eagle_info_v2.prepare_for_v2_verify``), so the view's ``seq_lens`` (tokens after
 this forward) is ``seq_lens + n``, computed into a preallocated buffer (graph-safe),
-and ``draft_tokens_per_request = n`` (``kv_canary.speculative``). A CUDA-graph padding
+and ``draft_tokens_per_request = n`` (``kv_canary.speculative``; ``staged``: the TAIL
+stages the drafts as their own expected tokens). A CUDA-graph padding
 request (``out_cache_loc`` 0) gets 0 there, so it reads and writes nothing.
 """
 
@@ -74,7 +75,8 @@ class SglangBatchAdapter:
 
     def view(self, fb) -> ForwardView:
         bs = self.batch_size(fb)
-        if self._is_extend(fb):
+        extend = self._is_extend(fb)
+        if extend:
             starts, lens = fb.extend_start_loc, fb.extend_seq_lens
             lens_cpu = fb.extend_seq_lens_cpu
             max_new = max(lens_cpu) if lens_cpu else int(fb.input_ids.shape[0])
@@ -102,20 +104,32 @@ class SglangBatchAdapter:
             batch_size=bs,
             max_new_len=max_new,
             draft_tokens_per_request=drafts,
+            # the token oracle staged what an extend batch feeds (extend_requests), a verify its drafts (TAIL)
+            staged=extend or drafts > 0,
         )
 
     def extend_requests(self, fb):
-        """(row, rid, record) per request of an extend batch; [] otherwise.
+        """(row, admission key, prefix length, new tokens, record) per request of an extend batch, batch
+        order; [] otherwise.
 
         ``record()`` returns the scheduler's own record of the request: (prompt ids,
-        output ids so far). Needs the scheduler's Req objects, attached as
-        ``fb.kv_canary_reqs`` by the plugin's ``ForwardBatch.init_new`` hook.
+        output ids so far). The admission key changes when the row gets another request, or
+        the same request again after a retraction (its cached prefix is matched anew).
+        Needs the scheduler's Req objects, attached as ``fb.kv_canary_reqs`` by the
+        plugin's ``ForwardBatch.init_new`` hook.
         """
         reqs = getattr(fb, "kv_canary_reqs", None)
-        if not self._is_extend(fb) or reqs is None:
+        if reqs is None or not self._is_extend(fb):
             return []
-        return [(int(req.req_pool_idx), str(req.rid), lambda r=req: (r.origin_input_ids, r.output_ids))
-                for req in reqs]
+        prefix, new = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+        if prefix is None or new is None or len(prefix) != len(reqs) or len(new) != len(reqs):
+            raise ValueError(
+                f"kv-canary: an extend batch of {len(reqs)} requests has extend_prefix_lens_cpu="
+                f"{None if prefix is None else len(prefix)} / extend_seq_lens_cpu={None if new is None else len(new)} "
+                "entries; the token oracle needs one per request")
+        return [(int(req.req_pool_idx), (str(req.rid), getattr(req, "retraction_count", 0), id(req)), int(p), int(n),
+                 lambda r=req: (r.origin_input_ids, r.output_ids))
+                for req, p, n in zip(reqs, prefix, new)]
 
     def host_batch(self, fb) -> Optional[HostBatch]:
         """Host copy of the layout; syncs the device (perturbation and debugging only)."""

@@ -68,8 +68,9 @@ _TP = "pipeline/context parallelism splits a sequence's KV across processes; the
 RULES: Dict[str, Rule] = {
     "speculative_algorithm": Rule(_spec_allowed, f"unset, or {_SPEC_SUPPORTED}", _SPEC_WHY),
     "device": Rule(_only(None, "cuda", "cpu"), "cuda or cpu", "the canary's kernels are verified on CUDA and CPU only"),
-    "kv_cache_dtype": Rule(_only("auto"), "auto",
-                           "quantized / cast KV caches (fp8, fp4) are not verified yet"),
+    "kv_cache_dtype": Rule(_only("auto", "fp8_e4m3", "fp8_e5m2"), "auto, fp8_e4m3 or fp8_e5m2",
+                           "the canary hashes the stored bytes of an fp8 cache like any other; fp4 caches keep "
+                           "separate scale buffers the canary does not hash yet"),
     "enable_hierarchical_cache": Rule(
         _OFF, "off", "HiCache moves KV between GPU, host and storage outside the forwards the canary brackets; "
         "slots loaded back from the host tier carry no fingerprint"),

@@ -6,8 +6,9 @@
 Its result carries what the scheduler appends to each request:
 ``next_token_ids[i*n : i*n + accept_lens[i]]`` (``process_batch_result_decode``),
 at positions ``seq_lens[i] + 1 ..`` (``seq_lens``: the verify batch's committed
-lengths). The AFTER hook here writes exactly those into the oracle, on the device
-(``kv_canary.speculative.record_accepted``), before the next forward is launched.
+lengths). The AFTER hook here advances the oracle to the accepted prefix, on the device
+(``kv_canary.speculative.record_accepted``: ``row_chain`` over the appended tokens, the
+bonus token pending for ``next_token``), before the next forward is launched.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _target_manager(worker):
 
 
 def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
-    """AFTER ``EAGLEWorkerV2.verify(batch)``: record the accepted tokens in the target's token oracle."""
+    """AFTER ``EAGLEWorkerV2.verify(batch)``: advance the target's token oracle to the accepted prefix."""
     manager = _target_manager(worker)
     oracle = getattr(manager, "token_oracle", None)
     if oracle is None or not manager.init_finished or batch.forward_mode.is_idle():
@@ -32,5 +33,7 @@ def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
     if accept_lens is None or result.next_token_ids is None:
         return
     bs = int(batch.req_pool_indices.shape[0])
-    record_accepted(oracle.expected_tokens, oracle.known_lens, batch.req_pool_indices, batch.seq_lens,
-                    result.next_token_ids, accept_lens, bs, int(result.speculative_num_draft_tokens))
+    record_accepted(staged=oracle.staged, row_chain=oracle.row_chain, sampled=oracle.sampled,
+                    req_pool_indices=batch.req_pool_indices, committed=batch.seq_lens,
+                    next_token_ids=result.next_token_ids, accept_lens=accept_lens, batch_size=bs,
+                    n=int(result.speculative_num_draft_tokens))

@@ -3,9 +3,8 @@
 ``select_kernels`` returns a ``CanaryKernels`` whose functions have the same
 signature in both backends:
 
-    verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, expected_tokens=)
+    verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, token_oracle=)
     write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
-    record_sampled(token_oracle, sampled, batch_size)
     scrub(group, counters, ring, per_forward, group_index=)
     sweep_index(group, cached_slot_index, counters, ring, group_index=)
 """
@@ -28,7 +27,6 @@ class CanaryKernels:
     name: str
     verify: Callable[..., None]
     write: Callable[..., None]
-    record_sampled: Callable[..., None]
     scrub: Callable[..., None]
     sweep_index: Callable[..., None]
     graph_safe: bool
@@ -48,9 +46,9 @@ def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKern
         from . import index_sweep
         from . import triton_kernels as tk
 
-        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_record_sampled,
-                             tk.launch_scrub, index_sweep.launch_index_sweep, graph_safe=True)
+        return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_scrub,
+                             index_sweep.launch_index_sweep, graph_safe=True)
     from . import reference as ref
 
-    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_record_sampled, ref.launch_scrub,
-                         ref.launch_index_sweep, graph_safe=False)
+    return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub, ref.launch_index_sweep,
+                         graph_safe=False)

@@ -22,8 +22,21 @@ def _full_hash(group, slots: torch.Tensor) -> torch.Tensor:
     return kv_hash_from_words(group.all_words(slots))
 
 
-def _check_slots(group, raw_slot, raw_pred, pos, want_token):
-    """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0."""
+def translate(group, full_slots: torch.Tensor) -> torch.Tensor:
+    """The group's slots for engine slots (``group.slot_map``; -1 out of its range; identity without one)."""
+    full_slots = full_slots.to(torch.int64)
+    if group.slot_map is None:
+        return full_slots
+    n = group.slot_map.shape[0]
+    ok = (full_slots >= 0) & (full_slots < n)
+    return torch.where(ok, group.slot_map[full_slots.clamp(0, n - 1)].to(torch.int64), -1)
+
+
+def _check_slots(group, raw_slot, raw_pred, pos, want_token, pred_known=None):
+    """Tensors of any equal shape -> (reason bits, stored, expected); raw_pred is 0 where pos == 0.
+
+    pred_known: lanes whose predecessor's record is readable (None: all); elsewhere the chain is not checked.
+    """
     slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
     slot = torch.where(slot_ok, raw_slot, 0)
     pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
@@ -38,6 +51,8 @@ def _check_slots(group, raw_slot, raw_pred, pos, want_token):
     bad_slot = ~slot_ok
     bad_pos = slot_ok & (rec_pos != pos)
     bad_chain = slot_ok & (rec_chain != want_chain)
+    if pred_known is not None:
+        bad_chain = bad_chain & pred_known
     bad_token = slot_ok & (rec_token != want_token)
     bad_hash = slot_ok & (live_hash != rec_hash)
     reason = ((bad_slot * fp.R_SLOT) | (bad_pos * fp.R_POSITION) | (bad_chain * fp.R_CHAIN)
@@ -62,9 +77,19 @@ def _append_violations(counters, ring, bad, fields) -> None:
         counters[fp.C_VIOLATIONS] += n_bad
 
 
+def _scatter_pending(o) -> None:
+    """HEAD's first step with a token oracle: the previous forward's sampled ids land in ``next_token``."""
+    count = int(o.pending.item())
+    rows, toks = o.next_rows[:count], o.sampled[:count]
+    ok = (rows >= 0) & (toks >= 0)
+    o.next_token[rows[ok]] = toks[ok]
+
+
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0,
-                  group_index: int = 0, expected_tokens=None) -> None:
+                  group_index: int = 0, token_oracle=None) -> None:
     del programs_per_req, block  # grid shape is a Triton concern
+    if token_oracle is not None:
+        _scatter_pending(token_oracle)
     bs = view.batch_size
     device = group.records.device
     rows = view.req_pool_indices[:bs].to(torch.int64)
@@ -72,18 +97,34 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     width = int(prefix.max().item()) if bs else 0
     if width > 0:
         pos = torch.arange(width, device=device, dtype=torch.int64).expand(bs, width)
-        m = pos < prefix[:, None]
-        raw_slot = req_to_token[rows][:, :width].to(torch.int64)
+        lo = (prefix - group.window).clamp(min=0) if group.window > 0 else torch.zeros_like(prefix)
+        m = (pos < prefix[:, None]) & (pos >= lo[:, None])
+        full_slot = req_to_token[rows][:, :width].to(torch.int64)
+        raw_slot = translate(group, full_slot)
         raw_pred = torch.zeros_like(raw_slot)
         raw_pred[:, 1:] = raw_slot[:, :-1]
-        want_token = None if expected_tokens is None else expected_tokens[rows][:, :width].to(torch.int64)
-        reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, want_token)
+        pred_known = (pos == 0) | (raw_pred > 0) if group.slot_map is not None else None
+        reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, None, pred_known)
+        if token_oracle is not None and token_oracle.verify_reads:
+            slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
+            last = m & (pos == prefix[:, None] - 1) & slot_ok
+            last_chain = group.records[torch.where(slot_ok, raw_slot, 0)][..., fp.F_CHAIN]
+            own = token_oracle.row_chain[rows][:, None].expand(bs, width)
+            bad_tok = last & (last_chain != own)
+            first = bad_tok & ((reason & (fp.R_SLOT | fp.R_POSITION | fp.R_CHAIN)) == 0)
+            stored = torch.where(first, last_chain, stored)
+            expected = torch.where(first, own, expected)
+            reason = reason | (bad_tok * fp.R_TOKEN)
         batch_index = torch.arange(bs, device=device, dtype=torch.int64)[:, None]
         _append_violations(counters, ring, m & (reason != 0), [
             reason | (group_index << fp.GROUP_SHIFT), raw_slot, pos, batch_index, rows[:, None], stored, expected,
             counters[fp.C_FORWARD_INDEX],
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
+        if group.slot_map is not None:
+            counters[fp.C_SWA_VERIFIED] += m.sum()
+            counters[fp.C_SWA_DIVERGENCE] += (m & (raw_slot != full_slot)).sum()
+            counters[fp.C_SWA_OUT_OF_WINDOW] += lo.sum()
     counters[fp.C_VERIFY_LAUNCHES] += 1
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 
@@ -125,23 +166,26 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         csum = torch.cumsum(g, 0)
         seg_start = torch.cumsum(n.clamp(min=0), 0) - n.clamp(min=0)
         before = torch.where(seg_start > 0, csum[(seg_start - 1).clamp(min=0)], torch.zeros_like(seg_start))
-        raw_pred = req_to_token[rows, (p0 - 1).clamp(min=0)].to(torch.int64)
+        raw_pred = translate(group, req_to_token[rows, (p0 - 1).clamp(min=0)])
         pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
         carry = torch.where(p0 > 0, group.records[pred, fp.F_CHAIN], fp.CHAIN_ANCHOR)
         chain = carry[req_of] + (csum - before[req_of])
-        slot = view.out_cache_loc[tok_index].to(torch.int64)
+        slot = translate(group, view.out_cache_loc[tok_index])
         wm = (slot > 0) & (slot < group.num_slots) & (p0[req_of] >= 0)
-        if token_oracle is not None:
-            token_oracle.next_rows[:bs] = rows
-            token_oracle.next_positions[:bs] = torch.where(n > 0, seq, torch.full_like(seq, -1))
+        o = token_oracle
+        want = None
+        if o is not None:  # the request's own tokens (see triton_kernels._own_tokens)
+            nt = o.next_token[rows[req_of]]
+            if view.staged:
+                staged = o.staged[tok_index + req_of]
+                want = torch.where(staged >= 0, staged, nt)
+            else:
+                want = nt
         if check_fed:
             bad_pos = wm & (fed_pos != pos)
             reason = bad_pos * fp.R_POSITION
             stored, expected = fed_pos, pos
-            if token_oracle is not None:
-                row_of = rows[req_of]
-                want = token_oracle.expected_tokens[row_of, pos.clamp(max=token_oracle.expected_tokens.shape[1] - 1)]
-                want = want.to(torch.int64)
+            if o is not None:
                 bad_tok = wm & (tok != want)
                 reason = reason | (bad_tok * fp.R_TOKEN)
                 stored = torch.where(bad_pos, fed_pos, tok)
@@ -150,6 +194,24 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
                 reason.to(torch.int64) | (group_index << fp.GROUP_SHIFT), slot, pos, req_of.to(torch.int64),
                 rows[req_of], stored, expected, counters[fp.C_CURRENT_FORWARD],
             ])
+        if o is not None:
+            first = wm & (k == 0)
+            keep = torch.zeros(bs, dtype=torch.bool, device=device)
+            keep[req_of[first]] = True
+            if view.staged:
+                after = (starts + torch.arange(bs, device=device) + n).clamp(max=o.staged.numel() - 1)
+                keep &= o.staged[after] < 0
+            o.next_rows[:bs] = torch.where(keep, rows, torch.full_like(rows, -1))
+            o.sampled[:bs] = -1
+            o.pending.fill_(bs)
+            last = wm & (k == n[req_of] - 1)
+            if check_fed:
+                o.row_chain[rows[req_of[last]]] = chain[last]
+            else:
+                g_own = chain_term(want, pos)
+                own_sum = torch.zeros(bs, dtype=torch.int64, device=device).index_add_(0, req_of, g_own)
+                own = carry + own_sum
+                o.row_chain[rows[req_of[last]]] = own[req_of[last]]
         slot, tok, fed_pos, chain = slot[wm], tok[wm], fed_pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
         group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
@@ -176,18 +238,6 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, 
         minus_two, minus_two, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
     ])
     counters[fp.C_SLOTS_SCRUBBED] += slots.numel()
-
-
-def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 0) -> None:
-    del block
-    if batch_size == 0:
-        return
-    o = token_oracle
-    rows = o.next_rows[:batch_size].to(torch.int64)
-    pos = o.next_positions[:batch_size].to(torch.int64)
-    known = o.known_lens[rows].to(torch.int64)
-    ok = (pos >= known) & (pos >= 0) & (pos < o.expected_tokens.shape[1])
-    o.expected_tokens[rows[ok], pos[ok]] = sampled[:batch_size][ok].to(o.expected_tokens.dtype)
 
 
 def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> None:

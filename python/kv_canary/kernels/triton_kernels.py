@@ -42,6 +42,9 @@ _C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
 _C_SLOTS_SWEPT = tl.constexpr(fp.C_SLOTS_SWEPT)
 _C_CURRENT_FORWARD = tl.constexpr(fp.C_CURRENT_FORWARD)
 _C_SLOTS_SCRUBBED = tl.constexpr(fp.C_SLOTS_SCRUBBED)
+_C_SWA_VERIFIED = tl.constexpr(fp.C_SWA_VERIFIED)
+_C_SWA_DIVERGENCE = tl.constexpr(fp.C_SWA_DIVERGENCE)
+_C_SWA_OUT_OF_WINDOW = tl.constexpr(fp.C_SWA_OUT_OF_WINDOW)
 
 
 @triton.jit
@@ -86,11 +89,25 @@ def _kv_hash(slot, mask, base, sources, num_sources, WT: tl.constexpr):
 
 
 @triton.jit
+def _translate(slot_map, map_len, full_slot, m, TRANSLATE: tl.constexpr):
+    """A group's slot for engine (full) slot ``full_slot``: ``slot_map[full_slot]`` (-1 out of range).
+
+    Without TRANSLATE the group's slots are the engine's slots.
+    """
+    if TRANSLATE:
+        ok = m & (full_slot >= 0) & (full_slot < map_len)
+        return tl.where(ok, tl.load(slot_map + full_slot, mask=ok, other=-1).to(tl.int64), -1)
+    else:
+        return full_slot
+
+
+@triton.jit
 def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources,
-                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr):
+                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr, pred_known=True):
     """Check lanes ``m`` of (slot, predecessor slot, position, expected token) against the records.
 
-    raw_pred must be 0 where pos == 0. Returns (reason bits, stored, expected) per lane;
+    raw_pred must be 0 where pos == 0. ``pred_known``: lanes whose predecessor's record can be
+    read (False where a translated group released it: the chain link is then not checked). Returns (reason bits, stored, expected) per lane;
     stored/expected describe the first failing check in the order slot, position,
     chain, token, kv_hash.
     """
@@ -110,7 +127,7 @@ def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, bas
         want_token = rec_token
     bad_slot = ~slot_ok
     bad_pos = slot_ok & (rec_pos != pos)
-    bad_chain = slot_ok & (rec_chain != want_chain)
+    bad_chain = slot_ok & pred_known & (rec_chain != want_chain)
     bad_token = slot_ok & (rec_token != want_token)
     bad_hash = slot_ok & (live_hash != rec_hash)
     reason = (tl.where(bad_slot, _R_SLOT, 0) | tl.where(bad_pos, _R_POSITION, 0) | tl.where(bad_chain, _R_CHAIN, 0)
@@ -146,38 +163,87 @@ def _append_violations(counters, ring, ring_capacity, bad, reason_bits, slot, po
 def verify_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens,
     base, sources, num_sources,
-    counters, ring, ring_capacity, num_slots, programs_per_req, expected_tokens, et_stride,
-    CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
+    counters, ring, ring_capacity, num_slots, programs_per_req,
+    row_chain, next_token, next_rows, sampled, pending,
+    slot_map, map_len, window,
+    CHECK_TOKENS: tl.constexpr, SCATTER: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr,
+    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
 
+    A windowed group (``window`` > 0: sliding-window layers) verifies only the last
+    ``window`` positions of that prefix, what its attention reads. With TRANSLATE
+    the slot of position p is ``slot_map[req_to_token[row, p]]`` (hybrid SWA: the
+    full -> swa mapping); a predecessor outside the window whose mapping was
+    released (0) leaves that lane's chain link unchecked.
+
     Program (i, j) checks blocks j, j + programs_per_req, ... of request i's
     prefix. Each failing slot appends one ring row; the counters get the number
-    of slots checked.
+    of slots checked. With CHECK_TOKENS (the token oracle) the last read slot's
+    chain must equal ``row_chain[row]``, the chain of the request's own tokens
+    (``token``: stored/expected are the two chains). With SCATTER, program (0, 0)
+    first lands the previous forward's sampled ids in the token oracle
+    (``next_token[next_rows[e]] = sampled[e]`` for the ``pending`` entries; idempotent:
+    only this forward's TAIL announces new ones).
     """
     i = tl.program_id(0)
     j = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    if SCATTER:
+        if (i == 0) & (j == 0):
+            count = tl.load(pending)
+            for e0 in range(0, count, BLOCK):
+                e = e0 + lanes
+                me = e < count
+                srow = tl.load(next_rows + e, mask=me, other=-1)
+                stok = tl.load(sampled + e, mask=me, other=-1)
+                tl.store(next_token + srow, stok, mask=me & (srow >= 0) & (stok >= 0))
     row = tl.load(req_pool_indices + i).to(tl.int64)
     prefix = tl.load(seq_lens + i).to(tl.int64) - tl.load(new_lens + i).to(tl.int64)
     prefix = tl.maximum(prefix, 0)
+    lo = tl.where(window > 0, tl.maximum(prefix - window, 0), 0)
     report = tl.load(counters + _C_REPORT_ENABLED)
     forward_index = tl.load(counters + _C_FORWARD_INDEX)
-    num_blocks = tl.cdiv(prefix, BLOCK)
-    lanes = tl.arange(0, BLOCK)
+    own_chain = 0
+    if CHECK_TOKENS:
+        own_chain = tl.load(row_chain + row)
+    num_blocks = tl.cdiv(prefix - lo, BLOCK)
     verified = tl.zeros((BLOCK,), dtype=tl.int64)
+    diverged = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in range(j, num_blocks, programs_per_req):
-        pos = b * BLOCK + lanes
+        pos = lo + b * BLOCK + lanes
         m = pos < prefix
         raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
         raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
-        want_token = tl.load(expected_tokens + row * et_stride + pos, mask=m, other=0).to(tl.int64)
+        full_slot = raw_slot
+        raw_slot = _translate(slot_map, map_len, raw_slot, m, TRANSLATE)
+        raw_pred = tl.where(pos > 0, _translate(slot_map, map_len, raw_pred, m & (pos > 0), TRANSLATE), 0)
+        if TRANSLATE:  # a released predecessor (mapping 0, outside the window): its record is gone
+            pred_known = (pos == 0) | (raw_pred > 0)
+        else:
+            pred_known = pos >= 0
         reason, stored, expected = _check_slots(
-            records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources, CHECK_TOKENS, WT)
+            records, raw_slot, raw_pred, pos, raw_slot, m, num_slots, base, sources, num_sources, False, WT,
+            pred_known)
+        if CHECK_TOKENS:
+            last = m & (pos == prefix - 1) & (raw_slot > 0) & (raw_slot < num_slots)
+            last_chain = tl.load(records + raw_slot * _RW + 2, mask=last, other=0)
+            bad_tok = last & (last_chain != own_chain)
+            first = bad_tok & ((reason & (_R_SLOT | _R_POSITION | _R_CHAIN)) == 0)
+            stored = tl.where(first, last_chain, stored)
+            expected = tl.where(first, own_chain, expected)
+            reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
         bad = (reason != 0) & (report != 0)
         _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
                            i, row, stored, expected, forward_index)
         verified += m.to(tl.int64)
+        diverged += (m & (raw_slot != full_slot)).to(tl.int64)
     tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
+    if TRANSLATE:  # the SWA divergence reporter's counts
+        tl.atomic_add(counters + _C_SWA_VERIFIED, tl.sum(verified, axis=0))
+        tl.atomic_add(counters + _C_SWA_DIVERGENCE, tl.sum(diverged, axis=0))
+        if j == 0:
+            tl.atomic_add(counters + _C_SWA_OUT_OF_WINDOW, lo)
     if (i == 0) & (j == 0):
         tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1)
         tl.store(counters + _C_CURRENT_FORWARD, forward_index)  # for this forward's TAIL rows
@@ -216,28 +282,49 @@ def scrub_kernel(
 
 
 @triton.jit
+def _own_tokens(staged, next_token, row, start, i, k, m, STAGED: tl.constexpr):
+    """The request's own tokens at new-token indices k (token oracle): staged by the host for an extend
+    forward (-1 where its record had none yet: then, like a decode forward, ``next_token[row]``)."""
+    nt = tl.load(next_token + row)
+    if STAGED:
+        want = tl.load(staged + start + i + k, mask=m, other=-1)
+        want = tl.where(want >= 0, want, nt)
+    else:
+        want = tl.zeros(k.shape, dtype=tl.int64) + nt
+    return want.to(tl.int64)
+
+
+@triton.jit
 def write_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens, new_starts,
     input_ids, positions, out_cache_loc,
     base, sources, num_sources, full_base, full_sources, num_full_sources,
-    counters, ring, ring_capacity, num_slots, expected_tokens, et_stride, next_rows, next_positions,
-    BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, GROUP_BITS: tl.constexpr,
-    FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
+    counters, ring, ring_capacity, num_slots,
+    staged, next_token, next_rows, sampled, pending, row_chain,
+    slot_map, map_len,
+    BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, STAGED: tl.constexpr,
+    GROUP_BITS: tl.constexpr, FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr,
+    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
 
     Each record stores the token the model was fed and the position it ran with
     (``positions``, what RoPE used); the chain links the sequence index. A fed
     position that is not the slot's index in the sequence (``position``) or a
-    fed token that is not the request's own token there (``token``, from
-    ``expected_tokens``, filled by the scheduler's record, never by
-    ``input_ids``; with ORACLE) is appended to the ring right away (CHECK_FED:
-    the first group's launch only). The chain of the k-th new
+    fed token that is not the request's own token there (``token``; with ORACLE:
+    the token oracle's staged tokens for an extend forward (STAGED), else
+    ``next_token[row]``, never ``input_ids``) is appended to the ring right away
+    (CHECK_FED: the first group's launch only). The chain of the k-th new
     token is the predecessor slot's chain plus the prefix sum of g over new
     tokens 0..k: earlier blocks are summed first, so every block of a long chunk
-    is written in parallel. With ORACLE, program (i, 0) also stores where
-    request i's next sampled token will sit: ``next_rows/next_positions[i]``.
+    is written in parallel. With ORACLE, program (i, 0) also announces request
+    i's next sampled token (``next_rows[i]``: its row, or -1 when the chunk is
+    unfinished or the request is padding; ``sampled[i] = -1``; ``pending`` = batch
+    size), and the program holding the last new token advances ``row_chain[row]``
+    to the chain written there (CHECK_FED: every fed token was checked) or, without
+    CHECK_FED, to the chain of the request's own tokens.
     With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
+    With TRANSLATE the group's slots (new ones and the predecessor) are ``slot_map[engine slot]``.
     """
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -248,9 +335,11 @@ def write_kernel(
     p0 = seq_len - n
     lanes = tl.arange(0, BLOCK)
     pred = tl.load(req_to_token + row * r2t_stride + tl.maximum(p0 - 1, 0), mask=p0 > 0, other=0).to(tl.int64)
+    pred = _translate(slot_map, map_len, pred, p0 > 0, TRANSLATE)
     pred = tl.where((pred > 0) & (pred < num_slots), pred, 0)
     pred_chain = tl.load(records + pred * _RW + 2, mask=p0 > 0, other=0)
     carry = tl.where(p0 > 0, pred_chain, _ANCHOR)
+    anchor = carry
     for bb in range(0, b):
         k = bb * BLOCK + lanes
         mk = k < n
@@ -264,6 +353,7 @@ def write_kernel(
     g = tl.where(m, _chain_term(tok, pos), 0)
     chain = carry + tl.cumsum(g, axis=0)
     slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+    slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
     # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
     wm = m & (slot > 0) & (slot < num_slots)
     live_hash = _kv_hash(slot, wm, base, sources, num_sources, WT)
@@ -274,17 +364,35 @@ def write_kernel(
     if FULL_HASH:
         full_hash = _kv_hash(slot, wm, full_base, full_sources, num_full_sources, WT_FULL)
         tl.store(records + slot * _RW + 4, full_hash, mask=wm)
-    if ORACLE:  # where each request's next sampled token goes (the token oracle's record_sampled)
-        if b == 0:
-            tl.store(next_rows + i, row)
-            tl.store(next_positions + i, tl.where(n > 0, seq_len, -1))
+    if ORACLE:
+        if b == 0:  # where request i's next sampled token goes (the next HEAD scatters it)
+            keep = tl.sum(tl.where((k == 0) & wm, 1, 0), axis=0) > 0
+            if STAGED:  # the record already has the token after this chunk: an unfinished chunk
+                keep = keep & (tl.load(staged + start + i + n) < 0)
+            tl.store(next_rows + i, tl.where(keep, row, -1))
+            tl.store(sampled + i, -1)
+            if i == 0:
+                tl.store(pending, tl.num_programs(0).to(tl.int64))
+        last = wm & (k == n - 1)
+        has_last = tl.sum(last.to(tl.int32), axis=0) > 0
+        if CHECK_FED:
+            tl.store(row_chain + row, tl.sum(tl.where(last, chain, 0), axis=0), mask=has_last)
+        else:  # the chain of the request's own tokens (a wrong fed token then fails the next HEAD)
+            if has_last:
+                own = anchor
+                for cc in range(0, tl.cdiv(n, BLOCK)):  # not `bb`: compiled Triton types a loop variable once
+                    kk = cc * BLOCK + lanes
+                    mk = kk < n
+                    w = _own_tokens(staged, next_token, row, start, i, kk, mk, STAGED)
+                    own += tl.sum(tl.where(mk, _chain_term(w, p0 + kk), 0), axis=0)
+                tl.store(row_chain + row, own)
     if CHECK_FED:  # once per forward (first group): what the model was fed is group-independent
         bad_pos = wm & (fed_pos != pos)
         reason = tl.where(bad_pos, _R_POSITION, 0)
         stored = fed_pos
         expected = pos
         if ORACLE:
-            want = tl.load(expected_tokens + row * et_stride + pos, mask=wm, other=0).to(tl.int64)
+            want = _own_tokens(staged, next_token, row, start, i, k, wm, STAGED)
             bad_tok = wm & (tok != want)
             reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
             stored = tl.where(bad_pos, fed_pos, tok)
@@ -300,55 +408,44 @@ def write_kernel(
             tl.atomic_add(counters + _C_FORWARD_INDEX, 1)
 
 
-@triton.jit
-def record_sampled_kernel(expected_tokens, et_stride, known_lens, next_rows, next_positions, sampled, n,
-                          BLOCK: tl.constexpr):
-    """The scheduler's sampled token of request i becomes its expected token at ``next_positions[i]``.
-
-    Skipped where that position is below ``known_lens[row]`` (an unfinished
-    chunked prefill samples a token that is thrown away: the prompt goes on) or
-    past the row's width.
-    """
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    row = tl.load(next_rows + i, mask=m, other=0)
-    pos = tl.load(next_positions + i, mask=m, other=-1)
-    known = tl.load(known_lens + row, mask=m, other=0).to(tl.int64)
-    ok = m & (pos >= known) & (pos >= 0) & (pos < et_stride)
-    tok = tl.load(sampled + i, mask=ok, other=0)
-    tl.store(expected_tokens + row * et_stride + pos, tok.to(tl.int32), mask=ok)
+def _oracle_args(token_oracle, fallback):
+    """The token oracle's tensors a kernel takes (``fallback`` stands in for each when there is none)."""
+    o = token_oracle
+    if o is None:
+        return [fallback] * 6
+    return [o.staged, o.next_token, o.next_rows, o.sampled, o.pending, o.row_chain]
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256,
-                  group_index: int = 0, expected_tokens=None) -> None:
-    tokens = req_to_token if expected_tokens is None else expected_tokens
+                  group_index: int = 0, token_oracle=None) -> None:
+    """token_oracle: the first group's launch only (the read tokens' chain, the pending samples)."""
+    staged, next_token, next_rows, sampled, pending, row_chain = _oracle_args(token_oracle, counters)
+    del staged
     verify_kernel[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, programs_per_req,
-        tokens, tokens.stride(0),
-        CHECK_TOKENS=expected_tokens is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT,
-        WT=hash_word_tile(group), BLOCK=block,
+        row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window,
+        CHECK_TOKENS=token_oracle is not None and token_oracle.verify_reads, SCATTER=token_oracle is not None,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
+        TRANSLATE=group.slot_map is not None,
     )
 
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
                  group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
     """check_fed: check the fed positions (and tokens, given a ``TokenOracle``); once per forward, as is
-    ``token_oracle`` (it also records where each request's next sampled token goes)."""
+    ``token_oracle`` (it also announces each request's next sampled token and advances the row chains)."""
     block = block or write_block(view.max_new_len)
-    if token_oracle is None:
-        tokens, next_rows, next_positions = req_to_token, counters, counters
-    else:
-        tokens, next_rows, next_positions = (token_oracle.expected_tokens, token_oracle.next_rows,
-                                             token_oracle.next_positions)
     write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
-        *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, tokens,
-        tokens.stride(0), next_rows, next_positions,
+        *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
+        *_oracle_args(token_oracle, counters), *_map_args(group),
         BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, ORACLE=token_oracle is not None,
+        STAGED=token_oracle is not None and view.staged,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
         WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
+        TRANSLATE=group.slot_map is not None,
     )
 
 
@@ -357,16 +454,6 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, 
     scrub_kernel[(triton.cdiv(per_forward, block),)](
         group.records, *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, per_forward,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
-    )
-
-
-def launch_record_sampled(token_oracle, sampled, batch_size: int, block: int = 128) -> None:
-    if batch_size == 0:
-        return
-    o = token_oracle
-    record_sampled_kernel[(triton.cdiv(batch_size, block),)](
-        o.expected_tokens, o.expected_tokens.stride(0), o.known_lens, o.next_rows, o.next_positions, sampled,
-        batch_size, BLOCK=block,
     )
 
 
@@ -387,6 +474,13 @@ def hash_word_tile(group, full: bool = False) -> int:
 def _hash_args(group):
     """base, source table, number of sources (see ``CanaryBufferGroup``)."""
     return [group.base, group.source_table, len(group.sources)]
+
+
+def _map_args(group):
+    """slot map, its length (the records stand in when the group has no translation)."""
+    if group.slot_map is None:
+        return [group.records, 0]
+    return [group.slot_map, int(group.slot_map.shape[0])]
 
 
 def _full_hash_args(group):

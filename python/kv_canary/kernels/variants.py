@@ -63,16 +63,18 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
     """A copy of ``kernels`` whose launches record their variant keys in ``tracker``."""
 
     def verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=0,
-               expected_tokens=None, **kw):
-        tracker.note(("verify", *_group_key(group), group_index, block, expected_tokens is not None,
+               token_oracle=None, **kw):
+        tracker.note(("verify", *_group_key(group), group_index, block, token_oracle is not None,
+                      token_oracle is not None and token_oracle.verify_reads,
                       _spec(programs_per_req), *_dtypes(view, "req_pool_indices", "seq_lens", "new_lens")))
         return kernels.verify(group, view, req_to_token, counters, ring, programs_per_req, block,
-                              group_index=group_index, expected_tokens=expected_tokens, **kw)
+                              group_index=group_index, token_oracle=token_oracle, **kw)
 
     def write(group, view, req_to_token, counters, ring, bump_forward, block=0, group_index=0, check_fed=True,
               token_oracle=None, full_hash=False):
         tracker.note(("write", *_group_key(group), group_index, bool(bump_forward), bool(check_fed),
-                      token_oracle is not None, bool(full_hash), block or write_block(view.max_new_len),
+                      token_oracle is not None, token_oracle is not None and view.staged, bool(full_hash),
+                      block or write_block(view.max_new_len),
                       *_dtypes(view, "input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
                                "new_starts", "new_lens")))
         return kernels.write(group, view, req_to_token, counters, ring, bump_forward, block=block,

@@ -41,6 +41,7 @@ from .real_kv import check_flip_spec, flip_kv_byte
 from .slot_picker import pick_read_slot
 
 logger = logging.getLogger("kv_canary")
+ANY_GROUP = "*"  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP: a random group per injection
 
 
 class WarmupGate:
@@ -59,9 +60,12 @@ class PerturbManager:
         self._req_to_token = req_to_token
         self._rng = random.Random(config.perturb_seed)
         self._gate = WarmupGate(config.perturb_warmup_steps)
+        # "*": each K/V injection hits a group drawn at random (one server exercises every group)
+        self._groups = list(groups) if config.perturb_target_group == ANY_GROUP else []
         self._group = self._target_group(groups, config.perturb_target_group)
         if config.any_perturbation:
-            check_flip_spec(self._group, config.perturb_kv_bytes)
+            for group in self._groups or [self._group]:
+                check_flip_spec(group, config.perturb_kv_bytes)
         self._prefix_cache = None  # RadixCacheView, attached by the adapter
         self._restore: List[Callable[[], None]] = []
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
@@ -70,14 +74,14 @@ class PerturbManager:
 
     @staticmethod
     def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
-        if not name:
+        if not name or name == ANY_GROUP:
             return groups[0]
         for g in groups:
             if g.name == name:
                 return g
         raise CanaryConfigError(
             f"SGLANG_KV_CANARY_PERTURB_TARGET_GROUP={name!r}: this pool has groups "
-            f"{', '.join(g.name for g in groups)}"
+            f"{', '.join(g.name for g in groups)} (or '{ANY_GROUP}': a random group per injection)"
         )
 
     def _exhausted(self) -> bool:
@@ -158,13 +162,36 @@ class PerturbManager:
             self._log("next_token_swap", slot=-1, rid=batch.rids[i], position=batch.seq_lens[i] - 1,
                       forward=forward_index, fed=token, own=own[i])
 
+    def _pick_group(self) -> None:
+        """With target group '*', draw the group the next K/V injection hits."""
+        if self._groups:
+            self._group = self._rng.choice(self._groups)
+
+    def _group_slot(self, engine_slot: int) -> int:
+        """The target group's slot for an engine slot (a translated group: its map; <= 0: none)."""
+        slot_map = self._group.slot_map
+        if slot_map is None:
+            return engine_slot
+        if not 0 <= engine_slot < int(slot_map.shape[0]):
+            return -1
+        return int(slot_map[engine_slot].item())
+
+    def _translated_fields(self, engine_slot: int) -> dict:
+        return {} if self._group.slot_map is None else {"engine_slot": engine_slot}
+
     def _real_kv_used(self, batch: HostBatch, forward_index: int) -> None:
-        entry = pick_read_slot(batch, self._req_to_token, self._rng)
+        self._pick_group()
+        # a windowed group: only what its attention reads (the last ``window`` positions) is a read slot
+        entry = pick_read_slot(batch, self._req_to_token, self._rng, window=self._group.window)
         if entry is None:
             return
-        flip = flip_kv_byte(self._group, entry.slot, self._rng, self._config.perturb_kv_bytes)
-        self._log("real_kv_used", slot=entry.slot, rid=entry.rid, position=entry.position, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+        slot = self._group_slot(entry.slot)
+        if slot <= 0:
+            return
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+        self._log("real_kv_used", slot=slot, rid=entry.rid, position=entry.position, forward=forward_index,
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
+                  **self._translated_fields(entry.slot))
 
     def _real_kv_unused_cache(self, forward_index: int) -> None:
         picked = self._prefix_cache.pick_unused_slot(self._rng)
@@ -201,10 +228,15 @@ class PerturbManager:
         slots = [s for s in written() if s > 0]
         if not slots:
             return
-        slot = self._rng.choice(slots)
+        engine_slot = self._rng.choice(slots)
+        self._pick_group()
+        slot = self._group_slot(engine_slot)
+        if slot <= 0:
+            return
         flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
         self._log("real_kv_post_forward", slot=slot, rid="?", position=-1, forward=forward_index,
-                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+                  half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
+                  **self._translated_fields(engine_slot))
 
     def _log(self, mode: str, **fields) -> None:
         line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})

@@ -26,9 +26,17 @@ class SlotEntry:
     slot: int
 
 
-def pick_read_slot(batch: HostBatch, req_to_token: torch.Tensor, rng: random.Random) -> Optional[SlotEntry]:
-    """A uniformly random read entry of the batch (None when the batch reads nothing)."""
-    sizes = [len(batch.read_positions(i)) for i in range(len(batch.rows))]
+def pick_read_slot(batch: HostBatch, req_to_token: torch.Tensor, rng: random.Random,
+                   window: int = 0) -> Optional[SlotEntry]:
+    """A uniformly random read entry of the batch (None when the batch reads nothing).
+
+    ``window`` > 0: only the last ``window`` read positions of each request (a sliding-window group).
+    The slot is the engine's (req_to_token); a translated group maps it itself.
+    """
+    reads = [batch.read_positions(i) for i in range(len(batch.rows))]
+    if window > 0:
+        reads = [r[max(0, len(r) - window):] for r in reads]
+    sizes = [len(r) for r in reads]
     total = sum(sizes)
     if total == 0:
         return None
@@ -36,7 +44,8 @@ def pick_read_slot(batch: HostBatch, req_to_token: torch.Tensor, rng: random.Ran
     for i, n in enumerate(sizes):
         if k < n:
             row = batch.rows[i]
-            slot = int(req_to_token[row, k].item())
-            return SlotEntry(batch_index=i, rid=batch.rids[i], row=row, position=k, slot=slot)
+            position = reads[i][k]
+            slot = int(req_to_token[row, position].item())
+            return SlotEntry(batch_index=i, rid=batch.rids[i], row=row, position=position, slot=slot)
         k -= n
     raise RuntimeError("slot picker: index past the batch")  # unreachable: k < total

@@ -19,8 +19,9 @@ forward -> TAIL (fingerprint the new slots; check the positions and tokens the
 model was fed) -> outside post-ops (count the forward, queue the async counter
 copy, read copies a few forwards old, log/raise violations, stats). Everything
 between the outside pre- and post-ops may be captured in a CUDA graph; the
-outside ops never are. After the engine samples, ``record_sampled`` adds the
-sampled ids to the token oracle (device work: what the next forward must feed).
+outside ops never are. After the engine samples, ``record_sampled`` copies the
+sampled ids into the token oracle (one device copy; the next forward's HEAD lands
+them where its TAIL expects what each request is fed).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from ..config import CanaryConfig, CanaryMode
 from ..containment import ContainmentTarget, build_order
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
+from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
-from ..token_oracle import AdmittedRequest, TokenOracle
+from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..cache_index import CachedSlotIndex
@@ -77,9 +79,9 @@ class BatchAdapter(Protocol):
 
     def written_slots(self, forward_batch: object) -> Sequence[int]: ...
 
-    def extend_requests(self, forward_batch: object) -> Sequence[AdmittedRequest]:
-        """(row, rid, record()) of each request an extend batch admits/continues; record() is the
-        scheduler's (prompt ids, output ids so far)."""
+    def extend_requests(self, forward_batch: object) -> Sequence[FedRequest]:
+        """(row, admission key, prefix length, new tokens, record()) of each request of an extend batch, batch
+        order; record() is the scheduler's (prompt ids, output ids so far). [] for other batches."""
         ...
 
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
@@ -109,19 +111,21 @@ class CanaryManager:
         self._req_to_token = req_to_token
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.ring = torch.zeros((config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
-        # Each request's own tokens by position, from the scheduler's record (never from input_ids):
-        # TAIL checks the tokens it is fed against it, HEAD the slots' recorded tokens.
+        # Each request's own tokens, from the scheduler's record (never from input_ids): TAIL checks the
+        # tokens it is fed against it, HEAD the chain of the tokens it reads. O(rows + tokens of one forward).
         self.token_oracle = (
-            TokenOracle(rows=req_to_token.shape[0], ctx=req_to_token.shape[1], max_batch_size=capacities.max_batch_size,
-                        device=device, record_sampled_kernel=kernels.record_sampled)
+            TokenOracle(rows=req_to_token.shape[0], max_batch_size=capacities.max_batch_size,
+                        max_tokens_per_forward=capacities.tokens_per_forward, device=device,
+                        verify_reads=config.verify_tokens, check_fed=config.write_input_assert)
             if config.uses_token_oracle else None
         )
+        self._sample_sink: Optional[Callable[[torch.Tensor], None]] = None  # the oracle's, once init finished
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
                 token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
-                verify_tokens=config.verify_tokens, check_fed=config.write_input_assert,
+                check_fed=config.write_input_assert,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -141,6 +145,7 @@ class CanaryManager:
         self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
         self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
+        self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
         self._reset_host_state()
@@ -161,6 +166,7 @@ class CanaryManager:
         self._reason_names: Dict[int, Tuple[str, str]] = {}  # ring reason bits -> (kind, group)
         self.last_counters: Optional[List[int]] = None  # the newest counter copy the host has read
         self._last_stats_forward = 0
+        self._last_swa_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
         self._expected_written_at: Deque[Tuple[int, int]] = deque()  # (forward, expected slots written), in order
@@ -216,6 +222,7 @@ class CanaryManager:
         self._d2h.drain()
         if self.token_oracle is not None:
             self.token_oracle.reset()
+            self._sample_sink = self.token_oracle.record_sampled
         self._reset_host_state()
         self.init_finished = True
         if self.variant_tracker is not None:
@@ -224,29 +231,33 @@ class CanaryManager:
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
 
-    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int]) -> None:
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
 
         Inert launches: every request is row 0 with a new run of n tokens at position 0
         written to the padding slot 0, so nothing is read (no prefix) and nothing is
         written (slot 0 is masked); only counters move, and init zeroes them. One launch
         per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
-        int32 starts/lengths; decode-like batches: int64), plus the sweep.
+        int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
+        batches too: int64 and staged drafts), plus the sweep.
         """
         dev = self.counters.device
         with self.capturing():
             for bs in batch_sizes:
                 for n in block_lengths:
-                    for lens_dtype in (torch.int32, torch.int64):
+                    # (dtype of starts/lengths, staged expected tokens): extend, decode[, verify]
+                    for lens_dtype, staged in ((torch.int32, True), (torch.int64, False),
+                                               *(((torch.int64, True),) if verify_staged else ())):
                         view = ForwardView(
                             input_ids=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             positions=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             out_cache_loc=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
                             seq_lens=torch.full((bs,), n, dtype=torch.int64, device=dev),
-                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * n,
+                            # extend: every request reads tokens [0, n) (inert), so the staged reads stay in bounds
+                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * (0 if staged else n),
                             new_lens=torch.full((bs,), n, dtype=lens_dtype, device=dev),
-                            batch_size=bs, max_new_len=n,
+                            batch_size=bs, max_new_len=n, staged=staged,
                         )
                         for sfm in self.single_forward_managers:
                             sfm.pre_ops_maybe_inside_graph(view)
@@ -287,10 +298,11 @@ class CanaryManager:
     def record_sampled(self, sampled: torch.Tensor) -> None:
         """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
 
-        Called after each sampling step, outside any graph; device work only.
+        Called after each sampling step, outside any graph: one device copy (the next forward's HEAD scatters).
         """
-        if self.token_oracle is not None and self.init_finished:
-            self.token_oracle.record_sampled(sampled, int(sampled.shape[0]))
+        sink = self._sample_sink
+        if sink is not None:
+            sink(sampled)
 
     def _on_eager_tail(self) -> None:
         if not self._capturing:
@@ -302,8 +314,9 @@ class CanaryManager:
         if not self.init_finished:
             return
         if self.token_oracle is not None:
-            # Newly admitted requests: the scheduler's record of their tokens (one non-blocking copy each).
-            self.token_oracle.admit(self._adapter.extend_requests(fb))
+            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
+            # a newly admitted request's expected chain over its cached prefix.
+            self.token_oracle.stage(self._adapter.extend_requests(fb))
         if self._arrivals:  # after arrival, before the first forward that reads them
             self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
             self._arrivals = []
@@ -320,7 +333,7 @@ class CanaryManager:
         it arrived by transfer), called when sglang builds the prebuilt batch.
         """
         if self.token_oracle is not None:
-            self.token_oracle.admit([(row, rid, lambda: (prompt_ids, output_ids))])
+            self.token_oracle.init_row(row, prompt_ids, output_ids)
 
     def attach_transfer(self, book: TransferBook) -> None:
         """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
@@ -429,6 +442,9 @@ class CanaryManager:
             self._settled_forward = self.forwards
             self._last_stats_forward = self.forwards
             logger.info(self.stats_line() + " settled=1")
+            if self.config.swa_divergence_stats_interval and self.last_counters is not None:
+                self._last_swa_forward = self.forwards
+                logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
 
     def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
         """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
@@ -444,6 +460,10 @@ class CanaryManager:
                 break
         every = self.config.stats_print_every_n_steps
         forward = int(host_counters[fp.C_FORWARD_INDEX])
+        swa_every = self.config.swa_divergence_stats_interval
+        if swa_every and forward - self._last_swa_forward >= swa_every:
+            self._last_swa_forward = forward
+            logger.info(SwaDivergenceLog.from_counters(host_counters).format())
         if (every and forward - self._last_stats_forward >= every) or self._distinct_reported > reported:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
@@ -598,6 +618,7 @@ class CanaryManager:
                 "sweeps": self.sweeps,
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
                 "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
+                **({"slots_verified_swa": values[fp.C_SWA_VERIFIED]} if self._windowed else {}),
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
                 "health_violations": self.health_violations,

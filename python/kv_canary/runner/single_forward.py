@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels import VERIFY_BLOCK, CanaryKernels
-from ..speculative import stage_draft_tokens
+from ..speculative import stage_verify_tokens
 from ..token_oracle import TokenOracle
 from ..views import ForwardView, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
@@ -39,7 +39,6 @@ class SingleForwardManager:
         on_tail: Callable[[], None],
         token_oracle: Optional[TokenOracle] = None,
         scrub_slots_per_forward: int = 0,
-        verify_tokens: bool = True,
         check_fed: bool = True,
     ):
         self.index = index
@@ -50,9 +49,9 @@ class SingleForwardManager:
         self._ring = ring
         self._capacities = capacities
         self._on_tail = on_tail  # host callback: counts eager forwards
-        self._oracle = token_oracle  # each request's own tokens (None: no token check)
-        # HEAD compares each read slot's token with it; TAIL checks what the forward is fed
-        self._expected_tokens = token_oracle.expected_tokens if token_oracle is not None and verify_tokens else None
+        # each request's own tokens (None: no token check): HEAD compares the read prefix's chain with it
+        # (``verify_reads``), TAIL checks what the forward is fed; both keep it up to date
+        self._oracle = token_oracle
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
 
@@ -65,7 +64,7 @@ class SingleForwardManager:
         for group_index, group in enumerate(self._groups):
             self._kernels.verify(
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
-                group_index=group_index, expected_tokens=self._expected_tokens,
+                group_index=group_index, token_oracle=self._oracle if group_index == 0 else None,
             )
             if self._scrub:
                 self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
@@ -74,10 +73,9 @@ class SingleForwardManager:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
         if view.batch_size == 0:
             return
-        if view.draft_tokens_per_request > 1 and self._oracle is not None:
+        if view.draft_tokens_per_request and self._oracle is not None:
             # drafts are checked by verification, not against the oracle (kv_canary.speculative)
-            stage_draft_tokens(self._oracle.expected_tokens, self._oracle.known_lens, view.req_pool_indices,
-                               view.seq_lens, view.input_ids, view.batch_size, view.draft_tokens_per_request)
+            stage_verify_tokens(self._oracle.staged, view.input_ids, view.batch_size, view.draft_tokens_per_request)
         last = len(self._groups) - 1
         for group_index, group in enumerate(self._groups):
             self._kernels.write(

@@ -178,3 +178,7 @@ def test_tp2_raise_on_one_rank_stops_the_server(tmp_path_factory):
         assert result.failed > 0  # in-flight requests failed instead of hanging
     finally:
         srv.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))

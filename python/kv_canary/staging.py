@@ -1,0 +1,44 @@
+"""Host -> device staging without a host wait: two host buffers (pinned on CUDA) used in turn.
+
+A buffer is handed out again only once the copies issued from it have landed:
+``take`` waits for the event ``done`` recorded after those copies, two uses ago
+(normally long done). Used by the token oracle (each forward's tokens) and the
+sweep's cached-slot index (queued radix adds).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+
+class PinnedDoubleBuffer:
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device):
+        self.is_cuda = device.type == "cuda"
+        self._bufs = [torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.is_cuda) for _ in range(2)]
+        self._arrs = [b.numpy() for b in self._bufs]
+        self._events: List[Optional[object]] = [None, None]
+        self._cur = 0
+
+    @property
+    def capacity(self) -> int:
+        """Elements along the last dimension."""
+        return int(self._bufs[0].shape[-1])
+
+    def take(self) -> Tuple[torch.Tensor, np.ndarray]:
+        """The next buffer and its numpy view (waiting only for the copies issued from it two uses ago)."""
+        self._cur ^= 1
+        event = self._events[self._cur]
+        if event is not None:
+            event.synchronize()
+            self._events[self._cur] = None
+        return self._bufs[self._cur], self._arrs[self._cur]
+
+    def done(self) -> None:
+        """Mark the copies issued from the current buffer (an event on the current stream)."""
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._cur] = event
