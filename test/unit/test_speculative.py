@@ -264,7 +264,7 @@ def test_a_wrong_token_fed_at_the_committed_position_is_caught():
         h.manager.poll(drain=True)
 
 
-def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2_without_cuda_graphs():
+def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2():
     from kv_canary.adapter.server_args import check_supported
     from kv_canary.config import CanaryConfigError
 
@@ -280,10 +280,15 @@ def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2_without_cuda_graph
     rule = RULES["speculative_algorithm"]
     assert rule.allowed("EAGLE", args()) and rule.allowed(None, args(speculative_algorithm=None))
     assert rule.allowed("EAGLE", args(device="cuda", disable_cuda_graph=True))
+    assert rule.allowed("EAGLE", args(device="cuda"))  # the target's TARGET_VERIFY CUDA graphs
     assert rule.allowed("EAGLE", args(speculative_eagle_topk=None))  # raw flags: sglang picks, checked again
-    for bad in (dict(speculative_eagle_topk=4), dict(disable_overlap_schedule=True), dict(device="cuda"),
-                dict(enable_multi_layer_eagle=True), dict(speculative_adaptive=True)):
+    for bad, flag in ((dict(speculative_eagle_topk=4), "--speculative-eagle-topk 4"),
+                      (dict(disable_overlap_schedule=True), "--disable-overlap-schedule"),
+                      (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+                      (dict(speculative_adaptive=True), "--speculative-adaptive")):
         assert not rule.allowed("EAGLE", args(**bad)), bad
+        with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm EAGLE with {flag}:"):
+            check_supported(args(**bad), "raise", given_only=True)
     for algo in ("EAGLE3", "STANDALONE", "NGRAM", "DFLASH", "FROZEN_KV_MTP"):
         assert not rule.allowed(algo, args(speculative_algorithm=algo)), algo
     with pytest.raises(CanaryConfigError, match="cannot verify --speculative-algorithm NGRAM"):
