@@ -30,7 +30,8 @@ class ForwardView:
     req_pool_indices, seq_lens, new_starts, new_lens: int32/int64[batch_size]
 
     ``staged``: an extend forward whose expected fed tokens the host staged in the token
-    oracle (``TokenOracle.stage``); otherwise (decode) they are the oracle's ``next_token``.
+    oracle (``TokenOracle.stage``), or a speculative verify whose TAIL stages its drafts
+    (``speculative.stage_verify_tokens``); otherwise (decode) they are the oracle's ``next_token``.
     """
 
     input_ids: torch.Tensor
