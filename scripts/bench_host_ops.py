@@ -157,10 +157,14 @@ def main() -> int:
         return cpu
 
     samples = {"replay": [], "bracketed": [], "bracketed_sample": []}
+    if on_gpu:  # the canary's per-step host path never waits for the device: any operation that would, raises
+        torch.cuda.set_sync_debug_mode("error")
     for _ in range(5):
         samples["replay"].append(run(False))
         samples["bracketed"].append(run(True))
         samples["bracketed_sample"].append(run(True, sample=True))
+    if on_gpu:
+        torch.cuda.set_sync_debug_mode(0)
     m.poll(drain=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {

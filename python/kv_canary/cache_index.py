@@ -33,12 +33,15 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .staging import PinnedDoubleBuffer
 
-# device bytes per slot: held (int8) + position, pred, token (int32); plus 2 x 12 bytes of pinned host staging
-BYTES_PER_SLOT = 1 + 3 * 4
+# device bytes per slot: held (int8) + position, pred, token (int32), plus the scratch of one run of adds
+# (its staged int32 tokens, positions and node offsets, int64 slots, int32 predecessors); plus 2 x 12 bytes
+# of pinned host staging
+BYTES_PER_SLOT = 1 + 3 * 4 + (3 * 4 + 8 + 4)
 
 
 class CachedSlotIndex:
@@ -51,8 +54,16 @@ class CachedSlotIndex:
         self.token = torch.zeros(num_slots, dtype=torch.int32, device=device)
         # queued changes, oldest first: ("add", slots, tokens, start, pred_of_first) | ("remove", slots) | ("clear",)
         self._pending: List[Tuple] = []
-        self._staging = PinnedDoubleBuffer((3, num_slots), torch.int32, device)  # a run of adds holds each pool slot at most once
-        self._zero = torch.zeros(1, dtype=torch.int32, device=device)
+        # int32[3 * num_slots]: a run of adds holds each pool slot at most once; flat, so that each run's
+        # [tokens | positions | node offsets] is one contiguous slice (a non-contiguous pinned source would
+        # be copied through pageable memory: a copy that waits for the device)
+        self._staging = PinnedDoubleBuffer((3 * num_slots,), torch.int32, device)
+        self._zero = torch.zeros(1, dtype=torch.int64, device=device)  # pred_of_first of a node at position 0
+        # device scratch of one run of adds, preallocated: applying a run allocates nothing (a caching-allocator
+        # miss mid-serving would call cudaMalloc, which can stall the host on the device)
+        self._dev_staged = torch.zeros(3 * num_slots, dtype=torch.int32, device=device)
+        self._dev_slots = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._dev_pred = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
         self.nodes_added = 0
         self.nodes_removed = 0
 
@@ -96,7 +107,7 @@ class CachedSlotIndex:
             if op[0] == "clear":
                 self.held.zero_()
             else:
-                self.held[self._on_this_stream(op[1]).to(torch.int64)] = 0
+                self.held.index_fill_(0, self._on_this_stream(op[1]).to(torch.int64), 0)
                 self.nodes_removed += 1
         self._apply_adds(run)
 
@@ -107,33 +118,44 @@ class CachedSlotIndex:
         return t
 
     def _apply_adds(self, run: List[Tuple]) -> None:
-        """Nodes ("add", slots, tokens, start, pred_of_first) with no remove between them (no slot twice)."""
+        """Nodes ("add", slots, tokens, start, pred_of_first) with no remove between them (no slot twice).
+
+        Host work: one C-level list -> int32 conversion per node (its key's tokens, straight into the
+        pinned staging buffer) plus a few numpy ops for the whole run; device work: one copy, two
+        concatenations and four scatters for the whole run, whatever its number of nodes.
+        """
         if not run:
             return
-        sizes = [len(op[1]) for op in run]
-        total = sum(sizes)
-        if total > self._staging.capacity:  # more than the pool's slots at once: cannot happen; split anyway
+        sizes = np.fromiter((len(op[1]) for op in run), dtype=np.int64, count=len(run))
+        total = int(sizes.sum())
+        if total > self.num_slots:  # more than the pool's slots at once: cannot happen; split anyway
             half = len(run) // 2 or 1
             self._apply_adds(run[:half])
             self._apply_adds(run[half:])
             return
-        host = self._staging.take()[0][:, :total]  # int32[3, total]: token, position; row 2 starts with each node's offset
-        a = 0
-        for k, ((_, slots, tokens, start, _pred), n) in enumerate(zip(run, sizes)):
-            host[0, a:a + n] = torch.as_tensor(tokens[:n], dtype=torch.int32)
-            torch.arange(start, start + n, dtype=torch.int32, out=host[1, a:a + n])
-            host[2, k] = a
-            a += n
-        dev = host.to(self.device, non_blocking=self._staging.is_cuda)
+        host, arr = self._staging.take()  # [0, total): tokens; [total, 2 total): positions; then node offsets
+        offsets = np.zeros(len(run), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        starts = np.fromiter((op[3] for op in run), dtype=np.int64, count=len(run))
+        for (_, _slots, tokens, _start, _pred), a, n in zip(run, offsets.tolist(), sizes.tolist()):
+            arr[a:a + n] = tokens[:n]
+        arr[total:2 * total] = np.arange(total) + np.repeat(starts - offsets, sizes)
+        arr[2 * total:2 * total + len(run)] = offsets
+        used = 2 * total + len(run)
+        dev = self._dev_staged[:used]
+        dev.copy_(host[:used], non_blocking=self._staging.is_cuda)
         self._staging.done()
-        index = torch.cat([self._on_this_stream(op[1]) for op in run]).to(device=self.device, dtype=torch.int64)
-        firsts = torch.cat([
-            self._on_this_stream(op[4]).to(device=self.device, dtype=torch.int32).reshape(1)
-            if op[4] is not None else self._zero for op in run])
-        pred = torch.cat([self._zero, index[:-1].to(torch.int32)])
-        pred[dev[2, :len(run)].to(torch.int64)] = firsts  # a node's first slot: its parent's last slot (or 0)
-        self.token[index] = dev[0]
-        self.position[index] = dev[1]
-        self.pred[index] = pred
-        self.held[index] = 1
+        index = self._dev_slots[:total]
+        torch.cat([self._on_this_stream(op[1]) for op in run], out=index)
+        pred = self._dev_pred[:total + 1]  # pred[i + 1] = index[i]; pred[:total] is each slot's predecessor
+        pred[1:].copy_(index)
+        pred[:1].zero_()
+        # a node's first slot: its parent's last slot (or 0)
+        firsts = [self._on_this_stream(op[4]).reshape(1) if op[4] is not None else self._zero for op in run]
+        pred.index_copy_(0, dev[2 * total:].to(torch.int64), torch.cat(firsts).to(torch.int32))
+        pred = pred[:total]
+        self.token.index_copy_(0, index, dev[:total])
+        self.position.index_copy_(0, index, dev[total:2 * total])
+        self.pred.index_copy_(0, index, pred)
+        self.held.index_fill_(0, index, 1)  # not ``held[index] = 1``: a Python scalar there is copied to the device synchronously
         self.nodes_added += len(run)

@@ -352,6 +352,9 @@ def test_precompile_covers_every_variant_a_workload_launches(caplog):
         h.step(h.batch({1: list(range(5, 45)), 2: [3, 4, 5]}))  # extend, longest run 40 -> block 64
         h.step(h.batch({1: [7], 2: [8]}, decode=True))
         h.step(h.batch({3: list(range(10, 20))}))  # block 16
+        wide = h.batch({5: list(range(30, 50))})  # an extend batch whose index tensors came as int64
+        wide.extend_seq_lens, wide.extend_start_loc = wide.extend_seq_lens.long(), wide.extend_start_loc.long()
+        h.step(wide)
     assert tracker.after_startup == {} and "kv_canary_jit_after_startup" not in caplog.text
     assert tracker.seen == precompiled
     # A variant precompile did not launch (here: a decode-dtype batch of a block never precompiled) is reported.

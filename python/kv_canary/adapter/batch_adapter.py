@@ -78,6 +78,10 @@ class SglangBatchAdapter:
         extend = self._is_extend(fb)
         if extend:
             starts, lens = fb.extend_start_loc, fb.extend_seq_lens
+            if lens.dtype != torch.int32 or starts.dtype != torch.int32:
+                # one index dtype per batch kind, as precompiled at install (no JIT while serving); eager
+                # extend forwards only (never captured), so the two small casts allocate off any graph
+                starts, lens = starts.to(torch.int32), lens.to(torch.int32)
             lens_cpu = fb.extend_seq_lens_cpu
             max_new = max(lens_cpu) if lens_cpu else int(fb.input_ids.shape[0])
         else:
