@@ -33,8 +33,8 @@ def explains(injection, violation) -> bool:
 def run_perturbed(tmp_path, device: str, n_requests: int):
     """(workload result, canary log, still running) of an EAGLE server with both perturbations on."""
     target, draft = write_eagle_model_dirs(tmp_path / "models")
-    env = {name: "0.05" for name in MODES.values()}
-    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10", "SGLANG_KV_CANARY_PERTURB_SEED": "3",
+    env = {name: "0.15" for name in MODES.values()}
+    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "5", "SGLANG_KV_CANARY_PERTURB_SEED": "3",
                 "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
     extra = [
         "--model-path", str(target), "--attention-backend", "triton",
