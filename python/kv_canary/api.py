@@ -55,9 +55,9 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         return None
     if getattr(model_runner, "is_draft_worker", False):
         logger.warning(
-            "kv_canary: the speculative draft model's KV pool is not verified yet "
-            "(EAGLE draft support comes next); verifying the target model only"
-        )
+            "kv_canary: --speculative-algorithm %s: the speculative draft model's KV pool is not verified yet "
+            "(docs/speculative.md); verifying the target model's KV only",
+            getattr(server_args, "speculative_algorithm", None))
         return None
     if getattr(model_runner, "model_is_mrope", False):
         raise CanaryConfigError(

@@ -32,7 +32,8 @@ then registers hooks with sglang's ``HookRegistry``:
   stamps what it sends, the decode side notes each arrival's tokens and identity,
   and decode-side retraction carries the records to the host and back.
 
-Draft workers (speculative decoding) are excluded everywhere for now.
+Speculative decoding (``adapter/speculative``): ``EAGLEWorkerV2.verify`` moves the target's token
+oracle to the accepted prefix; draft workers' own KV pools are excluded everywhere for now.
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
 plugin logs one line and registers nothing.
 """
