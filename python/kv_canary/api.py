@@ -55,9 +55,9 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         return None
     if getattr(model_runner, "is_draft_worker", False):
         logger.warning(
-            "kv_canary: the speculative draft model's KV pool is not verified yet "
-            "(EAGLE draft support comes next); verifying the target model only"
-        )
+            "kv_canary: --speculative-algorithm %s: the speculative draft model's KV pool is not verified yet "
+            "(docs/speculative.md); verifying the target model's KV only",
+            getattr(server_args, "speculative_algorithm", None))
         return None
     if getattr(model_runner, "model_is_mrope", False):
         raise CanaryConfigError(
@@ -208,11 +208,12 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
     from .kernels import VERIFY_BLOCK
     from .kernels.variants import programs_classes, write_block_lengths
 
-    del server_args  # the longest new run is bounded by the context length (chunking only makes it shorter)
+    # the longest new run is bounded by the context length (chunking only makes it shorter); speculative
+    # decoding adds the verify forwards' variant (int64 lengths, staged drafts)
     lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
-    manager.precompile(lengths, sizes)
+    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)))
 
 
 def _max_prefill_tokens(server_args: Any) -> int:

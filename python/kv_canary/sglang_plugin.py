@@ -34,7 +34,8 @@ then registers hooks with sglang's ``HookRegistry``:
   stamps what it sends, the decode side notes each arrival's tokens and identity,
   and decode-side retraction carries the records to the host and back.
 
-Draft workers (speculative decoding) are excluded everywhere for now.
+Speculative decoding (``adapter/speculative``): ``EAGLEWorkerV2.verify`` moves the target's token
+oracle to the accepted prefix; draft workers' own KV pools are excluded everywhere for now.
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
 plugin logs one line and registers nothing.
 """
@@ -76,7 +77,7 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     kinds = {"before": HookType.BEFORE, "after": HookType.AFTER, "around": HookType.AROUND}
-    for target, (hook_name, kind) in {**HOOKS, **PD_HOOKS}.items():
+    for target, (hook_name, kind) in {**HOOKS, **PD_HOOKS, **SPEC_HOOKS}.items():
         HookRegistry.register(target, _resolve_hook(hook_name), kinds[kind])
     _registered = True
 
@@ -135,6 +136,11 @@ PD_HOOKS = {
     "sglang.srt.managers.schedule_batch.Req.offload_kv_cache": ("disagg.after_offload_kv_cache", "after"),
     "sglang.srt.managers.schedule_batch.Req.load_kv_cache": ("disagg.around_load_kv_cache", "around"),
 }
+# speculative decoding (adapter/speculative): the accepted tokens join the token oracle; required with
+# --speculative-algorithm only
+SPEC_HOOKS = {
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify": ("speculative.after_eagle_v2_verify", "after"),
+}
 
 
 def check_hooks_applied(server_args=None) -> None:
@@ -145,7 +151,8 @@ def check_hooks_applied(server_args=None) -> None:
     from .config import FLAG_MODE, CanaryConfigError
 
     patched = getattr(HookRegistry, "_patched", None)
-    required = {**HOOKS, **(PD_HOOKS if disaggregation_mode(server_args) in ("prefill", "decode") else {})}
+    required = {**HOOKS, **(PD_HOOKS if disaggregation_mode(server_args) in ("prefill", "decode") else {}),
+                **(SPEC_HOOKS if getattr(server_args, "speculative_algorithm", None) else {})}
     missing = sorted(t for t in required if patched is None or t not in patched)
     if missing:
         raise CanaryConfigError(

@@ -30,7 +30,8 @@ class ForwardView:
     req_pool_indices, seq_lens, new_starts, new_lens: int32/int64[batch_size]
 
     ``staged``: an extend forward whose expected fed tokens the host staged in the token
-    oracle (``TokenOracle.stage``); otherwise (decode) they are the oracle's ``next_token``.
+    oracle (``TokenOracle.stage``), or a speculative verify whose TAIL stages its drafts
+    (``speculative.stage_verify_tokens``); otherwise (decode) they are the oracle's ``next_token``.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +43,9 @@ class ForwardView:
     new_lens: torch.Tensor
     batch_size: int
     max_new_len: int  # host-side bound on new_lens (sizes the TAIL grid)
+    # A speculative TARGET_VERIFY forward: every request's new tokens are the last sampled token
+    # then draft_tokens_per_request - 1 drafts (``kv_canary.speculative``); 0 otherwise.
+    draft_tokens_per_request: int = 0
     staged: bool = False
 
 

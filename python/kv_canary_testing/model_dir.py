@@ -134,6 +134,23 @@ def write_model_dir(
     return out
 
 
+def write_eagle_model_dirs(root: str | os.PathLike | None = None, branch_scale: float = 0.3) -> tuple[Path, Path]:
+    """(target, draft) folders for EAGLE on the tiny models (``kv_canary_testing.spec_cpu``).
+
+    The target's attention/MLP add ``branch_scale`` of their usual weight to the residual
+    stream and the draft (``KvcTinyForCausalLMEagle``, one layer) passes the token's embedding
+    through: the draft predicts what the target would without its branches, so drafts are
+    accepted often but not always -- every verify outcome occurs (all, some, none accepted).
+    """
+    base = Path(root) if root is not None else default_cache_dir()
+    target = write_model_dir(base / "tiny-eagle-target", {"kvc_branch_scale": branch_scale})
+    draft = write_model_dir(base / "tiny-eagle-draft", {
+        "architectures": ["KvcTinyForCausalLMEagle"], "num_hidden_layers": 1,
+        "kvc_branch_scale": 0.0, "kvc_eagle_identity_fc": True,
+    })
+    return target, draft
+
+
 SWA_ARCHITECTURE = "LagunaForCausalLM"  # kvc_tiny_swa: the tiny model under a hybrid-SWA name
 SWA_WINDOW = 24  # config.sliding_window: sglang's sliding_window_size for the SWA layers
 

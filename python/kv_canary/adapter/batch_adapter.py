@@ -5,6 +5,14 @@ lengths and start offsets; decode-like batches (DECODE, TARGET_VERIFY, and
 every CUDA-graph capture) have the same number of new tokens per request, whose
 start/length tensors come from preallocated buffers so a captured graph reads
 fixed addresses. Reading attributes only: no sglang import.
+
+TARGET_VERIFY (speculative decoding): sglang's ``seq_lens`` is the committed
+length and the ``n`` draft tokens sit at ``[seq_lens, seq_lens + n)``
+(``eagle_info_v2.prepare_for_v2_verify``), so the view's ``seq_lens`` (tokens after
+this forward) is ``seq_lens + n``, computed into a preallocated buffer (graph-safe),
+and ``draft_tokens_per_request = n`` (``kv_canary.speculative``; ``staged``: the TAIL
+stages the drafts as their own expected tokens). A CUDA-graph padding
+request (``out_cache_loc`` 0) gets 0 there, so it reads and writes nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ class SglangBatchAdapter:
         self._device = device
         self._uniform: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._uniform_buffers(1)
+        # TARGET_VERIFY: seq_lens + n (the view's "tokens after this forward"), written per forward
+        self._verify_seq_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
 
     def _uniform_buffers(self, tokens_per_req: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(starts, lens): int64[max_bs] = (i * n, n); allocated once per n."""
@@ -33,6 +43,10 @@ class SglangBatchAdapter:
             bufs = (idx * tokens_per_req, torch.full_like(idx, tokens_per_req))
             self._uniform[tokens_per_req] = bufs
         return bufs
+
+    @staticmethod
+    def _is_target_verify(fb) -> bool:
+        return fb.forward_mode.name == "TARGET_VERIFY"
 
     @staticmethod
     def _is_extend(fb) -> bool:
@@ -75,17 +89,27 @@ class SglangBatchAdapter:
             starts, lens = self._uniform_buffers(n)
             starts, lens = starts[:bs], lens[:bs]
             max_new = n
+        seq_lens, drafts = fb.seq_lens, 0
+        if self._is_target_verify(fb) and bs:
+            drafts = max_new
+            seq_lens = self._verify_seq_lens[:bs]
+            # A CUDA-graph padding request (out_cache_loc 0, seq_len = the fill value) gets 0: it reads
+            # and writes nothing (committed + n would make HEAD read row 0's first slots).
+            real = fb.out_cache_loc[: bs * drafts : drafts] > 0
+            torch.mul(fb.seq_lens[:bs].to(torch.int64) + drafts, real, out=seq_lens)
         return ForwardView(
             input_ids=fb.input_ids,
             positions=fb.positions,
             out_cache_loc=fb.out_cache_loc,
             req_pool_indices=fb.req_pool_indices,
-            seq_lens=fb.seq_lens,
+            seq_lens=seq_lens,
             new_starts=starts,
             new_lens=lens,
             batch_size=bs,
             max_new_len=max_new,
-            staged=extend,  # the token oracle staged what an extend batch feeds (extend_requests)
+            draft_tokens_per_request=drafts,
+            # the token oracle staged what an extend batch feeds (extend_requests), a verify its drafts (TAIL)
+            staged=extend or drafts > 0,
         )
 
     def extend_requests(self, fb):
@@ -123,5 +147,7 @@ class SglangBatchAdapter:
             new_lens = [int(x) for x in fb.extend_seq_lens_cpu]
         else:
             new_lens = [self._tokens_per_request(fb, bs)] * bs
+        if self._is_target_verify(fb):
+            seq_lens = [s + n for s, n in zip(seq_lens, new_lens)]
         rids = list(self.rids(fb) or ["?"] * bs)
         return HostBatch(rows=rows, seq_lens=seq_lens, new_lens=new_lens, rids=rids)

@@ -38,14 +38,39 @@ def _only(*values) -> Callable[[Any, Any], bool]:
 
 
 _OFF = _only(False, None)
-_SPEC = "speculative decoding (EAGLE support is a later release)"
+_SPEC_SUPPORTED = "EAGLE with --speculative-eagle-topk 1 and the overlap scheduler on (spec v2)"
+_SPEC_WHY = (
+    "the canary verifies speculative decoding only where it was run end to end: EAGLE's target model with topk 1 "
+    "(EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token oracle "
+    "advanced to the accepted prefix; docs/speculative.md), the draft model's own KV pool not verified (logged at "
+    "startup); topk > 1 and --disable-overlap-schedule (spec v1: tree positions, KV moved between slots), EAGLE3, "
+    "STANDALONE, NGRAM, DFLASH, multi-layer/adaptive EAGLE are not verified")
+
+
+def _spec_offender(value, args) -> str:
+    """The flag (and value) that takes a speculative setting out of what the canary verifies ('' if none)."""
+    if value is None or value != "EAGLE":
+        return ""
+    for field, bad in (("speculative_eagle_topk", lambda v: v not in (None, 1)),
+                       ("disable_overlap_schedule", bool), ("enable_multi_layer_eagle", bool),
+                       ("speculative_adaptive", bool)):
+        v = getattr(args, field, None)
+        if bad(v):
+            return f"{flag_name(field)}{'' if v is True else f' {v}'}"
+    return ""
+
+
+def _spec_allowed(value, args) -> bool:
+    """EAGLE, spec v2 (topk 1, overlap on). ``None`` fields of raw flags are sglang's to pick (checked again)."""
+    if value is None:
+        return True
+    return value == "EAGLE" and not _spec_offender(value, args)
+
+
 _TP = "pipeline/context parallelism splits a sequence's KV across processes; the canary verifies one process's pool"
 
 RULES: Dict[str, Rule] = {
-    "speculative_algorithm": Rule(
-        _only(None), "unset",
-        "the target model's TARGET_VERIFY batches read draft-token slots the canary has not fingerprinted, "
-        f"which it would report as violations; {_SPEC}"),
+    "speculative_algorithm": Rule(_spec_allowed, f"unset, or {_SPEC_SUPPORTED}", _SPEC_WHY),
     "device": Rule(_only(None, "cuda", "cpu"), "cuda or cpu", "the canary's kernels are verified on CUDA and CPU only"),
     "kv_cache_dtype": Rule(_only("auto", "fp8_e4m3", "fp8_e5m2"), "auto, fp8_e4m3 or fp8_e5m2",
                            "the canary hashes the stored bytes of an fp8 cache like any other; fp4 caches keep "
@@ -195,6 +220,9 @@ def _show(field: str, value: Any) -> str:
     return flag_name(field) if value is True else f"{flag_name(field)} {value}"
 
 
+_OFFENDERS = {"speculative_algorithm": _spec_offender}  # field -> (value, args) -> the flag that is the problem
+
+
 def check_supported(server_args: Any, mode: str, *, given_only: bool = False) -> None:
     """Refuse (``CanaryConfigError``) the first setting in ``RULES`` with an unsupported value.
 
@@ -206,8 +234,10 @@ def check_supported(server_args: Any, mode: str, *, given_only: bool = False) ->
         if given_only and value is None:
             continue
         if not rule.allowed(value, server_args):
+            offender = _OFFENDERS[field](value, server_args) if field in _OFFENDERS else ""
             raise CanaryConfigError(
-                f"{FLAG_MODE} {mode} cannot verify {_show(field, value)}: {rule.why}. "
+                f"{FLAG_MODE} {mode} cannot verify {_show(field, value)}{f' with {offender}' if offender else ''}: "
+                f"{rule.why}. "
                 f"Supported: {flag_name(field)} {rule.supported}. Drop {flag_name(field)} or run with "
                 f"{FLAG_MODE} none."
             )

@@ -231,21 +231,23 @@ class CanaryManager:
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
 
-    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int]) -> None:
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
 
         Inert launches: every request is row 0 with a new run of n tokens at position 0
         written to the padding slot 0, so nothing is read (no prefix) and nothing is
         written (slot 0 is masked); only counters move, and init zeroes them. One launch
         per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
-        int32 starts/lengths; decode-like batches: int64), plus the sweep.
+        int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
+        batches too: int64 and staged drafts), plus the sweep.
         """
         dev = self.counters.device
         with self.capturing():
             for bs in batch_sizes:
                 for n in block_lengths:
-                    for lens_dtype in (torch.int32, torch.int64):
-                        extend = lens_dtype is torch.int32  # extend batches: staged expected tokens
+                    # (dtype of starts/lengths, staged expected tokens): extend, decode[, verify]
+                    for lens_dtype, staged in ((torch.int32, True), (torch.int64, False),
+                                               *(((torch.int64, True),) if verify_staged else ())):
                         view = ForwardView(
                             input_ids=torch.zeros(bs * n, dtype=torch.int64, device=dev),
                             positions=torch.zeros(bs * n, dtype=torch.int64, device=dev),
@@ -253,9 +255,9 @@ class CanaryManager:
                             req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
                             seq_lens=torch.full((bs,), n, dtype=torch.int64, device=dev),
                             # extend: every request reads tokens [0, n) (inert), so the staged reads stay in bounds
-                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * (0 if extend else n),
+                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * (0 if staged else n),
                             new_lens=torch.full((bs,), n, dtype=lens_dtype, device=dev),
-                            batch_size=bs, max_new_len=n, staged=extend,
+                            batch_size=bs, max_new_len=n, staged=staged,
                         )
                         for sfm in self.single_forward_managers:
                             sfm.pre_ops_maybe_inside_graph(view)

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels import VERIFY_BLOCK, CanaryKernels
+from ..speculative import stage_verify_tokens
 from ..token_oracle import TokenOracle
 from ..views import ForwardView, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
@@ -72,6 +73,9 @@ class SingleForwardManager:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
         if view.batch_size == 0:
             return
+        if view.draft_tokens_per_request and self._oracle is not None:
+            # drafts are checked by verification, not against the oracle (kv_canary.speculative)
+            stage_verify_tokens(self._oracle.staged, view.input_ids, view.batch_size, view.draft_tokens_per_request)
         last = len(self._groups) - 1
         for group_index, group in enumerate(self._groups):
             self._kernels.write(

@@ -172,6 +172,10 @@ class KvcTinyForCausalLM(nn.Module):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
+    def get_embed_and_head(self):
+        """(embedding, lm_head) weights: an EAGLE draft model shares them."""
+        return self.model.embed_tokens.weight, self.lm_head.weight
+
     @torch.no_grad()
     def forward(
         self,
@@ -219,6 +223,10 @@ class KvcTinyForCausalLM(nn.Module):
                 value = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
             else:
                 continue
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                # kvc_branch_scale: how much attention/MLP add to the residual stream (0: the next token
+                # is a function of the current one; small: mostly, which an EAGLE draft can guess)
+                value = value * float(_cfg(self.config, "kvc_branch_scale", 1.0))
             param.data.copy_(value.to(device=param.device, dtype=param.dtype))
 
 

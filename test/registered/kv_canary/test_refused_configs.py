@@ -29,8 +29,16 @@ REFUSED = "CanaryConfigError"
 
 # (case id, extra server args, text the refusal must contain)
 CASES = [
-    ("speculative-eagle", ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", MODEL],
-     "cannot verify --speculative-algorithm EAGLE"),
+    # EAGLE with topk 1 and spec v2 (eager or CUDA graphs) is verified (test_e2e_speculative); these are not
+    ("speculative-eagle-topk4", ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", MODEL,
+                                 "--speculative-num-steps", "2", "--speculative-eagle-topk", "4",
+                                 "--speculative-num-draft-tokens", "4"],
+     "cannot verify --speculative-algorithm EAGLE with --speculative-eagle-topk 4"),
+    ("speculative-eagle-spec-v1", ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", MODEL,
+                                   "--speculative-eagle-topk", "1", "--disable-overlap-schedule"],
+     "cannot verify --speculative-algorithm EAGLE with --disable-overlap-schedule"),
+    ("speculative-eagle3", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", MODEL],
+     "cannot verify --speculative-algorithm EAGLE3"),
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm STANDALONE"),
     ("speculative-ngram", ["--speculative-algorithm", "NGRAM"], "cannot verify --speculative-algorithm NGRAM"),

@@ -1,0 +1,100 @@
+"""Speculative decoding (EAGLE, topk = 1) on the target model: what a verify forward means for the token oracle.
+
+Plain tensors only; the adapter (``adapter/speculative``) finds them on sglang's objects.
+
+A TARGET_VERIFY forward feeds each request ``n = num_draft_tokens`` tokens at
+positions ``[c, c + n)``, ``c`` its committed length (sglang's ``seq_lens`` in that
+batch): the token at ``c`` is the one sampled last round (the request's own:
+``next_token[row]`` in the token oracle), the ``n - 1`` after it are the draft
+model's guesses. Its attention reads ``[0, c)`` from earlier forwards (HEAD
+verifies them: their chain must equal ``row_chain[row]``) plus the drafts it writes
+itself. After the forward sglang keeps ``a`` of them (``accept_lens``, 1 <= a <= n):
+positions ``[c, c + a)`` become committed and the scheduler appends ``a`` tokens,
+``next_token_ids[i*n : i*n + a]``, at positions ``c + 1 .. c + a`` (the last one, the
+*bonus* token, is fed at ``c + a`` by the next verify). The rejected drafts' slots at
+``[c + a, c + n)`` stay in the row past the committed length (spec v2 over-allocates)
+and are rewritten by the next verify, which starts at ``c + a``, before any forward
+reads them.
+
+So the canary:
+
+* TAIL fingerprints all ``n`` slots (sequence index ``c + k``, chained from ``c - 1``);
+  the accepted ones are the committed prefix's slots, exactly as written;
+* checks the fed token at ``c`` against ``next_token[row]`` and not the drafts (a draft
+  is not right or wrong until verification): ``stage_verify_tokens`` stages each draft
+  as its own expected token in the oracle's ``staged`` table before the TAIL (the view
+  is ``staged``, like an extend forward's), -1 at ``k = 0`` (then ``next_token[row]``)
+  and at ``k = n`` (the row's next token is announced as pending, like a decode's);
+* TAIL advances ``row_chain[row]`` over all ``n`` fed tokens; after verification
+  ``record_accepted`` takes the rejected drafts' terms back out and replaces the
+  accepted drafts' terms by those of the tokens the scheduler appended (so an accepted
+  slot whose fed token is not the appended one fails the next HEAD), and puts each
+  request's bonus token in ``sampled`` (the next HEAD scatters it to ``next_token``).
+  A rejected draft leaves nothing behind: ``row_chain`` ends at ``c + a - 1``, HEAD
+  reads ``[0, c + a)`` only, and the next TAIL rewrites the slots past it.
+
+Every op is a fixed-shape device op on preallocated buffers (no host sync),
+so ``stage_verify_tokens`` is captured with the forward in a CUDA graph;
+``record_accepted`` runs eagerly after the verify's sampling, outside any graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fingerprint import chain_term
+from .views import CanaryCapacityError
+
+UNKNOWN = -1  # token_oracle.UNKNOWN: no staged token (TAIL uses next_token[row])
+
+
+def _verify_table(staged: torch.Tensor, batch_size: int, n: int) -> torch.Tensor:
+    """``staged`` as int64[bs, n + 1]: request i's entries at ``i * (n + 1) + k`` (the write kernel's
+    ``new_starts[i] + i + k`` with ``new_starts[i] = i * n``)."""
+    if batch_size * (n + 1) > staged.numel():
+        raise CanaryCapacityError(
+            f"kv-canary: a verify forward of {batch_size} requests x {n} draft tokens needs "
+            f"{batch_size * (n + 1)} staged entries; the token oracle holds {staged.numel()}")
+    return staged[: batch_size * (n + 1)].view(batch_size, n + 1)
+
+
+def stage_verify_tokens(staged: torch.Tensor, input_ids: torch.Tensor, batch_size: int, n: int) -> None:
+    """Before a TARGET_VERIFY TAIL: each draft is its own expected token; k = 0 and k = n are UNKNOWN.
+
+    staged: the token oracle's int64 table; input_ids: int[>= batch_size * n], request-major
+    (the fed token at ``c``, then the ``n - 1`` drafts).
+    """
+    if batch_size == 0:
+        return
+    table = _verify_table(staged, batch_size, n)
+    table[:, 0].fill_(UNKNOWN)
+    table[:, n].fill_(UNKNOWN)
+    if n > 1:
+        table[:, 1:n].copy_(input_ids[: batch_size * n].view(batch_size, n)[:, 1:])
+
+
+def record_accepted(*, staged: torch.Tensor, row_chain: torch.Tensor, sampled: torch.Tensor,
+                    req_pool_indices: torch.Tensor, committed: torch.Tensor, next_token_ids: torch.Tensor,
+                    accept_lens: torch.Tensor, batch_size: int, n: int) -> None:
+    """After the verify's sampling: ``row_chain`` ends at ``c + a - 1``, ``sampled`` holds the bonus tokens.
+
+    row_chain: int64[rows], advanced by the TAIL over all n fed tokens (its drafts still in
+    ``staged``, ``stage_verify_tokens``); sampled: int64[>= batch_size] (the next HEAD scatters
+    it to ``next_token`` for the rows the TAIL announced); req_pool_indices, committed
+    (``c``, the verify batch's ``seq_lens``), accept_lens: int[>= batch_size];
+    next_token_ids: int[>= batch_size * n], request-major (sglang's ``predict``: entry j is the
+    token at ``c + 1 + j``; the scheduler appends the first ``accept_lens[i]``).
+    """
+    if batch_size == 0:
+        return
+    bs = batch_size
+    if n > 1:
+        j = torch.arange(1, n, device=row_chain.device, dtype=torch.int64)[None, :]
+        pos = committed[:bs].to(torch.int64)[:, None] + j
+        drafts = _verify_table(staged, bs, n)[:, 1:n]
+        appended = next_token_ids[: bs * n].view(bs, n)[:, : n - 1].to(torch.int64)
+        accepted = j < accept_lens[:bs].to(torch.int64)[:, None]
+        delta = torch.where(accepted, chain_term(appended, pos), 0) - chain_term(drafts, pos)
+        row_chain.index_add_(0, req_pool_indices[:bs].to(torch.int64), delta.sum(dim=1))
+    last = (accept_lens[:bs].to(torch.int64) - 1).clamp(min=0)[:, None]
+    sampled[:bs].copy_(next_token_ids[: bs * n].view(bs, n).gather(1, last)[:, 0])

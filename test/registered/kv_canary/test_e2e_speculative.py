@@ -1,0 +1,105 @@
+"""EAGLE speculative decoding (spec v2, topk 1) with ``--kv-canary raise``: the target model's
+TARGET_VERIFY forwards are verified and fingerprinted, drafts are accepted and rejected, and
+nothing is reported. One server per configuration, shared by the tests of this module.
+
+On a GPU the target's TARGET_VERIFY forwards replay from sglang's CUDA graphs (the canary's
+HEAD/TAIL captured inside them), at page size 1 and 16. On CPU, stock sglang 0.5.12 cannot
+serve EAGLE (docs/speculative.md): the server loads ``kv_canary_testing.spec_cpu``, which gives
+sglang's four CUDA-only EAGLE helpers a CPU implementation (topk 1) and runs everything else --
+scheduler, EAGLE worker, pools, Triton attention under the interpreter, the canary --
+unchanged; there are no CUDA graphs on CPU, and one server (page size 1) keeps CI time down.
+The draft model's own KV pool is not verified (logged at startup).
+"""
+
+import pytest
+import requests
+
+from kv_canary_testing.canary_e2e import (
+    CHUNKED_PREFILL_SIZE,
+    CanaryLog,
+    canary_server,
+    e2e_device,
+    register_cpu_ci,
+    register_cuda_ci,
+)
+from kv_canary_testing.model_dir import write_eagle_model_dirs
+from kv_canary_testing.workload import build_workload, run_requests
+
+register_cpu_ci(est_time=260, suite="kv-canary-cpu")
+register_cuda_ci(est_time=240, suite="kv-canary-cuda")
+
+NUM_STEPS, NUM_DRAFT_TOKENS = 2, 3
+DRAFT_SKIPPED = "the speculative draft model's KV pool is not verified yet"
+CUDA = e2e_device() == "cuda"
+PAGE_SIZES = [1, 16] if CUDA else [1]
+MAX_TOTAL_TOKENS = 2048 if CUDA else 1024  # the target's pool: the uncached prompt tokens exceed it (eviction)
+N_REQUESTS, N_ABORTS = (64, 4) if CUDA else (16, 1)
+
+
+@pytest.fixture(scope="module", params=PAGE_SIZES, ids=lambda p: f"page{p}")
+def eagle_server(request, tmp_path_factory):
+    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
+    extra = [
+        "--model-path", str(target), "--attention-backend", "triton",
+        "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
+        "--speculative-num-steps", str(NUM_STEPS), "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", str(NUM_DRAFT_TOKENS), "--speculative-draft-load-format", "dummy",
+        "--max-running-requests", "8", "--kv-canary-sweep-interval", "4", "--page-size", str(request.param),
+    ]
+    srv = canary_server("raise", log_path=tmp_path_factory.mktemp("logs") / "server.log", extra_args=extra,
+                        max_total_tokens=MAX_TOTAL_TOKENS,
+                        env={"SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
+    with srv:
+        yield srv
+
+
+def _generate(srv, text, n):
+    s = requests.Session()
+    s.trust_env = False
+    r = s.post(srv.base_url + "/generate", timeout=600,
+               json={"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0}})
+    r.raise_for_status()
+    return r.json()
+
+
+@pytest.mark.e2e
+def test_eagle_drafts_are_accepted_and_rejected(eagle_server):
+    """The workload below exercises every verify outcome: some drafts accepted, some rejected."""
+    outs = [_generate(eagle_server, " ".join(f"w{i + j}" for j in range(6)), 24) for i in (1, 40, 200)]
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    verifies = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    print(f"kv_canary_e2e_eagle_accept completion_tokens={tokens} verify_forwards={verifies}")
+    # one token per request comes from the prefill; a verify appends 1..NUM_DRAFT_TOKENS
+    assert verifies < tokens - len(outs), "no draft was ever accepted"
+    assert verifies * NUM_DRAFT_TOKENS > tokens - len(outs), "every draft was accepted"
+
+
+@pytest.mark.e2e
+def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
+    specs = build_workload(N_REQUESTS, seed=8, n_aborts=N_ABORTS, long_len=(150, 260), max_new_tokens=(8, 24))
+    result = run_requests(eagle_server.base_url, specs, concurrency=8 if CUDA else 4, timeout=600)
+    log = CanaryLog.read_settled(eagle_server)
+    running = eagle_server.is_running()
+    print(f"kv_canary_e2e_eagle device={e2e_device()} {result.summary()} "
+          f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
+          f"slots_swept={log.last_stat('slots_swept')} forwards={log.last_stat('forwards_host')} "
+          f"graph_replays={log.last_stat('graph_forwards')} violations={log.last_stat('violations')}")
+    assert result.failed == 0 and running, "\n".join(result.errors[:5]) + "\n" + eagle_server.log_tail()
+    # the workload exercised what the canary must survive: prefix hits, chunked prefill, an abort, eviction
+    assert result.cached_tokens > 0
+    assert max(o.prompt_tokens for o in result.outcomes) > CHUNKED_PREFILL_SIZE
+    assert result.aborted == N_ABORTS
+    assert result.uncached_prompt_tokens > MAX_TOTAL_TOKENS
+    assert log.violations == [] and log.last_stat("violations") == 0
+    assert log.last_stat("health_violations") == 0
+    assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
+    assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
+    assert DRAFT_SKIPPED in log.text
+    assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
+    if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
+        assert "cuda graph: True" in log.text
+        assert log.last_stat("graph_forwards") > 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
