@@ -10,7 +10,8 @@ duplicate slots freed, the tree's kept), mamba eviction (internal nodes tombston
 tombstones behind them), full eviction, slot reuse, reset -- the index must equal a brute-force walk of the tree,
 and a sweep (the Triton kernel and its torch twin) over it must check exactly those slots and find nothing. A
 corrupted held slot (a tombstoned node's, whose KV the tree still holds) is reported; a corrupted freed slot
-never is.
+never is. The plugin's scheduler hook attaches this view to a MambaRadixCache and refuses the sweep with any
+other tree class.
 """
 
 from __future__ import annotations
@@ -290,3 +291,38 @@ def test_unused_slot_pick_skips_locked_nodes_and_includes_tombstones(hooked):
     shared = {s for s, (_, pos, _) in held.items() if pos < 5}
     picks = {view.pick_unused_slot(rng)[0] for _ in range(400)}
     assert shared <= picks  # the tombstone (split node, no mamba state) holds KV: a target too
+
+
+class _Manager:
+    """The two things ``_after_scheduler_init`` reads of the canary's manager: its config, attach_prefix_cache."""
+
+    def __init__(self, config):
+        self.config, self.attached = config, None
+
+    def attach_prefix_cache(self, view):
+        self.attached = view
+
+
+def _scheduler(tree, manager):
+    runner = types.SimpleNamespace(canary_manager=manager)
+    return types.SimpleNamespace(tp_worker=types.SimpleNamespace(model_runner=runner), tree_cache=tree,
+                                 server_args=types.SimpleNamespace(kv_canary="log"))
+
+
+def test_plugin_attaches_the_mamba_view_and_refuses_other_mamba_trees(hooked):
+    from kv_canary import sglang_plugin as plugin
+    from kv_canary.config import CanaryConfigError
+
+    eng = Engine()
+    manager = _Manager(CanaryConfig(sweep_interval=4))
+    plugin._after_scheduler_init(None, _scheduler(eng.cache, manager))
+    assert isinstance(manager.attached, mamba_radix.MambaRadixCacheView)
+
+    class HiMambaRadixCache(MambaRadixCache):  # another tree over the same nodes (host offload): not followed
+        pass
+
+    other = HiMambaRadixCache(CacheInitParams(disable=False, req_to_token_pool=eng.req_pool,
+                                              token_to_kv_pool_allocator=eng.alloc, page_size=1))
+    with pytest.raises(CanaryConfigError, match="--kv-canary-sweep-interval 4 .* HiMambaRadixCache: the sweep "
+                       "follows RadixCache, SWARadixCache and MambaRadixCache only"):
+        plugin._after_scheduler_init(None, _scheduler(other, _Manager(CanaryConfig(sweep_interval=4))))
