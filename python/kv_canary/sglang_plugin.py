@@ -22,7 +22,9 @@ then registers hooks with sglang's ``HookRegistry``:
 * ``RadixCache._record_store_event`` / ``_delete_leaf`` / ``reset``: keep the sweep's device index
   of cached slots in step with the tree (``--kv-canary-sweep-interval`` only); for hybrid
   sliding-window models ``SWARadixCache._insert_helper`` / ``_delete_leaf`` / ``_delete_tombstone_leaf``
-  / ``reset`` and ``SWATokenToKVPoolAllocator.free`` (``adapter/swa_radix``);
+  / ``reset`` and ``SWATokenToKVPoolAllocator.free`` (``adapter/swa_radix``); for hybrid linear-attention
+  models ``MambaRadixCache._record_store_event`` / ``_delete_leaf`` / ``_delete_tombstone_leaf`` / ``reset``
+  (``adapter/mamba_radix``);
 * ``Scheduler.on_idle``: drain the delayed counter copies, so violations of the
   last forwards before an idle period are reported without waiting for traffic;
 * ``Scheduler.process_input_requests``: ``--kv-canary contain`` aborts and evicts
@@ -119,6 +121,13 @@ HOOKS = {
     "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset": ("swa_radix.after_reset", "after"),
     "sglang.srt.mem_cache.swa_memory_pool.SWATokenToKVPoolAllocator.free": ("swa_radix.after_allocator_free",
                                                                             "after"),
+    # ... and sglang's MambaRadixCache (hybrid linear-attention models; adapter/mamba_radix)
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._record_store_event": ("mamba_radix.after_store_event",
+                                                                                   "after"),
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_leaf": ("mamba_radix.after_delete_node", "after"),
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_tombstone_leaf": ("mamba_radix.after_delete_node",
+                                                                                      "after"),
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.reset": ("mamba_radix.after_reset", "after"),
 }
 # PD disaggregation (adapter/disagg): the records travel with the KV; required with --disaggregation-mode
 # only (the transfer backend's module may not even import where PD is not installed)
@@ -338,6 +347,7 @@ def _scheduler_canary(scheduler):
 def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
     from .adapter.radix import RadixCacheView
+    from .adapter.mamba_radix import MambaRadixCacheView
     from .adapter.swa_radix import SWARadixCacheView
     from .config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
 
@@ -364,13 +374,15 @@ def _after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
         manager.attach_prefix_cache(RadixCacheView(tree))
     elif SWARadixCacheView.supports(tree):
         manager.attach_prefix_cache(SWARadixCacheView(tree))
+    elif MambaRadixCacheView.supports(tree):
+        manager.attach_prefix_cache(MambaRadixCacheView(tree))
     elif manager.config.sweep_interval > 0:
         raise CanaryConfigError(
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
             f"cache is {type(tree).__name__}: "
             + (f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}" if "Chunk" in type(tree).__name__ else
-               f"the sweep follows RadixCache and SWARadixCache only (not yet this model's cache); unset "
-               f"{FLAG_SWEEP_INTERVAL}")
+               f"the sweep follows RadixCache, SWARadixCache and MambaRadixCache only (not yet this model's "
+               f"cache); unset {FLAG_SWEEP_INTERVAL}")
         )
     elif manager.config.perturb_real_kv_unused_cache_prob > 0:
         raise CanaryConfigError(

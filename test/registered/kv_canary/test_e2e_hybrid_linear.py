@@ -4,11 +4,18 @@ KV verified, injections caught, no false alarm.
 One server: sglang's own ``Qwen3NextForCausalLM`` (config only, dummy weights; ``kv_canary_testing.model_dir.
 write_qwen3_next_model_dir``: 3 Gated DeltaNet layers + 1 full-attention layer) in ``log`` mode under the mixed
 workload (shared prefixes -> MambaRadixCache hits, chunked prefill, aborts, eviction) with K/V flips before
-forwards (``real_kv_used``) and after them (``real_kv_post_forward``), CUDA graphs on. The canary's one group
-``full`` is the pool's inner ``MHATokenToKVPool`` (the full-attention layer, engine slots). The linear layers'
-conv/ssm state (``MambaPool``: one state per request, updated in place every forward) is not covered.
+forwards (``real_kv_used``; ``real_kv_unused_cache``: a slot only the MambaRadixCache holds, tombstoned nodes
+included, found by the sweep) and after them (``real_kv_post_forward``), the cache sweep
+(``--kv-canary-sweep-interval``, ``adapter/mamba_radix``) on, CUDA graphs on. The canary's one group ``full`` is
+the pool's inner ``MHATokenToKVPool`` (the full-attention layer, engine slots). The linear layers' conv/ssm state
+(``MambaPool``: one state per request, updated in place every forward) is not covered.
 Asserted: pool ``HybridLinearKVPool`` with groups ``full``; no request fails; every violation explained by an
-injection; every ``real_kv_used`` flip caught; at least one post-forward flip caught.
+injection; every ``real_kv_used`` flip caught; at least one post-forward flip caught; the sweep ran and found
+at least one unused-cache flip (one whose node is evicted before the next sweep is freed unread: printed).
+
+A second server runs the mixed workload in ``raise`` mode with the sweep after every forward and no
+injection: zero violations, slots verified and swept (the MambaRadixCache index never claims a slot the tree
+does not hold: mamba eviction tombstones keep their KV, and it is swept).
 
 GPU only. On CPU sglang 0.5.12 cannot build this model: its full-attention layer's ``get_rope`` ->
 ``RotaryEmbedding.__init__`` imports ``vllm._custom_ops.rotary_embedding`` on any device that is neither CUDA
@@ -24,7 +31,7 @@ from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, r
 from kv_canary_testing.model_dir import write_qwen3_next_model_dir
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cuda_ci(est_time=240, suite="kv-canary-cuda")
+register_cuda_ci(est_time=360, suite="kv-canary-cuda")  # two servers; one took 158 s on an H200
 
 pytestmark = pytest.mark.skipif(
     e2e_device() != "cuda",
@@ -39,14 +46,16 @@ ENV = {
     "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed",
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
     "SGLANG_KV_CANARY_PERTURB_SEED": "13",
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB": "0.05",
 }
+SWEEP_INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("hybrid_linear") / "server.log"
     srv = canary_server("log", log_path=log_path, env=ENV, model_path=write_qwen3_next_model_dir(),
-                        max_total_tokens=POOL_TOKENS)
+                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)], max_total_tokens=POOL_TOKENS)
     with srv:
         result = run_requests(srv.base_url, build_workload(60, seed=21, n_aborts=4), concurrency=8,
                               abort_mode="mixed", timeout=300)
@@ -62,7 +71,8 @@ def hybrid_run(tmp_path_factory):
     unexplained = [v for v in log.violations if not any(explained(p, v) for p in log.perturbations)]
     print(f"kv_canary_e2e_hybrid_linear device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
-          f"graph_forwards={log.last_stat('graph_forwards')} violations={len(log.violations)} "
+          f"graph_forwards={log.last_stat('graph_forwards')} sweeps={log.last_stat('sweeps')} "
+          f"slots_swept={log.last_stat('slots_swept')} violations={len(log.violations)} "
           f"unexplained={len(unexplained)} " + " ".join(f"{m}={d}/{n}" for m, (n, d) in sorted(by_mode.items())))
     return dict(result=result, log=log, running=running, by_mode=by_mode, unexplained=unexplained)
 
@@ -89,6 +99,35 @@ def test_hybrid_linear_injections_caught(hybrid_run):
     assert injected > 0 and detected == injected, hybrid_run["by_mode"]
     injected, detected = hybrid_run["by_mode"].get("real_kv_post_forward", (0, 0))
     assert injected > 0 and detected > 0, hybrid_run["by_mode"]
+
+
+@pytest.mark.e2e
+def test_hybrid_linear_sweep_finds_unused_cache_flips(hybrid_run):
+    log = hybrid_run["log"]
+    assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0
+    injected, detected = hybrid_run["by_mode"].get("real_kv_unused_cache", (0, 0))
+    assert injected > 0, f"no real_kv_unused_cache injection: {hybrid_run['by_mode']}"
+    assert detected > 0, f"real_kv_unused_cache: none of {injected} caught"
+    assert any(v["rid"] == "cache" and v["group"] == "full" for v in log.violations)  # rows of the sweep
+
+
+@pytest.mark.e2e
+def test_hybrid_linear_raise_mode_with_the_sweep_every_forward_has_no_violation(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("hybrid_linear_raise") / "server.log"
+    srv = canary_server("raise", log_path=log_path, model_path=write_qwen3_next_model_dir(),
+                        extra_args=["--kv-canary-sweep-interval", "1"], max_total_tokens=POOL_TOKENS)
+    with srv:
+        result = run_requests(srv.base_url, build_workload(40, seed=23, n_aborts=3), concurrency=8,
+                              abort_mode="mixed", timeout=300)
+        log = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+    print(f"kv_canary_e2e_hybrid_linear_raise device={e2e_device()} {result.summary()} "
+          f"slots_verified={log.last_stat('slots_verified')} sweeps={log.last_stat('sweeps')} "
+          f"slots_swept={log.last_stat('slots_swept')} violations={log.last_stat('violations')}")
+    assert running and result.failed == 0, "\n".join(result.errors[:5])
+    assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:3]
+    assert log.last_stat("health_violations") == 0 and log.last_stat("slots_verified") > 0
+    assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0
 
 
 if __name__ == "__main__":
