@@ -541,6 +541,92 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     assert (row[fp.V_REASON], row[fp.V_ROW], row[fp.V_POSITION]) == (fp.R_KV_HASH, 2, 7)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA streams and graph capture need a GPU (this runs on the GPU host)")
+def test_head_forked_onto_its_own_stream_inside_a_cuda_graph():
+    """SingleForwardManager with a head stream, captured once and replayed: HEAD runs beside the "forward"
+    (which writes the new slots' K/V and then runs long matmuls), TAIL waits for it. Same records as the
+    in-stream eager run, no false alarm, and a corrupted prefix byte is still caught by the next replay."""
+    from kv_canary.kernels import CanaryKernels
+    from kv_canary.runner.single_forward import SingleForwardManager
+    from kv_canary.views import LaunchCapacities
+
+    graph_sim, eager_sim = Sim(tk), Sim(ref)
+    lengths = [_scenario(s) for s in (graph_sim, eager_sim)][0]
+    rows = [1, 2, 4]
+    bs = len(rows)
+    s = graph_sim
+    kernels = CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_scrub, None, graph_safe=True)
+    head_stream = torch.cuda.Stream()
+    sfm = SingleForwardManager(
+        index=0, groups=[s.group], kernels=kernels, req_to_token=s.r2t, counters=s.counters, ring=s.ring,
+        capacities=LaunchCapacities(max_batch_size=8, max_context_len=CTX, verify_programs_target=64),
+        on_tail=lambda: None, token_oracle=s.oracle, head_stream=head_stream)
+    static = dict(
+        input_ids=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        positions=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.ones(bs, dtype=torch.int64, device=DEVICE),
+    )
+    view = ForwardView(**static, new_starts=torch.arange(bs, device=DEVICE), new_lens=torch.ones(bs, dtype=torch.int64,
+                       device=DEVICE), batch_size=bs, max_new_len=1)
+    new_k = [torch.zeros(bs, 2, 8, device=DEVICE) for _ in range(LAYERS)]
+    new_v = [torch.zeros(bs, 2, 8, device=DEVICE) for _ in range(LAYERS)]
+    heavy = torch.randn(1024, 1024, device=DEVICE)
+
+    def forward():
+        sfm.pre_ops_maybe_inside_graph(view)
+        for layer in range(LAYERS):  # attention's KV write of the new slots, while HEAD reads the prefix
+            s.k[layer].index_copy_(0, static["out_cache_loc"], new_k[layer])
+            s.v[layer].index_copy_(0, static["out_cache_loc"], new_v[layer])
+        x = heavy
+        for _ in range(16):
+            x = torch.tanh(x @ heavy)
+        sfm.post_ops_maybe_inside_graph(view)
+
+    s.counters[fp.C_REPORT_ENABLED] = 0  # warmup + capture on padding data, as sglang's capture does
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    assert sfm._head_view is None  # joined inside the capture
+    s.counters[fp.C_REPORT_ENABLED] = 1
+    base = {k: int(s.counters[k]) for k in (fp.C_VIOLATIONS, fp.C_SLOTS_VERIFIED)}
+    g = torch.Generator().manual_seed(7)
+
+    def graph_step(reqs):
+        slots = s.alloc(bs)
+        for (row, prefix, toks_), slot in zip(reqs, slots.tolist()):
+            s.r2t[row, prefix] = slot
+            s.oracle.next_token[row] = toks_[0]
+        for layer in range(LAYERS):  # the values the eager run's forward writes (same generator draws)
+            new_k[layer].copy_(torch.randn(bs, 2, 8, generator=s.rng))
+            new_v[layer].copy_(torch.randn(bs, 2, 8, generator=s.rng))
+        static["input_ids"].copy_(torch.tensor([t[0] for _, _, t in reqs]))
+        static["out_cache_loc"].copy_(slots)
+        static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
+        static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
+        graph.replay()
+
+    for step in range(6):
+        toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+        reqs = [(row, lengths[row] + step, [t]) for row, t in zip(rows, toks)]
+        eager_sim.forward(reqs)
+        graph_step(reqs)
+    torch.cuda.synchronize()
+    assert torch.equal(graph_sim.group.records.cpu(), eager_sim.group.records.cpu())
+    assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS]
+    assert int(s.counters[fp.C_SLOTS_VERIFIED]) > base[fp.C_SLOTS_VERIFIED]
+    s.group.sources[0].view[int(s.r2t[4, 5]), 0] ^= 1 << 2
+    toks = torch.randint(1, 500, (bs,), generator=g).tolist()
+    graph_step([(row, lengths[row] + 6, [t]) for row, t in zip(rows, toks)])
+    torch.cuda.synchronize()
+    assert int(s.counters[fp.C_VIOLATIONS]) == base[fp.C_VIOLATIONS] + 1
+    row = s.ring[base[fp.C_VIOLATIONS] % s.ring.shape[0]].tolist()
+    assert (row[fp.V_REASON], row[fp.V_ROW], row[fp.V_POSITION]) == (fp.R_KV_HASH, 4, 5)
+
+
 def _index_of(sim, rows_lengths):
     """A CachedSlotIndex holding whole cached sequences, as the radix hooks would fill it."""
     from kv_canary.cache_index import CachedSlotIndex
