@@ -253,6 +253,14 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
                   max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
+    from .adapter.draft import draft_skip_reason
+
+    if getattr(server_args, "speculative_algorithm", None) and not draft_skip_reason(server_args, config.mode.value):
+        # the EAGLE draft pool's own manager (draft_pool): one group of records over the same slots, its ring
+        draft = dict(common, num_groups=1, req_rows=0, token_oracle=False, sweep=False)
+        draft_fixed = canary_memory_bytes(num_slots=0, **draft).total
+        fixed += draft_fixed
+        per_slot += canary_memory_bytes(num_slots=1, **draft).total - draft_fixed
     try:
         from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 

@@ -399,3 +399,20 @@ def test_the_draft_pool_is_skipped_under_cuda_graphs_and_said_why():
     assert "contain" in draft_skip_reason(but(device="cpu"), "contain")
     assert "--disaggregation-mode decode" in draft_skip_reason(but(device="cpu", disaggregation_mode="decode"), "log")
     assert draft_skip_reason(SimpleNamespace(speculative_algorithm=None), "raise")
+
+
+def test_the_draft_pools_bytes_are_held_back_with_the_targets():
+    from kv_canary.api import canary_reserved_bytes
+
+    def runner(**args):
+        server_args = SimpleNamespace(kv_canary="raise", kv_canary_sweep_interval=0, kv_canary_real_data="partial",
+                                      device="cpu", disable_cuda_graph=True, max_running_requests=8,
+                                      disaggregation_mode="null", **args)
+        return SimpleNamespace(server_args=server_args, is_draft_worker=False,
+                               model_config=SimpleNamespace(context_len=256, is_hybrid_swa=False))
+
+    budget = 1 << 24
+    plain = canary_reserved_bytes(runner(speculative_algorithm=None), budget)
+    eagle = canary_reserved_bytes(runner(speculative_algorithm="EAGLE"), budget)
+    slots = budget // 1024  # at most the slots the budget buys at the fallback cell size
+    assert eagle - plain >= 4096 * fp.RING_WIDTH * 8 + slots // 2 * fp.RECORD_WIDTH * 8
