@@ -145,11 +145,18 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
     device = torch.device(model_runner.device)
     register_sglang_pools()
     pool = model_runner.token_to_kv_pool
-    groups = attach_canary_buffers(pool, config, device, pool_context(model_runner))
-    if len(groups) != 1:
-        raise CanaryConfigError(
-            f"--speculative-algorithm {algorithm}: the draft model's KV pool {type(pool).__name__} has groups "
-            f"{','.join(g.name for g in groups)}; only a single-group draft pool is verified. Run with --kv-canary none")
+    try:
+        groups = attach_canary_buffers(pool, config, device, pool_context(model_runner))
+        if len(groups) != 1:
+            pool.kv_canary_groups = None
+            raise CanaryConfigError(f"the draft model's KV pool {type(pool).__name__} has groups "
+                                    f"{','.join(g.name for g in groups)}; only a single-group draft pool is verified")
+    except CanaryConfigError as e:  # the target's KV stays verified, as before the draft pool was
+        if config.any_perturbation:  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft would inject nowhere
+            raise
+        logger.warning("kv_canary: --speculative-algorithm %s: %s (%s); verifying the target model's KV only",
+                       algorithm, DRAFT_NOT_VERIFIED, e)
+        return None
     groups = [dataclasses.replace(groups[0], name=DRAFT_GROUP)]
     pool.kv_canary_groups = groups
     capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)

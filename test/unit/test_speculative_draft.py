@@ -416,3 +416,34 @@ def test_the_draft_pools_bytes_are_held_back_with_the_targets():
     eagle = canary_reserved_bytes(runner(speculative_algorithm="EAGLE"), budget)
     slots = budget // 1024  # at most the slots the budget buys at the fallback cell size
     assert eagle - plain >= 4096 * fp.RING_WIDTH * 8 + slots // 2 * fp.RECORD_WIDTH * 8
+
+
+def test_an_unsupported_draft_pool_is_skipped_and_said(caplog):
+    """The target stays verified (as before the draft pool was); a draft-targeted perturbation is refused."""
+    from kv_canary.api import install_draft_canary
+    from kv_canary.draft_pool import DRAFT_NOT_VERIFIED
+
+    class SomeOtherPool:
+        pass
+
+    runner = SimpleNamespace(device="cpu", token_to_kv_pool=SomeOtherPool())
+    args = SimpleNamespace(speculative_algorithm="EAGLE")
+    with caplog.at_level("WARNING", logger="kv_canary"):
+        assert install_draft_canary(server_args=args, model_runner=runner, config=CanaryConfig(mode=CanaryMode.RAISE),
+                                    skip_reason="") is None
+    assert DRAFT_NOT_VERIFIED in caplog.text and "SomeOtherPool" in caplog.text
+    to_draft = CanaryConfig(mode=CanaryMode.LOG, perturb_target_group=DRAFT_GROUP, perturb_real_kv_used_prob=0.1)
+    with pytest.raises(CanaryConfigError, match="SomeOtherPool"):
+        install_draft_canary(server_args=args, model_runner=runner, config=to_draft, skip_reason="")
+
+
+def test_a_draft_loop_with_more_forwards_than_steps_is_an_error():
+    from kv_canary.runner import CanaryBracketError
+
+    h = DraftHarness(steps=2)  # one draft decode forward per phase
+    h.prefill({1: [5, 6, 7]}, sampled={1: 8})
+    fb = h.draft_batch([1])
+    h.runner.kv_canary_draft_steps = iter(range(1))
+    h.runner.forward(fb)
+    with pytest.raises(CanaryBracketError, match="more draft forwards"):
+        h.runner.forward(fb)

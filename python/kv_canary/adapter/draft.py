@@ -125,7 +125,12 @@ def route_draft_runner_forward(original, model_runner, forward_batch, *args, **k
         return original(model_runner, forward_batch, *args, **kwargs)
     steps = getattr(model_runner, "kv_canary_draft_steps", None)
     if steps is not None:  # a step of draft_forward's loop: its outer step is the whole draft phase
-        step = next(steps)
+        step = next(steps, None)
+        if step is None:
+            from ..runner import CanaryBracketError
+
+            raise CanaryBracketError("kv-canary: EagleDraftWorker.draft_forward ran more draft forwards than "
+                                     "--speculative-num-steps - 1; this draft loop is not the one the canary wires")
         forward_batch.kv_canary_draft_step = step
         with manager.with_active_single_forward_manager(step):
             return original(model_runner, forward_batch, *args, **kwargs)
