@@ -9,6 +9,7 @@ attaches canary buffers to the KV pool, builds the ``CanaryManager`` and patches
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -53,12 +54,14 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if not config.enabled:
         logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None
+    from .adapter.draft import draft_skip_reason
+    from .draft_pool import target_config
+
+    draft_skip = draft_skip_reason(server_args, config.mode.value)
     if getattr(model_runner, "is_draft_worker", False):
-        logger.warning(
-            "kv_canary: --speculative-algorithm %s: the speculative draft model's KV pool is not verified yet "
-            "(docs/speculative.md); verifying the target model's KV only",
-            getattr(server_args, "speculative_algorithm", None))
-        return None
+        return install_draft_canary(server_args=server_args, model_runner=model_runner, config=config,
+                                    skip_reason=draft_skip)
+    config = target_config(config, draft_skip)  # PERTURB_TARGET_GROUP=draft: the target injects nothing
     if getattr(model_runner, "model_is_mrope", False):
         raise CanaryConfigError(
             f"--kv-canary {config.mode.value}: this model uses M-RoPE (multimodal rotary positions, "
@@ -123,6 +126,71 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
                                    "kv_pool_bytes": kv_bytes,
                                    "canary_pct_of_kv_pool": f"{memory.pct_of(kv_bytes):.3f}",
                                    "reserved_before_kv_pool": "none" if reserved is None else reserved}))
+    return manager
+
+
+def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryConfig,
+                         skip_reason: str) -> Optional[CanaryManager]:
+    """The EAGLE draft runner's own pool (``kv_canary.draft_pool``): its own groups and ``DraftCanaryManager``."""
+    from .adapter.draft import DraftBatchAdapter
+    from .draft_pool import (DRAFT_GROUP, DRAFT_INSTALLED_PREFIX, DRAFT_NOT_VERIFIED, KV_TOKEN_ID_VS_POSITION_OFFSET,
+                             DraftCanaryManager, draft_config)
+
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if skip_reason:
+        logger.warning("kv_canary: --speculative-algorithm %s: %s (%s; docs/speculative.md); verifying the target "
+                       "model's KV only", algorithm, DRAFT_NOT_VERIFIED, skip_reason)
+        return None
+    config = draft_config(config)
+    device = torch.device(model_runner.device)
+    register_sglang_pools()
+    pool = model_runner.token_to_kv_pool
+    try:
+        groups = attach_canary_buffers(pool, config, device, pool_context(model_runner))
+        if len(groups) != 1:
+            pool.kv_canary_groups = None
+            raise CanaryConfigError(f"the draft model's KV pool {type(pool).__name__} has groups "
+                                    f"{','.join(g.name for g in groups)}; only a single-group draft pool is verified")
+    except CanaryConfigError as e:  # the target's KV stays verified, as before the draft pool was
+        if config.any_perturbation:  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft would inject nowhere
+            raise
+        logger.warning("kv_canary: --speculative-algorithm %s: %s (%s); verifying the target model's KV only",
+                       algorithm, DRAFT_NOT_VERIFIED, e)
+        return None
+    groups = [dataclasses.replace(groups[0], name=DRAFT_GROUP)]
+    pool.kv_canary_groups = groups
+    capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)
+    kernels = select_kernels(config.kernel_backend, device)
+    tracker = None
+    if kernels.name == "triton":
+        from .kernels import triton_kernels as tk
+        from .kernels.variants import VariantTracker, track
+
+        tracker = VariantTracker()
+        kernels = track(kernels, tracker, tk.write_block)
+    steps = int(getattr(server_args, "speculative_num_steps", 1) or 1)
+    manager = DraftCanaryManager(
+        config=config, groups=groups, kernels=kernels, req_to_token=model_runner.req_to_token_pool.req_to_token,
+        capacities=capacities,
+        batch_adapter=DraftBatchAdapter(
+            max_batch_size=capacities.max_batch_size, device=device,
+            draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1)),
+        device=device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
+    )
+    if tracker is not None:
+        _precompile(manager, capacities, server_args, tk.write_block)
+        logger.info("kv_canary_precompiled=1 pool=draft %s", tracker.describe())
+    _patch_model_forward(model_runner.model, manager)
+    memory = canary_memory_bytes(
+        num_slots=groups[0].num_slots, num_groups=1, req_rows=0, context_len=0,
+        ring_capacity=config.ring_capacity, token_oracle=False, max_batch_size=capacities.max_batch_size,
+        sweep=False, max_tokens_per_forward=capacities.tokens_per_forward,
+    )
+    logger.info(format_line(DRAFT_INSTALLED_PREFIX, 1, {
+        "algorithm": algorithm, "pool": type(pool).__name__, "groups": DRAFT_GROUP, "slots": groups[0].num_slots,
+        "kernels": kernels.name, "single_forward_managers": max(1, steps - 1),
+        "kv_token_id_vs_position_offset": KV_TOKEN_ID_VS_POSITION_OFFSET, "token_checks": 0,
+        "canary_bytes": memory.total}))
     return manager
 
 
@@ -192,6 +260,14 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
                   max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
+    from .adapter.draft import draft_skip_reason
+
+    if getattr(server_args, "speculative_algorithm", None) and not draft_skip_reason(server_args, config.mode.value):
+        # the EAGLE draft pool's own manager (draft_pool): one group of records over the same slots, its ring
+        draft = dict(common, num_groups=1, req_rows=0, token_oracle=False, sweep=False)
+        draft_fixed = canary_memory_bytes(num_slots=0, **draft).total
+        fixed += draft_fixed
+        per_slot += canary_memory_bytes(num_slots=1, **draft).total - draft_fixed
     try:
         from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 

@@ -37,7 +37,9 @@ then registers hooks with sglang's ``HookRegistry``:
   and decode-side retraction carries the records to the host and back.
 
 Speculative decoding (``adapter/speculative``): ``EAGLEWorkerV2.verify`` moves the target's token
-oracle to the accepted prefix; draft workers' own KV pools are excluded everywhere for now.
+oracle to the accepted prefix; the EAGLE draft worker's own KV pool gets its own manager
+(``adapter/draft``: ``EagleDraftWorker.draft_forward`` is one outer step of ``num_steps - 1`` forwards,
+``EagleDraftWorker.__init__`` starts its reporting), eager only (skipped with a startup line under CUDA graphs).
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
 plugin logs one line and registers nothing.
 """
@@ -149,6 +151,9 @@ PD_HOOKS = {
 # --speculative-algorithm only
 SPEC_HOOKS = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify": ("speculative.after_eagle_v2_verify", "after"),
+    # the draft model's own pool (adapter/draft): the draft decode phase is one outer step, then start reporting
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward": ("draft.around_draft_forward", "around"),
+    "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__": ("draft.after_draft_worker_init", "after"),
 }
 
 
@@ -330,6 +335,10 @@ def _after_sample(next_token_ids, model_runner, *args, **kwargs) -> None:
 def _around_forward(original, model_runner, forward_batch, *args, **kwargs):
     manager = _canary_of(model_runner)
     if manager is None:
+        if getattr(model_runner, "is_draft_worker", False):  # the EAGLE draft's own pool (adapter/draft)
+            from .adapter.draft import route_draft_runner_forward
+
+            return route_draft_runner_forward(original, model_runner, forward_batch, *args, **kwargs)
         return original(model_runner, forward_batch, *args, **kwargs)
     with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=forward_batch):
         with manager.with_active_single_forward_manager(0):
@@ -434,6 +443,11 @@ def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
     if manager is not None and manager.init_finished:
         manager.poll(drain=True)
         _export_metrics(scheduler)
+        from .adapter.draft import draft_manager_of_target
+
+        draft = draft_manager_of_target(scheduler.tp_worker.model_runner)
+        if draft is not None and draft.init_finished:
+            draft.poll(drain=True)
 
 
 # ---------------------------------------------------------------- CUDA graphs

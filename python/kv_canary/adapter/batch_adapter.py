@@ -23,7 +23,7 @@ import torch
 
 from ..views import ForwardView, HostBatch
 
-_EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "SPLIT_PREFILL")
+_EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PREFILL")
 
 
 class SglangBatchAdapter:

@@ -1,8 +1,11 @@
-"""EAGLE (spec v2, topk 1) with perturbations in the target model's pool, ``--kv-canary log``: every
+"""EAGLE (spec v2, topk 1) with perturbations in the target model's pool, or in the draft model's own
+pool (``SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft``), ``--kv-canary log``: every
 ``real_kv_used`` flip (a K/V byte of a slot the forward reads) and every ``req_to_token`` redirect
 (a read entry pointing at another slot of the same request) injected into a TARGET_VERIFY or
-prefill forward is reported by that forward's HEAD, nothing else is reported, and the server keeps
-serving. On the GPU the verify forwards replay from CUDA graphs.
+prefill forward (or, in the draft pool, a draft prefill, draft decode phase or draft extend) is
+reported by that forward's HEAD in that pool, nothing else is reported, and the server keeps serving.
+On the GPU the verify forwards replay from CUDA graphs; the draft pool is verified with
+``--disable-cuda-graph`` only (its graph runners are not bracketed yet), so the draft run disables them.
 
 GPU only in CI: the CPU suite runs one EAGLE server (``test_e2e_speculative``), and a second
 one under the Triton interpreter costs minutes of CI time; the same run on CPU is recorded in
@@ -11,11 +14,13 @@ docs/speculative.md (``run_perturbed`` with ``device="cpu"``).
 
 import pytest
 
+from kv_canary.draft_pool import DRAFT_GROUP, DRAFT_STATS_PREFIX
+from kv_canary.violations import parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, cuda_skip_reason, e2e_device, register_cuda_ci
 from kv_canary_testing.model_dir import write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cuda_ci(est_time=180, suite="kv-canary-cuda")
+register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 MODES = {"real_kv_used": "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB",
          "req_to_token": "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"}
@@ -24,16 +29,20 @@ MODES = {"real_kv_used": "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB",
 def explains(injection, violation) -> bool:
     """Does this injection account for this violation? (as in test_e2e_perturb_modes)"""
     if injection["kv_canary_perturb"] == "req_to_token":
-        return (violation["rid"] == injection["rid"] and violation["forward"] == injection["forward"]
+        return (violation["group"] == injection["group"] and violation["rid"] == injection["rid"]
+                and violation["forward"] == injection["forward"]
                 and int(violation["position"]) - int(injection["position"]) in (0, 1))
     return (violation["group"], violation["slot"]) == (injection["group"], injection["slot"]) and int(
         violation["forward"]) >= int(injection["forward"])
 
 
-def run_perturbed(tmp_path, device: str, n_requests: int):
-    """(workload result, canary log, still running) of an EAGLE server with both perturbations on."""
+def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""):
+    """(workload result, canary log, still running) of an EAGLE server with both perturbations on, in the
+    target's pool (``target_group`` '') or the draft's (``'draft'``)."""
     target, draft = write_eagle_model_dirs(tmp_path / "models")
     env = {name: "0.15" for name in MODES.values()}
+    if target_group:
+        env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = target_group
     env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "5", "SGLANG_KV_CANARY_PERTURB_SEED": "3",
                 "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
     extra = [
@@ -41,6 +50,7 @@ def run_perturbed(tmp_path, device: str, n_requests: int):
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
         "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
         "--speculative-draft-load-format", "dummy", "--max-running-requests", "8", "--kv-canary-real-data", "all",
+        *(["--disable-cuda-graph"] if target_group == DRAFT_GROUP and device == "cuda" else []),
     ]
     srv = canary_server("log", log_path=tmp_path / "server.log", env=env, extra_args=extra, device=device,
                         max_total_tokens=16384)
@@ -60,17 +70,30 @@ def test_eagle_target_pool_perturbations_are_each_detected(tmp_path):
                     "test_e2e_speculative already holds the one CPU EAGLE server; the CPU run is in "
                     "docs/speculative.md")
     result, log, running = run_perturbed(tmp_path, "cuda", 64)
-    check(result, log, running)
+    check(result, log, running, "full")
 
 
-def check(result, log, running) -> None:
+@pytest.mark.e2e
+def test_eagle_draft_pool_perturbations_are_each_detected(tmp_path):
+    if e2e_device() != "cuda" or cuda_skip_reason():
+        pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
+                    "test_e2e_speculative already holds the one CPU EAGLE server (whose draft pool is verified); "
+                    "the CPU run is in docs/speculative.md")
+    result, log, running = run_perturbed(tmp_path, "cuda", 64, target_group=DRAFT_GROUP)
+    check(result, log, running, DRAFT_GROUP)
+
+
+def check(result, log, running, group: str) -> None:
     injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
+    assert {p["group"] for p in injections} <= {group}, "an injection outside the targeted pool"
     missed = [p for p in injections if not any(explains(p, v) for v in log.violations)]
     unexplained = [v for v in log.violations if not any(explains(p, v) for p in injections)]
     by_kind = {m: sum(p["kv_canary_perturb"] == m for p in injections) for m in MODES}
-    print(f"kv_canary_e2e_eagle_perturb {result.summary()} injections={by_kind} "
+    draft = parse_lines(log.text, DRAFT_STATS_PREFIX)
+    print(f"kv_canary_e2e_eagle_perturb group={group} {result.summary()} injections={by_kind} "
           f"detected={len(injections) - len(missed)} violations={len(log.violations)} "
-          f"slots_verified={log.last_stat('slots_verified')} graph_replays={log.last_stat('graph_forwards')}")
+          f"slots_verified={log.last_stat('slots_verified')} graph_replays={log.last_stat('graph_forwards')} "
+          f"draft_slots_verified={draft[-1]['slots_verified'] if draft else None}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5])
     assert all(by_kind.values()), f"not every perturbation kind was injected: {by_kind}"
     assert missed == [], missed[:3]
