@@ -15,6 +15,7 @@ here, not captured from a server.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +30,11 @@ from kv_canary.fingerprint import prefix_chains_np
 from kv_canary.kernels import select_kernels
 from kv_canary.runner import CanaryManager
 from kv_canary.violations import CanaryViolationError
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-tensor batches laid out by sglang's Triton helpers under the interpreter (CPU CI); on a GPU "
+           "host test_e2e_speculative*.py cover EAGLE with real CUDA graphs")
 
 sglang_fb = pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
 ForwardBatch, ForwardMode = sglang_fb.ForwardBatch, sglang_fb.ForwardMode
