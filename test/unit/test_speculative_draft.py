@@ -25,7 +25,8 @@ import torch
 from kv_canary import fingerprint as fp
 from kv_canary.adapter.batch_adapter import SglangBatchAdapter
 from kv_canary.adapter.draft import (
-    DraftBatchAdapter, after_draft_worker_init, around_draft_forward, draft_skip_reason, route_draft_runner_forward,
+    DraftBatchAdapter, after_draft_worker_init, around_draft_forward, draft_skip_reason, record_target_cuda_graph_setting,
+    route_draft_runner_forward,
 )
 from kv_canary.api import _patch_model_forward
 from kv_canary.buffer_groups import PoolLayout, build_group
@@ -396,15 +397,37 @@ def test_draft_and_target_configs():
 def test_the_draft_pool_is_skipped_under_cuda_graphs_and_said_why():
     args = SimpleNamespace(speculative_algorithm="EAGLE", device="cuda", disable_cuda_graph=False,
                            disaggregation_mode="null")
-    def but(**kw):
-        return SimpleNamespace(**{**vars(args), **kw})
 
-    assert "--disable-cuda-graph" in draft_skip_reason(args, "raise")
+    def but(**kw):
+        recorded = SimpleNamespace(**{**vars(args), **kw})
+        record_target_cuda_graph_setting(recorded)  # what the target's install does first
+        return recorded
+
+    assert "not recorded" in draft_skip_reason(args, "raise")  # no target install seen: never verify the draft
+    assert "--disable-cuda-graph" in draft_skip_reason(but(), "raise")
     assert draft_skip_reason(but(disable_cuda_graph=True), "raise") == ""
     assert draft_skip_reason(but(device="cpu"), "raise") == ""
     assert "contain" in draft_skip_reason(but(device="cpu"), "contain")
     assert "--disaggregation-mode decode" in draft_skip_reason(but(device="cpu", disaggregation_mode="decode"), "log")
     assert draft_skip_reason(SimpleNamespace(speculative_algorithm=None), "raise")
+
+
+def test_eagle_flipping_disable_cuda_graph_for_its_draft_runner_does_not_enable_the_draft_pool():
+    """sglang 0.5.12's EagleDraftWorker.__init__ (spec v2) sets server_args.disable_cuda_graph = True while it builds the
+    draft's ModelRunner (its own graph runners capture afterwards). Found on an H200: the draft pool was
+    installed, its graph replays ran HEAD/TAIL the host never counted, and health violations stopped the
+    server. The target's recorded setting decides."""
+    import inspect
+
+    from sglang.srt.speculative import eagle_worker_v2
+
+    src = inspect.getsource(eagle_worker_v2.EagleDraftWorker.__init__)
+    assert "server_args.disable_cuda_graph = True" in src  # the flip this guards against
+    args = SimpleNamespace(speculative_algorithm="EAGLE", device="cuda", disable_cuda_graph=False,
+                           disaggregation_mode="null")
+    record_target_cuda_graph_setting(args)  # the target's install, graphs on
+    args.disable_cuda_graph = True  # EagleDraftWorker building the draft runner
+    assert "--disable-cuda-graph" in draft_skip_reason(args, "raise")
 
 
 def test_the_draft_pools_bytes_are_held_back_with_the_targets():

@@ -95,6 +95,14 @@ class DraftBatchAdapter(SglangBatchAdapter):
         return dataclasses.replace(batch, seq_lens=[s + step + 1 for s in batch.seq_lens])
 
 
+TARGET_DISABLE_CUDA_GRAPH = "_kv_canary_target_disable_cuda_graph"  # set on server_args by the target's install
+
+
+def record_target_cuda_graph_setting(server_args: Any) -> None:
+    """At the target's install (and memory sizing), before an EAGLE worker flips the flag for its draft."""
+    setattr(server_args, TARGET_DISABLE_CUDA_GRAPH, bool(getattr(server_args, "disable_cuda_graph", False)))
+
+
 def draft_skip_reason(server_args: Any, mode: str) -> str:
     """'' when the draft pool is verified with these settings, else why not (naming the flag)."""
     from .disagg import disaggregation_mode
@@ -106,7 +114,12 @@ def draft_skip_reason(server_args: Any, mode: str) -> str:
     pd = disaggregation_mode(server_args)
     if pd in ("prefill", "decode"):
         return f"--disaggregation-mode {pd}"
-    if str(getattr(server_args, "device", "cuda")) != "cpu" and not getattr(server_args, "disable_cuda_graph", False):
+    # EAGLE workers set server_args.disable_cuda_graph = True while they build the draft's ModelRunner (their
+    # own graph runners capture later): the value the target's install recorded is the operator's setting
+    graphs_off = getattr(server_args, TARGET_DISABLE_CUDA_GRAPH, None)
+    if graphs_off is None:
+        return "the target model's CUDA-graph setting was not recorded before the draft pool's install"
+    if str(getattr(server_args, "device", "cuda")) != "cpu" and not graphs_off:
         return ("CUDA graphs are on and the draft's graph runners (EAGLEDraftCudaGraphRunner, "
                 "EAGLEDraftExtendCudaGraphRunner) are not bracketed yet; pass --disable-cuda-graph to verify it")
     return ""
