@@ -475,12 +475,8 @@ def test_scrub_checks_every_byte_of_a_round_robin_window():
             (int(s.r2t[2, 10]), 10, fp.R_KV_HASH, -2)]
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA-graph capture needs a GPU (this runs on the GPU host)")
-def test_verify_and_write_replay_from_a_cuda_graph():
-    """Capture HEAD+TAIL once for a decode batch, replay it with new data each step: same records as eager."""
-    graph_sim, eager_sim = Sim(tk), Sim(ref)
-    lengths = [_scenario(s) for s in (graph_sim, eager_sim)][0]
-    rows = [1, 2, 4]
+def _static_decode_view(rows):
+    """The static input buffers of a captured decode batch over ``rows`` and the ForwardView on them."""
     bs = len(rows)
     static = dict(
         input_ids=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
@@ -491,6 +487,25 @@ def test_verify_and_write_replay_from_a_cuda_graph():
     )
     view = ForwardView(**static, new_starts=torch.arange(bs, device=DEVICE), new_lens=torch.ones(bs, dtype=torch.int64,
                        device=DEVICE), batch_size=bs, max_new_len=1)
+    return static, view
+
+
+def _load_decode_step(static, reqs, slots):
+    """Fill the static buffers for one decode step of ``reqs`` ((row, prefix, [token])) into ``slots``."""
+    static["input_ids"].copy_(torch.tensor([t[0] for _, _, t in reqs]))
+    static["out_cache_loc"].copy_(slots)
+    static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
+    static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA-graph capture needs a GPU (this runs on the GPU host)")
+def test_verify_and_write_replay_from_a_cuda_graph():
+    """Capture HEAD+TAIL once for a decode batch, replay it with new data each step: same records as eager."""
+    graph_sim, eager_sim = Sim(tk), Sim(ref)
+    lengths = [_scenario(s) for s in (graph_sim, eager_sim)][0]
+    rows = [1, 2, 4]
+    bs = len(rows)
+    static, view = _static_decode_view(rows)
     s = graph_sim
 
     def head_tail():
@@ -516,10 +531,7 @@ def test_verify_and_write_replay_from_a_cuda_graph():
         for layer in range(LAYERS):
             s.k[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
             s.v[layer][slots.to(DEVICE)] = torch.randn(bs, 2, 8, generator=s.rng).to(DEVICE)
-        static["input_ids"].copy_(torch.tensor([t[0] for _, _, t in reqs]))
-        static["out_cache_loc"].copy_(slots)
-        static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
-        static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
+        _load_decode_step(static, reqs, slots)
         graph.replay()
 
     for step in range(4):
@@ -561,15 +573,7 @@ def test_head_forked_onto_its_own_stream_inside_a_cuda_graph():
         index=0, groups=[s.group], kernels=kernels, req_to_token=s.r2t, counters=s.counters, ring=s.ring,
         capacities=LaunchCapacities(max_batch_size=8, max_context_len=CTX, verify_programs_target=64),
         on_tail=lambda: None, token_oracle=s.oracle, head_stream=head_stream)
-    static = dict(
-        input_ids=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
-        positions=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
-        out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=DEVICE),
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
-        seq_lens=torch.ones(bs, dtype=torch.int64, device=DEVICE),
-    )
-    view = ForwardView(**static, new_starts=torch.arange(bs, device=DEVICE), new_lens=torch.ones(bs, dtype=torch.int64,
-                       device=DEVICE), batch_size=bs, max_new_len=1)
+    static, view = _static_decode_view(rows)
     new_k = [torch.zeros(bs, 2, 8, device=DEVICE) for _ in range(LAYERS)]
     new_v = [torch.zeros(bs, 2, 8, device=DEVICE) for _ in range(LAYERS)]
     heavy = torch.randn(1024, 1024, device=DEVICE)
@@ -603,10 +607,7 @@ def test_head_forked_onto_its_own_stream_inside_a_cuda_graph():
         for layer in range(LAYERS):  # the values the eager run's forward writes (same generator draws)
             new_k[layer].copy_(torch.randn(bs, 2, 8, generator=s.rng))
             new_v[layer].copy_(torch.randn(bs, 2, 8, generator=s.rng))
-        static["input_ids"].copy_(torch.tensor([t[0] for _, _, t in reqs]))
-        static["out_cache_loc"].copy_(slots)
-        static["seq_lens"].copy_(torch.tensor([p + 1 for _, p, _ in reqs]))
-        static["positions"].copy_(torch.tensor([p for _, p, _ in reqs]))
+        _load_decode_step(static, reqs, slots)
         graph.replay()
 
     for step in range(6):
