@@ -35,28 +35,16 @@ cache) moves KV to and from the host and is not followed (refused by the plugin)
 
 from __future__ import annotations
 
-import random
-from typing import List, Optional, Tuple
-
 from .radix import INDEX_ATTR, RadixCacheView, on_node_removed, on_node_stored, on_reset
 
 
 class MambaRadixCacheView(RadixCacheView):
+    # an unused-cache pick includes tombstoned nodes: their KV is cached (and read again through a descendant's match)
+    LOCK_ATTR = "full_lock_ref"
+
     @staticmethod
     def supports(tree_cache) -> bool:
         return type(tree_cache).__name__ == "MambaRadixCache" and hasattr(tree_cache, "root_node")
-
-    def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
-        """(engine slot, position) of a random slot held only by the cache (no running request), or None.
-
-        Tombstoned nodes included: their KV is cached (and read again through a descendant's match).
-        """
-        unused: List[Tuple[object, int]] = [(n, s) for n, s, _ in self._walk() if n.full_lock_ref == 0]
-        if not unused:
-            return None
-        node, start = rng.choice(unused)
-        k = rng.randrange(len(node.value))
-        return int(node.value[k].item()), start + k
 
 
 # ---------------------------------------------------------------- hooks (registered by the plugin)

@@ -15,6 +15,8 @@ INDEX_ATTR = "kv_canary_index"  # the CachedSlotIndex a RadixCache reports its c
 
 
 class RadixCacheView:
+    LOCK_ATTR = "lock_ref"  # the node field that is > 0 while a running request holds the node
+
     def __init__(self, tree_cache):
         self._tree = tree_cache
 
@@ -43,7 +45,7 @@ class RadixCacheView:
 
     def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
         """(slot, position) of a random slot held only by the cache (no running request), or None."""
-        unused: List[Tuple[object, int]] = [(n, s) for n, s, _ in self._walk() if n.lock_ref == 0]
+        unused: List[Tuple[object, int]] = [(n, s) for n, s, _ in self._walk() if getattr(n, self.LOCK_ATTR) == 0]
         if not unused:
             return None
         node, start = rng.choice(unused)

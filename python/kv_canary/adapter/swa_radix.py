@@ -30,9 +30,6 @@ replays the two in order.)
 
 from __future__ import annotations
 
-import random
-from typing import List, Optional, Tuple
-
 from .radix import INDEX_ATTR, RadixCacheView, on_node_removed, on_node_stored
 
 VALUE_ATTR = "kv_canary_value"  # on a node: the value tensor the index was last given for it
@@ -40,6 +37,10 @@ FREED_ATTR = "kv_canary_freed_into"  # on the allocator, during an insert: the i
 
 
 class SWARadixCacheView(RadixCacheView):
+    # an unused-cache pick includes tombstoned nodes (their full KV is cached); the perturbation skips them for
+    # the swa group (mapping 0)
+    LOCK_ATTR = "full_lock_ref"
+
     @staticmethod
     def supports(tree_cache) -> bool:
         return type(tree_cache).__name__ == "SWARadixCache" and hasattr(tree_cache, "root_node")
@@ -50,19 +51,6 @@ class SWARadixCacheView(RadixCacheView):
         index.clear()
         for node, start, _parent in self._walk():
             _add(self._tree, node, start)
-
-    def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
-        """(engine slot, position) of a random slot held only by the cache (no running request), or None.
-
-        Tombstoned nodes included (their full KV is cached); the perturbation skips them for the swa group
-        (mapping 0).
-        """
-        unused: List[Tuple[object, int]] = [(n, s) for n, s, _ in self._walk() if n.full_lock_ref == 0]
-        if not unused:
-            return None
-        node, start = rng.choice(unused)
-        k = rng.randrange(len(node.value))
-        return int(node.value[k].item()), start + k
 
 
 def _add(tree, node, start: int) -> None:
