@@ -112,24 +112,24 @@ HOOKS = {
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("_after_process_input_requests", "after"),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("_after_forward_batch_init_new", "after"),
     # the sweep's cached-slot index follows the radix cache
-    "sglang.srt.mem_cache.radix_cache.RadixCache._record_store_event": ("_after_radix_node_stored", "after"),
-    "sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf": ("_after_radix_delete_leaf", "after"),
-    "sglang.srt.mem_cache.radix_cache.RadixCache.reset": ("_after_radix_reset", "after"),
+    "sglang.srt.mem_cache.radix_cache.RadixCache._record_store_event": ("radix.after_node_stored", "after"),
+    "sglang.srt.mem_cache.radix_cache.RadixCache._delete_leaf": ("radix.after_node_removed", "after"),
+    "sglang.srt.mem_cache.radix_cache.RadixCache.reset": ("radix.after_tree_reset", "after"),
     # ... and sglang's SWARadixCache (hybrid sliding-window models; adapter/swa_radix)
     "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._insert_helper": ("swa_radix.around_insert_helper", "around"),
-    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._delete_leaf": ("swa_radix.after_delete_node", "after"),
-    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._delete_tombstone_leaf": ("swa_radix.after_delete_node",
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._delete_leaf": ("radix.after_node_removed", "after"),
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache._delete_tombstone_leaf": ("radix.after_node_removed",
                                                                                   "after"),
-    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset": ("swa_radix.after_reset", "after"),
+    "sglang.srt.mem_cache.swa_radix_cache.SWARadixCache.reset": ("radix.after_tree_reset", "after"),
     "sglang.srt.mem_cache.swa_memory_pool.SWATokenToKVPoolAllocator.free": ("swa_radix.after_allocator_free",
                                                                             "after"),
     # ... and sglang's MambaRadixCache (hybrid linear-attention models; adapter/mamba_radix)
-    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._record_store_event": ("mamba_radix.after_store_event",
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._record_store_event": ("radix.after_node_stored",
                                                                                    "after"),
-    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_leaf": ("mamba_radix.after_delete_node", "after"),
-    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_tombstone_leaf": ("mamba_radix.after_delete_node",
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_leaf": ("radix.after_node_removed", "after"),
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache._delete_tombstone_leaf": ("radix.after_node_removed",
                                                                                       "after"),
-    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.reset": ("mamba_radix.after_reset", "after"),
+    "sglang.srt.mem_cache.mamba_radix_cache.MambaRadixCache.reset": ("radix.after_tree_reset", "after"),
 }
 # PD disaggregation (adapter/disagg): the records travel with the KV; required with --disaggregation-mode
 # only (the transfer backend's module may not even import where PD is not installed)
@@ -413,28 +413,6 @@ def _export_metrics(scheduler) -> None:
     manager = _scheduler_canary(scheduler)
     if metrics is not None and manager is not None:
         metrics.update(manager, getattr(scheduler, "kv_canary_containment", None))
-
-
-def _after_radix_node_stored(_result, tree, node, *args, **kwargs) -> None:
-    """A radix node with new slots: the sweep's cached-slot index learns them (host queue only)."""
-    if getattr(tree, "kv_canary_index", None) is not None:
-        from .adapter.radix import on_node_stored
-
-        on_node_stored(tree, node)
-
-
-def _after_radix_delete_leaf(_result, tree, node, *args, **kwargs) -> None:
-    if getattr(tree, "kv_canary_index", None) is not None:
-        from .adapter.radix import on_node_removed
-
-        on_node_removed(tree, node)
-
-
-def _after_radix_reset(_result, tree, *args, **kwargs) -> None:
-    if getattr(tree, "kv_canary_index", None) is not None:
-        from .adapter.radix import on_reset
-
-        on_reset(tree)
 
 
 def _after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:

@@ -58,8 +58,10 @@ def hooked_radix(monkeypatch):
     from kv_canary import sglang_plugin as plugin
 
     cls = radix_cache.RadixCache
-    for name, hook in (("_record_store_event", plugin._after_radix_node_stored),
-                       ("_delete_leaf", plugin._after_radix_delete_leaf), ("reset", plugin._after_radix_reset)):
+    hooks = [(target.rsplit(".", 1)[1], plugin._resolve_hook(hook_name))
+             for target, (hook_name, kind) in plugin.HOOKS.items() if ".radix_cache.RadixCache." in target]
+    assert sorted(name for name, _ in hooks) == ["_delete_leaf", "_record_store_event", "reset"]
+    for name, hook in hooks:
         original = getattr(cls, name)
 
         def wrapped(*args, _original=original, _hook=hook, **kwargs):

@@ -35,7 +35,7 @@ def hooked(monkeypatch):
     from kv_canary import sglang_plugin as plugin
 
     for target, (name, kind) in plugin.HOOKS.items():
-        if "swa_radix." not in name:
+        if ".SWARadixCache." not in target and ".SWATokenToKVPoolAllocator." not in target:
             continue
         cls = SWARadixCache if ".SWARadixCache." in target else SWATokenToKVPoolAllocator
         attr = target.rsplit(".", 1)[1]

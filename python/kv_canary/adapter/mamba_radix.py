@@ -27,15 +27,15 @@ What the tree really holds, in sglang 0.5.12 (``mem_cache/mamba_radix_cache.py``
   position, token or predecessor changes, so they need no report (as in ``RadixCache``).
 * ``reset`` empties the tree.
 
-The hooks (plugin HOOKS) report those to the index: after ``_record_store_event``
-(the new node's slots), after ``_delete_leaf`` / ``_delete_tombstone_leaf`` (its
-slots dropped), after ``reset`` (cleared). ``HiMambaRadixCache`` (hierarchical
+The hooks (plugin HOOKS: ``adapter/radix``'s, as for ``RadixCache``) report those to the
+index: after ``_record_store_event`` (the new node's slots), after ``_delete_leaf`` /
+``_delete_tombstone_leaf`` (its slots dropped), after ``reset`` (cleared). ``HiMambaRadixCache`` (hierarchical
 cache) moves KV to and from the host and is not followed (refused by the plugin).
 """
 
 from __future__ import annotations
 
-from .radix import INDEX_ATTR, RadixCacheView, on_node_removed, on_node_stored, on_reset
+from .radix import RadixCacheView
 
 
 class MambaRadixCacheView(RadixCacheView):
@@ -45,22 +45,3 @@ class MambaRadixCacheView(RadixCacheView):
     @staticmethod
     def supports(tree_cache) -> bool:
         return type(tree_cache).__name__ == "MambaRadixCache" and hasattr(tree_cache, "root_node")
-
-
-# ---------------------------------------------------------------- hooks (registered by the plugin)
-
-
-def after_store_event(_result, tree, node, *args, **kwargs) -> None:
-    """``MambaRadixCache._record_store_event``: a new leaf with the inserting request's slots."""
-    if getattr(tree, INDEX_ATTR, None) is not None:
-        on_node_stored(tree, node)
-
-
-def after_delete_node(_result, tree, node, *args, **kwargs) -> None:
-    """``_delete_leaf`` / ``_delete_tombstone_leaf``: the node left the tree and its slots were freed."""
-    if getattr(tree, INDEX_ATTR, None) is not None:
-        on_node_removed(tree, node)
-
-
-def after_reset(_result, tree, *args, **kwargs) -> None:
-    on_reset(tree)

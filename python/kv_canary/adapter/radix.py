@@ -88,3 +88,22 @@ def on_reset(tree) -> None:
     index = getattr(tree, INDEX_ATTR, None)
     if index is not None:
         index.clear()
+
+
+# AFTER hooks (plugin HOOKS), shared by RadixCache, SWARadixCache and MambaRadixCache: each is a no-op
+# until the sweep attaches its index to the tree
+
+
+def after_node_stored(_result, tree, node, *args, **kwargs) -> None:
+    """``_record_store_event``: a new node with the inserting request's slots (host queue only)."""
+    on_node_stored(tree, node)
+
+
+def after_node_removed(_result, tree, node, *args, **kwargs) -> None:
+    """``_delete_leaf`` / ``_delete_tombstone_leaf``: the node left the tree and its slots were freed."""
+    on_node_removed(tree, node)
+
+
+def after_tree_reset(_result, tree, *args, **kwargs) -> None:
+    """``reset``: the tree was emptied."""
+    on_reset(tree)

@@ -19,6 +19,7 @@ What changes the slots the tree holds, and the hook that reports it (plugin HOOK
   is that node's last slot). O(path length) host work per insert, no device op.
 * ``_delete_leaf`` / ``_delete_tombstone_leaf`` (after): an evicted node's slots dropped.
 * ``reset`` (after): cleared.
+  (Those two are ``adapter/radix``'s hooks, shared with ``RadixCache``.)
 
 Splits (``_split_node``) and compaction move slots between nodes without changing
 any slot's position, token or predecessor, so they need no report. (A split clones
@@ -104,15 +105,3 @@ def after_allocator_free(_result, allocator, free_index, *args, **kwargs) -> Non
     index = getattr(allocator, FREED_ATTR, None)
     if index is not None and free_index is not None:
         index.remove(free_index)
-
-
-def after_delete_node(_result, tree, node, *args, **kwargs) -> None:
-    """``_delete_leaf`` / ``_delete_tombstone_leaf``: the node left the tree and its full slots were freed."""
-    if getattr(tree, INDEX_ATTR, None) is not None:
-        on_node_removed(tree, node)
-
-
-def after_reset(_result, tree, *args, **kwargs) -> None:
-    index = getattr(tree, INDEX_ATTR, None)
-    if index is not None:
-        index.clear()
