@@ -176,7 +176,8 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
         capacities=capacities,
         batch_adapter=DraftBatchAdapter(
             max_batch_size=capacities.max_batch_size, device=device,
-            draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1)),
+            draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1),
+            decode_steps=max(1, steps - 1)),
         device=device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
     )
     if tracker is not None:

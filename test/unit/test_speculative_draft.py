@@ -103,7 +103,8 @@ class DraftHarness:
             req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=ROWS + 1, max_context_len=CTX, verify_programs_target=1),
             batch_adapter=adapter(max_batch_size=ROWS + 1, device=torch.device("cpu"),
-                                  **({"draft_tokens_per_request": self.n} if adapter is DraftBatchAdapter else {})),
+                                  **({"draft_tokens_per_request": self.n, "decode_steps": max(1, steps - 1)}
+                                     if adapter is DraftBatchAdapter else {})),
             device=torch.device("cpu"), num_single_forward_managers=max(1, steps - 1),
         )
         if kernels == "triton":  # the kernels a GPU and the CPU e2e run (the interpreter on CPU)

@@ -39,20 +39,16 @@ from .batch_adapter import SglangBatchAdapter
 class DraftBatchAdapter(SglangBatchAdapter):
     """``SglangBatchAdapter`` plus the draft decode steps' views (see the module docstring)."""
 
-    def __init__(self, *, max_batch_size: int, device: torch.device, draft_tokens_per_request: int = 1):
+    def __init__(self, *, max_batch_size: int, device: torch.device, draft_tokens_per_request: int = 1,
+                 decode_steps: int = 1):
         super().__init__(max_batch_size=max_batch_size, device=device)
-        self._step_seq_lens: Dict[int, torch.Tensor] = {}
-        self._step_loc: Dict[int, torch.Tensor] = {}
+        # per draft decode step (draft_forward's loop): its view's seq_lens and contiguous out_cache_loc
+        self._step_seq_lens = torch.zeros((max(1, decode_steps), max_batch_size), dtype=torch.int64, device=device)
+        self._step_loc = torch.zeros((max(1, decode_steps), max_batch_size), dtype=torch.int64, device=device)
         # DRAFT_EXTEND_V2 feeds the verify's next_token_ids (int32): int64 ids, as every other batch and the
         # kernel variants precompiled at install (no JIT while serving)
         self._extend_ids = torch.zeros(max_batch_size * max(1, draft_tokens_per_request), dtype=torch.int64,
                                        device=device)
-
-    def _step_buffer(self, step: int) -> torch.Tensor:
-        buf = self._step_seq_lens.get(step)
-        if buf is None:
-            buf = self._step_seq_lens[step] = torch.zeros(self._max_bs, dtype=torch.int64, device=self._device)
-        return buf
 
     def view(self, fb) -> ForwardView:
         view = super().view(fb)
@@ -72,16 +68,16 @@ class DraftBatchAdapter(SglangBatchAdapter):
             raise ValueError(f"kv-canary: a draft decode step feeds {view.max_new_len} tokens per request; only "
                              "--speculative-eagle-topk 1 (one) is verified")
         step = int(getattr(fb, "kv_canary_draft_step", 0))
-        seq_lens = self._step_buffer(step)[: view.batch_size]
+        if step >= self._step_seq_lens.shape[0]:
+            raise ValueError(f"kv-canary: draft decode step {step}; the draft adapter holds "
+                             f"{self._step_seq_lens.shape[0]} (--speculative-num-steps - 1)")
+        seq_lens = self._step_seq_lens[step, : view.batch_size]
         torch.add(fb.seq_lens[: view.batch_size].to(torch.int64), step + 1, out=seq_lens)
         # draft_forward's out_cache_loc[i] is a strided view (a column of the request-major [bs, steps]
         # layout); the kernels index it as a flat tensor: a copy into the step's own buffer (graph-safe)
         loc = fb.out_cache_loc
         if not loc.is_contiguous():
-            buf = self._step_loc.get(step)
-            if buf is None:
-                buf = self._step_loc[step] = torch.zeros(self._max_bs, dtype=torch.int64, device=self._device)
-            loc = buf[: loc.shape[0]]
+            loc = self._step_loc[step, : loc.shape[0]]
             loc.copy_(fb.out_cache_loc)
         if not (view.input_ids.is_contiguous() and view.positions.is_contiguous()):
             raise ValueError("kv-canary: a draft decode step's input_ids/positions are not contiguous")
