@@ -43,9 +43,8 @@ from __future__ import annotations
 import torch
 
 from .fingerprint import chain_term
+from .token_oracle import UNKNOWN  # no staged token (TAIL uses next_token[row])
 from .views import CanaryCapacityError
-
-UNKNOWN = -1  # token_oracle.UNKNOWN: no staged token (TAIL uses next_token[row])
 
 
 def _verify_table(staged: torch.Tensor, batch_size: int, n: int) -> torch.Tensor:

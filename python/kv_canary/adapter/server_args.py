@@ -42,9 +42,10 @@ _SPEC_SUPPORTED = "EAGLE with --speculative-eagle-topk 1 and the overlap schedul
 _SPEC_WHY = (
     "the canary verifies speculative decoding only where it was run end to end: EAGLE's target model with topk 1 "
     "(EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token oracle "
-    "advanced to the accepted prefix; docs/speculative.md), the draft model's own KV pool not verified (logged at "
-    "startup); topk > 1 and --disable-overlap-schedule (spec v1: tree positions, KV moved between slots), EAGLE3, "
-    "STANDALONE, NGRAM, DFLASH, multi-layer/adaptive EAGLE are not verified")
+    "advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool where the draft runs "
+    "eagerly (CPU or --disable-cuda-graph; under CUDA graphs it is skipped, logged at startup); topk > 1 and "
+    "--disable-overlap-schedule (spec v1: tree positions, KV moved between slots), EAGLE3, STANDALONE, NGRAM, "
+    "DFLASH, multi-layer/adaptive EAGLE are not verified")
 
 
 def _spec_offender(value, args) -> str:
