@@ -172,7 +172,10 @@ def _scenario(sim: Sim):
     return {1: 93, 2: 73, 3: 33, 4: 80}
 
 
-@pytest.mark.parametrize("hash_layers,hash_bytes,with_v", [((0,), 16, True), ((0, 2), 32, True), ((1,), 64, False)])
+# the straight-line hash (few_sources > 0): (0,) 16 (the default: K and V, 4 words), (0, 1) 8 (4 sources),
+# (1,) 12 (3 words in a 4-word tile); the looping hash: (0, 2) 32, (1,) 64
+@pytest.mark.parametrize("hash_layers,hash_bytes,with_v", [((0,), 16, True), ((0, 2), 32, True), ((1,), 64, False),
+                                                           ((0, 1), 8, True), ((1,), 12, False)])
 def test_triton_matches_reference_clean_then_corrupted(hash_layers, hash_bytes, with_v):
     sims = [Sim(tk, hash_layers=hash_layers, hash_bytes=hash_bytes, with_v=with_v),
             Sim(ref, hash_layers=hash_layers, hash_bytes=hash_bytes, with_v=with_v)]
@@ -205,6 +208,49 @@ def test_triton_matches_reference_clean_then_corrupted(hash_layers, hash_bytes, 
     # row 4 shares row 1's prefix slots, but not position 60: clean
     assert all(r != 4 for r, _ in by_reason)
     assert layer in hash_layers
+
+
+def test_few_sources_picks_the_straight_line_hash_only_for_few_short_sources():
+    def group(layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL):
+        return Sim(tk, hash_layers=layers, hash_bytes=hash_bytes, with_v=with_v, real_data=real_data).group
+
+    assert tk.few_sources(group()) == 2 and tk.verify_warps(group(), 256) == 8  # the default: K and V of layer 0
+    assert tk.few_sources(group((0, 1), 8)) == 4 and tk.hash_word_tile(group((0, 1), 8)) == 2
+    assert tk.few_sources(group((1,), 12, with_v=False)) == 1 and tk.hash_word_tile(group((1,), 12, False)) == 4
+    assert tk.few_sources(group((0, 2), 32)) == 0  # 4 sources x 8 words: the loops
+    assert tk.few_sources(group((1,), 64, with_v=False)) == 0  # 16 words
+    assert tk.few_sources(group(real_data=RealData.ALL)) == 0 and tk.verify_warps(group(real_data=RealData.ALL), 256) == 4
+    assert tk.few_sources(group(real_data=RealData.NONE)) == 0  # nothing hashed
+    assert tk.verify_warps(group(), 16) == 4
+
+
+@pytest.mark.parametrize("backend", [tk, ref], ids=["triton", "torch"])
+def test_head_scatters_more_pending_samples_than_one_block(backend):
+    """HEAD lands the first block of pending samples and then the rest (40 entries, 16 lanes a block)."""
+    o = TokenOracle(rows=64, max_batch_size=40, max_tokens_per_forward=40, device=DEVICE)
+    sim = Sim(backend)
+    sim.oracle = o
+    rows = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:40].to(DEVICE)
+    o.next_rows[:] = torch.where(torch.arange(40, device=DEVICE) % 7 == 3, -1, rows)  # some padding rows
+    o.sampled[:] = torch.arange(1000, 1040, device=DEVICE)
+    o.sampled[17] = -1  # a request that sampled nothing
+    o.pending[0] = 40
+    before = o.next_token.clone()
+    view = ForwardView(
+        input_ids=torch.zeros(1, dtype=torch.int64, device=DEVICE), positions=torch.zeros(1, dtype=torch.int64,
+                                                                                         device=DEVICE),
+        out_cache_loc=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.ones(1, dtype=torch.int64, device=DEVICE), new_starts=torch.zeros(1, dtype=torch.int64,
+                                                                                          device=DEVICE),
+        new_lens=torch.ones(1, dtype=torch.int64, device=DEVICE), batch_size=1, max_new_len=1)
+    backend.launch_verify(sim.group, view, sim.r2t, sim.counters, sim.ring, 2, 16, token_oracle=o)
+    want = before.clone()
+    for e in range(40):
+        r, t = int(o.next_rows[e]), int(o.sampled[e])
+        if r >= 0 and t >= 0:
+            want[r] = t
+    assert torch.equal(o.next_token, want) and int((o.next_token != before).sum()) == 34
 
 
 def test_shared_prefix_verifies_for_every_sharer():

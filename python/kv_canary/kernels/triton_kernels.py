@@ -89,6 +89,53 @@ def _kv_hash(slot, mask, base, sources, num_sources, WT: tl.constexpr):
 
 
 @triton.jit
+def _source_tuple(sources, NSRC: tl.constexpr):
+    """The first ``NSRC`` rows of a source table as a tuple of (offset, stride, words, first) scalars.
+
+    Loaded once at kernel start (independent of every slot load), for ``_kv_hash_few``.
+    """
+    table = ()
+    for s in tl.static_range(NSRC):
+        table = table + ((tl.load(sources + s * 4 + 0), tl.load(sources + s * 4 + 1),
+                          tl.load(sources + s * 4 + 2), tl.load(sources + s * 4 + 3)),)
+    return table
+
+
+@triton.jit
+def _kv_hash_few(slot, mask, base, table, NSRC: tl.constexpr, WT: tl.constexpr):
+    """``_kv_hash`` for ``NSRC`` sources of at most ``WT`` words each (``few_sources``), bit for bit.
+
+    Straight-line code on [lanes] tensors (the slot's own layout: no layout conversion): every
+    word of every source is loaded before any is used, so all are in flight together. The loads
+    share one predicate (the lane mask; a word past a source's ``words`` re-reads its last hashed
+    word and adds nothing), so the compiler can keep them all outstanding.
+    """
+    slot64 = slot.to(tl.int64)
+    loaded = ()
+    for s in tl.static_range(NSRC):
+        row = base + table[s][0] + slot64 * table[s][1]
+        for w in tl.static_range(WT):
+            at = tl.maximum(tl.minimum(table[s][2] - 1, w), 0)  # a scalar: inside the hashed words
+            loaded = loaded + (tl.load(row + at, mask=mask, other=0),)
+    acc = tl.zeros(slot.shape, dtype=tl.int64)
+    for s in tl.static_range(NSRC):
+        for w in tl.static_range(WT):
+            word = loaded[s * WT + w].to(tl.int64) & _MASK32
+            index = table[s][3] + (w + 1)  # an int64 tensor: the product wraps
+            acc += tl.where(w < table[s][2], _mix64(word + index * _WORD_MUL), 0)
+    return _mix64(tl.where(mask, acc, 0) ^ _HASH_SEED)
+
+
+@triton.jit
+def _live_hash(slot, mask, base, sources, num_sources, table, NSRC: tl.constexpr, WT: tl.constexpr):
+    """``_kv_hash`` of the group's hashed words: the straight-line path when NSRC > 0, else the loops."""
+    if NSRC > 0:
+        return _kv_hash_few(slot, mask, base, table, NSRC, WT)
+    else:
+        return _kv_hash(slot, mask, base, sources, num_sources, WT)
+
+
+@triton.jit
 def _translate(slot_map, map_len, full_slot, m, TRANSLATE: tl.constexpr):
     """A group's slot for engine (full) slot ``full_slot``: ``slot_map[full_slot]`` (-1 out of range).
 
@@ -103,13 +150,14 @@ def _translate(slot_map, map_len, full_slot, m, TRANSLATE: tl.constexpr):
 
 @triton.jit
 def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, base, sources, num_sources,
-                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr, pred_known=True):
+                 CHECK_TOKENS: tl.constexpr, WT: tl.constexpr, pred_known=True, table=0, NSRC: tl.constexpr = 0):
     """Check lanes ``m`` of (slot, predecessor slot, position, expected token) against the records.
 
     raw_pred must be 0 where pos == 0. ``pred_known``: lanes whose predecessor's record can be
     read (False where a translated group released it: the chain link is then not checked). Returns (reason bits, stored, expected) per lane;
     stored/expected describe the first failing check in the order slot, position,
-    chain, token, kv_hash.
+    chain, token, kv_hash. ``table``/NSRC: see ``_live_hash`` (the K/V loads are issued
+    before any record value is used, so they overlap the record loads).
     """
     slot_ok = (raw_slot > 0) & (raw_slot < num_slots)
     slot = tl.where(slot_ok, raw_slot, 0)
@@ -120,9 +168,9 @@ def _check_slots(records, raw_slot, raw_pred, pos, want_token, m, num_slots, bas
     rec_chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
     rec_hash = tl.load(records + slot * _RW + 3, mask=m, other=0)
     pred_chain = tl.load(records + pred * _RW + 2, mask=has_pred, other=0)
+    live_hash = _live_hash(slot, m & slot_ok, base, sources, num_sources, table, NSRC, WT)
     pred_chain = tl.where(pos > 0, pred_chain, _ANCHOR)
     want_chain = pred_chain + _chain_term(rec_token, pos)
-    live_hash = _kv_hash(slot, m & slot_ok, base, sources, num_sources, WT)
     if not CHECK_TOKENS:
         want_token = rec_token
     bad_slot = ~slot_ok
@@ -146,7 +194,7 @@ def _append_violations(counters, ring, ring_capacity, bad, reason_bits, slot, po
     bad_i = bad.to(tl.int64)
     n_bad = tl.sum(bad_i, axis=0)
     if n_bad > 0:
-        base = tl.atomic_add(counters + _C_VIOLATIONS, n_bad)
+        base = tl.atomic_add(counters + _C_VIOLATIONS, n_bad, sem="relaxed")
         at = ((base + tl.cumsum(bad_i, axis=0) - 1) % ring_capacity) * _VW
         zero = tl.zeros_like(pos)
         tl.store(ring + at + 0, reason_bits, mask=bad)
@@ -160,6 +208,43 @@ def _append_violations(counters, ring, ring_capacity, bad, reason_bits, slot, po
 
 
 @triton.jit
+def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
+                  counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
+                  CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
+                  TRANSLATE: tl.constexpr, NSRC: tl.constexpr):
+    """HEAD for block ``b`` of request ``i``'s read positions [lo, prefix) (see ``verify_kernel``): append a
+    ring row per failing slot; returns (verified, diverged) per lane (0 past ``prefix``: a block past the
+    end does nothing)."""
+    pos = lo + b * BLOCK + lanes
+    m = pos < prefix
+    raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
+    raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
+    full_slot = raw_slot
+    raw_slot = _translate(slot_map, map_len, raw_slot, m, TRANSLATE)
+    raw_pred = tl.where(pos > 0, _translate(slot_map, map_len, raw_pred, m & (pos > 0), TRANSLATE), 0)
+    if TRANSLATE:  # a released predecessor (mapping 0, outside the window): its record is gone
+        pred_known = (pos == 0) | (raw_pred > 0)
+    else:
+        pred_known = pos >= 0
+    if CHECK_TOKENS:  # loaded before the checks: in flight with their loads
+        last = m & (pos == prefix - 1) & (raw_slot > 0) & (raw_slot < num_slots)
+        last_chain = tl.load(records + raw_slot * _RW + 2, mask=last, other=0)
+    reason, stored, expected = _check_slots(
+        records, raw_slot, raw_pred, pos, raw_slot, m, num_slots, base, sources, num_sources, False, WT,
+        pred_known, table, NSRC)
+    if CHECK_TOKENS:
+        bad_tok = last & (last_chain != own_chain)
+        first = bad_tok & ((reason & (_R_SLOT | _R_POSITION | _R_CHAIN)) == 0)
+        stored = tl.where(first, last_chain, stored)
+        expected = tl.where(first, own_chain, expected)
+        reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
+    bad = (reason != 0) & (report != 0)
+    _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
+                       i, row, stored, expected, forward_index)
+    return m.to(tl.int64), (m & (raw_slot != full_slot)).to(tl.int64)
+
+
+@triton.jit
 def verify_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens,
     base, sources, num_sources,
@@ -167,7 +252,7 @@ def verify_kernel(
     row_chain, next_token, next_rows, sampled, pending,
     slot_map, map_len, window,
     CHECK_TOKENS: tl.constexpr, SCATTER: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr,
-    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr,
+    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, NSRC: tl.constexpr = 0,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
 
@@ -184,20 +269,19 @@ def verify_kernel(
     (``token``: stored/expected are the two chains). With SCATTER, program (0, 0)
     first lands the previous forward's sampled ids in the token oracle
     (``next_token[next_rows[e]] = sampled[e]`` for the ``pending`` entries; idempotent:
-    only this forward's TAIL announces new ones).
+    only this forward's TAIL announces new ones; nothing here reads ``next_token``, so its
+    first BLOCK entries are loaded up front and stored after the checks, off the critical path).
+    NSRC > 0: the group's few single-tile sources (``few_sources``), their table loaded once here.
     """
     i = tl.program_id(0)
     j = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
-    if SCATTER:
-        if (i == 0) & (j == 0):
-            count = tl.load(pending)
-            for e0 in range(0, count, BLOCK):
-                e = e0 + lanes
-                me = e < count
-                srow = tl.load(next_rows + e, mask=me, other=-1)
-                stok = tl.load(sampled + e, mask=me, other=-1)
-                tl.store(next_token + srow, stok, mask=me & (srow >= 0) & (stok >= 0))
+    table = _source_tuple(sources, NSRC)
+    if SCATTER:  # count is 0 outside program (0, 0)
+        count = tl.load(pending, mask=(i == 0) & (j == 0), other=0)
+        me0 = lanes < count
+        srow0 = tl.load(next_rows + lanes, mask=me0, other=-1)
+        stok0 = tl.load(sampled + lanes, mask=me0, other=-1)
     row = tl.load(req_pool_indices + i).to(tl.int64)
     prefix = tl.load(seq_lens + i).to(tl.int64) - tl.load(new_lens + i).to(tl.int64)
     prefix = tl.maximum(prefix, 0)
@@ -208,44 +292,35 @@ def verify_kernel(
     if CHECK_TOKENS:
         own_chain = tl.load(row_chain + row)
     num_blocks = tl.cdiv(prefix - lo, BLOCK)
-    verified = tl.zeros((BLOCK,), dtype=tl.int64)
-    diverged = tl.zeros((BLOCK,), dtype=tl.int64)
-    for b in range(j, num_blocks, programs_per_req):
-        pos = lo + b * BLOCK + lanes
-        m = pos < prefix
-        raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
-        raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
-        full_slot = raw_slot
-        raw_slot = _translate(slot_map, map_len, raw_slot, m, TRANSLATE)
-        raw_pred = tl.where(pos > 0, _translate(slot_map, map_len, raw_pred, m & (pos > 0), TRANSLATE), 0)
-        if TRANSLATE:  # a released predecessor (mapping 0, outside the window): its record is gone
-            pred_known = (pos == 0) | (raw_pred > 0)
-        else:
-            pred_known = pos >= 0
-        reason, stored, expected = _check_slots(
-            records, raw_slot, raw_pred, pos, raw_slot, m, num_slots, base, sources, num_sources, False, WT,
-            pred_known)
-        if CHECK_TOKENS:
-            last = m & (pos == prefix - 1) & (raw_slot > 0) & (raw_slot < num_slots)
-            last_chain = tl.load(records + raw_slot * _RW + 2, mask=last, other=0)
-            bad_tok = last & (last_chain != own_chain)
-            first = bad_tok & ((reason & (_R_SLOT | _R_POSITION | _R_CHAIN)) == 0)
-            stored = tl.where(first, last_chain, stored)
-            expected = tl.where(first, own_chain, expected)
-            reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
-        bad = (reason != 0) & (report != 0)
-        _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
-                           i, row, stored, expected, forward_index)
-        verified += m.to(tl.int64)
-        diverged += (m & (raw_slot != full_slot)).to(tl.int64)
-    tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0))
+    # block j in straight-line code, not the loop (the compiler then keeps all its loads in flight
+    # together); with j >= num_blocks every lane is past the prefix and it does nothing
+    verified, diverged = _verify_block(
+        j, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
+        counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
+        CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, NSRC)
+    for b in range(j + programs_per_req, num_blocks, programs_per_req):
+        more_verified, more_diverged = _verify_block(
+            b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
+            counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, NSRC)
+        verified += more_verified
+        diverged += more_diverged
+    if SCATTER:  # the pending samples: the first BLOCK loaded above, the rest (count > BLOCK) here
+        tl.store(next_token + srow0, stok0, mask=me0 & (srow0 >= 0) & (stok0 >= 0))
+        for e0 in range(BLOCK, count, BLOCK):
+            e = e0 + lanes
+            me = e < count
+            srow = tl.load(next_rows + e, mask=me, other=-1)
+            stok = tl.load(sampled + e, mask=me, other=-1)
+            tl.store(next_token + srow, stok, mask=me & (srow >= 0) & (stok >= 0))
+    tl.atomic_add(counters + _C_SLOTS_VERIFIED, tl.sum(verified, axis=0), sem="relaxed")
     if TRANSLATE:  # the SWA divergence reporter's counts
-        tl.atomic_add(counters + _C_SWA_VERIFIED, tl.sum(verified, axis=0))
-        tl.atomic_add(counters + _C_SWA_DIVERGENCE, tl.sum(diverged, axis=0))
+        tl.atomic_add(counters + _C_SWA_VERIFIED, tl.sum(verified, axis=0), sem="relaxed")
+        tl.atomic_add(counters + _C_SWA_DIVERGENCE, tl.sum(diverged, axis=0), sem="relaxed")
         if j == 0:
-            tl.atomic_add(counters + _C_SWA_OUT_OF_WINDOW, lo)
+            tl.atomic_add(counters + _C_SWA_OUT_OF_WINDOW, lo, sem="relaxed")
     if (i == 0) & (j == 0):
-        tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1)
+        tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1, sem="relaxed")
         tl.store(counters + _C_CURRENT_FORWARD, forward_index)  # for this forward's TAIL rows
 
 
@@ -278,14 +353,13 @@ def scrub_kernel(
     _append_violations(counters, ring, ring_capacity, bad & (report != 0),
                        tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot.to(tl.int64), rec_pos, -2, -2,
                        rec_full, live, forward_index)
-    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(m.to(tl.int64), axis=0))
+    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(m.to(tl.int64), axis=0), sem="relaxed")
 
 
 @triton.jit
-def _own_tokens(staged, next_token, row, start, i, k, m, STAGED: tl.constexpr):
+def _own_tokens(staged, nt, start, i, k, m, STAGED: tl.constexpr):
     """The request's own tokens at new-token indices k (token oracle): staged by the host for an extend
-    forward (-1 where its record had none yet: then, like a decode forward, ``next_token[row]``)."""
-    nt = tl.load(next_token + row)
+    forward (-1 where its record had none yet: then, like a decode forward, ``nt`` = ``next_token[row]``)."""
     if STAGED:
         want = tl.load(staged + start + i + k, mask=m, other=-1)
         want = tl.where(want >= 0, want, nt)
@@ -304,7 +378,7 @@ def write_kernel(
     slot_map, map_len,
     BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, STAGED: tl.constexpr,
     GROUP_BITS: tl.constexpr, FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr,
-    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr,
+    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, NSRC: tl.constexpr = 0,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
 
@@ -325,6 +399,8 @@ def write_kernel(
     CHECK_FED, to the chain of the request's own tokens.
     With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
     With TRANSLATE the group's slots (new ones and the predecessor) are ``slot_map[engine slot]``.
+    NSRC > 0: the group's few single-tile sources (``few_sources``). Loads are issued in dependency
+    rounds (request -> its slots and tokens -> records and K/V words), each before any use.
     """
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -332,31 +408,36 @@ def write_kernel(
     n = tl.load(new_lens + i).to(tl.int64)
     start = tl.load(new_starts + i).to(tl.int64)
     seq_len = tl.load(seq_lens + i).to(tl.int64)
+    table = _source_tuple(sources, NSRC)
+    report = tl.load(counters + _C_REPORT_ENABLED)
+    forward_index = tl.load(counters + _C_CURRENT_FORWARD)  # not _C_FORWARD_INDEX: this launch bumps it
     p0 = seq_len - n
     lanes = tl.arange(0, BLOCK)
+    if ORACLE:
+        nt = tl.load(next_token + row)  # this kernel never writes next_token
     pred = tl.load(req_to_token + row * r2t_stride + tl.maximum(p0 - 1, 0), mask=p0 > 0, other=0).to(tl.int64)
-    pred = _translate(slot_map, map_len, pred, p0 > 0, TRANSLATE)
-    pred = tl.where((pred > 0) & (pred < num_slots), pred, 0)
-    pred_chain = tl.load(records + pred * _RW + 2, mask=p0 > 0, other=0)
-    carry = tl.where(p0 > 0, pred_chain, _ANCHOR)
-    anchor = carry
-    for bb in range(0, b):
-        k = bb * BLOCK + lanes
-        mk = k < n
-        tok = tl.load(input_ids + start + k, mask=mk, other=0)
-        carry += tl.sum(tl.where(mk, _chain_term(tok, p0 + k), 0), axis=0)
     k = b * BLOCK + lanes
     m = (k < n) & (p0 >= 0)
     tok = tl.load(input_ids + start + k, mask=m, other=0).to(tl.int64)
-    pos = p0 + k
     fed_pos = tl.load(positions + start + k, mask=m, other=0).to(tl.int64)
-    g = tl.where(m, _chain_term(tok, pos), 0)
-    chain = carry + tl.cumsum(g, axis=0)
     slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+    pred = _translate(slot_map, map_len, pred, p0 > 0, TRANSLATE)
+    pred = tl.where((pred > 0) & (pred < num_slots), pred, 0)
+    pred_chain = tl.load(records + pred * _RW + 2, mask=p0 > 0, other=0)
     slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
     # wm, not m: a CUDA-graph padding request has slot 0 and a stale row that must not be touched
     wm = m & (slot > 0) & (slot < num_slots)
-    live_hash = _kv_hash(slot, wm, base, sources, num_sources, WT)
+    live_hash = _live_hash(slot, wm, base, sources, num_sources, table, NSRC, WT)
+    carry = tl.where(p0 > 0, pred_chain, _ANCHOR)
+    anchor = carry
+    for bb in range(0, b):  # kb, btok: not k, tok (compiled Triton types a loop-carried name once)
+        kb = bb * BLOCK + lanes
+        mk = kb < n
+        btok = tl.load(input_ids + start + kb, mask=mk, other=0)
+        carry += tl.sum(tl.where(mk, _chain_term(btok, p0 + kb), 0), axis=0)
+    pos = p0 + k
+    g = tl.where(m, _chain_term(tok, pos), 0)
+    chain = carry + tl.cumsum(g, axis=0)
     tl.store(records + slot * _RW + 0, tok, mask=wm)
     tl.store(records + slot * _RW + 1, fed_pos, mask=wm)
     tl.store(records + slot * _RW + 2, chain, mask=wm)
@@ -383,7 +464,7 @@ def write_kernel(
                 for cc in range(0, tl.cdiv(n, BLOCK)):  # not `bb`: compiled Triton types a loop variable once
                     kk = cc * BLOCK + lanes
                     mk = kk < n
-                    w = _own_tokens(staged, next_token, row, start, i, kk, mk, STAGED)
+                    w = _own_tokens(staged, nt, start, i, kk, mk, STAGED)
                     own += tl.sum(tl.where(mk, _chain_term(w, p0 + kk), 0), axis=0)
                 tl.store(row_chain + row, own)
     if CHECK_FED:  # once per forward (first group): what the model was fed is group-independent
@@ -392,20 +473,18 @@ def write_kernel(
         stored = fed_pos
         expected = pos
         if ORACLE:
-            want = _own_tokens(staged, next_token, row, start, i, k, wm, STAGED)
+            want = _own_tokens(staged, nt, start, i, k, wm, STAGED)
             bad_tok = wm & (tok != want)
             reason = reason | tl.where(bad_tok, _R_TOKEN, 0)
             stored = tl.where(bad_pos, fed_pos, tok)
             expected = tl.where(bad_pos, pos, want)
-        report = tl.load(counters + _C_REPORT_ENABLED)
-        forward_index = tl.load(counters + _C_CURRENT_FORWARD)  # not _C_FORWARD_INDEX: this launch bumps it
         _append_violations(counters, ring, ring_capacity, (reason != 0) & (report != 0),
                            reason.to(tl.int64) | GROUP_BITS, slot, pos, i, row, stored, expected, forward_index)
-    tl.atomic_add(counters + _C_SLOTS_WRITTEN, tl.sum(wm.to(tl.int64), axis=0))
+    tl.atomic_add(counters + _C_SLOTS_WRITTEN, tl.sum(wm.to(tl.int64), axis=0), sem="relaxed")
     if (i == 0) & (b == 0):
-        tl.atomic_add(counters + _C_WRITE_LAUNCHES, 1)
+        tl.atomic_add(counters + _C_WRITE_LAUNCHES, 1, sem="relaxed")
         if BUMP_FORWARD:
-            tl.atomic_add(counters + _C_FORWARD_INDEX, 1)
+            tl.atomic_add(counters + _C_FORWARD_INDEX, 1, sem="relaxed")
 
 
 def _oracle_args(token_oracle, fallback):
@@ -427,8 +506,15 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window,
         CHECK_TOKENS=token_oracle is not None and token_oracle.verify_reads, SCATTER=token_oracle is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
-        TRANSLATE=group.slot_map is not None,
+        TRANSLATE=group.slot_map is not None, NSRC=few_sources(group), num_warps=verify_warps(group, block),
     )
+
+
+def verify_warps(group, block: int) -> int:
+    """Warps per HEAD program: with the straight-line hash (``few_sources``) one lane per thread, up to
+    8 warps (ptxas interleaves a two-lane thread's loads with its arithmetic instead of keeping them
+    in flight together); the looping hash keeps 4 (its registers would halve the programs per SM)."""
+    return max(4, min(8, block // 32)) if few_sources(group) else 4
 
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
@@ -445,7 +531,7 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         STAGED=token_oracle is not None and view.staged,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
         WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
-        TRANSLATE=group.slot_map is not None,
+        TRANSLATE=group.slot_map is not None, NSRC=few_sources(group),
     )
 
 
@@ -469,6 +555,21 @@ def hash_word_tile(group, full: bool = False) -> int:
     """Words per hash tile: the next power of two of the longest hashed run, at most HASH_WORD_TILE."""
     longest = max((s.words for s in (group.rows if full else group.sources)), default=1)
     return min(HASH_WORD_TILE, triton.next_power_of_2(max(1, longest)))
+
+
+FEW_SOURCES_MAX = 4  # most sources the straight-line hash unrolls (default partial hashing: 2, K and V)
+FEW_SOURCES_WORDS = 8  # most words per lane it keeps in flight (sources x word tile; more costs occupancy)
+
+
+def few_sources(group) -> int:
+    """NSRC for HEAD/TAIL: the number of hashed sources when the straight-line hash takes them (at most
+    FEW_SOURCES_MAX, each one word tile, FEW_SOURCES_WORDS words in all), else 0 (the runtime loops:
+    ``--kv-canary-real-data all``, many layers, long runs). A function of the group: no extra variant."""
+    n = len(group.sources)
+    if 0 < n <= FEW_SOURCES_MAX and n * hash_word_tile(group) <= FEW_SOURCES_WORDS \
+            and max(s.words for s in group.sources) <= HASH_WORD_TILE:
+        return n
+    return 0
 
 
 def _hash_args(group):
