@@ -748,3 +748,30 @@ def test_capture_is_silent_and_routes_each_step_to_its_manager():
     assert h.manager.counters.tolist() == before
     assert runner.graphs[1] is not None and not h.manager.is_capturing
 
+
+
+def test_the_draft_views_under_graphs_use_only_variants_precompiled_at_install():
+    """No JIT after startup: with the draft pool's install-time precompile (``api._precompile``: every write block,
+    every verify-grid class, the speculative variants), the replayed and eager draft forwards add no variant."""
+    from kv_canary.kernels import VERIFY_BLOCK
+    from kv_canary.kernels import triton_kernels as tk
+    from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
+
+    h = DraftHarness(steps=3, kernels="triton", graph_bs=(1, 2, 4))
+    tracker = VariantTracker()
+    tracked = track(h.manager.kernels, tracker, tk.write_block)
+    h.manager.kernels = tracked
+    for sfm in h.manager.single_forward_managers:
+        sfm._kernels = tracked
+    caps = h.manager.capacities
+    h.manager.precompile(sorted(write_block_lengths(tk.write_block, caps.max_context_len).values()),
+                         sorted(programs_classes(lambda bs: caps.verify_programs_per_request(bs, VERIFY_BLOCK),
+                                                 caps.max_batch_size).values()), verify_staged=True)
+    tracker.seal()
+    h.prefill({1: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}, sampled={1: 15, 2: 16, 3: 17})
+    _rounds(h, [1, 2, 3], [[4, 1, 2], [2, 3, 1]])  # replayed (batch size 4)
+    h.graph_runner.capture_bs, h.extend_graph_runner.capture_bs = [1], [1]
+    h.graph_runner.max_bs = h.extend_graph_runner.max_bs = 1
+    _rounds(h, [1, 2], [[1, 4]])  # eager: draft_forward and ModelRunner.forward
+    assert h.manager.graph_forwards == 2 * 3 and int(h.counters()[fp.C_VIOLATIONS]) == 0
+    assert tracker.after_startup == {}, tracker.after_startup
