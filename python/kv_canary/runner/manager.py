@@ -191,6 +191,11 @@ class CanaryManager:
         self._check_index(index)
         return _ActiveBracket(self._active, index)
 
+    @property
+    def is_capturing(self) -> bool:
+        """Inside ``capturing()`` (CUDA-graph warmup or capture): the engine wiring must not run outside ops."""
+        return self._capturing > 0
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """CUDA-graph warmup + capture: kernels are recorded, but nothing is reported or counted.
