@@ -16,11 +16,12 @@ import pytest
 from kv_canary.draft_pool import DRAFT_INSTALLED_PREFIX, DRAFT_STATS_PREFIX
 from kv_canary.violations import parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
-from kv_canary_testing.model_dir import write_eagle3_model_dirs
+from kv_canary_testing.model_dir import write_eagle3_model_dirs, write_eagle_model_dirs, write_mla_model_dir
+from kv_canary_testing.server import ServerError
 from kv_canary_testing.workload import build_workload, run_requests
 from test_e2e_speculative import DRAFT_SKIPPED, MAX_TOTAL_TOKENS, NUM_DRAFT_TOKENS, NUM_STEPS, _generate
 
-register_cpu_ci(est_time=200, suite="kv-canary-cpu")
+register_cpu_ci(est_time=290, suite="kv-canary-cpu")
 register_cuda_ci(est_time=120, suite="kv-canary-cuda")
 
 CUDA = e2e_device() == "cuda"
@@ -92,6 +93,26 @@ def test_eagle3_raise_mixed_workload_has_no_violation(eagle3_server):
         assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
         assert int(d["forwards_host"]) > int(d["outer_steps"])  # the draft decode steps ran as their own forwards
     assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
+
+
+@pytest.mark.e2e
+def test_speculative_decoding_over_an_mla_target_is_refused_at_startup(tmp_path):
+    """MTP drafts of MLA models (DeepSeek/GLM NextN) run through the same worker over MLA pools, which were never
+    run with speculative decoding: the target's install refuses, naming the flag and value (docs/speculative.md)."""
+    if CUDA:
+        pytest.skip("the refusal is device-independent; CPU CI runs it")
+    _, draft = write_eagle_model_dirs(tmp_path / "models")
+    srv = canary_server("raise", log_path=tmp_path / "server.log", model_path=write_mla_model_dir(),
+                        extra_args=["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
+                                    "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+                                    "--speculative-num-draft-tokens", "3", "--speculative-draft-load-format", "dummy"])
+    with pytest.raises(ServerError):
+        srv.start(timeout=600)
+    text = srv.log_text()
+    assert "CanaryConfigError" in text, text[-3000:]
+    assert ("--kv-canary raise cannot verify --speculative-algorithm EAGLE with the target model's KV pool "
+            "MLATokenToKVPool") in text, text[-3000:]
+    assert "--kv-canary none" in text and "Uvicorn running" not in text
 
 
 if __name__ == "__main__":
