@@ -54,11 +54,9 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if not config.enabled:
         logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None
-    from .adapter.draft import draft_skip_reason, record_target_cuda_graph_setting
+    from .adapter.draft import draft_skip_reason
     from .draft_pool import target_config
 
-    if not getattr(model_runner, "is_draft_worker", False):
-        record_target_cuda_graph_setting(server_args)
     draft_skip = draft_skip_reason(server_args, config.mode.value)
     if getattr(model_runner, "is_draft_worker", False):
         return install_draft_canary(server_args=server_args, model_runner=model_runner, config=config,
@@ -273,9 +271,8 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
                   max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
-    from .adapter.draft import draft_skip_reason, record_target_cuda_graph_setting
+    from .adapter.draft import draft_skip_reason
 
-    record_target_cuda_graph_setting(server_args)  # the target's sizing: before an EAGLE worker flips the flag
     if getattr(server_args, "speculative_algorithm", None) and not draft_skip_reason(server_args, config.mode.value):
         # the EAGLE draft pool's own manager (draft_pool): one group of records over the same slots, its ring
         draft = dict(common, num_groups=1, req_rows=0, token_oracle=False, sweep=False)
