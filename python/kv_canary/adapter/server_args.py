@@ -48,8 +48,8 @@ _SPEC_SUPPORTED = ("EAGLE or EAGLE3 (NEXTN: sglang's alias of EAGLE) with --spec
 _SPEC_WHY = (
     "the canary verifies speculative decoding only where it was run end to end: EAGLE's and EAGLE3's target model "
     "with topk 1 (EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token "
-    "oracle advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool where the draft "
-    "runs eagerly (CPU or --disable-cuda-graph; under CUDA graphs it is skipped, logged at startup); topk > 1 and "
+    "oracle advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool (eager or under "
+    "CUDA graphs); topk > 1 and "
     "--disable-overlap-schedule (spec v1: tree positions, KV moved between slots), STANDALONE, NGRAM, DFLASH, "
     "FROZEN_KV_MTP, multi-layer/adaptive EAGLE are not verified")
 
