@@ -68,6 +68,12 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
+    from .adapter.speculative import spec_pool_refusal
+
+    spec_refusal = spec_pool_refusal(server_args, model_runner.token_to_kv_pool, draft=False)
+    if spec_refusal:
+        raise CanaryConfigError(f"--kv-canary {config.mode.value} cannot verify {spec_refusal}; drop "
+                                "--speculative-algorithm or run with --kv-canary none")
     device = torch.device(model_runner.device)
     register_sglang_pools()
     groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device, pool_context(model_runner))
@@ -146,6 +152,10 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
     register_sglang_pools()
     pool = model_runner.token_to_kv_pool
     try:
+        from .adapter.speculative import spec_pool_refusal
+
+        if spec_pool_refusal(server_args, pool, draft=True):
+            raise CanaryConfigError(spec_pool_refusal(server_args, pool, draft=True))
         groups = attach_canary_buffers(pool, config, device, pool_context(model_runner))
         if len(groups) != 1:
             pool.kv_canary_groups = None

@@ -167,7 +167,7 @@ def verify_kernel(
     row_chain, next_token, next_rows, sampled, pending,
     slot_map, map_len, window,
     CHECK_TOKENS: tl.constexpr, SCATTER: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr,
-    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr,
+    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr = True,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
 
@@ -222,6 +222,8 @@ def verify_kernel(
             pred_known = (pos == 0) | (raw_pred > 0)
         else:
             pred_known = pos >= 0
+        if not CHECK_CHAIN:  # the group's chain links are not checked (BufferGroup.check_chain)
+            pred_known = pos < 0
         reason, stored, expected = _check_slots(
             records, raw_slot, raw_pred, pos, raw_slot, m, num_slots, base, sources, num_sources, False, WT,
             pred_known)
@@ -427,7 +429,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window,
         CHECK_TOKENS=token_oracle is not None and token_oracle.verify_reads, SCATTER=token_oracle is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
-        TRANSLATE=group.slot_map is not None,
+        TRANSLATE=group.slot_map is not None, CHECK_CHAIN=group.check_chain,
     )
 
 
