@@ -567,8 +567,6 @@ def test_the_draft_pool_is_verified_with_or_without_cuda_graphs_and_skipped_wher
     assert "--disaggregation-mode decode" in draft_skip_reason(
         SimpleNamespace(**{**args, "disaggregation_mode": "decode"}), "log")
     assert draft_skip_reason(SimpleNamespace(speculative_algorithm=None), "raise")
-    assert draft_skip_reason(SimpleNamespace(**args, page_size=1), "raise") == ""
-    assert "--page-size 16" in draft_skip_reason(SimpleNamespace(**args, page_size=16), "raise")
 
 
 def test_the_draft_pools_bytes_are_held_back_with_the_targets():

@@ -147,10 +147,6 @@ def draft_skip_reason(server_args: Any, mode: str) -> str:
     pd = disaggregation_mode(server_args)
     if pd in ("prefill", "decode"):
         return f"--disaggregation-mode {pd}"
-    page_size = int(getattr(server_args, "page_size", 1) or 1)
-    if page_size > 1:  # docs/speculative.md: a chain report the canary cannot explain yet
-        return (f"--page-size {page_size}: on an H200 (CUDA graphs) the draft pool reported a chain mismatch at the "
-                "first position of a page after a cached prefix, not yet explained; verified at --page-size 1")
     # eager or under CUDA graphs alike (EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner capture the
     # draft's HEAD/TAIL and each replay is an outer step): no CUDA-graph condition here
     return ""

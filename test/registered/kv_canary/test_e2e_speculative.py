@@ -105,15 +105,6 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
     assert log.last_stat("health_violations") == 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
-    assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
-    if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
-        assert "cuda graph: True" in log.text
-        assert log.last_stat("graph_forwards") > 0
-    args = eagle_server.extra_args
-    if int(args[args.index("--page-size") + 1]) > 1:
-        # page size > 1: the draft pool is skipped (a chain report on an H200 not yet explained, docs/speculative.md)
-        assert f"{DRAFT_SKIPPED} (--page-size " in log.text and not draft
-        return
     # the draft pool verified (CPU: eager; GPU: under CUDA graphs): its prefill/draft-extend forwards and each draft
     # decode step
     installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
@@ -128,6 +119,10 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
     assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
     if CUDA:  # the draft decode phases and draft extends replayed from the draft's CUDA graphs
         assert int(d["graph_forwards"]) > 0, draft[-3:]
+    assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
+    if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
+        assert "cuda graph: True" in log.text
+        assert log.last_stat("graph_forwards") > 0
 
 
 if __name__ == "__main__":
