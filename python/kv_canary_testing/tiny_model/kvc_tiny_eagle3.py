@@ -18,17 +18,16 @@ branches would -- drafts are accepted often, not always (as ``kvc_eagle_identity
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import nn
 
-from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from kv_canary_testing.tiny_model.kvc_tiny import KvcTinyMLP, RMSNorm, Rotary, _cfg, _is_dummy_load, _rope_theta
+from kv_canary_testing.tiny_model.kvc_tiny import KvcTinyMLP, RMSNorm, Rotary, _cfg, _rope_theta
+from kv_canary_testing.tiny_model.kvc_tiny_eagle import KvcTinyForCausalLMEagle
 
 
 def num_aux_hidden_states(config) -> int:
@@ -95,31 +94,20 @@ class KvcTinyEagle3Model(nn.Module):
         return self.norm(h), [h]
 
 
-class KvcTinyForCausalLMEagle3(nn.Module):
+class KvcTinyForCausalLMEagle3(KvcTinyForCausalLMEagle):
+    """The EAGLE draft's weights handling and embedding/head sharing; its own model and aux outputs."""
+
+    INIT_SEED_OFFSET = 3
+
     def __init__(self, config, quant_config=None, prefix: str = "", **kwargs):
-        super().__init__()
-        if quant_config is not None:
-            raise ValueError("KvcTinyForCausalLMEagle3 does not support quantization")
-        self.config = config
-        self.model = KvcTinyEagle3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logits_processor = LogitsProcessor(config)
+        super().__init__(config, quant_config, prefix, **kwargs)
         self.capture_aux_hidden_states = True
         self.load_lm_head_from_target = True  # EagleDraftWorker.init_lm_head: set_embed_and_head
         self.hot_token_id = None  # no draft vocabulary (d2t)
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def get_embed_and_head(self):
-        return self.model.embed_tokens.weight, self.lm_head.weight
-
-    def set_embed_and_head(self, embed, head):
-        """Share the target's embedding and lm_head."""
-        del self.model.embed_tokens.weight
-        del self.lm_head.weight
-        self.model.embed_tokens.weight = embed
-        self.lm_head.weight = head
+    @staticmethod
+    def make_model(config) -> nn.Module:
+        return KvcTinyEagle3Model(config)
 
     def set_embed(self, embed):
         del self.model.embed_tokens.weight
@@ -140,30 +128,6 @@ class KvcTinyForCausalLMEagle3(nn.Module):
     ):
         hidden, aux = self.model(input_ids, positions, forward_batch, input_embeds)
         return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux)
-
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        for name, tensor in weights:
-            if name not in params:
-                raise KeyError(f"unexpected weight {name!r} for KvcTinyForCausalLMEagle3")
-            params[name].data.copy_(tensor.to(params[name].dtype))
-
-    def post_load_weights(self) -> None:
-        """After a dummy load, seeded init with a useful scale (embedding/head are shared later)."""
-        if not _is_dummy_load():
-            return
-        gen = torch.Generator(device="cpu").manual_seed(int(_cfg(self.config, "kvc_init_seed", 0)) + 3)
-        with torch.no_grad():
-            for name, param in sorted(self.named_parameters()):
-                if name.endswith("norm.weight"):
-                    value = torch.ones(param.shape)
-                elif param.dim() == 2:
-                    value = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
-                else:
-                    continue
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    value = value * float(_cfg(self.config, "kvc_branch_scale", 1.0))
-                param.data.copy_(value.to(device=param.device, dtype=param.dtype))
 
 
 EntryClass = [KvcTinyForCausalLMEagle3]

@@ -67,16 +67,21 @@ def _generate(srv, text, n):
     return r.json()
 
 
-@pytest.mark.e2e
-def test_eagle_drafts_are_accepted_and_rejected(eagle_server):
-    """The workload below exercises every verify outcome: some drafts accepted, some rejected."""
-    outs = [_generate(eagle_server, " ".join(f"w{i + j}" for j in range(6)), 24) for i in (1, 40, 200)]
+def check_drafts_accepted_and_rejected(srv, label: str) -> None:
+    """Three greedy requests: some drafts accepted, some rejected (every verify outcome happens)."""
+    outs = [_generate(srv, " ".join(f"w{i + j}" for j in range(6)), 24) for i in (1, 40, 200)]
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     verifies = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
-    print(f"kv_canary_e2e_eagle_accept completion_tokens={tokens} verify_forwards={verifies}")
+    print(f"{label} completion_tokens={tokens} verify_forwards={verifies}")
     # one token per request comes from the prefill; a verify appends 1..NUM_DRAFT_TOKENS
     assert verifies < tokens - len(outs), "no draft was ever accepted"
     assert verifies * NUM_DRAFT_TOKENS > tokens - len(outs), "every draft was accepted"
+
+
+@pytest.mark.e2e
+def test_eagle_drafts_are_accepted_and_rejected(eagle_server):
+    """The workload below exercises every verify outcome: some drafts accepted, some rejected."""
+    check_drafts_accepted_and_rejected(eagle_server, "kv_canary_e2e_eagle_accept")
 
 
 @pytest.mark.e2e
