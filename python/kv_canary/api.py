@@ -54,11 +54,9 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if not config.enabled:
         logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None
-    from .adapter.draft import draft_skip_reason, record_target_cuda_graph_setting
+    from .adapter.draft import draft_skip_reason
     from .draft_pool import target_config
 
-    if not getattr(model_runner, "is_draft_worker", False):
-        record_target_cuda_graph_setting(server_args)
     draft_skip = draft_skip_reason(server_args, config.mode.value)
     if getattr(model_runner, "is_draft_worker", False):
         return install_draft_canary(server_args=server_args, model_runner=model_runner, config=config,
@@ -70,6 +68,12 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
+    from .adapter.speculative import spec_pool_refusal
+
+    spec_refusal = spec_pool_refusal(server_args, model_runner.token_to_kv_pool, draft=False)
+    if spec_refusal:
+        raise CanaryConfigError(f"--kv-canary {config.mode.value} cannot verify {spec_refusal}; drop "
+                                "--speculative-algorithm or run with --kv-canary none")
     device = torch.device(model_runner.device)
     register_sglang_pools()
     groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device, pool_context(model_runner))
@@ -148,6 +152,10 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
     register_sglang_pools()
     pool = model_runner.token_to_kv_pool
     try:
+        from .adapter.speculative import spec_pool_refusal
+
+        if spec_pool_refusal(server_args, pool, draft=True):
+            raise CanaryConfigError(spec_pool_refusal(server_args, pool, draft=True))
         groups = attach_canary_buffers(pool, config, device, pool_context(model_runner))
         if len(groups) != 1:
             pool.kv_canary_groups = None
@@ -263,9 +271,8 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
                   max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
-    from .adapter.draft import draft_skip_reason, record_target_cuda_graph_setting
+    from .adapter.draft import draft_skip_reason
 
-    record_target_cuda_graph_setting(server_args)  # the target's sizing: before an EAGLE worker flips the flag
     if getattr(server_args, "speculative_algorithm", None) and not draft_skip_reason(server_args, config.mode.value):
         # the EAGLE draft pool's own manager (draft_pool): one group of records over the same slots, its ring
         draft = dict(common, num_groups=1, req_rows=0, token_oracle=False, sweep=False)

@@ -78,6 +78,9 @@ class CanaryBufferGroup:
     full_base: torch.Tensor
     slot_map: Optional[torch.Tensor] = None  # ``PoolLayout.slot_translation``
     window: int = 0  # ``PoolLayout.window``
+    # False: HEAD does not check chain links (the draft pool, ``draft_pool.DraftCanaryManager``: sglang splices
+    # draft slots of different requests whose records differ; position, K/V hash and slot are still checked)
+    check_chain: bool = True
 
     @property
     def num_slots(self) -> int:

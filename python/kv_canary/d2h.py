@@ -1,9 +1,13 @@
 """Delayed device->host copies of the canary counters: no forward waits for the host.
 
 After each forward, ``snapshot()`` copies the counters tensor (int64[n]) into
-one of ``delay + 2`` pinned host slots, asynchronously on the current stream
-(ordered after the forward that produced them: 64 bytes, no cross-stream
-waits), and records an event.
+one of ``delay + 2`` pinned host slots and records an event. On CUDA the copy
+is in two parts: a device-to-device copy into a staging buffer on the current
+stream (ordered after the forward that produced the counters, before the next
+one changes them) and the device-to-host copy of that buffer on a side stream.
+The forward's stream never waits for the copy engine: a device-to-host copy
+between a decode graph and sampling held sampling back ~10 us on an H200
+(docs/performance.md).
 ``ready()`` returns, oldest first, the snapshots whose copy has finished
 (``event.query()``, never a blocking wait) and that are at least ``delay``
 forwards old. So the host learns of a violation from forward N while handling
@@ -32,6 +36,10 @@ class DelayedDeviceHostHandler:
         self._slots = [torch.zeros_like(source, device="cpu").pin_memory() if pin else
                        torch.zeros_like(source, device="cpu") for _ in range(n)]
         self._events = [torch.cuda.Event() if self._is_cuda else None for _ in range(n)]
+        # CUDA: per slot, the device copy the side stream reads; reused only after that read finished
+        self._staging = [torch.empty_like(source) for _ in range(n)] if self._is_cuda else []
+        self._copy_stream = torch.cuda.Stream(device=source.device) if self._is_cuda else None
+        self._used = [False] * n
         self._pending: Deque[Tuple[int, int]] = deque()  # (step, slot index)
         self._next_slot = 0
 
@@ -48,8 +56,15 @@ class DelayedDeviceHostHandler:
             # Counters are cumulative: dropping an unread snapshot loses nothing.
             self._pending.popleft()
         if self._is_cuda:
-            self._slots[idx].copy_(self._source, non_blocking=True)
-            self._events[idx].record()
+            main = torch.cuda.current_stream(self._source.device)
+            if self._used[idx]:  # the last read of this staging buffer (n forwards ago: long finished)
+                main.wait_event(self._events[idx])
+            self._staging[idx].copy_(self._source, non_blocking=True)
+            self._copy_stream.wait_stream(main)
+            with torch.cuda.stream(self._copy_stream):
+                self._slots[idx].copy_(self._staging[idx], non_blocking=True)
+                self._events[idx].record(self._copy_stream)
+            self._used[idx] = True
         else:
             self._slots[idx].copy_(self._source)
         self._pending.append((step, idx))

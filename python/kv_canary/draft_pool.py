@@ -22,8 +22,11 @@ from (the target's hidden state at ``p``, token ``p + 1``), run at position ``p`
   ``req_to_token[row, c + i]``; it reads positions ``[0, c + i]``.
 
 TAIL records the token each draft forward is fed (so a draft record's TOKEN is the token at
-``p + 1``) and checks the position it runs at; HEAD checks position, chain links, K/V hash and
-slot of every draft slot read. The request's own tokens are **not** checked in the draft pool
+``p + 1``) and checks the position it runs at; HEAD checks position, K/V hash and slot of every
+draft slot read, **not chain links**: sglang's radix insert (``RadixCache.cache_unfinished_req``)
+re-points a request's earlier positions at another request's slots holding the same tokens, and
+their draft records differ where one had a chunk boundary (the thrown-away sample), so a link
+written from the request's own slot breaks (docs/speculative.md). The request's own tokens are **not** checked in the draft pool
 (no token oracle): sglang leaves draft slots whose ``p + 1`` token is not the request's own --
 the last slot of a radix-cached prefix holds the KV of the cached request's next token, the last
 slot of an unfinished prefill chunk the KV of the thrown-away sample -- and never rewrites them,
@@ -80,6 +83,9 @@ def draft_config(config: CanaryConfig) -> CanaryConfig:
 class DraftCanaryManager(CanaryManager):
     """A ``CanaryManager`` of the draft pool: the same flow, its own stats lines (``kv_canary_draft_stats=``;
     its ready line is ``kv_canary_ready=1 ... groups=draft``)."""
+
+    def __init__(self, *, groups, **kwargs):
+        super().__init__(groups=[dataclasses.replace(g, check_chain=False) for g in groups], **kwargs)
 
     def stats_line(self, host_counters=None) -> str:
         return DRAFT_STATS_PREFIX + super().stats_line(host_counters)[len(STATS_PREFIX):]

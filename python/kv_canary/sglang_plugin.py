@@ -39,7 +39,8 @@ then registers hooks with sglang's ``HookRegistry``:
 Speculative decoding (``adapter/speculative``): ``EAGLEWorkerV2.verify`` moves the target's token
 oracle to the accepted prefix; the EAGLE draft worker's own KV pool gets its own manager
 (``adapter/draft``: ``EagleDraftWorker.draft_forward`` is one outer step of ``num_steps - 1`` forwards,
-``EagleDraftWorker.__init__`` starts its reporting), eager only (skipped with a startup line under CUDA graphs).
+``EagleDraftWorker.__init__`` starts its reporting), eager or under CUDA graphs (``EAGLEDraftCudaGraphRunner`` /
+``EAGLEDraftExtendCudaGraphRunner``: captured with HEAD/TAIL inside, each replay one outer step).
 On an sglang other than 0.5.12, or one with its own in-tree kv_canary, the
 plugin logs one line and registers nothing.
 """
@@ -154,6 +155,17 @@ SPEC_HOOKS = {
     # the draft model's own pool (adapter/draft): the draft decode phase is one outer step, then start reporting
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward": ("draft.around_draft_forward", "around"),
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__": ("draft.after_draft_worker_init", "after"),
+    # ... and under CUDA graphs: the draft decode phase and the draft extend are captured with their HEAD/TAIL, and
+    # each replay is an outer step (EagleDraftWorker.draft / _draft_extend_for_decode replay without draft_forward /
+    # ModelRunner.forward)
+    "sglang.srt.speculative.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner.capture_one_batch_size": (
+        "draft.around_draft_graph_capture", "around"),
+    "sglang.srt.speculative.eagle_draft_cuda_graph_runner.EAGLEDraftCudaGraphRunner.replay": (
+        "draft.around_draft_graph_replay", "around"),
+    "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner."
+    "capture_one_batch_size": ("draft.around_draft_extend_graph_capture", "around"),
+    "sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner.EAGLEDraftExtendCudaGraphRunner.replay": (
+        "draft.around_draft_extend_graph_replay", "around"),
 }
 
 

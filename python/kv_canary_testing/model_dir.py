@@ -151,6 +151,29 @@ def write_eagle_model_dirs(root: str | os.PathLike | None = None, branch_scale: 
     return target, draft
 
 
+EAGLE3_AUX_LAYER_IDS = (0, 1)  # the target's hidden states entering layers 1 and 2 go to the draft
+
+
+def write_eagle3_model_dirs(root: str | os.PathLike | None = None, branch_scale: float = 0.3) -> tuple[Path, Path]:
+    """(target, draft) folders for EAGLE3 on the tiny models (``kv_canary_testing.spec_cpu``).
+
+    The target (3 layers, branches scaled as for EAGLE) captures its hidden states entering layers
+    1 and 2 (the draft's ``eagle_config.eagle_aux_hidden_state_layer_ids`` [0, 1], read by sglang's
+    ``ModelRunner``); the draft (``KvcTinyForCausalLMEagle3``) maps their concatenation through its
+    ``fc`` and, with ``kvc_eagle3_embed_residual``, predicts what the target would without its
+    branches: drafts are accepted often but not always.
+    """
+    base = Path(root) if root is not None else default_cache_dir()
+    ids = list(EAGLE3_AUX_LAYER_IDS)
+    target = write_model_dir(base / "tiny-eagle3-target", {
+        "kvc_branch_scale": branch_scale, "num_hidden_layers": 3, "num_aux_hidden_states": len(ids)})
+    draft = write_model_dir(base / "tiny-eagle3-draft", {
+        "architectures": ["KvcTinyForCausalLMEagle3"], "num_hidden_layers": 1, "kvc_branch_scale": 0.0,
+        "kvc_eagle3_embed_residual": True, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+    })
+    return target, draft
+
+
 SWA_ARCHITECTURE = "LagunaForCausalLM"  # kvc_tiny_swa: the tiny model under a hybrid-SWA name
 SWA_WINDOW = 24  # config.sliding_window: sglang's sliding_window_size for the SWA layers
 

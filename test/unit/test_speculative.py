@@ -270,7 +270,7 @@ def test_a_wrong_token_fed_at_the_committed_position_is_caught():
         h.manager.poll(drain=True)
 
 
-def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2():
+def test_the_allow_list_lets_through_only_eagle_and_eagle3_topk1_spec_v2():
     from kv_canary.adapter.server_args import check_supported
     from kv_canary.config import CanaryConfigError
 
@@ -295,8 +295,18 @@ def test_the_allow_list_lets_through_only_eagle_topk1_spec_v2():
         assert not rule.allowed("EAGLE", args(**bad)), bad
         with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm EAGLE with {flag}:"):
             check_supported(args(**bad), "raise", given_only=True)
-    for algo in ("EAGLE3", "STANDALONE", "NGRAM", "DFLASH", "FROZEN_KV_MTP"):
+    for algo in ("STANDALONE", "NGRAM", "DFLASH", "FROZEN_KV_MTP"):
         assert not rule.allowed(algo, args(speculative_algorithm=algo)), algo
+    # EAGLE3 runs through the same EAGLEWorkerV2 batches (test_e2e_speculative_eagle3); NEXTN is sglang's alias of
+    # EAGLE (raw flags only: __post_init__ resolves it, and the check after it sees EAGLE or FROZEN_KV_MTP)
+    for algo in ("EAGLE3", "NEXTN"):
+        assert rule.allowed(algo, args(speculative_algorithm=algo)), algo
+        with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm {algo} with "
+                                                    "--speculative-eagle-topk 4:"):
+            check_supported(args(speculative_algorithm=algo, speculative_eagle_topk=4), "raise", given_only=True)
+        with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm {algo} with "
+                                                    "--disable-overlap-schedule:"):
+            check_supported(args(speculative_algorithm=algo, disable_overlap_schedule=True), "raise")
     with pytest.raises(CanaryConfigError, match="cannot verify --speculative-algorithm NGRAM"):
         check_supported(args(speculative_algorithm="NGRAM"), "raise", given_only=True)
 

@@ -25,7 +25,8 @@ import torch
 from kv_canary import fingerprint as fp
 from kv_canary.adapter.batch_adapter import SglangBatchAdapter
 from kv_canary.adapter.draft import (
-    DraftBatchAdapter, after_draft_worker_init, around_draft_forward, draft_skip_reason, record_target_cuda_graph_setting,
+    DraftBatchAdapter, after_draft_worker_init, around_draft_extend_graph_capture, around_draft_extend_graph_replay,
+    around_draft_forward, around_draft_graph_capture, around_draft_graph_replay, draft_skip_reason,
     route_draft_runner_forward,
 )
 from kv_canary.api import _patch_model_forward
@@ -88,7 +89,7 @@ class DraftHarness:
     """sglang spec v2's draft side for a few requests: prefill, draft phases, draft extends after verifies."""
 
     def __init__(self, *, steps: int = 3, page_size: int = 1, mode=CanaryMode.RAISE, adapter=DraftBatchAdapter,
-                 kernels: str = "torch"):
+                 kernels: str = "torch", graph_bs=()):
         self.steps, self.n, self.page_size = steps, steps + 1, page_size  # topk 1: n = num_steps + 1
         self.k = torch.zeros(SLOTS, 1, 4)
         self.v = torch.zeros(SLOTS, 1, 4)
@@ -104,7 +105,7 @@ class DraftHarness:
             capacities=LaunchCapacities(max_batch_size=ROWS + 1, max_context_len=CTX, verify_programs_target=1),
             batch_adapter=adapter(max_batch_size=ROWS + 1, device=torch.device("cpu"),
                                   **({"draft_tokens_per_request": self.n, "decode_steps": max(1, steps - 1)}
-                                     if adapter is DraftBatchAdapter else {})),
+                                     if issubclass(adapter, DraftBatchAdapter) else {})),
             device=torch.device("cpu"), num_single_forward_managers=max(1, steps - 1),
         )
         if kernels == "triton":  # the kernels a GPU and the CPU e2e run (the interpreter on CPU)
@@ -124,6 +125,12 @@ class DraftHarness:
             speculative_num_draft_tokens=self.n, draft_attn_backend=SimpleNamespace(attn_backends=[None] * steps),
             target_worker=SimpleNamespace(model_runner=SimpleNamespace()),
         )
+        # the AROUND hook on EagleDraftWorker.draft_forward (what EAGLEDraftCudaGraphRunner's capture calls)
+        self.worker.draft_forward = lambda fb: around_draft_forward(EagleDraftWorker.draft_forward, self.worker, fb)
+        self.graph_runner = self.extend_graph_runner = None
+        if graph_bs:  # EagleDraftWorker.init_cuda_graphs: both draft graph runners capture before the AFTER hook
+            self.graph_runner = CpuDraftGraphRunner(self, graph_bs)
+            self.extend_graph_runner = CpuDraftExtendGraphRunner(self, graph_bs)
         after_draft_worker_init(None, self.worker)  # EagleDraftWorker.__init__'s AFTER hook: reporting on
         assert self.worker.target_worker.model_runner.kv_canary_draft_manager is self.manager
         self.own = {}  # row -> the request's tokens (the scheduler's record)
@@ -248,9 +255,12 @@ class DraftHarness:
         return fb
 
     def draft_phase(self, rows):
-        """EagleDraftWorker.draft_forward (sglang's own loop) through the plugin's AROUND hook."""
+        """EagleDraftWorker.draft: the captured phase replayed (EAGLEDraftCudaGraphRunner.replay) where it can run,
+        else draft_forward (sglang's own loop), each through the plugin's AROUND hook."""
         fb = self.draft_batch(rows)
-        return around_draft_forward(EagleDraftWorker.draft_forward, self.worker, fb)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return around_draft_graph_replay(EAGLEDraftCudaGraphRunner.replay, self.graph_runner, fb)
+        return self.worker.draft_forward(fb)
 
     def draft_extend(self, rows, accept_lens):
         """Target verify accepted ``accept_lens`` (bonus included); ``_draft_extend_for_decode``'s DRAFT_EXTEND_V2."""
@@ -263,11 +273,162 @@ class DraftHarness:
             self.own[row] = self.own[row] + appended
             self.convention_positions[row].update(range(c, c + a))
             self.committed[row] = c + a
-        self.runner.forward(self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND_V2))
+        fb = self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND_V2)
+        fb.spec_info = SimpleNamespace(hidden_states=torch.zeros(len(fb.input_ids), 2), num_correct_drafts=None,
+                                       num_accept_tokens=None)
+        runner = self.extend_graph_runner
+        if runner is not None and runner.can_run(fb):  # _draft_extend_for_decode
+            around_draft_extend_graph_replay(EAGLEDraftExtendCudaGraphRunner.replay, runner, fb)
+        else:
+            self.runner.forward(fb)
 
     def counters(self):
         self.manager.poll(drain=True)
         return self.manager.last_counters
+
+
+# ---- the draft's CUDA-graph runners on CPU ----------------------------------------------------------------
+#
+# sglang's own EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner code runs unchanged: their
+# capture_one_batch_size (the captured ForwardBatch over the runner's buffers, run_once) and replay (the padding:
+# seq_lens = the fill value, out_cache_loc / positions / req_pool_indices zeroed, then the real requests copied in),
+# each through the plugin's AROUND hooks. CPU cannot capture a CUDA graph, so only the graph object is emulated:
+# "capture" records run_once (and the single-forward manager active then), "replay" re-runs it as the device
+# would replay the recorded kernels -- with no host code of the canary (no outer bracket, no eager-TAIL count:
+# the manager is told it is capturing, reporting stays on) -- and copies its outputs into the captured ones.
+
+from sglang.srt.model_executor.cuda_graph_runner import DeepEPCudaGraphRunnerAdapter  # noqa: E402
+from sglang.srt.speculative.eagle_draft_cuda_graph_runner import (  # noqa: E402
+    EAGLEDraftCudaGraphRunner, EagleDraftInputBuffers,
+)
+from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import (  # noqa: E402
+    EAGLEDraftExtendCudaGraphRunner, EagleDraftExtendInputBuffers,
+)
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+
+class EmulatedGraph:
+    def __init__(self, manager):
+        self.manager, self.run_once, self.out, self.active = manager, None, None, []
+
+    def record(self, run_once):
+        self.run_once, self.active = run_once, list(self.manager._active)
+        self.out = run_once()
+        return self.out
+
+    def replay(self):
+        m = self.manager
+        m._capturing += 1  # the host code of the canary does not run inside a replay
+        m._active.extend(self.active)
+        try:
+            new = self.run_once()
+        finally:
+            del m._active[len(m._active) - len(self.active):]
+            m._capturing -= 1
+        if isinstance(self.out, tuple):
+            for old, fresh in zip(self.out, new):
+                old.copy_(fresh)
+        else:
+            self.out.next_token_logits.copy_(new.next_token_logits)
+            self.out.hidden_states.copy_(new.hidden_states)
+
+    def pool(self):
+        return None
+
+
+class _CpuCapture:
+    def _create_graph(self):
+        return EmulatedGraph(self.model_runner.canary_manager)
+
+    def _capture_init(self, run_once_fn):  # sglang's warmup runs (without torch.cuda.synchronize)
+        for _ in range(2):
+            run_once_fn()
+
+    def _capture_graph(self, graph, pool, stream, run_once_fn):
+        return graph.record(run_once_fn)
+
+    def _common(self, h, capture_bs):
+        runner = h.runner
+        runner.model_config = SimpleNamespace(vocab_size=VOCAB)
+        runner.device_timer = None
+        runner.spec_algorithm = SpeculativeAlgorithm.from_string("EAGLE")
+        runner.req_to_token_pool = SimpleNamespace(req_to_token=h.r2t)
+        runner.token_to_kv_pool = None
+        self.eagle_worker, self.model_runner = h.worker, runner
+        self.graphs, self.output_buffers = {}, {}
+        self.disable_padding = False
+        self.require_gathered_buffer = self.require_mlp_tp_gather = False
+        self.require_mlp_sync = self.require_attn_tp_gather = False
+        self.speculative_num_steps, self.topk = h.steps, 1
+        self.deepep_adapter = DeepEPCudaGraphRunnerAdapter()
+        self.capture_bs, self.max_bs = list(capture_bs), max(capture_bs)
+        self.stream, self.seq_len_fill_value = None, 1  # TritonAttnBackend.get_cuda_graph_seq_len_fill_value
+
+    def capture_all(self, hook, method):
+        for bs in self.capture_bs:
+            self.graphs[bs], self.output_buffers[bs] = hook(method, self, bs, None)
+
+
+class CpuDraftGraphRunner(_CpuCapture, EAGLEDraftCudaGraphRunner):
+    """EAGLEDraftCudaGraphRunner's buffers as its __init__ builds them; its capture/replay code unchanged."""
+
+    def __init__(self, h, capture_bs):
+        self._common(h, capture_bs)
+        self.num_tokens_per_bs, self.max_num_token = 1, self.max_bs
+        self.draft_attn_backend = SimpleNamespace(
+            attn_backends=[None] * h.steps, init_forward_metadata_capture_cuda_graph=lambda fb: None,
+            init_forward_metadata_replay_cuda_graph=lambda fb, bs: None)
+        n, i64 = self.max_num_token, dict(dtype=torch.int64)
+        self.extend_seq_lens_cpu = [1] * self.max_bs
+        self.buffers = EagleDraftInputBuffers(
+            input_ids=torch.zeros(n, **i64), req_pool_indices=torch.zeros(self.max_bs, **i64),
+            out_cache_loc=torch.zeros(n * h.steps, **i64), positions=torch.zeros(n, **i64),
+            mrope_positions=torch.zeros(3, n, **i64), seq_lens=torch.full((self.max_bs,), 1, dtype=torch.int32),
+            seq_lens_cpu=torch.full((self.max_bs,), 1, dtype=torch.int32),
+            extend_seq_lens=torch.ones(self.max_bs, dtype=torch.int32), topk_p=torch.zeros(self.max_bs, 1),
+            topk_index=torch.zeros(self.max_bs, 1, **i64), hidden_states=torch.zeros(self.max_bs, 2),
+            global_num_tokens_gpu=None, global_num_tokens_for_logprob_gpu=None)
+        self.capture_all(around_draft_graph_capture, EAGLEDraftCudaGraphRunner.capture_one_batch_size)
+
+
+class ExtendModel(torch.nn.Module):
+    """The draft model as EAGLEDraftExtendCudaGraphRunner's run_once calls it (model.forward, bracketed inside)."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.h = h
+
+    def forward(self, input_ids, positions, forward_batch):
+        ids = self.h.model(input_ids, positions, forward_batch)
+        logits = torch.nn.functional.one_hot((ids.to(torch.int64) + 1) % VOCAB, VOCAB).float()
+        return SimpleNamespace(next_token_logits=logits, hidden_states=torch.zeros(ids.shape[0], 2))
+
+
+class CpuDraftExtendGraphRunner(_CpuCapture, EAGLEDraftExtendCudaGraphRunner):
+    """EAGLEDraftExtendCudaGraphRunner (spec v2: DRAFT_EXTEND_V2) as its __init__ builds it; capture/replay unchanged."""
+
+    def __init__(self, h, capture_bs):
+        self._common(h, capture_bs)
+        self.model_runner = SimpleNamespace(**vars(h.runner))
+        self.model_runner.model = ExtendModel(h)
+        self.forward_mode, self.padded_static_len = ForwardMode.DRAFT_EXTEND_V2, -1
+        self.num_tokens_per_bs = h.steps + 1
+        self.max_num_token = self.max_bs * self.num_tokens_per_bs
+        self.draft_extend_attn_backend = SimpleNamespace(init_forward_metadata_capture_cuda_graph=lambda **kw: None,
+                                                         init_forward_metadata_replay_cuda_graph=lambda **kw: None)
+        n, bs, i64, i32 = self.max_num_token, self.max_bs, dict(dtype=torch.int64), dict(dtype=torch.int32)
+        self.extend_seq_lens_cpu = [self.num_tokens_per_bs] * bs
+        self.buffers = EagleDraftExtendInputBuffers(
+            input_ids=torch.zeros(n, **i64), req_pool_indices=torch.zeros(bs, **i64),
+            out_cache_loc=torch.ones(n, **i64), positions=torch.zeros(n, **i64),
+            mrope_positions=torch.zeros(3, n, **i64), hidden_states=torch.zeros(n, 2),
+            seq_lens=torch.full((bs,), 1, **i32), seq_lens_cpu=torch.full((bs,), 1, **i32),
+            extend_seq_lens=torch.full((bs,), self.num_tokens_per_bs, **i32),
+            num_correct_drafts=torch.full((bs,), self.num_tokens_per_bs, **i32),
+            num_accept_tokens=torch.full((bs,), self.num_tokens_per_bs, **i32),
+            next_token_logits_buffer=torch.zeros(n, VOCAB), global_num_tokens_gpu=None,
+            global_num_tokens_for_logprob_gpu=None)
+        self.capture_all(around_draft_extend_graph_capture, EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size)
 
 
 def _rounds(h, rows, accepts):
@@ -395,40 +556,17 @@ def test_draft_and_target_configs():
         target_config(to_draft, "no --speculative-algorithm")
 
 
-def test_the_draft_pool_is_skipped_under_cuda_graphs_and_said_why():
-    args = SimpleNamespace(speculative_algorithm="EAGLE", device="cuda", disable_cuda_graph=False,
-                           disaggregation_mode="null")
-
-    def but(**kw):
-        recorded = SimpleNamespace(**{**vars(args), **kw})
-        record_target_cuda_graph_setting(recorded)  # what the target's install does first
-        return recorded
-
-    assert "not recorded" in draft_skip_reason(args, "raise")  # no target install seen: never verify the draft
-    assert "--disable-cuda-graph" in draft_skip_reason(but(), "raise")
-    assert draft_skip_reason(but(disable_cuda_graph=True), "raise") == ""
-    assert draft_skip_reason(but(device="cpu"), "raise") == ""
-    assert "contain" in draft_skip_reason(but(device="cpu"), "contain")
-    assert "--disaggregation-mode decode" in draft_skip_reason(but(device="cpu", disaggregation_mode="decode"), "log")
+def test_the_draft_pool_is_verified_with_or_without_cuda_graphs_and_skipped_where_said():
+    """CUDA graphs no longer skip the draft pool (its graph runners are bracketed: the tests below); sglang 0.5.12's
+    EagleDraftWorker.__init__ flipping server_args.disable_cuda_graph for its draft runner changes nothing."""
+    args = dict(speculative_algorithm="EAGLE", device="cuda", disaggregation_mode="null")
+    for graphs_off in (False, True):
+        assert draft_skip_reason(SimpleNamespace(**args, disable_cuda_graph=graphs_off), "raise") == ""
+    assert draft_skip_reason(SimpleNamespace(**{**args, "device": "cpu"}), "log") == ""
+    assert "contain" in draft_skip_reason(SimpleNamespace(**args), "contain")
+    assert "--disaggregation-mode decode" in draft_skip_reason(
+        SimpleNamespace(**{**args, "disaggregation_mode": "decode"}), "log")
     assert draft_skip_reason(SimpleNamespace(speculative_algorithm=None), "raise")
-
-
-def test_eagle_flipping_disable_cuda_graph_for_its_draft_runner_does_not_enable_the_draft_pool():
-    """sglang 0.5.12's EagleDraftWorker.__init__ (spec v2) sets server_args.disable_cuda_graph = True while it builds the
-    draft's ModelRunner (its own graph runners capture afterwards). Found on an H200: the draft pool was
-    installed, its graph replays ran HEAD/TAIL the host never counted, and health violations stopped the
-    server. The target's recorded setting decides."""
-    import inspect
-
-    from sglang.srt.speculative import eagle_worker_v2
-
-    src = inspect.getsource(eagle_worker_v2.EagleDraftWorker.__init__)
-    assert "server_args.disable_cuda_graph = True" in src  # the flip this guards against
-    args = SimpleNamespace(speculative_algorithm="EAGLE", device="cuda", disable_cuda_graph=False,
-                           disaggregation_mode="null")
-    record_target_cuda_graph_setting(args)  # the target's install, graphs on
-    args.disable_cuda_graph = True  # EagleDraftWorker building the draft runner
-    assert "--disable-cuda-graph" in draft_skip_reason(args, "raise")
 
 
 def test_the_draft_pools_bytes_are_held_back_with_the_targets():
@@ -477,3 +615,163 @@ def test_a_draft_loop_with_more_forwards_than_steps_is_an_error():
     h.runner.forward(fb)
     with pytest.raises(CanaryBracketError, match="more draft forwards"):
         h.runner.forward(fb)
+
+
+# ---- under CUDA graphs (the draft's graph runners, sglang's own capture/replay code; see CpuDraftGraphRunner) ----
+
+
+def _stale_padding_row(h):
+    """Row 0 is sglang's padding row (the draft graph runner pads with req_pool_indices 0): make it point at live
+    slots of row 1 at other positions, so a padding lane that read it would be reported."""
+    h.r2t[0, :4] = h.r2t[1, 2:6]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_draft_graph_replays_raise_nothing_are_counted_and_keep_the_token_offset(page_size, kernels):
+    """Three requests replay from the batch-size-4 graphs (one padding lane on a stale row 0), one from the
+    batch-size-1 graphs, the draft prefill runs eagerly; every replayed HEAD/TAIL is counted on the host."""
+    h = DraftHarness(steps=3, page_size=page_size, kernels=kernels, graph_bs=(1, 2, 4))
+    assert h.manager.init_finished and h.manager.counters.tolist()[fp.C_FORWARD_INDEX] == 0  # capture forgotten
+    h.prefill({1: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}, sampled={1: 15, 2: 16, 3: 17})
+    _stale_padding_row(h)
+    h.sfm_log.clear()
+    _rounds(h, [1, 2, 3], [[4, 1, 2], [2, 3, 1], [1, 1, 4]])
+    _rounds(h, [2], [[3], [4]])
+    c = h.counters()
+    assert int(c[fp.C_VIOLATIONS]) == 0 and h.manager.health_violations == 0
+    # each round: one replayed draft phase (steps - 1 = 2 forwards, managers 0 and 1) and one replayed draft extend
+    assert h.manager.graph_forwards == 5 * (2 + 1) and h.manager.forwards == 1 + 5 * (2 + 1)
+    assert h.manager.outer_steps == 1 + 5 * 2
+    assert h.sfm_log == [0, 1, 0] * 5  # the replays ran the captured HEADs: step i on manager i, the extend on 0
+    assert int(c[fp.C_FORWARD_INDEX]) == h.manager.forwards == int(c[fp.C_VERIFY_LAUNCHES])
+    assert int(c[fp.C_WRITE_LAUNCHES]) == h.manager.forwards
+    written = 10 + 3 * 3 * (2 + 4) + 2 * (2 + 4)  # prefill; per round: 2 step slots + n extend slots per request
+    assert int(c[fp.C_SLOTS_WRITTEN]) == written  # the padding lanes wrote nothing
+    rec = h.manager.groups[0].records
+    for row in (1, 2, 3):
+        for p in sorted(h.convention_positions[row]):
+            slot = int(h.r2t[row, p])
+            assert int(rec[slot, fp.F_POSITION]) == p
+            assert int(rec[slot, fp.F_TOKEN]) == h.own[row][p + 1], (row, p)
+
+
+def test_a_graph_too_small_for_the_batch_runs_the_draft_eagerly():
+    h = DraftHarness(steps=3, graph_bs=(1, 2))
+    h.prefill({1: [5, 6, 7], 2: [8, 9], 3: [10, 11]}, sampled={1: 12, 2: 13, 3: 14})
+    _rounds(h, [1, 2, 3], [[2, 3, 1]])  # bs 3 > the largest graph: draft_forward and ModelRunner.forward
+    assert h.manager.graph_forwards == 0
+    _rounds(h, [1, 2], [[1, 4]])
+    assert h.manager.graph_forwards == 3 and int(h.counters()[fp.C_VIOLATIONS]) == 0
+    assert h.manager.health_violations == 0 and int(h.counters()[fp.C_FORWARD_INDEX]) == h.manager.forwards
+
+
+class UnmaskedDraftAdapter(DraftBatchAdapter):
+    """The draft step view without the padding mask (a padding lane reads [0, fill + i + 1) of row 0)."""
+
+    def view(self, fb):
+        view = super().view(fb)
+        if fb.forward_mode.name != "DECODE":
+            return view
+        step = int(getattr(fb, "kv_canary_draft_step", 0))
+        return dataclasses.replace(view, seq_lens=fb.seq_lens[: view.batch_size].to(torch.int64) + step + 1)
+
+
+def test_padding_lanes_of_a_replayed_draft_graph_read_and_write_nothing():
+    h = DraftHarness(steps=3, graph_bs=(4,))
+    h.prefill({1: [5, 6, 7, 8, 9, 10], 2: [11, 12]}, sampled={1: 13, 2: 14})
+    _stale_padding_row(h)
+    fb = h.draft_batch([1, 2])
+    verified = int(h.counters()[fp.C_SLOTS_VERIFIED])
+    around_draft_graph_replay(EAGLEDraftCudaGraphRunner.replay, h.graph_runner, fb)
+    c1, c2 = h.committed[1], h.committed[2]
+    # the real lanes read [0, c + i) at steps 0 and 1; the two padding lanes nothing
+    assert int(h.counters()[fp.C_SLOTS_VERIFIED]) - verified == (c1 + c1 + 1) + (c2 + c2 + 1)
+    buffers = h.graph_runner.buffers  # sglang's replay padded lanes 2, 3: row 0, out_cache_loc 0, seq_len 1
+    assert buffers.out_cache_loc[2 * 3:].eq(0).all() and buffers.req_pool_indices[2:4].eq(0).all()
+    assert buffers.seq_lens[2:4].tolist() == [1, 1] and int(h.counters()[fp.C_VIOLATIONS]) == 0
+    # without the mask the same replay reads the stale row 0 through its padding lanes: a false alarm
+    bad = DraftHarness(steps=3, graph_bs=(4,), adapter=UnmaskedDraftAdapter)
+    bad.prefill({1: [5, 6, 7, 8, 9, 10], 2: [11, 12]}, sampled={1: 13, 2: 14})
+    _stale_padding_row(bad)
+    with pytest.raises(CanaryViolationError, match="row=0"):
+        bad.draft_phase([1, 2])
+
+
+def test_the_padded_draft_extend_graph_batch_is_viewed_with_its_padding_lanes_empty():
+    h = DraftHarness(steps=3, graph_bs=(4,))
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, sampled={1: 11, 2: 12})
+    h.draft_phase([1, 2])
+    h.draft_extend([1, 2], [2, 3])  # replayed: 2 real requests, 2 padding lanes
+    runner = h.extend_graph_runner
+    fb = SimpleNamespace(forward_mode=ForwardMode.DRAFT_EXTEND_V2, batch_size=4, input_ids=runner.buffers.input_ids[:16],
+                         positions=runner.buffers.positions[:16], out_cache_loc=runner.buffers.out_cache_loc[:16],
+                         req_pool_indices=runner.buffers.req_pool_indices[:4], seq_lens=runner.buffers.seq_lens[:4])
+    fb.forward_mode = ForwardMode.DRAFT_EXTEND_V2
+    view = h.manager._adapter.view(fb)
+    assert view.seq_lens.tolist() == [h.committed[1] - 2 + 4, h.committed[2] - 3 + 4, 0, 0]
+    assert view.new_lens.tolist() == [4] * 4 and view.new_starts.tolist() == [0, 4, 8, 12]
+    assert view.input_ids.dtype == torch.int64 and int(h.counters()[fp.C_VIOLATIONS]) == 0
+    assert h.manager.graph_forwards == 3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_corrupt_draft_slot_is_caught_inside_a_replayed_draft_graph(page_size):
+    h = DraftHarness(steps=3, page_size=page_size, graph_bs=(1, 2, 4))
+    h.prefill({1: [5, 6, 7, 8, 9, 10], 2: [11, 12, 13]}, sampled={1: 14, 2: 15})
+    _rounds(h, [1, 2], [[2, 1]])
+    slot = int(h.r2t[1, 3])
+    h.k[slot, 0, 1] += 1.0  # a flipped K value of a committed draft slot
+    with pytest.raises(CanaryViolationError, match=f"kind=kv_hash.*group={DRAFT_GROUP}.*slot={slot}"):
+        h.draft_phase([1, 2])
+
+
+def test_a_redirected_req_to_token_entry_is_caught_inside_a_replayed_draft_extend():
+    h = DraftHarness(steps=3, graph_bs=(2,))
+    h.prefill({1: [5, 6, 7, 8, 9, 10]}, sampled={1: 11})
+    h.draft_phase([1])
+    h.r2t[1, 2] = h.r2t[1, 4]  # the row points position 2 at position 4's draft slot
+    with pytest.raises(CanaryViolationError, match="kind=position"):
+        h.draft_extend([1], [2])
+
+
+def test_capture_is_silent_and_routes_each_step_to_its_manager():
+    """While the draft's graphs capture (warmups included) nothing is reported or counted; a recapture after init
+    leaves the device counters as they were (the health check sees no forward the host never counted)."""
+    h = DraftHarness(steps=3)
+    h.prefill({1: [5, 6, 7]}, sampled={1: 8})
+    before = h.manager.counters.tolist()
+    h.sfm_log.clear()
+    runner = CpuDraftGraphRunner(h, (1, 2))  # a recapture after init (sglang's adaptive path), reporting on
+    assert h.sfm_log == [0, 1] * 3 * 2  # two warmups + the capture per batch size, step i on manager i
+    assert h.manager.outer_steps == 1 and h.manager.forwards == 1  # no outer bracket ran while capturing
+    assert h.manager.counters.tolist() == before
+    assert runner.graphs[1] is not None and not h.manager.is_capturing
+
+
+
+def test_the_draft_views_under_graphs_use_only_variants_precompiled_at_install():
+    """No JIT after startup: with the draft pool's install-time precompile (``api._precompile``: every write block,
+    every verify-grid class, the speculative variants), the replayed and eager draft forwards add no variant."""
+    from kv_canary.kernels import VERIFY_BLOCK
+    from kv_canary.kernels import triton_kernels as tk
+    from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
+
+    h = DraftHarness(steps=3, kernels="triton", graph_bs=(1, 2, 4))
+    tracker = VariantTracker()
+    tracked = track(h.manager.kernels, tracker, tk.write_block)
+    h.manager.kernels = tracked
+    for sfm in h.manager.single_forward_managers:
+        sfm._kernels = tracked
+    caps = h.manager.capacities
+    h.manager.precompile(sorted(write_block_lengths(tk.write_block, caps.max_context_len).values()),
+                         sorted(programs_classes(lambda bs: caps.verify_programs_per_request(bs, VERIFY_BLOCK),
+                                                 caps.max_batch_size).values()), verify_staged=True)
+    tracker.seal()
+    h.prefill({1: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14]}, sampled={1: 15, 2: 16, 3: 17})
+    _rounds(h, [1, 2, 3], [[4, 1, 2], [2, 3, 1]])  # replayed (batch size 4)
+    h.graph_runner.capture_bs, h.extend_graph_runner.capture_bs = [1], [1]
+    h.graph_runner.max_bs = h.extend_graph_runner.max_bs = 1
+    _rounds(h, [1, 2], [[1, 4]])  # eager: draft_forward and ModelRunner.forward
+    assert h.manager.graph_forwards == 2 * 3 and int(h.counters()[fp.C_VIOLATIONS]) == 0
+    assert tracker.after_startup == {}, tracker.after_startup

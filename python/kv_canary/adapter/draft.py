@@ -12,21 +12,29 @@ Wiring (hooks through sglang's HookRegistry, registered by the plugin):
   (``route_draft_runner_forward``, from the plugin's ``ModelRunner.forward`` hook), and the batch
   carries the step (``kv_canary_draft_step``) for the view;
 * the draft's other forwards (prefill extend, DRAFT_EXTEND_V2 after a verify) go through
-  ``ModelRunner.forward`` like the target's: an outer step with manager 0.
+  ``ModelRunner.forward`` like the target's: an outer step with manager 0;
+* CUDA graphs: ``EAGLEDraftCudaGraphRunner.capture_one_batch_size`` (AROUND, reporting off) captures
+  ``draft_forward`` itself, so step i's HEAD/TAIL (manager i) are recorded; ``EagleDraftWorker.draft`` then
+  replays the phase without ``draft_forward``: ``EAGLEDraftCudaGraphRunner.replay`` (AROUND) is the outer step of
+  ``num_steps - 1`` forwards (counted as replayed: the health check holds). Likewise
+  ``EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size`` (manager 0 active, reporting off) and ``.replay``
+  (an outer step of one forward) for the draft extend ``_draft_extend_for_decode`` replays without
+  ``ModelRunner.forward``.
 
-Views (``DraftBatchAdapter``): EXTEND and DRAFT_EXTEND_V2 are extend batches (``extend_seq_lens``
-new tokens after ``extend_prefix_lens``); a draft decode step ``i`` (DECODE, one token per request,
-``seq_lens`` = ``c``) runs at position ``c + i`` and reads ``[0, c + i]``: its view's ``seq_lens`` is
-``c + i + 1`` (a preallocated buffer per step, graph-safe), and its ``out_cache_loc`` (a strided column
-of ``[bs, num_steps]`` in ``draft_forward``) is copied into a preallocated contiguous buffer per step.
+Views (``DraftBatchAdapter``): EXTEND is an extend batch; DRAFT_EXTEND_V2 (``n`` =
+``--speculative-num-draft-tokens`` tokens per request at ``[c, c + n)``, eager or replayed) a uniform one on
+preallocated buffers; a draft decode step ``i`` (DECODE, one token per request, ``seq_lens`` = ``c``) runs at
+position ``c + i`` and reads ``[0, c + i]``: its view's ``seq_lens`` is ``c + i + 1`` (a preallocated buffer per
+step), and its ``out_cache_loc`` (a strided column of ``[bs, num_steps]`` in ``draft_forward``) is copied into a
+preallocated contiguous buffer per step. All graph-safe (no allocation, no host sync); a CUDA-graph padding lane
+(``out_cache_loc`` 0) gets ``seq_lens`` 0: it reads and writes nothing.
 
-Not verified (refused or skipped with a startup line naming why): the draft's CUDA graphs
-(``EAGLEDraftCudaGraphRunner``, ``EAGLEDraftExtendCudaGraphRunner``: the draft pool is verified only
-with ``--disable-cuda-graph`` or on CPU), ``--kv-canary contain`` and PD disaggregation.
+Not verified (skipped with a startup line naming why): ``--kv-canary contain`` and PD disaggregation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Dict
 
@@ -42,27 +50,28 @@ class DraftBatchAdapter(SglangBatchAdapter):
     def __init__(self, *, max_batch_size: int, device: torch.device, draft_tokens_per_request: int = 1,
                  decode_steps: int = 1):
         super().__init__(max_batch_size=max_batch_size, device=device)
-        # per draft decode step (draft_forward's loop): its view's seq_lens and contiguous out_cache_loc
-        self._step_seq_lens = torch.zeros((max(1, decode_steps), max_batch_size), dtype=torch.int64, device=device)
-        self._step_loc = torch.zeros((max(1, decode_steps), max_batch_size), dtype=torch.int64, device=device)
-        # DRAFT_EXTEND_V2 feeds the verify's next_token_ids (int32): int64 ids, as every other batch and the
-        # kernel variants precompiled at install (no JIT while serving)
-        self._extend_ids = torch.zeros(max_batch_size * max(1, draft_tokens_per_request), dtype=torch.int64,
-                                       device=device)
+        # rows of the per-step buffers start 16-byte aligned (Triton specializes pointer alignment: no new variant)
+        width = -(-max_batch_size // 16) * 16
+        steps = max(1, decode_steps)
+        # per draft decode step (draft_forward's loop): its view's seq_lens and contiguous out_cache_loc, and which
+        # lanes are real (a CUDA-graph padding lane has out_cache_loc 0 and must read and write nothing)
+        self._step_seq_lens = torch.zeros((steps, width), dtype=torch.int64, device=device)
+        self._step_loc = torch.zeros((steps, width), dtype=torch.int64, device=device)
+        self._step_real = torch.zeros((steps, width), dtype=torch.bool, device=device)
+        # DRAFT_EXTEND_V2: n = --speculative-num-draft-tokens tokens per request (eager and replayed from
+        # EAGLEDraftExtendCudaGraphRunner alike): uniform starts/lengths, its seq_lens with padding lanes at 0,
+        # and int64 ids (it is fed the verify's int32 next_token_ids eagerly), as precompiled at install
+        self._extend_n = max(1, draft_tokens_per_request)
+        self._uniform_buffers(self._extend_n)
+        self._extend_seq_lens = torch.zeros(width, dtype=torch.int64, device=device)
+        self._extend_real = torch.zeros(width, dtype=torch.bool, device=device)
+        self._extend_ids = torch.zeros(max_batch_size * self._extend_n, dtype=torch.int64, device=device)
 
     def view(self, fb) -> ForwardView:
+        if fb.forward_mode.name == "DRAFT_EXTEND_V2":
+            return self._draft_extend_view(fb)
         view = super().view(fb)
-        if view.batch_size == 0:
-            return view
-        if fb.forward_mode.name == "DRAFT_EXTEND_V2" and view.input_ids.dtype != torch.int64:
-            n = int(view.input_ids.shape[0])
-            if n > self._extend_ids.numel():
-                raise ValueError(f"kv-canary: a draft extend feeds {n} tokens; the draft adapter holds "
-                                 f"{self._extend_ids.numel()} (--max-running-requests x --speculative-num-draft-tokens)")
-            ids = self._extend_ids[:n]
-            ids.copy_(view.input_ids)
-            return dataclasses.replace(view, input_ids=ids)
-        if fb.forward_mode.name != "DECODE":
+        if view.batch_size == 0 or fb.forward_mode.name != "DECODE":
             return view
         if view.max_new_len != 1:
             raise ValueError(f"kv-canary: a draft decode step feeds {view.max_new_len} tokens per request; only "
@@ -71,17 +80,53 @@ class DraftBatchAdapter(SglangBatchAdapter):
         if step >= self._step_seq_lens.shape[0]:
             raise ValueError(f"kv-canary: draft decode step {step}; the draft adapter holds "
                              f"{self._step_seq_lens.shape[0]} (--speculative-num-steps - 1)")
-        seq_lens = self._step_seq_lens[step, : view.batch_size]
-        torch.add(fb.seq_lens[: view.batch_size].to(torch.int64), step + 1, out=seq_lens)
+        bs = view.batch_size
         # draft_forward's out_cache_loc[i] is a strided view (a column of the request-major [bs, steps]
         # layout); the kernels index it as a flat tensor: a copy into the step's own buffer (graph-safe)
         loc = fb.out_cache_loc
         if not loc.is_contiguous():
             loc = self._step_loc[step, : loc.shape[0]]
             loc.copy_(fb.out_cache_loc)
+        # reads [0, c + i], writes position c + i; a padding lane (EAGLEDraftCudaGraphRunner pads with row 0,
+        # seq_len = the fill value, out_cache_loc 0) gets 0: it reads and writes nothing
+        seq_lens, real = self._step_seq_lens[step, :bs], self._step_real[step, :bs]
+        torch.add(fb.seq_lens[:bs], step + 1, out=seq_lens)
+        torch.gt(loc[:bs], 0, out=real)
+        seq_lens.mul_(real)
         if not (view.input_ids.is_contiguous() and view.positions.is_contiguous()):
             raise ValueError("kv-canary: a draft decode step's input_ids/positions are not contiguous")
         return dataclasses.replace(view, seq_lens=seq_lens, out_cache_loc=loc)
+
+    def _draft_extend_view(self, fb) -> ForwardView:
+        """DRAFT_EXTEND_V2: every request is fed n tokens at ``[c, c + n)`` (``seq_lens`` = ``c + n``), eagerly or
+        replayed from ``EAGLEDraftExtendCudaGraphRunner`` (whose batch has no ``extend_start_loc``); fixed buffers,
+        no host sync, a padding lane (out_cache_loc 0) reads and writes nothing."""
+        bs, n = self.batch_size(fb), self._extend_n
+        tokens = int(fb.input_ids.shape[0])
+        if tokens != bs * n:
+            raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens for {bs} requests; the draft pool is "
+                             f"verified with --speculative-num-draft-tokens {n} per request")
+        if tokens > self._extend_ids.numel():
+            raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens; the draft adapter holds "
+                             f"{self._extend_ids.numel()} (--max-running-requests x --speculative-num-draft-tokens)")
+        ids = fb.input_ids
+        if ids.dtype != torch.int64:
+            ids = self._extend_ids[:tokens]
+            ids.copy_(fb.input_ids)
+        starts, lens = self._uniform_buffers(n)
+        seq_lens, real = self._extend_seq_lens[:bs], self._extend_real[:bs]
+        torch.gt(fb.out_cache_loc[: tokens : n], 0, out=real)
+        torch.mul(fb.seq_lens[:bs], real, out=seq_lens)
+        return ForwardView(input_ids=ids, positions=fb.positions, out_cache_loc=fb.out_cache_loc,
+                           req_pool_indices=fb.req_pool_indices, seq_lens=seq_lens, new_starts=starts[:bs],
+                           new_lens=lens[:bs], batch_size=bs, max_new_len=n, staged=True)
+
+    def num_tokens(self, fb) -> int:
+        """A draft decode phase writes one slot per request per step (``input_ids`` is the phase's last step's, or
+        untouched where the phase replayed from a graph)."""
+        if fb.forward_mode.name == "DECODE":
+            return self.batch_size(fb)
+        return super().num_tokens(fb)
 
     def host_batch(self, fb):
         batch = super().host_batch(fb)
@@ -89,14 +134,6 @@ class DraftBatchAdapter(SglangBatchAdapter):
             return batch
         step = int(getattr(fb, "kv_canary_draft_step", 0))
         return dataclasses.replace(batch, seq_lens=[s + step + 1 for s in batch.seq_lens])
-
-
-TARGET_DISABLE_CUDA_GRAPH = "_kv_canary_target_disable_cuda_graph"  # set on server_args by the target's install
-
-
-def record_target_cuda_graph_setting(server_args: Any) -> None:
-    """At the target's install (and memory sizing), before an EAGLE worker flips the flag for its draft."""
-    setattr(server_args, TARGET_DISABLE_CUDA_GRAPH, bool(getattr(server_args, "disable_cuda_graph", False)))
 
 
 def draft_skip_reason(server_args: Any, mode: str) -> str:
@@ -110,14 +147,8 @@ def draft_skip_reason(server_args: Any, mode: str) -> str:
     pd = disaggregation_mode(server_args)
     if pd in ("prefill", "decode"):
         return f"--disaggregation-mode {pd}"
-    # EAGLE workers set server_args.disable_cuda_graph = True while they build the draft's ModelRunner (their
-    # own graph runners capture later): the value the target's install recorded is the operator's setting
-    graphs_off = getattr(server_args, TARGET_DISABLE_CUDA_GRAPH, None)
-    if graphs_off is None:
-        return "the target model's CUDA-graph setting was not recorded before the draft pool's install"
-    if str(getattr(server_args, "device", "cuda")) != "cpu" and not graphs_off:
-        return ("CUDA graphs are on and the draft's graph runners (EAGLEDraftCudaGraphRunner, "
-                "EAGLEDraftExtendCudaGraphRunner) are not bracketed yet; pass --disable-cuda-graph to verify it")
+    # eager or under CUDA graphs alike (EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner capture the
+    # draft's HEAD/TAIL and each replay is an outer step): no CUDA-graph condition here
     return ""
 
 
@@ -148,21 +179,85 @@ def route_draft_runner_forward(original, model_runner, forward_batch, *args, **k
             return original(model_runner, forward_batch, *args, **kwargs)
 
 
+def _draft_phase_forwards(worker) -> range:
+    """The single-forward managers of one draft decode phase: ``num_steps - 1`` forwards (the last step only samples)."""
+    return range(max(0, int(worker.speculative_num_steps) - 1))
+
+
+@contextlib.contextmanager
+def _routed_steps(runner, forwards: range):
+    """Each ``draft_runner.forward`` of ``draft_forward``'s loop runs on single-forward manager i (step i)."""
+    runner.kv_canary_draft_steps = iter(forwards)
+    try:
+        yield
+    finally:
+        runner.kv_canary_draft_steps = None
+
+
 def around_draft_forward(original, worker, forward_batch, *args, **kwargs):
-    """AROUND ``EagleDraftWorker.draft_forward``: the draft decode phase is one outer step, step i on manager i."""
+    """AROUND ``EagleDraftWorker.draft_forward``: step i on manager i; eagerly, the phase is one outer step.
+
+    ``EAGLEDraftCudaGraphRunner`` captures ``draft_forward`` itself (inside ``capturing()``, see
+    ``around_draft_graph_capture``): then only the routing is recorded, and each replay is bracketed by
+    ``around_draft_graph_replay``.
+    """
     runner = worker.draft_runner
     manager = _draft_manager(runner)
     if manager is None:
         return original(worker, forward_batch, *args, **kwargs)
-    forwards = range(max(0, int(worker.speculative_num_steps) - 1))  # the last step only samples
+    forwards = _draft_phase_forwards(worker)
+    forward_batch.kv_canary_draft_step = 0
+    if manager.is_capturing:
+        with _routed_steps(runner, forwards):
+            return original(worker, forward_batch, *args, **kwargs)
+    with manager.with_ops_outside_graph(single_forward_indices=forwards, maybe_inaccurate_forward_batch=forward_batch):
+        try:
+            with _routed_steps(runner, forwards):
+                return original(worker, forward_batch, *args, **kwargs)
+        finally:
+            forward_batch.kv_canary_draft_step = 0  # the post-ops read the phase's first step
+
+
+def around_draft_graph_capture(original, graph_runner, *args, **kwargs):
+    """AROUND ``EAGLEDraftCudaGraphRunner.capture_one_batch_size``: warmups and capture run ``draft_forward`` with
+    reporting off; step i's HEAD/TAIL (manager i, ``around_draft_forward``) are recorded into the graph."""
+    manager = _draft_manager(getattr(graph_runner, "model_runner", None))
+    if manager is None:
+        return original(graph_runner, *args, **kwargs)
+    with manager.capturing():
+        return original(graph_runner, *args, **kwargs)
+
+
+def around_draft_graph_replay(original, graph_runner, forward_batch, *args, **kwargs):
+    """AROUND ``EAGLEDraftCudaGraphRunner.replay`` (``EagleDraftWorker.draft`` replays the whole draft decode
+    phase without calling ``draft_forward``): one outer step of ``num_steps - 1`` forwards, counted as replayed."""
+    manager = _draft_manager(getattr(graph_runner, "model_runner", None))
+    if manager is None:
+        return original(graph_runner, forward_batch, *args, **kwargs)
+    forwards = _draft_phase_forwards(graph_runner.eagle_worker)
     forward_batch.kv_canary_draft_step = 0
     with manager.with_ops_outside_graph(single_forward_indices=forwards, maybe_inaccurate_forward_batch=forward_batch):
-        runner.kv_canary_draft_steps = iter(forwards)
-        try:
-            return original(worker, forward_batch, *args, **kwargs)
-        finally:
-            runner.kv_canary_draft_steps = None
-            forward_batch.kv_canary_draft_step = 0  # the post-ops read the phase's first step
+        return original(graph_runner, forward_batch, *args, **kwargs)
+
+
+def around_draft_extend_graph_capture(original, graph_runner, *args, **kwargs):
+    """AROUND ``EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size``: its ``run_once`` calls the draft model's
+    ``forward`` directly; manager 0 is active (reporting off) so HEAD/TAIL are recorded into the graph."""
+    manager = _draft_manager(getattr(graph_runner, "model_runner", None))
+    if manager is None:
+        return original(graph_runner, *args, **kwargs)
+    with manager.capturing(), manager.with_active_single_forward_manager(0):
+        return original(graph_runner, *args, **kwargs)
+
+
+def around_draft_extend_graph_replay(original, graph_runner, forward_batch, *args, **kwargs):
+    """AROUND ``EAGLEDraftExtendCudaGraphRunner.replay`` (``_draft_extend_for_decode`` replays the draft extend
+    without ``ModelRunner.forward``): one outer step of one forward, counted as replayed."""
+    manager = _draft_manager(getattr(graph_runner, "model_runner", None))
+    if manager is None:
+        return original(graph_runner, forward_batch, *args, **kwargs)
+    with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=forward_batch):
+        return original(graph_runner, forward_batch, *args, **kwargs)
 
 
 def after_draft_worker_init(_result, worker, *args, **kwargs) -> None:

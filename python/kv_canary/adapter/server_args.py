@@ -38,19 +38,25 @@ def _only(*values) -> Callable[[Any, Any], bool]:
 
 
 _OFF = _only(False, None)
-_SPEC_SUPPORTED = "EAGLE with --speculative-eagle-topk 1 and the overlap scheduler on (spec v2)"
+# EAGLEWorkerV2 serves both with the same batches (TARGET_VERIFY, draft decode steps, DRAFT_EXTEND_V2, the draft
+# prefill extend with shifted ids); EAGLE3 differs only inside the models (the target hands the draft hidden states
+# captured at several layers). NEXTN is sglang's alias of EAGLE (MTP drafts), resolved by ServerArgs.__post_init__
+# (to EAGLE, or FROZEN_KV_MTP for a Gemma 4 assistant draft: refused on the check after __post_init__).
+_SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+_SPEC_SUPPORTED = ("EAGLE or EAGLE3 (NEXTN: sglang's alias of EAGLE) with --speculative-eagle-topk 1 and the "
+                   "overlap scheduler on (spec v2)")
 _SPEC_WHY = (
-    "the canary verifies speculative decoding only where it was run end to end: EAGLE's target model with topk 1 "
-    "(EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token oracle "
-    "advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool where the draft runs "
-    "eagerly (CPU or --disable-cuda-graph; under CUDA graphs it is skipped, logged at startup); topk > 1 and "
-    "--disable-overlap-schedule (spec v1: tree positions, KV moved between slots), EAGLE3, STANDALONE, NGRAM, "
-    "DFLASH, multi-layer/adaptive EAGLE are not verified")
+    "the canary verifies speculative decoding only where it was run end to end: EAGLE's and EAGLE3's target model "
+    "with topk 1 (EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token "
+    "oracle advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool (eager or under "
+    "CUDA graphs); topk > 1 and "
+    "--disable-overlap-schedule (spec v1: tree positions, KV moved between slots), STANDALONE, NGRAM, DFLASH, "
+    "FROZEN_KV_MTP, multi-layer/adaptive EAGLE are not verified")
 
 
 def _spec_offender(value, args) -> str:
     """The flag (and value) that takes a speculative setting out of what the canary verifies ('' if none)."""
-    if value is None or value != "EAGLE":
+    if value is None or value not in _SPEC_ALGORITHMS:
         return ""
     for field, bad in (("speculative_eagle_topk", lambda v: v not in (None, 1)),
                        ("disable_overlap_schedule", bool), ("enable_multi_layer_eagle", bool),
@@ -62,10 +68,10 @@ def _spec_offender(value, args) -> str:
 
 
 def _spec_allowed(value, args) -> bool:
-    """EAGLE, spec v2 (topk 1, overlap on). ``None`` fields of raw flags are sglang's to pick (checked again)."""
+    """EAGLE/EAGLE3, spec v2 (topk 1, overlap on). ``None`` fields of raw flags are sglang's to pick (checked again)."""
     if value is None:
         return True
-    return value == "EAGLE" and not _spec_offender(value, args)
+    return value in _SPEC_ALGORITHMS and not _spec_offender(value, args)
 
 
 _TP = "pipeline/context parallelism splits a sequence's KV across processes; the canary verifies one process's pool"

@@ -37,3 +37,27 @@ def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
                     req_pool_indices=batch.req_pool_indices, committed=batch.seq_lens,
                     next_token_ids=result.next_token_ids, accept_lens=accept_lens, batch_size=bs,
                     n=int(result.speculative_num_draft_tokens))
+
+
+SPEC_POOL_CLASSES = ("MHATokenToKVPool",)  # the pools speculative decoding was run end to end with (target, draft)
+
+
+def spec_pool_refusal(server_args, pool, *, draft: bool) -> str:
+    """'' where speculative decoding over ``pool`` is verified, else why not (naming ``--speculative-algorithm``).
+
+    MTP drafts run through the same ``EAGLEWorkerV2`` as EAGLE (``--speculative-algorithm EAGLE``/``NEXTN``,
+    the draft model path the target's, sglang's ``ModelConfig._config_draft_model`` renaming the architecture to
+    its ``...NextN``/``...MTP`` class), with the same batches and the same token offset in the draft's pool, but
+    their targets' pools are MLA (DeepSeek/GLM NextN), hybrid sliding-window (MiMo-V2, Step-3.5) or hybrid
+    linear-attention (Qwen3-Next/Qwen3.5, Nemotron-H MTP): none has been run with speculative decoding, so
+    none is verified (refused on the target, the draft pool skipped with its startup line on the draft).
+    """
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    name = type(pool).__name__
+    if not algorithm or name in SPEC_POOL_CLASSES:
+        return ""
+    return (f"--speculative-algorithm {algorithm} with the {'draft' if draft else 'target'} model's KV pool {name}: "
+            f"speculative decoding is verified with {', '.join(SPEC_POOL_CLASSES)} pools only (EAGLE/EAGLE3 drafts, "
+            "MTP drafts of models with plain multi-head attention); MLA (DeepSeek/GLM NextN), hybrid sliding-window "
+            "and hybrid linear-attention (Qwen3-Next/Qwen3.5 MTP) pools are not verified with it "
+            "(docs/speculative.md)")

@@ -104,6 +104,8 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         raw_pred = torch.zeros_like(raw_slot)
         raw_pred[:, 1:] = raw_slot[:, :-1]
         pred_known = (pos == 0) | (raw_pred > 0) if group.slot_map is not None else None
+        if not group.check_chain:
+            pred_known = torch.zeros_like(m)
         reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, None, pred_known)
         if token_oracle is not None and token_oracle.verify_reads:
             slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)

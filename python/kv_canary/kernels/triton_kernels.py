@@ -211,7 +211,7 @@ def _append_violations(counters, ring, ring_capacity, bad, reason_bits, slot, po
 def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
                   counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
                   CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
-                  TRANSLATE: tl.constexpr, NSRC: tl.constexpr):
+                  TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr, NSRC: tl.constexpr):
     """HEAD for block ``b`` of request ``i``'s read positions [lo, prefix) (see ``verify_kernel``): append a
     ring row per failing slot; returns (verified, diverged) per lane (0 past ``prefix``: a block past the
     end does nothing)."""
@@ -226,6 +226,8 @@ def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_strid
         pred_known = (pos == 0) | (raw_pred > 0)
     else:
         pred_known = pos >= 0
+    if not CHECK_CHAIN:  # the group's chain links are not checked (BufferGroup.check_chain)
+        pred_known = pos < 0
     if CHECK_TOKENS:  # loaded before the checks: in flight with their loads
         last = m & (pos == prefix - 1) & (raw_slot > 0) & (raw_slot < num_slots)
         last_chain = tl.load(records + raw_slot * _RW + 2, mask=last, other=0)
@@ -252,7 +254,7 @@ def verify_kernel(
     row_chain, next_token, next_rows, sampled, pending,
     slot_map, map_len, window,
     CHECK_TOKENS: tl.constexpr, SCATTER: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr,
-    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, NSRC: tl.constexpr = 0,
+    BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr = True, NSRC: tl.constexpr = 0,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
 
@@ -297,12 +299,12 @@ def verify_kernel(
     verified, diverged = _verify_block(
         j, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
         counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-        CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, NSRC)
+        CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC)
     for b in range(j + programs_per_req, num_blocks, programs_per_req):
         more_verified, more_diverged = _verify_block(
             b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
             counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, NSRC)
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC)
         verified += more_verified
         diverged += more_diverged
     if SCATTER:  # the pending samples: the first BLOCK loaded above, the rest (count > BLOCK) here
@@ -506,7 +508,8 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window,
         CHECK_TOKENS=token_oracle is not None and token_oracle.verify_reads, SCATTER=token_oracle is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
-        TRANSLATE=group.slot_map is not None, NSRC=few_sources(group), num_warps=verify_warps(group, block),
+        TRANSLATE=group.slot_map is not None, CHECK_CHAIN=group.check_chain, NSRC=few_sources(group),
+        num_warps=verify_warps(group, block),
     )
 
 

@@ -120,14 +120,12 @@ class CanaryManager:
             if config.uses_token_oracle else None
         )
         self._sample_sink: Optional[Callable[[torch.Tensor], None]] = None  # the oracle's, once init finished
-        # CUDA: HEAD's verify launches run on this stream, concurrently with the forward (single_forward.py)
-        head_stream = torch.cuda.Stream(device=device) if torch.device(device).type == "cuda" else None
         self.single_forward_managers = [
             SingleForwardManager(
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
                 token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
-                check_fed=config.write_input_assert, head_stream=head_stream,
+                check_fed=config.write_input_assert,
             )
             for i in range(num_single_forward_managers)
         ]
@@ -192,6 +190,11 @@ class CanaryManager:
         """Route the patched model.forward calls in this block to single-forward manager ``index``."""
         self._check_index(index)
         return _ActiveBracket(self._active, index)
+
+    @property
+    def is_capturing(self) -> bool:
+        """Inside ``capturing()`` (CUDA-graph warmup or capture): the engine wiring must not run outside ops."""
+        return self._capturing > 0
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -388,8 +391,6 @@ class CanaryManager:
         self._containment = target
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
-        for sfm in self.single_forward_managers:  # a HEAD forked for a forward whose TAIL did not run
-            sfm.join_head()
         if not self.init_finished:
             return
         if self.perturb.active:

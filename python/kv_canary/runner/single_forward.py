@@ -11,13 +11,10 @@ and TAIL records every new slot's whole-row hash. Both only launch kernels on
 preallocated buffers: no host sync, no allocation, grids fixed by the batch size
 (see ``LaunchCapacities``).
 
-On CUDA the verify launches run on a side stream (``head_stream``) forked from
-the forward's stream where HEAD is called and joined where TAIL is: the forward
-does not wait for them (the slots they read are the prefix, which the forward
-only reads), TAIL does (it advances the token oracle's state that HEAD reads),
-and so does everything after the forward. Inside a CUDA graph the fork and join
-are captured as graph edges. The scrub stays on the forward's stream, before it:
-it hashes slots round-robin over the pool, including ones this forward writes.
+Everything runs on the forward's stream, in order: HEAD, the forward, TAIL. (HEAD on
+a side stream beside the forward was measured and dropped: at decode bs32 on an H200
+the verify ran 2.2x slower beside the forward's GEMMs and the step got longer, not
+shorter; docs/performance.md.)
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class SingleForwardManager:
         token_oracle: Optional[TokenOracle] = None,
         scrub_slots_per_forward: int = 0,
         check_fed: bool = True,
-        head_stream: Optional[torch.cuda.Stream] = None,
     ):
         self.index = index
         self._groups = list(groups)
@@ -63,11 +59,9 @@ class SingleForwardManager:
         self._oracle = token_oracle
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
-        self._head_stream = head_stream  # CUDA: the verify launches run there, concurrently with the forward
-        self._head_view: Optional[ForwardView] = None  # the view a forked HEAD reads, kept alive until the join
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
-        """HEAD: verify every slot the forward's attention reads (forked onto ``head_stream`` when set)."""
+        """HEAD: verify every slot the forward's attention reads."""
         if view.batch_size == 0:
             return
         self._capacities.check(view)
@@ -75,31 +69,14 @@ class SingleForwardManager:
             for group_index, group in enumerate(self._groups):
                 self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
-        side = self._head_stream
-        if side is None:
-            self._verify(view, programs)
-            return
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._verify(view, programs)
-        self._head_view = view
-
-    def _verify(self, view: ForwardView, programs: int) -> None:
         for group_index, group in enumerate(self._groups):
             self._kernels.verify(
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
                 group_index=group_index, token_oracle=self._oracle if group_index == 0 else None,
             )
 
-    def join_head(self) -> None:
-        """The forward's stream waits for a forked HEAD (no-op when none is pending)."""
-        if self._head_view is not None:
-            torch.cuda.current_stream().wait_stream(self._head_stream)
-            self._head_view = None
-
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
-        self.join_head()
         if view.batch_size == 0:
             return
         if view.draft_tokens_per_request and self._oracle is not None:

@@ -1,4 +1,4 @@
-"""The tiny target + EAGLE draft (``EntryClass``) and, on import, CPU stand-ins for sglang's CUDA-only
+"""The tiny target + EAGLE and EAGLE3 drafts (``EntryClass``) and, on import, CPU stand-ins for sglang's CUDA-only
 EAGLE helpers (see the package docstring). Imported by sglang's model registry in each scheduler process."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import torch
 
 from kv_canary_testing.tiny_model.kvc_tiny import KvcTinyForCausalLM
 from kv_canary_testing.tiny_model.kvc_tiny_eagle import KvcTinyForCausalLMEagle
+from kv_canary_testing.tiny_model.kvc_tiny_eagle3 import KvcTinyForCausalLMEagle3
 
-EntryClass = [KvcTinyForCausalLM, KvcTinyForCausalLMEagle]
+EntryClass = [KvcTinyForCausalLM, KvcTinyForCausalLMEagle, KvcTinyForCausalLMEagle3]
 
 _FULL_MASK = 0  # eagle_utils.TreeMaskMode.FULL_MASK
 

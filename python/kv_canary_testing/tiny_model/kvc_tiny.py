@@ -14,7 +14,7 @@ context held in the KV cache.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -149,12 +149,17 @@ class KvcTinyModel(nn.Module):
             KvcTinyDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, _cfg(config, "rms_norm_eps", 1e-6))
+        self.layers_to_capture = []  # EAGLE3: the residual stream entering these layers (set_eagle3_layers_to_capture)
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        """[tokens, hidden] after the final norm; with layers to capture, also the list of captured [tokens, hidden]."""
         h = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.layers_to_capture:
+                aux.append(h)
             h = layer(positions, h, forward_batch)
-        return self.norm(h)
+        return (self.norm(h), aux) if self.layers_to_capture else self.norm(h)
 
 
 class KvcTinyForCausalLM(nn.Module):
@@ -168,6 +173,7 @@ class KvcTinyForCausalLM(nn.Module):
         self.model = KvcTinyModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_processor = LogitsProcessor(config)
+        self.capture_aux_hidden_states = False
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -175,6 +181,17 @@ class KvcTinyForCausalLM(nn.Module):
     def get_embed_and_head(self):
         """(embedding, lm_head) weights: an EAGLE draft model shares them."""
         return self.model.embed_tokens.weight, self.lm_head.weight
+
+    def set_eagle3_layers_to_capture(self, layer_ids: Optional[List[int]] = None) -> None:
+        """EAGLE3 (``ModelRunner.init_aux_hidden_state_capture``), as sglang's ``LlamaForCausalLM`` does it: the
+        hidden states entering layers ``id + 1`` (None: 2, n // 2, n - 3) go to the draft, concatenated."""
+        n = self.config.num_hidden_layers
+        layers = [2, n // 2, n - 3] if layer_ids is None else [i + 1 for i in layer_ids]
+        if any(not 0 <= i < n for i in layers):
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids {layer_ids}: the target has {n} layers; each id + 1 "
+                             f"must be one of them (the draft's config.json eagle_config)")
+        self.model.layers_to_capture = layers
+        self.capture_aux_hidden_states = True
 
     @torch.no_grad()
     def forward(
@@ -187,7 +204,10 @@ class KvcTinyForCausalLM(nn.Module):
         **kwargs,
     ):
         hidden = self.model(input_ids, positions, forward_batch, input_embeds)
-        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+        aux = None
+        if self.capture_aux_hidden_states:
+            hidden, aux = hidden
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by name (HF Llama names map 1:1)."""

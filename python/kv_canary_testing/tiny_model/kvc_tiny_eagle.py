@@ -45,15 +45,21 @@ class KvcTinyEagleModel(nn.Module):
 
 
 class KvcTinyForCausalLMEagle(nn.Module):
+    INIT_SEED_OFFSET = 1  # post_load_weights' generator: kvc_init_seed + this
+
     def __init__(self, config, quant_config=None, prefix: str = "", **kwargs):
         super().__init__()
         if quant_config is not None:
-            raise ValueError("KvcTinyForCausalLMEagle does not support quantization")
+            raise ValueError(f"{type(self).__name__} does not support quantization")
         self.config = config
-        self.model = KvcTinyEagleModel(config)
+        self.model = self.make_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_processor = LogitsProcessor(config)
         self.capture_aux_hidden_states = False
+
+    @staticmethod
+    def make_model(config) -> nn.Module:
+        return KvcTinyEagleModel(config)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -85,7 +91,7 @@ class KvcTinyForCausalLMEagle(nn.Module):
         params = dict(self.named_parameters())
         for name, tensor in weights:
             if name not in params:
-                raise KeyError(f"unexpected weight {name!r} for KvcTinyForCausalLMEagle")
+                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
             params[name].data.copy_(tensor.to(params[name].dtype))
 
     def post_load_weights(self) -> None:
@@ -94,7 +100,7 @@ class KvcTinyForCausalLMEagle(nn.Module):
             return
         import math
 
-        gen = torch.Generator(device="cpu").manual_seed(int(_cfg(self.config, "kvc_init_seed", 0)) + 1)
+        gen = torch.Generator(device="cpu").manual_seed(int(_cfg(self.config, "kvc_init_seed", 0)) + self.INIT_SEED_OFFSET)
         with torch.no_grad():
             for name, param in sorted(self.named_parameters()):
                 if name.endswith("norm.weight"):

@@ -9,8 +9,9 @@ sglang's four CUDA-only EAGLE helpers a CPU implementation (topk 1) and runs eve
 scheduler, EAGLE worker, pools, Triton attention under the interpreter, the canary --
 unchanged; there are no CUDA graphs on CPU, and one server (page size 1) keeps CI time down.
 The draft model's own KV pool is verified too (its own ``draft`` group and manager,
-``kv_canary_draft_stats=`` lines) where its forwards run eagerly: on CPU here; on the GPU its
-CUDA graphs are not bracketed yet, so there the draft pool is skipped with a startup line.
+``kv_canary_draft_stats=`` lines): eagerly on CPU; on the GPU under CUDA graphs (the draft decode
+phase replayed from ``EAGLEDraftCudaGraphRunner``, the draft extend from
+``EAGLEDraftExtendCudaGraphRunner``, HEAD/TAIL captured inside, every replay counted).
 """
 
 import pytest
@@ -66,16 +67,21 @@ def _generate(srv, text, n):
     return r.json()
 
 
-@pytest.mark.e2e
-def test_eagle_drafts_are_accepted_and_rejected(eagle_server):
-    """The workload below exercises every verify outcome: some drafts accepted, some rejected."""
-    outs = [_generate(eagle_server, " ".join(f"w{i + j}" for j in range(6)), 24) for i in (1, 40, 200)]
+def check_drafts_accepted_and_rejected(srv, label: str) -> None:
+    """Three greedy requests: some drafts accepted, some rejected (every verify outcome happens)."""
+    outs = [_generate(srv, " ".join(f"w{i + j}" for j in range(6)), 24) for i in (1, 40, 200)]
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     verifies = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
-    print(f"kv_canary_e2e_eagle_accept completion_tokens={tokens} verify_forwards={verifies}")
+    print(f"{label} completion_tokens={tokens} verify_forwards={verifies}")
     # one token per request comes from the prefill; a verify appends 1..NUM_DRAFT_TOKENS
     assert verifies < tokens - len(outs), "no draft was ever accepted"
     assert verifies * NUM_DRAFT_TOKENS > tokens - len(outs), "every draft was accepted"
+
+
+@pytest.mark.e2e
+def test_eagle_drafts_are_accepted_and_rejected(eagle_server):
+    """The workload below exercises every verify outcome: some drafts accepted, some rejected."""
+    check_drafts_accepted_and_rejected(eagle_server, "kv_canary_e2e_eagle_accept")
 
 
 @pytest.mark.e2e
@@ -84,7 +90,7 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
     result = run_requests(eagle_server.base_url, specs, concurrency=8 if CUDA else 4, timeout=600)
     log = CanaryLog.read_settled(eagle_server)
     running = eagle_server.is_running()
-    draft = parse_lines(log.text, DRAFT_STATS_PREFIX)  # the draft pool's own manager (CPU: eager forwards)
+    draft = parse_lines(log.text, DRAFT_STATS_PREFIX)  # the draft pool's own manager (CPU: eager; GPU: graphs)
     d = draft[-1] if draft else {}
     print(f"kv_canary_e2e_eagle device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
@@ -92,7 +98,8 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
           f"graph_replays={log.last_stat('graph_forwards')} violations={log.last_stat('violations')} "
           f"draft_slots_verified={d.get('slots_verified')} draft_slots_written={d.get('slots_written')} "
           f"draft_forwards={d.get('forwards_host')} draft_outer_steps={d.get('outer_steps')} "
-          f"draft_violations={d.get('violations')}")
+          f"draft_graph_replays={d.get('graph_forwards')} draft_violations={d.get('violations')} "
+          f"draft_health_violations={d.get('health_violations')}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5]) + "\n" + eagle_server.log_tail()
     # the workload exercised what the canary must survive: prefix hits, chunked prefill, an abort, eviction
     assert result.cached_tokens > 0
@@ -103,18 +110,20 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
     assert log.last_stat("health_violations") == 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
-    if CUDA:  # the draft's CUDA graphs are not bracketed: its pool is skipped, said at startup
-        assert DRAFT_SKIPPED in log.text and not draft
-    else:  # the draft pool verified: its prefill/draft-extend forwards and each draft decode step
-        installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
-        assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
-        assert DRAFT_SKIPPED not in log.text
-        assert d.get("settled") == "1", draft[-3:]
-        assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
-        assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
-        # prefills, draft extends and NUM_STEPS - 1 decode steps per draft phase: more forwards than outer steps
-        assert int(d["forwards_host"]) > int(d["outer_steps"])
-        assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
+    # the draft pool verified (CPU: eager; GPU: under CUDA graphs): its prefill/draft-extend forwards and each draft
+    # decode step
+    installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
+    assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
+    assert DRAFT_SKIPPED not in log.text
+    assert d.get("settled") == "1", draft[-3:]
+    assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
+    assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
+    # prefills, draft extends and NUM_STEPS - 1 decode steps per draft phase: more forwards than outer steps
+    assert int(d["forwards_host"]) > int(d["outer_steps"])
+    # every forward the device ran (HEAD and TAIL, eager or inside a replayed graph) was counted on the host
+    assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
+    if CUDA:  # the draft decode phases and draft extends replayed from the draft's CUDA graphs
+        assert int(d["graph_forwards"]) > 0, draft[-3:]
     assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
     if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
         assert "cuda graph: True" in log.text

@@ -4,8 +4,8 @@ pool (``SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft``), ``--kv-canary log``: eve
 (a read entry pointing at another slot of the same request) injected into a TARGET_VERIFY or
 prefill forward (or, in the draft pool, a draft prefill, draft decode phase or draft extend) is
 reported by that forward's HEAD in that pool, nothing else is reported, and the server keeps serving.
-On the GPU the verify forwards replay from CUDA graphs; the draft pool is verified with
-``--disable-cuda-graph`` only (its graph runners are not bracketed yet), so the draft run disables them.
+On the GPU the verify forwards, the draft decode phases and the draft extends replay from CUDA graphs
+(the draft pool's HEAD/TAIL captured inside the draft's graphs).
 
 GPU only in CI: the CPU suite runs one EAGLE server (``test_e2e_speculative``), and a second
 one under the Triton interpreter costs minutes of CI time; the same run on CPU is recorded in
@@ -50,7 +50,6 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
         "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
         "--speculative-draft-load-format", "dummy", "--max-running-requests", "8", "--kv-canary-real-data", "all",
-        *(["--disable-cuda-graph"] if target_group == DRAFT_GROUP and device == "cuda" else []),
     ]
     srv = canary_server("log", log_path=tmp_path / "server.log", env=env, extra_args=extra, device=device,
                         max_total_tokens=16384)
@@ -93,11 +92,14 @@ def check(result, log, running, group: str) -> None:
     print(f"kv_canary_e2e_eagle_perturb group={group} {result.summary()} injections={by_kind} "
           f"detected={len(injections) - len(missed)} violations={len(log.violations)} "
           f"slots_verified={log.last_stat('slots_verified')} graph_replays={log.last_stat('graph_forwards')} "
-          f"draft_slots_verified={draft[-1]['slots_verified'] if draft else None}")
+          f"draft_slots_verified={draft[-1]['slots_verified'] if draft else None} "
+          f"draft_graph_replays={draft[-1]['graph_forwards'] if draft else None}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5])
     assert all(by_kind.values()), f"not every perturbation kind was injected: {by_kind}"
     assert missed == [], missed[:3]
     assert unexplained == [], unexplained[:3]
+    if group == DRAFT_GROUP and e2e_device() == "cuda":  # the draft's forwards replayed from its CUDA graphs
+        assert draft and int(draft[-1]["graph_forwards"]) > 0, draft[-3:]
 
 
 if __name__ == "__main__":
