@@ -294,13 +294,18 @@ def verify_kernel(
     if CHECK_TOKENS:
         own_chain = tl.load(row_chain + row)
     num_blocks = tl.cdiv(prefix - lo, BLOCK)
-    # block j in straight-line code, not the loop (the compiler then keeps all its loads in flight
-    # together); with j >= num_blocks every lane is past the prefix and it does nothing
-    verified, diverged = _verify_block(
-        j, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
-        counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-        CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC)
-    for b in range(j + programs_per_req, num_blocks, programs_per_req):
+    if NSRC > 0:  # block j in straight-line code, not the loop (the compiler then keeps all its loads in
+        # flight together); with j >= num_blocks every lane is past the prefix and it does nothing
+        verified, diverged = _verify_block(
+            j, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
+            counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC)
+        first_in_loop = j + programs_per_req
+    else:  # the looping hash: one copy of the block (a second would only add register spills)
+        verified = tl.zeros((BLOCK,), dtype=tl.int64)
+        diverged = tl.zeros((BLOCK,), dtype=tl.int64)
+        first_in_loop = j
+    for b in range(first_in_loop, num_blocks, programs_per_req):
         more_verified, more_diverged = _verify_block(
             b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
             counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
