@@ -68,7 +68,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
-    from .adapter.speculative import spec_pool_refusal
+    from .adapter.speculative import is_spec_v1, spec_pool_refusal
 
     spec_refusal = spec_pool_refusal(server_args, model_runner.token_to_kv_pool, draft=False)
     if spec_refusal:
@@ -100,7 +100,8 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         kernels=kernels,
         req_to_token=req_to_token,
         capacities=capacities,
-        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device),
+        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device,
+                                         tree_verify=is_spec_v1(server_args)),
         device=device,
         variant_tracker=tracker,
     )

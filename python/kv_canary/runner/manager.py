@@ -22,6 +22,11 @@ between the outside pre- and post-ops may be captured in a CUDA graph; the
 outside ops never are. After the engine samples, ``record_sampled`` copies the
 sampled ids into the token oracle (one device copy; the next forward's HEAD lands
 them where its TAIL expects what each request is fed).
+
+Speculative tree verifies (spec v1) defer their TAIL: the verify forward's TAIL
+writes nothing, and once the engine kept a path of drafts ``write_accepted_drafts``
+runs that TAIL over the kept slots (eager; counted by the health check as write
+launches and slots, not as a forward).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
+from ..speculative import AcceptedDrafts, stage_accepted_tokens
 from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
@@ -169,7 +175,9 @@ class CanaryManager:
         self._last_swa_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
-        self._expected_written_at: Deque[Tuple[int, int]] = deque()  # (forward, expected slots written), in order
+        self._deferred_write_launches = 0  # write launches of deferred TAILs (write_accepted_drafts)
+        # (forward, expected slots written, deferred write launches), in order
+        self._expected_written_at: Deque[Tuple[int, int, int]] = deque()
         self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
         self._swept_at = 0
@@ -309,6 +317,29 @@ class CanaryManager:
         if sink is not None:
             sink(sampled)
 
+    def write_accepted_drafts(self, accepted: AcceptedDrafts) -> None:
+        """The deferred TAIL of a speculative tree verify (spec v1), once the engine kept its drafts.
+
+        The verify forward's own TAIL wrote nothing (tree nodes are no sequence positions yet); this is its
+        write: eager, outside any graph, on the forward's stream, after the engine moved the kept K/V into place.
+        Stage what each kept slot must hold in the token oracle -> one write launch per group over the kept slots
+        (position = depth checked, token checked, records chained) -> each request's bonus token pending. No new
+        forward: the health check expects these write launches and slots on top of the forwards'.
+        """
+        if not self.init_finished or self._capturing or accepted.view.batch_size == 0:
+            return
+        if self.token_oracle is not None:
+            stage_accepted_tokens(self.token_oracle.staged, accepted)
+        self.single_forward_managers[0].deferred_post_ops(accepted.view)
+        if self.token_oracle is not None:
+            self.token_oracle.sampled[: accepted.view.batch_size].copy_(accepted.bonus)
+        self._expected_written += accepted.slots * len(self.groups)
+        self._deferred_write_launches += len(self.groups)
+        # its own counter copy (same forward index): what it reports surfaces without waiting for another forward
+        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
+        self._d2h.snapshot(self.forwards)
+        self.poll()
+
     def _on_eager_tail(self) -> None:
         if not self._capturing:
             self._eager_tails += 1
@@ -412,7 +443,7 @@ class CanaryManager:
         for _ in range(ran):
             self._forward_info[self.forwards % RID_HISTORY] = (self.forwards, rids, replayed)
             self.forwards += 1
-        self._expected_written_at.append((self.forwards, self._expected_written))
+        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
         if self.cache_index is not None and self.cache_index.pending:
             self.cache_index.apply_pending()  # each forward's tree changes, a few at a time, not in a burst per sweep
         if self._sweep_due():
@@ -520,8 +551,11 @@ class CanaryManager:
         pending = self._expected_written_at
         while pending and pending[0][0] < step:
             pending.popleft()
-        written = pending.popleft()[1] if pending and pending[0][0] == step else c[fp.C_SLOTS_WRITTEN]
-        want = (step, step * groups, step * groups, written)
+        if pending and pending[0][0] == step:
+            _, written, deferred = pending.popleft()
+        else:
+            written, deferred = c[fp.C_SLOTS_WRITTEN], c[fp.C_WRITE_LAUNCHES] - step * groups
+        want = (step, step * groups, step * groups + deferred, written)
         got = (c[fp.C_FORWARD_INDEX], c[fp.C_VERIFY_LAUNCHES], c[fp.C_WRITE_LAUNCHES], c[fp.C_SLOTS_WRITTEN])
         drift = (got[0] - want[0], got[1] - want[1], got[2] - want[2], got[3] - want[3])
         if drift == self._health_drift:  # the common case: nothing changed
