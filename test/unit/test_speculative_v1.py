@@ -377,3 +377,18 @@ def test_spec_v1_is_a_config_fact_and_its_draft_pool_is_skipped_with_a_reason():
                                           disable_overlap_schedule=False))
     assert not is_spec_v1(SimpleNamespace(speculative_algorithm=None, disable_overlap_schedule=True))
     assert "spec v1 (--speculative-eagle-topk 2, --disable-overlap-schedule)" in draft_skip_reason(args, "raise")
+
+
+@pytest.mark.parametrize("delay", [1, 3])
+def test_deferred_writes_are_counted_with_delayed_counter_copies(delay):
+    """The health check matches each counter copy to the host's expected counts: deferred write launches land in
+    the next forward's copy, or in the idle drain's extra copy after the last verify (no copy dropped)."""
+    h = _harness("torch", delay=delay)
+    for seed in range(8):
+        h.round([1, 2], [seed % 4, (seed + 1) % 4], seed=seed)
+        if seed % 3 == 2:
+            h.manager.poll(drain=True)  # the scheduler going idle between rounds
+    assert _clean(h) == (0, 0)
+    c = h.manager.last_counters
+    assert int(c[fp.C_WRITE_LAUNCHES]) == 9 + 8  # the last verify's deferred write is in the drained copy
+    assert int(c[fp.C_SLOTS_WRITTEN]) == sum(len(h.own[r]) for r in (1, 2))

@@ -176,6 +176,7 @@ class CanaryManager:
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
         self._deferred_write_launches = 0  # write launches of deferred TAILs (write_accepted_drafts)
+        self._deferred_uncopied = False  # deferred TAILs ran since the last counter copy
         # (forward, expected slots written, deferred write launches), in order
         self._expected_written_at: Deque[Tuple[int, int, int]] = deque()
         self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
@@ -335,10 +336,7 @@ class CanaryManager:
             self.token_oracle.sampled[: accepted.view.batch_size].copy_(accepted.bonus)
         self._expected_written += accepted.slots * len(self.groups)
         self._deferred_write_launches += len(self.groups)
-        # its own counter copy (same forward index): what it reports surfaces without waiting for another forward
-        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
-        self._d2h.snapshot(self.forwards)
-        self.poll()
+        self._deferred_uncopied = True  # the next forward's counter copy covers it (or the idle drain's)
 
     def _on_eager_tail(self) -> None:
         if not self._capturing:
@@ -444,6 +442,7 @@ class CanaryManager:
             self._forward_info[self.forwards % RID_HISTORY] = (self.forwards, rids, replayed)
             self.forwards += 1
         self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
+        self._deferred_uncopied = False
         if self.cache_index is not None and self.cache_index.pending:
             self.cache_index.apply_pending()  # each forward's tree changes, a few at a time, not in a burst per sweep
         if self._sweep_due():
@@ -473,6 +472,8 @@ class CanaryManager:
 
     def poll(self, *, drain: bool = False) -> None:
         """Handle every counter copy that has landed; log or raise on new violations."""
+        if drain and self._deferred_uncopied:
+            self._copy_deferred()
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
         for step, host_counters in ready:
             self._check_health(step, host_counters)
@@ -485,6 +486,17 @@ class CanaryManager:
             if self.config.swa_divergence_stats_interval and self.last_counters is not None:
                 self._last_swa_forward = self.forwards
                 logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
+
+    def _copy_deferred(self) -> None:
+        """Idle drain after deferred TAILs (``write_accepted_drafts``) no forward's counter copy covers: one more
+        copy at the same forward index. The copies in flight are read first, so none is dropped (each copy is
+        matched to its expected-counts entry in order)."""
+        for step, host_counters in self._d2h.drain():
+            self._check_health(step, host_counters)
+            self._handle_counters(host_counters, catch_up=True)
+        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
+        self._deferred_uncopied = False
+        self._d2h.snapshot(self.forwards)
 
     def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
         """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
