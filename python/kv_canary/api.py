@@ -301,7 +301,11 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
     lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
-    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)))
+    from .adapter.speculative import is_spec_v1
+
+    # spec v1: the tree verifies' deferred TAIL (the target's manager; the draft pool is not verified under it)
+    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)),
+                       deferred_writes=is_spec_v1(server_args))
 
 
 def _max_prefill_tokens(server_args: Any) -> int:

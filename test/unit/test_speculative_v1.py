@@ -392,3 +392,29 @@ def test_deferred_writes_are_counted_with_delayed_counter_copies(delay):
     c = h.manager.last_counters
     assert int(c[fp.C_WRITE_LAUNCHES]) == 9 + 8  # the last verify's deferred write is in the drained copy
     assert int(c[fp.C_SLOTS_WRITTEN]) == sum(len(h.own[r]) for r in (1, 2))
+
+
+def test_the_install_time_precompile_covers_the_deferred_tail():
+    """With ``deferred_writes`` (spec v1) the precompile launches the deferred TAIL's variant (no forward bump):
+    serving tree verifies then compiles no new Triton variant (a JIT on the serving path, GPU: a stall)."""
+    from kv_canary.kernels import VERIFY_BLOCK
+    from kv_canary.kernels import triton_kernels as tk
+    from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
+
+    h = V1Harness(topk=2, steps=3, n=4, kernels="triton", mode=CanaryMode.RAISE)
+    m = h.manager
+    tracker = VariantTracker()
+    for sfm in m.single_forward_managers:
+        sfm._kernels = track(sfm._kernels, tracker, tk.write_block)
+    m.kernels, m.variant_tracker = m.single_forward_managers[0]._kernels, tracker
+    caps = m.capacities
+    lengths = sorted(write_block_lengths(tk.write_block, caps.max_context_len).values())
+    sizes = sorted(programs_classes(lambda bs: caps.verify_programs_per_request(bs, VERIFY_BLOCK),
+                                    caps.max_batch_size).values())
+    m.precompile(lengths, sizes, verify_staged=True, deferred_writes=True)
+    m.mark_init_finished()
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, bonus={1: 11, 2: 12})
+    for seed in range(3):
+        h.round([1, 2], [2, 1], seed=seed)
+    assert _clean(h) == (0, 0)
+    assert tracker.sealed and tracker.after_startup == {}, tracker.after_startup

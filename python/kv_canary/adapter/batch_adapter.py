@@ -39,6 +39,8 @@ class SglangBatchAdapter:
         self._device = device
         self._uniform: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._uniform_buffers(1)
+        if tree_verify:
+            self._uniform_buffers(0)  # a tree verify's TAIL: no new token per request
         # TARGET_VERIFY: seq_lens + n (the view's "tokens after this forward"), written per forward
         self._verify_seq_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
 

@@ -245,7 +245,8 @@ class CanaryManager:
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
 
-    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False,
+                   deferred_writes: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
 
         Inert launches: every request is row 0 with a new run of n tokens at position 0
@@ -253,7 +254,8 @@ class CanaryManager:
         written (slot 0 is masked); only counters move, and init zeroes them. One launch
         per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
         int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
-        batches too: int64 and staged drafts), plus the sweep.
+        batches too: int64 and staged drafts; with ``deferred_writes``, the deferred TAIL of speculative tree
+        verifies: an extend-like launch that bumps no forward), plus the sweep.
         """
         dev = self.counters.device
         with self.capturing():
@@ -276,6 +278,8 @@ class CanaryManager:
                         for sfm in self.single_forward_managers:
                             sfm.pre_ops_maybe_inside_graph(view)
                             sfm.post_ops_maybe_inside_graph(view)
+                        if deferred_writes and lens_dtype == torch.int32:  # write_accepted_drafts' launches
+                            self.single_forward_managers[0].deferred_post_ops(view)
             if self.cache_index is not None:  # empty: nothing held, nothing checked
                 for group_index, group in enumerate(self.groups):
                     self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
