@@ -41,7 +41,9 @@ N_REQUESTS, N_ABORTS = (64, 4) if CUDA else (16, 1)
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"page{c[0]}-{c[1]}")
 def eagle_v1_server(request, tmp_path_factory):
     page_size, backend = request.param
-    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
+    # fa3 takes head_dim 64/96/128/192/256 (the tiny models' default is 16)
+    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"),
+                                           overrides={"head_dim": 64} if backend == "fa3" else None)
     extra = [
         "--model-path", str(target), "--attention-backend", backend,
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
