@@ -15,7 +15,12 @@ no canary; ``--kv-canary raise --kv-canary-real-data partial`` with
 ``SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=1``; + sweep 16), and ``storm``
 (ours in ``log`` mode with one persistent corruption of a shared-prefix slot
 that every later request reads; shared-prefix row only). A second ``off``
-measures run-to-run noise.
+measures run-to-run noise. ``eagle_off`` / ``eagle_ours`` / ``upstream_eagle_off`` /
+``upstream_eagle``: the same stacks with EAGLE speculative decoding on (a one-layer
+``LlamaForCausalLMEagle`` draft of the target's shape, dummy weights, topk 1, 3 steps,
+4 draft tokens), decode bs 1 and 32 only, run on their own so the summary compares
+EAGLE servers with EAGLE servers (``--configs`` from ``EAGLE_CONFIGS``, ``--rows
+decode_bs1,decode_bs32``, their own ``--results-dir``).
 
 Rows: decode bs 1/32/64, prefill bs 8 x 8k (fresh random prompts whose first
 two tokens encode a per-server counter: no radix hits), ``shared_prefix`` (64
@@ -167,13 +172,17 @@ class ServerConfig:
     role: str  # off | ours | upstream_off | upstream | storm | variant
     rows: Tuple[str, ...] = BASE_ROWS
     env: Tuple[Tuple[str, str], ...] = ()
+    eagle: bool = False  # EAGLE speculative decoding on (the plan's ``eagle_args``: draft model, steps, topk)
 
     def describe(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env)
-        return f"{self.stack} {' '.join(self.args) or '(no canary flags)'}{' ' + env if env else ''}"
+        spec = " + EAGLE (topk 1, 3 steps, 4 draft tokens)" if self.eagle else ""
+        return f"{self.stack} {' '.join(self.args) or '(no canary flags)'}{spec}{' ' + env if env else ''}"
 
 
 _SWEEP = ("--kv-canary-sweep-interval", str(SWEEP_INTERVAL))
+EAGLE_ROWS = ("decode_bs1", "decode_bs32")
+EAGLE_CONFIGS = ("eagle_off", "eagle_ours", "upstream_eagle_off", "upstream_eagle", "eagle_off")
 VARIANT_ROWS = ("decode_bs1", "decode_bs64", "prefill_bs8")
 SCRUB_SLOTS = 4096  # slots per forward whose every byte the scrub checks
 _UP_CANARY = ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
@@ -194,6 +203,14 @@ CONFIGS: Dict[str, ServerConfig] = {
                      VARIANT_ROWS),
         ServerConfig("ours_scrub", OURS, ("--kv-canary", "raise"), "variant", VARIANT_ROWS,
                      env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_SLOTS)),)),
+        # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own
+        # (--configs EAGLE_CONFIGS --rows EAGLE_ROWS --results-dir docs/results/eagle): the summary's roles
+        # then compare EAGLE servers with EAGLE servers only
+        ServerConfig("eagle_off", OURS, ("--kv-canary", "none"), "off", EAGLE_ROWS, eagle=True),
+        ServerConfig("eagle_ours", OURS, ("--kv-canary", "raise"), "ours", EAGLE_ROWS, eagle=True),
+        ServerConfig("upstream_eagle_off", UPSTREAM, (), "upstream_off", EAGLE_ROWS, eagle=True),
+        ServerConfig("upstream_eagle", UPSTREAM, _UP_CANARY, "upstream", EAGLE_ROWS, env=UPSTREAM_CANARY_ENV,
+                     eagle=True),
     )
 }
 # Off first and again near the end (noise and drift), upstream after ours (its site is installed last).
@@ -227,6 +244,11 @@ LLAMA3_8B_CONFIG = {
     "pretraining_tp": 1,
     "use_cache": True,
 }
+# The EAGLE draft of the EAGLE rows: sglang's LlamaForCausalLMEagle, one layer of the target's shape, dummy
+# weights (accept rate ~0: every round drafts, verifies and extends; the tokens per round are the same on
+# every server, so the rows compare equal work)
+LLAMA3_8B_EAGLE_CONFIG = dict(LLAMA3_8B_CONFIG, architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+EAGLE_STEPS, EAGLE_TOPK, EAGLE_DRAFT_TOKENS = 3, 1, 4
 LLAMA_FIRST_TOKEN_ID = 1000  # random prompt ids are drawn from [this, vocab_size)
 
 MAX_RUNNING_REQUESTS = 64
@@ -256,10 +278,10 @@ CUDA_GRAPH_LINE = re.compile(r"Decode batch.*?(?:cuda|cpu) graph: (True|False)")
 KV_ALLOC_LINE = re.compile(r"KV Cache is allocated\. #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 
 
-def write_llama_dir(path: Path) -> Path:
+def write_llama_dir(path: Path, config: Optional[dict] = None) -> Path:
     """Write a Llama-3-8B-shaped model folder (config only; weights are dummy, no tokenizer)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA3_8B_CONFIG, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(config or LLAMA3_8B_CONFIG, indent=2) + "\n")
     gen = {"bos_token_id": LLAMA3_8B_CONFIG["bos_token_id"], "eos_token_id": LLAMA3_8B_CONFIG["eos_token_id"]}
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return path
@@ -285,6 +307,15 @@ def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
                 "--mem-fraction-static", str(GPU_MEM_FRACTION_STATIC),
                 "--chunked-prefill-size", str(GPU_CHUNKED_PREFILL),
                 "--max-prefill-tokens", str(GPU_MAX_PREFILL_TOKENS),
+            ],
+            "eagle_args": [
+                "--speculative-algorithm", "EAGLE",
+                "--speculative-draft-model-path",
+                str(write_llama_dir(default_cache_dir() / "bench-llama3-8b-eagle-dummy", LLAMA3_8B_EAGLE_CONFIG)),
+                "--speculative-draft-load-format", "dummy",
+                "--speculative-num-steps", str(EAGLE_STEPS),
+                "--speculative-eagle-topk", str(EAGLE_TOPK),
+                "--speculative-num-draft-tokens", str(EAGLE_DRAFT_TOKENS),
             ],
             # SglangServer defaults this to the tiny model's package; the 8B run uses sglang's own Llama.
             "env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""},
@@ -434,8 +465,12 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         result["error"] = str(exc)
         _progress(f"[{label}] SKIPPED: {exc}")
         return result
+    if config.eagle and "eagle_args" not in plan:
+        result["error"] = f"config {config.name} runs EAGLE, measured on --device cuda only"
+        _progress(f"[{label}] SKIPPED: {result['error']}")
+        return result
     server = SglangServer(
-        [*config.args, *plan["args"]],
+        [*config.args, *plan["args"], *(plan["eagle_args"] if config.eagle else ())],
         env=env,
         log_path=log_dir / f"{label.replace('#', '')}.log",
         device=args.device,

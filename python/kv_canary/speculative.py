@@ -36,7 +36,9 @@ So the canary:
 
 Every op is a fixed-shape device op on preallocated buffers (no host sync),
 so ``stage_verify_tokens`` is captured with the forward in a CUDA graph;
-``record_accepted`` runs eagerly after the verify's sampling, outside any graph.
+``record_accepted`` runs eagerly after the verify's sampling, outside any graph: this torch
+version is the reference (and the torch kernel backend's); the Triton backend runs the same
+bits as one launch (``kernels/accept.py``).
 """
 
 from __future__ import annotations
@@ -51,14 +53,19 @@ from .token_oracle import UNKNOWN  # no staged token (TAIL uses next_token[row])
 from .views import CanaryCapacityError, ForwardView
 
 
-def _verify_table(staged: torch.Tensor, batch_size: int, n: int) -> torch.Tensor:
-    """``staged`` as int64[bs, n + 1]: request i's entries at ``i * (n + 1) + k`` (the write kernel's
-    ``new_starts[i] + i + k`` with ``new_starts[i] = i * n``)."""
+def verify_table_entries(staged: torch.Tensor, batch_size: int, n: int) -> int:
+    """Entries of ``staged`` a verify of ``batch_size`` x ``n`` uses; ``CanaryCapacityError`` beyond the table."""
     if batch_size * (n + 1) > staged.numel():
         raise CanaryCapacityError(
             f"kv-canary: a verify forward of {batch_size} requests x {n} draft tokens needs "
             f"{batch_size * (n + 1)} staged entries; the token oracle holds {staged.numel()}")
-    return staged[: batch_size * (n + 1)].view(batch_size, n + 1)
+    return batch_size * (n + 1)
+
+
+def _verify_table(staged: torch.Tensor, batch_size: int, n: int) -> torch.Tensor:
+    """``staged`` as int64[bs, n + 1]: request i's entries at ``i * (n + 1) + k`` (the write kernel's
+    ``new_starts[i] + i + k`` with ``new_starts[i] = i * n``)."""
+    return staged[: verify_table_entries(staged, batch_size, n)].view(batch_size, n + 1)
 
 
 def stage_verify_tokens(staged: torch.Tensor, input_ids: torch.Tensor, batch_size: int, n: int) -> None:

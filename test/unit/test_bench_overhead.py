@@ -189,3 +189,24 @@ def test_canary_memory_is_at_most_2_percent_of_the_kv_pool_at_any_context_length
                             ring_capacity=4096, token_oracle=True, max_batch_size=req_rows + 1, sweep=True)
     assert m.pct_of(slots * per_slot) <= 2.0
     assert m.token_table < 64 * (context_len + 16384 + 8 * req_rows)
+
+
+def test_eagle_configs_run_speculative_decoding_on_cuda_and_compare_eagle_with_eagle(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "default_cache_dir", lambda: tmp_path)
+    rows = [bench.ROWS[n] for n in bench.EAGLE_ROWS]
+    plan = bench.server_plan("cuda", 1.0, rows)
+    args = plan["eagle_args"]
+    assert args[args.index("--speculative-algorithm") + 1] == "EAGLE"
+    assert args[args.index("--speculative-eagle-topk") + 1] == "1"  # spec v2: what the canary verifies
+    draft = json.loads((Path(args[args.index("--speculative-draft-model-path") + 1]) / "config.json").read_text())
+    assert draft["architectures"] == ["LlamaForCausalLMEagle"] and draft["num_hidden_layers"] == 1
+    assert draft["hidden_size"] == bench.LLAMA3_8B_CONFIG["hidden_size"]
+    assert "eagle_args" not in bench.server_plan("cpu", 1 / 64, rows)
+    eagle = [bench.CONFIGS[n] for n in bench.EAGLE_CONFIGS]
+    assert all(c.eagle and c.rows == bench.EAGLE_ROWS for c in eagle)
+    assert not any(c.eagle for c in bench.CONFIGS.values() if c.name in bench.DEFAULT_CONFIGS)
+    # in an EAGLE run the summary roles pair EAGLE servers with EAGLE servers only
+    runs = [{"label": f"{c.name}#{i}", "role": c.role, "rows": {"decode_bs1": {"median_s": m, "hit_rate": [0.0]}}}
+            for i, (c, m) in enumerate(zip(eagle, (2.0, 2.01, 2.1, 2.12, 2.0)))]
+    table, _ = bench.summarize(runs, [bench.ROWS["decode_bs1"]])
+    assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 0.5, "upstream_pct": 0.95, "noise_pct": 0.0}

@@ -25,7 +25,7 @@ from kv_canary.config import CanaryConfig, RealData
 from kv_canary.token_oracle import TokenOracle
 from kv_canary.kernels import reference as ref
 from kv_canary.kernels import triton_kernels as tk
-from kv_canary.views import ForwardView
+from kv_canary.views import CanaryCapacityError, ForwardView
 from kv_canary.buffer_groups import PoolLayout, build_group
 
 NUM_SLOTS = 600
@@ -650,3 +650,30 @@ def test_index_sweep_catches_a_cached_slot_rewritten_by_another_sequence():
     index_sweep.launch_index_sweep(s.group, index, s.counters, s.ring)
     assert int(s.counters[fp.C_VIOLATIONS]) == 1
     assert s.ring[0, fp.V_REASON].item() & fp.R_TOKEN and s.ring[0, fp.V_SLOT].item() == slot
+
+
+@pytest.mark.parametrize("bs,n", [(1, 1), (1, 4), (3, 4), (5, 17), (2, 40)])
+def test_the_one_launch_record_accepted_equals_the_torch_reference_bit_for_bit(bs, n):
+    """kernels/accept.py (the Triton backend's verify hook: one launch) against speculative.record_accepted."""
+    from kv_canary.kernels.accept import launch_record_accepted
+    from kv_canary.speculative import record_accepted
+
+    dev = DEVICE  # the GPU host's unit run compiles it for real
+    g = torch.Generator().manual_seed(bs * 100 + n)
+    rows = torch.randperm(16, generator=g)[:bs].to(torch.int64)
+    kw = dict(req_pool_indices=rows.to(dev), committed=torch.randint(1, 5000, (bs,), generator=g).to(dev),
+              next_token_ids=torch.randint(0, 32000, (bs * n,), generator=g, dtype=torch.int32).to(dev),
+              accept_lens=torch.randint(1, n + 1, (bs,), generator=g, dtype=torch.int32).to(dev), batch_size=bs, n=n)
+    staged = torch.randint(0, 32000, (bs * (n + 1) + 3,), generator=g).to(dev)
+    chain = torch.randint(-2**62, 2**62, (16,), generator=g).to(dev)
+    out = []
+    for fn in (record_accepted, launch_record_accepted):
+        o = dict(staged=staged.clone(), row_chain=chain.clone(), sampled=torch.full((16,), -7, device=dev))
+        fn(**o, **kw)
+        out.append(o)
+    assert torch.equal(out[0]["row_chain"], out[1]["row_chain"])
+    assert torch.equal(out[0]["sampled"], out[1]["sampled"])
+    assert not torch.equal(out[1]["row_chain"], chain) or n == 1
+    with pytest.raises(CanaryCapacityError, match="staged entries"):
+        launch_record_accepted(staged=staged[:bs * (n + 1) - 1], row_chain=chain.clone(),
+                               sampled=torch.zeros(16, dtype=torch.int64, device=dev), **kw)

@@ -389,3 +389,4 @@ def test_without_the_verify_hook_the_next_verify_is_reported():
     with pytest.raises(CanaryViolationError, match="token"):
         h.round({1: [19, 20]}, accept_lens=[1], new_bonus={1: 23})
         h.manager.poll(drain=True)
+

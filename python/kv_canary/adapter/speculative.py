@@ -9,13 +9,13 @@ Its result carries what the scheduler appends to each request:
 ``next_token_ids[i*n : i*n + accept_lens[i]]`` (``process_batch_result_decode``),
 at positions ``seq_lens[i] + 1 ..`` (``seq_lens``: the verify batch's committed
 lengths). The AFTER hook here advances the oracle to the accepted prefix, on the device
-(``kv_canary.speculative.record_accepted``: ``row_chain`` over the appended tokens, the
-bonus token pending for ``next_token``), before the next forward is launched.
+(``CanaryManager.record_accepted``: ``row_chain`` over the appended tokens, the
+bonus token pending for ``next_token``; one Triton launch), before the next forward is launched.
 """
 
 from __future__ import annotations
 
-from ..speculative import accepted_drafts, record_accepted
+from ..speculative import accepted_drafts
 
 
 def _target_manager(worker):
@@ -28,17 +28,15 @@ def _target_manager(worker):
 def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
     """AFTER ``EAGLEWorkerV2.verify(batch)``: advance the target's token oracle to the accepted prefix."""
     manager = _target_manager(worker)
-    oracle = getattr(manager, "token_oracle", None)
-    if oracle is None or not manager.init_finished or batch.forward_mode.is_idle():
+    if getattr(manager, "token_oracle", None) is None or not manager.init_finished or batch.forward_mode.is_idle():
         return
     accept_lens = getattr(result, "accept_lens", None)
     if accept_lens is None or result.next_token_ids is None:
         return
-    bs = int(batch.req_pool_indices.shape[0])
-    record_accepted(staged=oracle.staged, row_chain=oracle.row_chain, sampled=oracle.sampled,
-                    req_pool_indices=batch.req_pool_indices, committed=batch.seq_lens,
-                    next_token_ids=result.next_token_ids, accept_lens=accept_lens, batch_size=bs,
-                    n=int(result.speculative_num_draft_tokens))
+    manager.record_accepted(req_pool_indices=batch.req_pool_indices, committed=batch.seq_lens,
+                            next_token_ids=result.next_token_ids, accept_lens=accept_lens,
+                            batch_size=int(batch.req_pool_indices.shape[0]),
+                            n=int(result.speculative_num_draft_tokens))
 
 
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # served by EAGLEWorker (spec v1) / EAGLEWorkerV2 (spec v2)

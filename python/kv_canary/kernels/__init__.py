@@ -7,6 +7,8 @@ signature in both backends:
     write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
     scrub(group, counters, ring, per_forward, group_index=)
     sweep_index(group, cached_slot_index, counters, ring, group_index=)
+    record_accepted(staged=, row_chain=, sampled=, req_pool_indices=, committed=, next_token_ids=,
+                    accept_lens=, batch_size=, n=)   (EAGLE's accepted drafts into the token oracle)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class CanaryKernels:
     write: Callable[..., None]
     scrub: Callable[..., None]
     sweep_index: Callable[..., None]
+    record_accepted: Callable[..., None]
     graph_safe: bool
 
 
@@ -43,12 +46,13 @@ def resolve_backend(requested: KernelBackend, device: torch.device) -> KernelBac
 def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKernels:
     backend = resolve_backend(requested, device)
     if backend is KernelBackend.TRITON:
-        from . import index_sweep
+        from . import accept, index_sweep
         from . import triton_kernels as tk
 
         return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_scrub,
-                             index_sweep.launch_index_sweep, graph_safe=True)
+                             index_sweep.launch_index_sweep, accept.launch_record_accepted, graph_safe=True)
+    from ..speculative import record_accepted
     from . import reference as ref
 
     return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub, ref.launch_index_sweep,
-                         graph_safe=False)
+                         record_accepted, graph_safe=False)

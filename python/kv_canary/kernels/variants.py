@@ -89,7 +89,13 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
         tracker.note(("sweep_index", *_group_key(group), group_index))
         return kernels.sweep_index(group, index, counters, ring, group_index=group_index)
 
-    return dataclasses.replace(kernels, verify=verify, write=write, scrub=scrub, sweep_index=sweep_index)
+    def record_accepted(**kw):
+        tracker.note(("record_accepted", *(str(kw[k].dtype).replace("torch.", "") for k in (
+            "req_pool_indices", "committed", "next_token_ids", "accept_lens"))))
+        return kernels.record_accepted(**kw)
+
+    return dataclasses.replace(kernels, verify=verify, write=write, scrub=scrub, sweep_index=sweep_index,
+                               record_accepted=record_accepted)
 
 
 def write_block_lengths(write_block: Callable[[int], int], max_new_len: int) -> Dict[int, int]:

@@ -254,8 +254,9 @@ class CanaryManager:
         written (slot 0 is masked); only counters move, and init zeroes them. One launch
         per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
         int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
-        batches too: int64 and staged drafts; with ``deferred_writes``, the deferred TAIL of speculative tree
-        verifies: an extend-like launch that bumps no forward), plus the sweep.
+        batches too: int64 and staged drafts, and the verify hook's ``record_accepted``; its
+        effect on the token oracle is cleared by ``mark_init_finished``; with ``deferred_writes``, the
+        deferred TAIL of speculative tree verifies: an extend-like launch that bumps no forward), plus the sweep.
         """
         dev = self.counters.device
         with self.capturing():
@@ -280,6 +281,10 @@ class CanaryManager:
                             sfm.post_ops_maybe_inside_graph(view)
                         if deferred_writes and lens_dtype == torch.int32:  # write_accepted_drafts' launches
                             self.single_forward_managers[0].deferred_post_ops(view)
+            if verify_staged and self.token_oracle is not None:  # the verify hook's launch (sglang's dtypes)
+                z64, z32 = (torch.zeros(1, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
+                self.record_accepted(req_pool_indices=z64, committed=z64, next_token_ids=torch.zeros(
+                    2, dtype=torch.int32, device=dev), accept_lens=z32 + 1, batch_size=1, n=2)
             if self.cache_index is not None:  # empty: nothing held, nothing checked
                 for group_index, group in enumerate(self.groups):
                     self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
@@ -341,6 +346,17 @@ class CanaryManager:
         self._expected_written += accepted.slots * len(self.groups)
         self._deferred_write_launches += len(self.groups)
         self._deferred_uncopied = True  # the next forward's counter copy covers it (or the idle drain's)
+
+    def record_accepted(self, *, req_pool_indices: torch.Tensor, committed: torch.Tensor,
+                        next_token_ids: torch.Tensor, accept_lens: torch.Tensor, batch_size: int, n: int) -> None:
+        """EAGLE (spec v2), after a verify's sampling: the accepted drafts join the token oracle
+        (``speculative.record_accepted``; one launch on the Triton backend), outside any graph, no host sync."""
+        o = self.token_oracle
+        if o is not None:
+            self.kernels.record_accepted(staged=o.staged, row_chain=o.row_chain, sampled=o.sampled,
+                                         req_pool_indices=req_pool_indices, committed=committed,
+                                         next_token_ids=next_token_ids, accept_lens=accept_lens,
+                                         batch_size=batch_size, n=n)
 
     def _on_eager_tail(self) -> None:
         if not self._capturing:
