@@ -37,7 +37,8 @@ def explains(injection, violation) -> bool:
         violation["forward"]) >= int(injection["forward"])
 
 
-def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = "", spec_v1: bool = False):
+def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = "", spec_v1: bool = False,
+                  perturb_seed: int = 3):
     """(workload result, canary log, still running) of an EAGLE server with both perturbations on, in the
     target's pool (``target_group`` '') or the draft's (``'draft'``); ``spec_v1``: topk 2 with the overlap
     scheduler off (sglang's EAGLEWorker: tree verifies, the target's pool only)."""
@@ -45,7 +46,7 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
     env = {name: "0.15" for name in MODES.values()}
     if target_group:
         env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = target_group
-    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "5", "SGLANG_KV_CANARY_PERTURB_SEED": "3",
+    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "5", "SGLANG_KV_CANARY_PERTURB_SEED": str(perturb_seed),
                 "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
     extra = [
         "--model-path", str(target), "--attention-backend", "triton",
