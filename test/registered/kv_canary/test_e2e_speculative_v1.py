@@ -26,7 +26,7 @@ from kv_canary_testing.canary_e2e import (
 from kv_canary_testing.model_dir import word_token_id, write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cpu_ci(est_time=300, suite="kv-canary-cpu")  # the EAGLE server + a short reference one
+register_cpu_ci(est_time=330, suite="kv-canary-cpu")  # the EAGLE server + a short reference one
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 NUM_STEPS, TOPK, NUM_DRAFT_TOKENS = 3, 2, 4  # a tree: 3 of the 2 + 4 + 4 candidate drafts, siblings included
@@ -76,14 +76,25 @@ def _greedy(srv, prompt, n=24):
 
 
 @pytest.mark.e2e
-def test_spec_v1_greedy_outputs_equal_the_target_without_speculative_decoding(eagle_v1_server, tmp_path):
+def test_spec_v1_drafts_accepted_and_rejected_and_greedy_outputs_equal_the_non_speculative_target(eagle_v1_server,
+                                                                                                 tmp_path):
     """Three greedy requests through the tree verifies equal those of the same target served without speculative
     decoding (a reference server, canary off: sglang's input logprobs, which would let the EAGLE server check
-    itself, need CUDA in 0.5.12's LogitsProcessor), and some drafts are accepted, some rejected."""
+    itself, need CUDA in 0.5.12's LogitsProcessor), and some drafts are accepted, some rejected.
+
+    The equality is the proof that the CPU stand-ins (``kv_canary_testing.spec_cpu``: the draft tree, the greedy
+    walk) compute what sglang's CUDA ops do, so it runs on CPU (float32); on a GPU sglang's own ops run, in the
+    models' half precision, where a verify kernel and a decode kernel may break a near-tie differently."""
     srv = eagle_v1_server
     outs = [_greedy(srv, p) for p in PROMPTS]
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     verifies = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    print(f"kv_canary_e2e_eagle_v1_accept completion_tokens={tokens} verify_forwards={verifies}")
+    # one token per request comes from the prefill; a verify appends 1..NUM_STEPS + 1
+    assert verifies < tokens - len(PROMPTS), "no draft was ever accepted"
+    assert verifies * (NUM_STEPS + 1) > tokens - len(PROMPTS), "every draft was accepted"
+    if CUDA:
+        return
     page_size, backend = srv.kvc_config
     ref_srv = canary_server("none", log_path=tmp_path / "reference.log", max_total_tokens=MAX_TOTAL_TOKENS,
                             extra_args=["--model-path", str(srv.kvc_target), "--attention-backend", backend,
@@ -92,12 +103,9 @@ def test_spec_v1_greedy_outputs_equal_the_target_without_speculative_decoding(ea
     with ref_srv:
         refs = [_greedy(ref_srv, p) for p in PROMPTS]
     equal = sum(o["output_ids"] == r["output_ids"] for o, r in zip(outs, refs))
-    print(f"kv_canary_e2e_eagle_v1_accept completion_tokens={tokens} verify_forwards={verifies} "
-          f"greedy_equal_to_non_speculative={equal}/{len(PROMPTS)}")
+    print(f"kv_canary_e2e_eagle_v1_greedy greedy_equal_to_non_speculative={equal}/{len(PROMPTS)} "
+          f"tokens_each={[len(o['output_ids']) for o in outs]}")
     assert equal == len(PROMPTS), [(o["output_ids"], r["output_ids"]) for o, r in zip(outs, refs)]
-    # one token per request comes from the prefill; a verify appends 1..NUM_STEPS + 1
-    assert verifies < tokens - len(PROMPTS), "no draft was ever accepted"
-    assert verifies * (NUM_STEPS + 1) > tokens - len(PROMPTS), "every draft was accepted"
 
 
 @pytest.mark.e2e
