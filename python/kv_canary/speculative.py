@@ -160,15 +160,17 @@ def accepted_drafts(*, req_to_token: torch.Tensor, rows: torch.Tensor, committed
     total = int(sum(accept_lens))
     lens = torch.tensor(list(accept_lens), dtype=torch.int64, device=dev)
     starts = torch.cumsum(lens, 0) - lens
-    req_of = torch.repeat_interleave(torch.arange(bs, device=dev), lens)
-    k = torch.arange(total, device=dev) - starts[req_of]
+    lane = torch.arange(total, device=dev)
+    req_of = torch.repeat_interleave(torch.arange(bs, device=dev), lens, output_size=total)  # no host sync
+    k = lane - starts[req_of]
     rows64, c = rows[:bs].to(torch.int64), committed[:bs].to(torch.int64)
     nodes = kept_nodes[:total].to(torch.int64)
     slots = req_to_token[rows64[req_of], c[req_of] + k].to(torch.int64)
     # staged entries: request i at starts[i] + i + k; k = 0 and k = a_i UNKNOWN, k in [1, a_i) the appended token
+    # at c + k (lane - 1: entry k - 1 of the request's appended tokens)
     expected = torch.full((total + bs,), UNKNOWN, dtype=torch.int64, device=dev)
-    inner = k > 0
-    expected[(starts[req_of] + req_of + k)[inner]] = appended[:total].to(torch.int64)[inner.nonzero().flatten() - 1]
+    prev = appended[:total].to(torch.int64)[(lane - 1).clamp(min=0)]
+    expected.scatter_(0, starts[req_of] + req_of + k, torch.where(k > 0, prev, UNKNOWN))
     view = ForwardView(
         input_ids=fed_tokens.to(torch.int64)[nodes], positions=fed_positions.to(torch.int64)[nodes],
         out_cache_loc=slots, req_pool_indices=rows64, seq_lens=c + lens,
