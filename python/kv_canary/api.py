@@ -199,7 +199,8 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
         sweep=False, max_tokens_per_forward=capacities.tokens_per_forward,
     )
     logger.info(format_line(DRAFT_INSTALLED_PREFIX, 1, {
-        "algorithm": algorithm, "pool": type(pool).__name__, "groups": DRAFT_GROUP, "slots": groups[0].num_slots,
+        "algorithm": algorithm, "draft_model": type(getattr(model_runner, "model", None)).__name__,
+        "pool": type(pool).__name__, "groups": DRAFT_GROUP, "slots": groups[0].num_slots,
         "kernels": kernels.name, "single_forward_managers": max(1, steps - 1),
         "kv_token_id_vs_position_offset": KV_TOKEN_ID_VS_POSITION_OFFSET, "token_checks": 0,
         "canary_bytes": memory.total}))

@@ -244,3 +244,25 @@ def write_qwen3_next_model_dir(path: str | os.PathLike | None = None) -> Path:
     """``write_model_dir`` for the tiny Qwen3-Next (default folder ``<cache>/tiny-model-qwen3-next``)."""
     out = Path(path) if path is not None else default_cache_dir() / "tiny-model-qwen3-next"
     return write_model_dir(out, config_overrides=qwen3_next_config_overrides())
+
+
+MIMO_ARCHITECTURE = "MiMoForCausalLM"  # sglang's own; as a draft ModelConfig renames it to MiMoMTP
+
+
+def mimo_config_overrides() -> dict:
+    """A tiny MiMo (Qwen2 layers + one multi-token-prediction layer): sglang 0.5.12 serves it with
+    ``--speculative-algorithm NEXTN``/``EAGLE`` and the target's own folder as the draft, which
+    ``ModelConfig._config_draft_model`` turns into ``MiMoMTP`` (its own one-layer ``MHATokenToKVPool``).
+    head_dim 64: sglang's CUDA rotary kernel takes 64/128/256/512."""
+    return {
+        "architectures": [MIMO_ARCHITECTURE], "model_type": "qwen2", "torch_dtype": "bfloat16",
+        "num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "num_nextn_predict_layers": 1, "use_sliding_window": False,
+        "max_window_layers": 2,
+    }
+
+
+def write_mimo_model_dir(path: str | os.PathLike | None = None) -> Path:
+    """``write_model_dir`` for the tiny MiMo (default folder ``<cache>/tiny-model-mimo``)."""
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-mimo"
+    return write_model_dir(out, config_overrides=mimo_config_overrides())
