@@ -68,7 +68,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
-    from .adapter.speculative import spec_pool_refusal
+    from .adapter.speculative import is_spec_v1, spec_pool_refusal
 
     spec_refusal = spec_pool_refusal(server_args, model_runner.token_to_kv_pool, draft=False)
     if spec_refusal:
@@ -100,7 +100,8 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         kernels=kernels,
         req_to_token=req_to_token,
         capacities=capacities,
-        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device),
+        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device,
+                                         tree_verify=is_spec_v1(server_args)),
         device=device,
         variant_tracker=tracker,
     )
@@ -301,7 +302,11 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
     lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
-    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)))
+    from .adapter.speculative import is_spec_v1
+
+    # spec v1: the tree verifies' deferred TAIL (the target's manager; the draft pool is not verified under it)
+    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)),
+                       deferred_writes=is_spec_v1(server_args))
 
 
 def _max_prefill_tokens(server_args: Any) -> int:

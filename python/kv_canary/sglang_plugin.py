@@ -152,6 +152,8 @@ PD_HOOKS = {
 # --speculative-algorithm only
 SPEC_HOOKS = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify": ("speculative.after_eagle_v2_verify", "after"),
+    # spec v1 (EAGLEWorker: topk > 1, --disable-overlap-schedule): the tree verify's deferred TAIL over the kept drafts
+    "sglang.srt.speculative.eagle_worker.EAGLEWorker.verify": ("speculative.around_eagle_v1_verify", "around"),
     # the draft model's own pool (adapter/draft): the draft decode phase is one outer step, then start reporting
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward": ("draft.around_draft_forward", "around"),
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__": ("draft.after_draft_worker_init", "after"),

@@ -134,8 +134,11 @@ def write_model_dir(
     return out
 
 
-def write_eagle_model_dirs(root: str | os.PathLike | None = None, branch_scale: float = 0.3) -> tuple[Path, Path]:
+def write_eagle_model_dirs(root: str | os.PathLike | None = None, branch_scale: float = 0.3,
+                           overrides: dict | None = None) -> tuple[Path, Path]:
     """(target, draft) folders for EAGLE on the tiny models (``kv_canary_testing.spec_cpu``).
+
+    ``overrides`` update both configs (e.g. ``{"head_dim": 64}`` for attention backends without head_dim 16).
 
     The target's attention/MLP add ``branch_scale`` of their usual weight to the residual
     stream and the draft (``KvcTinyForCausalLMEagle``, one layer) passes the token's embedding
@@ -143,10 +146,10 @@ def write_eagle_model_dirs(root: str | os.PathLike | None = None, branch_scale: 
     accepted often but not always -- every verify outcome occurs (all, some, none accepted).
     """
     base = Path(root) if root is not None else default_cache_dir()
-    target = write_model_dir(base / "tiny-eagle-target", {"kvc_branch_scale": branch_scale})
+    target = write_model_dir(base / "tiny-eagle-target", {"kvc_branch_scale": branch_scale, **(overrides or {})})
     draft = write_model_dir(base / "tiny-eagle-draft", {
         "architectures": ["KvcTinyForCausalLMEagle"], "num_hidden_layers": 1,
-        "kvc_branch_scale": 0.0, "kvc_eagle_identity_fc": True,
+        "kvc_branch_scale": 0.0, "kvc_eagle_identity_fc": True, **(overrides or {}),
     })
     return target, draft
 

@@ -1,5 +1,7 @@
 """EAGLE (spec v2, topk = 1) on the target model: TARGET_VERIFY views, accept/reject, no false alarm.
 
+(Spec v1, trees: test_speculative_v1.py.)
+
 Real sglang 0.5.12 objects and code: the verify batches are ``ForwardBatch`` objects in
 ``ForwardMode.TARGET_VERIFY``; the rows are laid out by sglang's own Triton helpers, run
 under the interpreter on CPU, as ``EagleDraftInputV2Mixin.prepare_for_decode`` (over-allocation
@@ -270,7 +272,7 @@ def test_a_wrong_token_fed_at_the_committed_position_is_caught():
         h.manager.poll(drain=True)
 
 
-def test_the_allow_list_lets_through_only_eagle_and_eagle3_topk1_spec_v2():
+def test_the_allow_list_lets_through_eagle_and_eagle3_spec_v2_and_v1():
     from kv_canary.adapter.server_args import check_supported
     from kv_canary.config import CanaryConfigError
 
@@ -288,25 +290,27 @@ def test_the_allow_list_lets_through_only_eagle_and_eagle3_topk1_spec_v2():
     assert rule.allowed("EAGLE", args(device="cuda", disable_cuda_graph=True))
     assert rule.allowed("EAGLE", args(device="cuda"))  # the target's TARGET_VERIFY CUDA graphs
     assert rule.allowed("EAGLE", args(speculative_eagle_topk=None))  # raw flags: sglang picks, checked again
-    for bad, flag in ((dict(speculative_eagle_topk=4), "--speculative-eagle-topk 4"),
-                      (dict(disable_overlap_schedule=True), "--disable-overlap-schedule"),
-                      (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
+    # spec v1 (EAGLEWorker): the tree verify's TAIL deferred to the kept drafts (test_speculative_v1)
+    for v1 in (dict(speculative_eagle_topk=4), dict(disable_overlap_schedule=True),
+               dict(speculative_eagle_topk=2, disable_overlap_schedule=True)):
+        assert rule.allowed("EAGLE", args(**v1)), v1
+        check_supported(args(**v1), "raise", given_only=True)
+    for bad, flag in ((dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle"),
                       (dict(speculative_adaptive=True), "--speculative-adaptive")):
         assert not rule.allowed("EAGLE", args(**bad)), bad
         with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm EAGLE with {flag}:"):
             check_supported(args(**bad), "raise", given_only=True)
     for algo in ("STANDALONE", "NGRAM", "DFLASH", "FROZEN_KV_MTP"):
         assert not rule.allowed(algo, args(speculative_algorithm=algo)), algo
-    # EAGLE3 runs through the same EAGLEWorkerV2 batches (test_e2e_speculative_eagle3); NEXTN is sglang's alias of
-    # EAGLE (raw flags only: __post_init__ resolves it, and the check after it sees EAGLE or FROZEN_KV_MTP)
+    # EAGLE3 runs through the same EAGLEWorkerV2 / EAGLEWorker batches (test_e2e_speculative_eagle3); NEXTN is
+    # sglang's alias of EAGLE (raw flags only: __post_init__ resolves it, and the check after it sees EAGLE or
+    # FROZEN_KV_MTP)
     for algo in ("EAGLE3", "NEXTN"):
         assert rule.allowed(algo, args(speculative_algorithm=algo)), algo
+        assert rule.allowed(algo, args(speculative_algorithm=algo, speculative_eagle_topk=4)), algo
         with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm {algo} with "
-                                                    "--speculative-eagle-topk 4:"):
-            check_supported(args(speculative_algorithm=algo, speculative_eagle_topk=4), "raise", given_only=True)
-        with pytest.raises(CanaryConfigError, match=f"cannot verify --speculative-algorithm {algo} with "
-                                                    "--disable-overlap-schedule:"):
-            check_supported(args(speculative_algorithm=algo, disable_overlap_schedule=True), "raise")
+                                                    "--speculative-adaptive:"):
+            check_supported(args(speculative_algorithm=algo, speculative_adaptive=True), "raise", given_only=True)
     with pytest.raises(CanaryConfigError, match="cannot verify --speculative-algorithm NGRAM"):
         check_supported(args(speculative_algorithm="NGRAM"), "raise", given_only=True)
 

@@ -13,6 +13,12 @@ this forward) is ``seq_lens + n``, computed into a preallocated buffer (graph-sa
 and ``draft_tokens_per_request = n`` (``kv_canary.speculative``; ``staged``: the TAIL
 stages the drafts as their own expected tokens). A CUDA-graph padding
 request (``out_cache_loc`` 0) gets 0 there, so it reads and writes nothing.
+
+With ``tree_verify`` (spec v1, ``EAGLEWorker``: a config fact fixed at install) a
+TARGET_VERIFY forward feeds a tree of drafts at positions ``c + depth``: its view reads
+``[0, c)`` (``seq_lens`` = the committed length, padding lanes 0, same buffer) and
+writes nothing (``new_lens`` 0); the kept drafts are written after sglang's verify
+(``kv_canary.speculative.accepted_drafts``, ``CanaryManager.write_accepted_drafts``).
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ _EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PR
 
 
 class SglangBatchAdapter:
-    def __init__(self, *, max_batch_size: int, device: torch.device):
+    def __init__(self, *, max_batch_size: int, device: torch.device, tree_verify: bool = False):
         self._max_bs = max_batch_size
+        self._tree_verify = tree_verify  # spec v1: a verify's TAIL is deferred to acceptance
         self._device = device
         self._uniform: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._uniform_buffers(1)
+        if tree_verify:
+            self._uniform_buffers(0)  # a tree verify's TAIL: no new token per request
         # TARGET_VERIFY: seq_lens + n (the view's "tokens after this forward"), written per forward
         self._verify_seq_lens = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
 
@@ -62,13 +71,19 @@ class SglangBatchAdapter:
         """Decode-like batches (DECODE, TARGET_VERIFY, graph capture): the same count for every request."""
         return int(fb.input_ids.shape[0]) // bs if bs else 1
 
+    def _deferred(self, fb) -> bool:
+        """A spec v1 tree verify: its TAIL writes nothing (deferred to acceptance)."""
+        return self._tree_verify and self._is_target_verify(fb)
+
     def num_tokens(self, fb) -> int:
         """Real (unpadded) new tokens of the batch: the slots its TAIL must write per group."""
-        return 0 if fb.forward_mode.is_idle() else int(fb.input_ids.shape[0])
+        return 0 if fb.forward_mode.is_idle() or self._deferred(fb) else int(fb.input_ids.shape[0])
 
     def written_slots(self, fb) -> Sequence[int]:
         """Host copy of out_cache_loc (syncs; perturbation only)."""
-        return [] if fb.forward_mode.is_idle() else [int(x) for x in fb.out_cache_loc.tolist()]
+        if fb.forward_mode.is_idle() or self._deferred(fb):
+            return []
+        return [int(x) for x in fb.out_cache_loc.tolist()]
 
     def rids(self, fb) -> Optional[Sequence[str]]:
         return getattr(fb, "rids", None)
@@ -90,7 +105,14 @@ class SglangBatchAdapter:
             starts, lens = starts[:bs], lens[:bs]
             max_new = n
         seq_lens, drafts = fb.seq_lens, 0
-        if self._is_target_verify(fb) and bs:
+        if self._deferred(fb) and bs:  # spec v1: read [0, c), write nothing (padding lanes read nothing either)
+            n = max_new
+            starts, lens = self._uniform_buffers(0)
+            starts, lens, max_new = starts[:bs], lens[:bs], 0
+            seq_lens = self._verify_seq_lens[:bs]
+            real = fb.out_cache_loc[: bs * n: n] > 0
+            torch.mul(fb.seq_lens[:bs].to(torch.int64), real, out=seq_lens)
+        elif self._is_target_verify(fb) and bs:
             drafts = max_new
             seq_lens = self._verify_seq_lens[:bs]
             # A CUDA-graph padding request (out_cache_loc 0, seq_len = the fill value) gets 0: it reads
@@ -147,7 +169,9 @@ class SglangBatchAdapter:
             new_lens = [int(x) for x in fb.extend_seq_lens_cpu]
         else:
             new_lens = [self._tokens_per_request(fb, bs)] * bs
-        if self._is_target_verify(fb):
+        if self._deferred(fb):
+            new_lens = [0] * bs
+        elif self._is_target_verify(fb):
             seq_lens = [s + n for s, n in zip(seq_lens, new_lens)]
         rids = list(self.rids(fb) or ["?"] * bs)
         return HostBatch(rows=rows, seq_lens=seq_lens, new_lens=new_lens, rids=rids)

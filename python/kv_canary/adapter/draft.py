@@ -147,6 +147,13 @@ def draft_skip_reason(server_args: Any, mode: str) -> str:
     pd = disaggregation_mode(server_args)
     if pd in ("prefill", "decode"):
         return f"--disaggregation-mode {pd}"
+    from .speculative import is_spec_v1
+
+    if is_spec_v1(server_args):
+        topk = getattr(server_args, "speculative_eagle_topk", None)
+        return (f"spec v1 (--speculative-eagle-topk {topk}, --disable-overlap-schedule): sglang's EAGLEWorker runs "
+                "its draft decode steps over topk lanes per request into scratch slots it frees right after, which "
+                "the draft pool's manager does not wire")
     # eager or under CUDA graphs alike (EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner capture the
     # draft's HEAD/TAIL and each replay is an outer step): no CUDA-graph condition here
     return ""

@@ -43,14 +43,15 @@ _OFF = _only(False, None)
 # captured at several layers). NEXTN is sglang's alias of EAGLE (MTP drafts), resolved by ServerArgs.__post_init__
 # (to EAGLE, or FROZEN_KV_MTP for a Gemma 4 assistant draft: refused on the check after __post_init__).
 _SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
-_SPEC_SUPPORTED = ("EAGLE or EAGLE3 (NEXTN: sglang's alias of EAGLE) with --speculative-eagle-topk 1 and the "
-                   "overlap scheduler on (spec v2)")
+_SPEC_SUPPORTED = ("EAGLE or EAGLE3 (NEXTN: sglang's alias of EAGLE): with --speculative-eagle-topk 1 and the "
+                   "overlap scheduler on (spec v2), or any --speculative-eagle-topk with --disable-overlap-schedule "
+                   "(spec v1; sglang forces it for topk > 1)")
 _SPEC_WHY = (
     "the canary verifies speculative decoding only where it was run end to end: EAGLE's and EAGLE3's target model "
     "with topk 1 (EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token "
     "oracle advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool (eager or under "
-    "CUDA graphs); topk > 1 and "
-    "--disable-overlap-schedule (spec v1: tree positions, KV moved between slots), STANDALONE, NGRAM, DFLASH, "
+    "CUDA graphs); spec v1 (EAGLEWorker, topk > 1 or --disable-overlap-schedule): the target model's KV (the tree "
+    "verify's TAIL deferred to the kept drafts), the draft pool not verified; STANDALONE, NGRAM, DFLASH, "
     "FROZEN_KV_MTP, multi-layer/adaptive EAGLE are not verified")
 
 
@@ -58,9 +59,7 @@ def _spec_offender(value, args) -> str:
     """The flag (and value) that takes a speculative setting out of what the canary verifies ('' if none)."""
     if value is None or value not in _SPEC_ALGORITHMS:
         return ""
-    for field, bad in (("speculative_eagle_topk", lambda v: v not in (None, 1)),
-                       ("disable_overlap_schedule", bool), ("enable_multi_layer_eagle", bool),
-                       ("speculative_adaptive", bool)):
+    for field, bad in (("enable_multi_layer_eagle", bool), ("speculative_adaptive", bool)):
         v = getattr(args, field, None)
         if bad(v):
             return f"{flag_name(field)}{'' if v is True else f' {v}'}"
@@ -68,7 +67,7 @@ def _spec_offender(value, args) -> str:
 
 
 def _spec_allowed(value, args) -> bool:
-    """EAGLE/EAGLE3, spec v2 (topk 1, overlap on). ``None`` fields of raw flags are sglang's to pick (checked again)."""
+    """EAGLE/EAGLE3, spec v2 or v1. ``None`` fields of raw flags are sglang's to pick (checked again)."""
     if value is None:
         return True
     return value in _SPEC_ALGORITHMS and not _spec_offender(value, args)

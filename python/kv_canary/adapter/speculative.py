@@ -1,4 +1,6 @@
-"""sglang 0.5.12 EAGLE (spec v2, topk = 1): the accepted tokens join the target's token oracle.
+"""sglang 0.5.12 EAGLE: the accepted tokens join the target's token oracle (spec v2), or are written (spec v1).
+
+Spec v1 (``EAGLEWorker``, topk > 1 or ``--disable-overlap-schedule``): ``around_eagle_v1_verify`` below.
 
 ``EAGLEWorkerV2.verify`` runs the TARGET_VERIFY forward (the batch adapter's view:
 ``seq_lens + n``, ``draft_tokens_per_request = n``), then samples on its own
@@ -12,6 +14,9 @@ bonus token pending for ``next_token``; one Triton launch), before the next forw
 """
 
 from __future__ import annotations
+
+from ..speculative import accepted_drafts
+
 
 def _target_manager(worker):
     runner = getattr(getattr(worker, "target_worker", None), "model_runner", None)
@@ -32,6 +37,43 @@ def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
                             next_token_ids=result.next_token_ids, accept_lens=accept_lens,
                             batch_size=int(batch.req_pool_indices.shape[0]),
                             n=int(result.speculative_num_draft_tokens))
+
+
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # served by EAGLEWorker (spec v1) / EAGLEWorkerV2 (spec v2)
+
+
+def is_spec_v1(server_args) -> bool:
+    """sglang runs EAGLE through spec v1 (``EAGLEWorker``): the overlap scheduler off, which sglang forces for
+    topk > 1 (``ServerArgs.__post_init__``; ``SpeculativeAlgorithm.create_worker`` picks the worker by it)."""
+    return (getattr(server_args, "speculative_algorithm", None) in EAGLE_ALGORITHMS
+            and bool(getattr(server_args, "disable_overlap_schedule", False)))
+
+
+def around_eagle_v1_verify(original, worker, batch, *args, **kwargs):
+    """AROUND ``EAGLEWorker.verify(batch)`` (spec v1): the tree verify's deferred TAIL over the kept drafts.
+
+    Before: the committed lengths ``c`` (``batch.seq_lens``, which verify advances) and the tree's fed tokens and
+    positions (``batch.spec_info``: ``draft_token``, ``positions``, tree order). After: sglang returns
+    ``(logits, EagleVerifyOutput, can_run_cuda_graph)``; the output's ``accept_indices`` are the kept nodes
+    (request-major, root first, cut after a finishing token), ``num_correct_drafts_per_req_cpu[i] + 1`` their
+    count per request, ``accept_tokens`` the tokens the scheduler appended; sglang has re-laid (or, page size
+    > 1 with topk > 1, moved the K/V of) the kept nodes to ``req_to_token[row, c : c + a]``.
+    """
+    manager = _target_manager(worker)
+    if manager is None or not manager.init_finished or batch.forward_mode.is_idle():
+        return original(worker, batch, *args, **kwargs)
+    spec_info = batch.spec_info
+    committed = batch.seq_lens.clone()
+    rows = batch.req_pool_indices
+    result = original(worker, batch, *args, **kwargs)
+    res = result[1]
+    accept_lens = [int(x) + 1 for x in res.num_correct_drafts_per_req_cpu]
+    if accept_lens:
+        manager.write_accepted_drafts(accepted_drafts(
+            req_to_token=batch.req_to_token_pool.req_to_token, rows=rows, committed=committed,
+            accept_lens=accept_lens, kept_nodes=res.accept_indices, fed_tokens=spec_info.draft_token,
+            fed_positions=spec_info.positions, appended=res.accept_tokens))
+    return result
 
 
 SPEC_POOL_CLASSES = ("MHATokenToKVPool",)  # the pools speculative decoding was run end to end with (target, draft)

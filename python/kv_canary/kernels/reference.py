@@ -170,7 +170,10 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         # Segmented inclusive prefix sum of g per request.
         csum = torch.cumsum(g, 0)
         seg_start = torch.cumsum(n.clamp(min=0), 0) - n.clamp(min=0)
-        before = torch.where(seg_start > 0, csum[(seg_start - 1).clamp(min=0)], torch.zeros_like(seg_start))
+        if csum.numel():
+            before = torch.where(seg_start > 0, csum[(seg_start - 1).clamp(min=0)], torch.zeros_like(seg_start))
+        else:  # no new token in the batch (a speculative tree verify: its TAIL is deferred)
+            before = torch.zeros_like(seg_start)
         raw_pred = translate(group, req_to_token[rows, (p0 - 1).clamp(min=0)])
         pred = torch.where((raw_pred > 0) & (raw_pred < group.num_slots), raw_pred, 0)
         carry = torch.where(p0 > 0, group.records[pred, fp.F_CHAIN], fp.CHAIN_ANCHOR)

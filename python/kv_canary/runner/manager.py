@@ -22,6 +22,11 @@ between the outside pre- and post-ops may be captured in a CUDA graph; the
 outside ops never are. After the engine samples, ``record_sampled`` copies the
 sampled ids into the token oracle (one device copy; the next forward's HEAD lands
 them where its TAIL expects what each request is fed).
+
+Speculative tree verifies (spec v1) defer their TAIL: the verify forward's TAIL
+writes nothing, and once the engine kept a path of drafts ``write_accepted_drafts``
+runs that TAIL over the kept slots (eager; counted by the health check as write
+launches and slots, not as a forward).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
+from ..speculative import AcceptedDrafts, stage_accepted_tokens
 from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
@@ -169,7 +175,10 @@ class CanaryManager:
         self._last_swa_forward = 0
         self._settled_forward = 0
         self._expected_written = 0  # host's count of slots the TAIL launches should have written
-        self._expected_written_at: Deque[Tuple[int, int]] = deque()  # (forward, expected slots written), in order
+        self._deferred_write_launches = 0  # write launches of deferred TAILs (write_accepted_drafts)
+        self._deferred_uncopied = False  # deferred TAILs ran since the last counter copy
+        # (forward, expected slots written, deferred write launches), in order
+        self._expected_written_at: Deque[Tuple[int, int, int]] = deque()
         self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
         self.health_violations = 0
         self._swept_at = 0
@@ -236,7 +245,8 @@ class CanaryManager:
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
 
-    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False,
+                   deferred_writes: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
 
         Inert launches: every request is row 0 with a new run of n tokens at position 0
@@ -245,7 +255,8 @@ class CanaryManager:
         per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
         int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
         batches too: int64 and staged drafts, and the verify hook's ``record_accepted``; its
-        effect on the token oracle is cleared by ``mark_init_finished``), plus the sweep.
+        effect on the token oracle is cleared by ``mark_init_finished``; with ``deferred_writes``, the
+        deferred TAIL of speculative tree verifies: an extend-like launch that bumps no forward), plus the sweep.
         """
         dev = self.counters.device
         with self.capturing():
@@ -268,6 +279,8 @@ class CanaryManager:
                         for sfm in self.single_forward_managers:
                             sfm.pre_ops_maybe_inside_graph(view)
                             sfm.post_ops_maybe_inside_graph(view)
+                        if deferred_writes and lens_dtype == torch.int32:  # write_accepted_drafts' launches
+                            self.single_forward_managers[0].deferred_post_ops(view)
             if verify_staged and self.token_oracle is not None:  # the verify hook's launch (sglang's dtypes)
                 z64, z32 = (torch.zeros(1, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
                 self.record_accepted(req_pool_indices=z64, committed=z64, next_token_ids=torch.zeros(
@@ -313,6 +326,26 @@ class CanaryManager:
         sink = self._sample_sink
         if sink is not None:
             sink(sampled)
+
+    def write_accepted_drafts(self, accepted: AcceptedDrafts) -> None:
+        """The deferred TAIL of a speculative tree verify (spec v1), once the engine kept its drafts.
+
+        The verify forward's own TAIL wrote nothing (tree nodes are no sequence positions yet); this is its
+        write: eager, outside any graph, on the forward's stream, after the engine moved the kept K/V into place.
+        Stage what each kept slot must hold in the token oracle -> one write launch per group over the kept slots
+        (position = depth checked, token checked, records chained) -> each request's bonus token pending. No new
+        forward: the health check expects these write launches and slots on top of the forwards'.
+        """
+        if not self.init_finished or self._capturing or accepted.view.batch_size == 0:
+            return
+        if self.token_oracle is not None:
+            stage_accepted_tokens(self.token_oracle.staged, accepted)
+        self.single_forward_managers[0].deferred_post_ops(accepted.view)
+        if self.token_oracle is not None:
+            self.token_oracle.sampled[: accepted.view.batch_size].copy_(accepted.bonus)
+        self._expected_written += accepted.slots * len(self.groups)
+        self._deferred_write_launches += len(self.groups)
+        self._deferred_uncopied = True  # the next forward's counter copy covers it (or the idle drain's)
 
     def record_accepted(self, *, req_pool_indices: torch.Tensor, committed: torch.Tensor,
                         next_token_ids: torch.Tensor, accept_lens: torch.Tensor, batch_size: int, n: int) -> None:
@@ -428,7 +461,8 @@ class CanaryManager:
         for _ in range(ran):
             self._forward_info[self.forwards % RID_HISTORY] = (self.forwards, rids, replayed)
             self.forwards += 1
-        self._expected_written_at.append((self.forwards, self._expected_written))
+        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
+        self._deferred_uncopied = False
         if self.cache_index is not None and self.cache_index.pending:
             self.cache_index.apply_pending()  # each forward's tree changes, a few at a time, not in a burst per sweep
         if self._sweep_due():
@@ -458,6 +492,8 @@ class CanaryManager:
 
     def poll(self, *, drain: bool = False) -> None:
         """Handle every counter copy that has landed; log or raise on new violations."""
+        if drain and self._deferred_uncopied:
+            self._copy_deferred()
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
         for step, host_counters in ready:
             self._check_health(step, host_counters)
@@ -470,6 +506,17 @@ class CanaryManager:
             if self.config.swa_divergence_stats_interval and self.last_counters is not None:
                 self._last_swa_forward = self.forwards
                 logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
+
+    def _copy_deferred(self) -> None:
+        """Idle drain after deferred TAILs (``write_accepted_drafts``) no forward's counter copy covers: one more
+        copy at the same forward index. The copies in flight are read first, so none is dropped (each copy is
+        matched to its expected-counts entry in order)."""
+        for step, host_counters in self._d2h.drain():
+            self._check_health(step, host_counters)
+            self._handle_counters(host_counters, catch_up=True)
+        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
+        self._deferred_uncopied = False
+        self._d2h.snapshot(self.forwards)
 
     def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
         """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
@@ -536,8 +583,11 @@ class CanaryManager:
         pending = self._expected_written_at
         while pending and pending[0][0] < step:
             pending.popleft()
-        written = pending.popleft()[1] if pending and pending[0][0] == step else c[fp.C_SLOTS_WRITTEN]
-        want = (step, step * groups, step * groups, written)
+        if pending and pending[0][0] == step:
+            _, written, deferred = pending.popleft()
+        else:
+            written, deferred = c[fp.C_SLOTS_WRITTEN], c[fp.C_WRITE_LAUNCHES] - step * groups
+        want = (step, step * groups, step * groups + deferred, written)
         got = (c[fp.C_FORWARD_INDEX], c[fp.C_VERIFY_LAUNCHES], c[fp.C_WRITE_LAUNCHES], c[fp.C_SLOTS_WRITTEN])
         drift = (got[0] - want[0], got[1] - want[1], got[2] - want[2], got[3] - want[3])
         if drift == self._health_drift:  # the common case: nothing changed

@@ -82,11 +82,20 @@ class SingleForwardManager:
         if view.draft_tokens_per_request and self._oracle is not None:
             # drafts are checked by verification, not against the oracle (kv_canary.speculative)
             stage_verify_tokens(self._oracle.staged, view.input_ids, view.batch_size, view.draft_tokens_per_request)
+        self._write(view, bump_forward=True)
+        self._on_tail()
+
+    def deferred_post_ops(self, view: ForwardView) -> None:
+        """A TAIL deferred past its forward (a speculative tree verify's kept drafts): the same write launches,
+        eager, after the forward was counted (no forward bump, not an eager TAIL of an outer step)."""
+        if view.batch_size:
+            self._write(view, bump_forward=False)
+
+    def _write(self, view: ForwardView, *, bump_forward: bool) -> None:
         last = len(self._groups) - 1
         for group_index, group in enumerate(self._groups):
             self._kernels.write(
-                group, view, self._req_to_token, self._counters, self._ring, group_index == last,
+                group, view, self._req_to_token, self._counters, self._ring, bump_forward and group_index == last,
                 group_index=group_index, check_fed=self._check_fed and group_index == 0,
                 token_oracle=self._oracle if group_index == 0 else None, full_hash=self._scrub > 0,
             )
-        self._on_tail()

@@ -14,31 +14,59 @@ EntryClass = [KvcTinyForCausalLM, KvcTinyForCausalLMEagle, KvcTinyForCausalLMEag
 _FULL_MASK = 0  # eagle_utils.TreeMaskMode.FULL_MASK
 
 
-def build_tree_topk1(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
-                     retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens,
-                     tree_mask_mode):
-    """sgl_kernel.build_tree_kernel_efficient for topk 1: the drafts form a chain.
+def build_tree(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve_index,
+               retrieve_next_token, retrieve_next_sibling, topk, spec_steps, num_verify_tokens, tree_mask_mode):
+    """sgl_kernel.build_tree_kernel_efficient (``build_tree_efficient``), FULL_MASK mode, any topk.
 
-    FULL_MASK layout: per request a (n, seq_len + n) block, row k attends the whole prefix and
-    drafts 0..k; positions seq_len + k; retrieve_index = the flat index; next token k + 1 (-1 last);
-    no siblings.
+    Node 0 of request b is the bonus token (the root), node k >= 1 the draft ``top_scores_index[b, k - 1]``
+    (a flat index into ``organize_draft_results``' score list). Its parent: ``s // topk`` indexes
+    ``parent_list[b]`` (0: the root; else the parent's flat index, found among the selected nodes).
+    FULL_MASK layout: per request a (n, seq_len + n) block of the flat mask, row k attends the whole prefix,
+    the root, its ancestors and itself; positions seq_len + depth; retrieve_index = the flat index
+    b * n + k; retrieve_next_token[b, parent] = its first child (the lowest node index), the other children
+    chained through retrieve_next_sibling in increasing order (the kernel links them from the last node down).
     """
-    if topk != 1 or int(tree_mask_mode) != _FULL_MASK:
-        raise NotImplementedError("kv_canary_testing.spec_cpu: only topk 1 with the full tree mask")
+    if int(tree_mask_mode) != _FULL_MASK:
+        raise NotImplementedError("kv_canary_testing.spec_cpu: only the full tree mask")
     n = num_verify_tokens
     off = 0
+    selected = top_scores_index.to(torch.int64).tolist()
+    parents = parent_list.to(torch.int64).tolist() if parent_list.numel() else [[] for _ in selected]
     for b in range(seq_lens.numel()):
         s = int(seq_lens[b])
         block = tree_mask[off: off + n * (s + n)].view(n, s + n)
-        block[:, :s] = True
-        block[:, s:] = torch.tril(torch.ones(n, n, dtype=torch.bool, device=block.device))
         off += n * (s + n)
-        positions[b * n:(b + 1) * n] = s + torch.arange(n, device=positions.device)
+        block[:, :s + 1] = True
+        block[:, s + 1:] = False
+        sel = selected[b]
+
+        def parent_node(k):  # node index (0: root) of node k's parent
+            tb = sel[k - 1] // topk
+            if tb == 0:
+                return 0
+            want = parents[b][tb]
+            if want not in sel:
+                raise RuntimeError(f"spec_cpu.build_tree: the parent {want} of draft {sel[k - 1]} was not selected")
+            return sel.index(want) + 1
+
+        par = [0] + [parent_node(k) for k in range(1, n)]
+        depth = [0] * n
+        for k in range(1, n):
+            a = k
+            while a != 0:
+                block[k, s + a] = True
+                depth[k] += 1
+                a = par[a]
+        positions[b * n:(b + 1) * n] = torch.tensor([s + d for d in depth], dtype=positions.dtype)
         retrieve_index[b] = b * n + torch.arange(n, device=retrieve_index.device)
-        nxt = torch.arange(1, n + 1, device=retrieve_next_token.device)
-        nxt[-1] = -1
-        retrieve_next_token[b] = nxt
+        retrieve_next_token[b] = -1
         retrieve_next_sibling[b] = -1
+        for k in range(n - 1, 0, -1):  # the kernel's order: the lowest child ends up first
+            p = par[k]
+            first = int(retrieve_next_token[b, p])
+            retrieve_next_token[b, p] = k
+            if first != -1:
+                retrieve_next_sibling[b, k] = first
 
 
 def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
@@ -70,7 +98,7 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
 
 def install_cpu_helpers() -> None:
     """Point sglang's EAGLE modules at the stand-ins (idempotent)."""
-    from sglang.srt.speculative import eagle_info, eagle_info_v2, eagle_utils
+    from sglang.srt.speculative import eagle_info, eagle_info_v2, eagle_utils, spec_utils
     from sglang.srt.utils.common import next_power_of_2
 
     def assign_extend_cache_locs_func(req_pool_indices, req_to_token, start_offset, end_offset, batch_size,
@@ -82,10 +110,14 @@ def install_cpu_helpers() -> None:
             next_power_of_2(batch_size))
         return out
 
-    eagle_utils.sgl_build_tree_kernel_efficient = build_tree_topk1
+    eagle_utils.sgl_build_tree_kernel_efficient = build_tree
     for module in (eagle_utils, eagle_info, eagle_info_v2):
         module.verify_tree_greedy_func = verify_tree_greedy
     eagle_info_v2.assign_extend_cache_locs_func = assign_extend_cache_locs_func
+    # spec v1, topk > 1: the draft steps after the first run sglang's @torch.compile'd top-k selection; on CPU
+    # that needs inductor's C++ toolchain and minutes per shape, so run the same function uncompiled
+    later = spec_utils._select_top_k_tokens_later
+    spec_utils._select_top_k_tokens_later = getattr(later, "_torchdynamo_orig_callable", later)
     if not getattr(torch.Tensor.record_stream, "_kvc_cpu", False):
         original = torch.Tensor.record_stream
 
