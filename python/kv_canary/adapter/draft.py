@@ -1,4 +1,4 @@
-"""sglang 0.5.12 EAGLE draft worker (spec v2, topk 1): its own KV pool, verified (``kv_canary.draft_pool``).
+"""sglang 0.5.12 EAGLE draft worker (spec v2, topk 1; spec v1 eagerly): its own KV pool, verified (``kv_canary.draft_pool``).
 
 Wiring (hooks through sglang's HookRegistry, registered by the plugin):
 
@@ -29,7 +29,15 @@ step), and its ``out_cache_loc`` (a strided column of ``[bs, num_steps]`` in ``d
 preallocated contiguous buffer per step. All graph-safe (no allocation, no host sync); a CUDA-graph padding lane
 (``out_cache_loc`` 0) gets ``seq_lens`` 0: it reads and writes nothing.
 
-Not verified (skipped with a startup line naming why): ``--kv-canary contain`` and PD disaggregation.
+Spec v1 (``EAGLEWorker``: topk > 1 or ``--disable-overlap-schedule``), eager: the same manager and hooks
+(``EAGLEWorker.draft_forward`` AROUND is ``around_draft_forward``; ``EAGLEWorker.__init__`` AROUND starts reporting);
+a draft decode step runs ``bs * topk`` lanes into scratch slots sglang gives back right after the phase, so its view
+(``DraftBatchAdapter(spec_v1=True)``) reads each request's committed prefix ``[0, c)`` and writes nothing; the draft
+extends (DRAFT_EXTEND over the kept tokens, EXTEND after a prefill) are extend views. Not verified: a step's reads of
+its own branch's earlier scratch slots (docs/speculative.md).
+
+Not verified (skipped with a startup line naming why): ``--kv-canary contain``, PD disaggregation, and spec v1 with
+CUDA graphs on (its draft-extend graph replays a packed variable-length layout no view covers).
 """
 
 from __future__ import annotations
