@@ -127,6 +127,7 @@ class V1DraftHarness(_v2.DraftHarness):
             self.convention_positions[row].update(range(c, c + a))
             self.committed[row] = self.alloc[row] = c + a
         fb = self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND)
+        fb.input_ids = fb.input_ids.to(torch.int32)  # accept_tokens: the verify's int32 predictions
         self.runner.forward(fb)
 
 
@@ -245,3 +246,16 @@ def test_the_v1_worker_init_hook_sees_cuda_graphs_through_sglangs_override_and_s
     seen.clear()
     around_eagle_v1_worker_init(init, SimpleNamespace(), eager)
     assert seen == [""] and draft_skip_reason(graphs, "raise")  # and the context is reset afterwards
+
+
+def test_a_v1_draft_extend_is_viewed_with_int64_ids_like_every_precompiled_variant():
+    """spec v1's DRAFT_EXTEND is fed ``accept_tokens`` (int32): a JIT after startup on the first one (the CPU e2e
+    logged ``kv_canary_jit_after_startup`` for the int32 variant) unless the view copies them into int64."""
+    h = V1DraftHarness(steps=3)
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, sampled={1: 11, 2: 12})
+    h.v1_draft_phase([1, 2])
+    fb = h._extend_batch({1: [13, 14, 15], 2: [17]}, {1: 4, 2: 2}, ForwardMode.DRAFT_EXTEND)
+    fb.input_ids = fb.input_ids.to(torch.int32)
+    view = h.manager._adapter.view(fb)
+    assert view.input_ids.dtype == torch.int64 and view.input_ids.tolist() == [13, 14, 15, 17] and view.staged
+    assert view.seq_lens.tolist() == [7, 3] and view.new_lens.tolist() == [3, 1]  # reads [0, c), writes [c, c + a)

@@ -87,6 +87,8 @@ class DraftBatchAdapter(SglangBatchAdapter):
         if self._spec_v1 and fb.forward_mode.name == "DECODE" and self.batch_size(fb):
             return self._v1_step_view(fb)
         view = super().view(fb)
+        if fb.forward_mode.name == "DRAFT_EXTEND" and view.input_ids.dtype != torch.int64:
+            return self._int64_ids(view)
         if view.batch_size == 0 or fb.forward_mode.name != "DECODE":
             return view
         if view.max_new_len != 1:
@@ -112,6 +114,18 @@ class DraftBatchAdapter(SglangBatchAdapter):
         if not (view.input_ids.is_contiguous() and view.positions.is_contiguous()):
             raise ValueError("kv-canary: a draft decode step's input_ids/positions are not contiguous")
         return dataclasses.replace(view, seq_lens=seq_lens, out_cache_loc=loc)
+
+    def _int64_ids(self, view: ForwardView) -> ForwardView:
+        """Spec v1's DRAFT_EXTEND is fed the verify's kept tokens (``accept_tokens``: int32); the TAIL's precompiled
+        extend variants take int64 ids (as DRAFT_EXTEND_V2's): a copy into the preallocated buffer (at most
+        ``--speculative-num-draft-tokens`` kept tokens per request)."""
+        tokens = int(view.input_ids.shape[0])
+        if tokens > self._extend_ids.numel():
+            raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens; the draft adapter holds "
+                             f"{self._extend_ids.numel()} (--max-running-requests x --speculative-num-draft-tokens)")
+        ids = self._extend_ids[:tokens]
+        ids.copy_(view.input_ids)
+        return dataclasses.replace(view, input_ids=ids)
 
     def _v1_step_view(self, fb) -> ForwardView:
         """Spec v1 draft decode step ``i``: ``bs * topk`` lanes (request-major: lane ``b * topk + k``) at position
