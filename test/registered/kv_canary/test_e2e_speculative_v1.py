@@ -32,7 +32,7 @@ from kv_canary_testing.canary_e2e import (
 from kv_canary_testing.model_dir import word_token_id, write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
 
-register_cpu_ci(est_time=360, suite="kv-canary-cpu")  # the EAGLE server + a short reference one
+register_cpu_ci(est_time=420, suite="kv-canary-cpu")  # the EAGLE server + a short reference one
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 NUM_STEPS, TOPK, NUM_DRAFT_TOKENS = 3, 2, 4  # a tree: 3 of the 2 + 4 + 4 candidate drafts, siblings included
