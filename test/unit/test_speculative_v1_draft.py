@@ -61,7 +61,8 @@ class V1DraftHarness(_v2.DraftHarness):
         # EAGLEWorker is a TpModelWorker over the draft model: its runner is model_runner (no draft_runner)
         self.v1_worker = SimpleNamespace(
             model_runner=self.runner, draft_model_runner=self.runner, speculative_num_steps=steps, topk=topk,
-            hot_token_id=None, server_args=SimpleNamespace(speculative_algorithm="EAGLE"), speculative_num_draft_tokens=4,
+            hot_token_id=None, server_args=SimpleNamespace(speculative_algorithm="EAGLE"),
+            speculative_num_draft_tokens=4,
             draft_attn_backend=SimpleNamespace(attn_backends=[None] * steps))
         self.scratch = []  # the last phase's scratch slots (freed by restore_state right after it)
 

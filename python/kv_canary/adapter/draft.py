@@ -1,4 +1,4 @@
-"""sglang 0.5.12 EAGLE draft worker (spec v2, topk 1; spec v1 eagerly): its own KV pool, verified (``kv_canary.draft_pool``).
+"""sglang 0.5.12 EAGLE draft worker (spec v2; spec v1 eagerly): its own KV pool, verified (``kv_canary.draft_pool``).
 
 Wiring (hooks through sglang's HookRegistry, registered by the plugin):
 
