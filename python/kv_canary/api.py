@@ -180,13 +180,15 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
         tracker = VariantTracker()
         kernels = track(kernels, tracker, tk.write_block)
     steps = int(getattr(server_args, "speculative_num_steps", 1) or 1)
+    from .adapter.speculative import is_spec_v1
+
     manager = DraftCanaryManager(
         config=config, groups=groups, kernels=kernels, req_to_token=model_runner.req_to_token_pool.req_to_token,
         capacities=capacities,
         batch_adapter=DraftBatchAdapter(
             max_batch_size=capacities.max_batch_size, device=device,
             draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1),
-            decode_steps=max(1, steps - 1)),
+            decode_steps=max(1, steps - 1), spec_v1=is_spec_v1(server_args)),
         device=device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
     )
     if tracker is not None:

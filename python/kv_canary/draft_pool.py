@@ -21,6 +21,11 @@ from (the target's hidden state at ``p``, token ``p + 1``), run at position ``p`
   token ``c + i + 1`` at position ``c + i`` (``c``: the batch's ``seq_lens``), written to
   ``req_to_token[row, c + i]``; it reads positions ``[0, c + i]``.
 
+Spec v1 (``EAGLEWorker``, eager): the draft decode steps run ``bs * topk`` lanes into scratch slots sglang gives
+back right after the phase; they read the committed prefix ``[0, c)`` (HEAD) and write nothing
+(``adapter/draft.DraftBatchAdapter(spec_v1=True)``); its draft extends follow the convention above (DRAFT_EXTEND over
+the kept tokens at ``[c, c + a)``).
+
 TAIL records the token each draft forward is fed (so a draft record's TOKEN is the token at
 ``p + 1``) and checks the position it runs at; HEAD checks position, K/V hash and slot of every
 draft slot read, **not chain links**: sglang's radix insert (``RadixCache.cache_unfinished_req``)

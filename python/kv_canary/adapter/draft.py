@@ -1,4 +1,4 @@
-"""sglang 0.5.12 EAGLE draft worker (spec v2, topk 1): its own KV pool, verified (``kv_canary.draft_pool``).
+"""sglang 0.5.12 EAGLE draft worker (spec v2; spec v1 eagerly): its own KV pool, verified (``kv_canary.draft_pool``).
 
 Wiring (hooks through sglang's HookRegistry, registered by the plugin):
 
@@ -29,12 +29,21 @@ step), and its ``out_cache_loc`` (a strided column of ``[bs, num_steps]`` in ``d
 preallocated contiguous buffer per step. All graph-safe (no allocation, no host sync); a CUDA-graph padding lane
 (``out_cache_loc`` 0) gets ``seq_lens`` 0: it reads and writes nothing.
 
-Not verified (skipped with a startup line naming why): ``--kv-canary contain`` and PD disaggregation.
+Spec v1 (``EAGLEWorker``: topk > 1 or ``--disable-overlap-schedule``), eager: the same manager and hooks
+(``EAGLEWorker.draft_forward`` AROUND is ``around_draft_forward``; ``EAGLEWorker.__init__`` AROUND starts reporting);
+a draft decode step runs ``bs * topk`` lanes into scratch slots sglang gives back right after the phase, so its view
+(``DraftBatchAdapter(spec_v1=True)``) reads each request's committed prefix ``[0, c)`` and writes nothing; the draft
+extends (DRAFT_EXTEND over the kept tokens, EXTEND after a prefill) are extend views. Not verified: a step's reads of
+its own branch's earlier scratch slots (docs/speculative.md).
+
+Not verified (skipped with a startup line naming why): ``--kv-canary contain``, PD disaggregation, and spec v1 with
+CUDA graphs on (its draft-extend graph replays a packed variable-length layout no view covers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Dict
 
@@ -48,8 +57,13 @@ class DraftBatchAdapter(SglangBatchAdapter):
     """``SglangBatchAdapter`` plus the draft decode steps' views (see the module docstring)."""
 
     def __init__(self, *, max_batch_size: int, device: torch.device, draft_tokens_per_request: int = 1,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, spec_v1: bool = False):
         super().__init__(max_batch_size=max_batch_size, device=device)
+        # spec v1 (EAGLEWorker): a draft decode step runs topk lanes per request into scratch slots; its view reads
+        # the committed prefix [0, c) and writes nothing (new_lens 0)
+        self._spec_v1 = spec_v1
+        if spec_v1:
+            self._uniform_buffers(0)
         # rows of the per-step buffers start 16-byte aligned (Triton specializes pointer alignment: no new variant)
         width = -(-max_batch_size // 16) * 16
         steps = max(1, decode_steps)
@@ -70,7 +84,11 @@ class DraftBatchAdapter(SglangBatchAdapter):
     def view(self, fb) -> ForwardView:
         if fb.forward_mode.name == "DRAFT_EXTEND_V2":
             return self._draft_extend_view(fb)
+        if self._spec_v1 and fb.forward_mode.name == "DECODE" and self.batch_size(fb):
+            return self._v1_step_view(fb)
         view = super().view(fb)
+        if fb.forward_mode.name == "DRAFT_EXTEND" and view.input_ids.dtype != torch.int64:
+            return self._int64_ids(view)
         if view.batch_size == 0 or fb.forward_mode.name != "DECODE":
             return view
         if view.max_new_len != 1:
@@ -96,6 +114,39 @@ class DraftBatchAdapter(SglangBatchAdapter):
         if not (view.input_ids.is_contiguous() and view.positions.is_contiguous()):
             raise ValueError("kv-canary: a draft decode step's input_ids/positions are not contiguous")
         return dataclasses.replace(view, seq_lens=seq_lens, out_cache_loc=loc)
+
+    def _int64_ids(self, view: ForwardView) -> ForwardView:
+        """Spec v1's DRAFT_EXTEND is fed the verify's kept tokens (``accept_tokens``: int32); the TAIL's precompiled
+        extend variants take int64 ids (as DRAFT_EXTEND_V2's): a copy into the preallocated buffer (at most
+        ``--speculative-num-draft-tokens`` kept tokens per request)."""
+        tokens = int(view.input_ids.shape[0])
+        if tokens > self._extend_ids.numel():
+            raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens; the draft adapter holds "
+                             f"{self._extend_ids.numel()} (--max-running-requests x --speculative-num-draft-tokens)")
+        ids = self._extend_ids[:tokens]
+        ids.copy_(view.input_ids)
+        return dataclasses.replace(view, input_ids=ids)
+
+    def _v1_step_view(self, fb) -> ForwardView:
+        """Spec v1 draft decode step ``i``: ``bs * topk`` lanes (request-major: lane ``b * topk + k``) at position
+        ``c + i``, each reading the request's committed prefix ``[0, c)`` and its own branch's earlier scratch slots
+        (not in ``req_to_token``), writing a scratch slot sglang frees right after the phase. The view: the ``bs``
+        requests with ``seq_lens`` = ``c`` (a preallocated buffer per step), ``new_lens`` 0 -- HEAD verifies
+        ``[0, c)``, TAIL writes nothing. A CUDA-graph padding request (``out_cache_loc`` 0 at its first lane)
+        gets 0: it reads nothing."""
+        step = int(getattr(fb, "kv_canary_draft_step", 0))
+        if step >= self._step_seq_lens.shape[0]:
+            raise ValueError(f"kv-canary: draft decode step {step}; the draft adapter holds "
+                             f"{self._step_seq_lens.shape[0]} (--speculative-num-steps - 1)")
+        bs = self.batch_size(fb)
+        lanes = self._tokens_per_request(fb, bs)  # topk: input_ids holds bs * topk tokens
+        seq_lens, real = self._step_seq_lens[step, :bs], self._step_real[step, :bs]
+        torch.gt(fb.out_cache_loc[: bs * lanes: lanes], 0, out=real)
+        torch.mul(fb.seq_lens[:bs], real, out=seq_lens)
+        starts, lens = self._uniform_buffers(0)
+        return ForwardView(input_ids=fb.input_ids, positions=fb.positions, out_cache_loc=fb.out_cache_loc,
+                           req_pool_indices=fb.req_pool_indices, seq_lens=seq_lens, new_starts=starts[:bs],
+                           new_lens=lens[:bs], batch_size=bs, max_new_len=0, staged=False)
 
     def _draft_extend_view(self, fb) -> ForwardView:
         """DRAFT_EXTEND_V2: every request is fed n tokens at ``[c, c + n)`` (``seq_lens`` = ``c + n``), eagerly or
@@ -125,13 +176,20 @@ class DraftBatchAdapter(SglangBatchAdapter):
         """A draft decode phase writes one slot per request per step (``input_ids`` is the phase's last step's, or
         untouched where the phase replayed from a graph)."""
         if fb.forward_mode.name == "DECODE":
-            return self.batch_size(fb)
+            return 0 if self._spec_v1 else self.batch_size(fb)  # spec v1: scratch slots, not written
         return super().num_tokens(fb)
+
+    def written_slots(self, fb):
+        if self._spec_v1 and fb.forward_mode.name == "DECODE":
+            return []
+        return super().written_slots(fb)
 
     def host_batch(self, fb):
         batch = super().host_batch(fb)
         if batch is None or fb.forward_mode.name != "DECODE":
             return batch
+        if self._spec_v1:
+            return dataclasses.replace(batch, new_lens=[0] * len(batch.rows))
         step = int(getattr(fb, "kv_canary_draft_step", 0))
         return dataclasses.replace(batch, seq_lens=[s + step + 1 for s in batch.seq_lens])
 
@@ -150,13 +208,23 @@ def draft_skip_reason(server_args: Any, mode: str) -> str:
     from .speculative import is_spec_v1
 
     if is_spec_v1(server_args):
-        topk = getattr(server_args, "speculative_eagle_topk", None)
-        return (f"spec v1 (--speculative-eagle-topk {topk}, --disable-overlap-schedule): sglang's EAGLEWorker runs "
-                "its draft decode steps over topk lanes per request into scratch slots it frees right after, which "
-                "the draft pool's manager does not wire")
+        graphs = _V1_CUDA_GRAPHS.get()
+        if graphs is None:  # outside EAGLEWorker.__init__ (which sets disable_cuda_graph while it builds the draft)
+            graphs = not getattr(server_args, "disable_cuda_graph", False)
+        if graphs:
+            topk = getattr(server_args, "speculative_eagle_topk", None)
+            return (f"spec v1 (--speculative-eagle-topk {topk}, --disable-overlap-schedule) with CUDA graphs on "
+                    "(no --disable-cuda-graph): sglang's EAGLEDraftExtendCudaGraphRunner replays spec v1's draft "
+                    "extend (DRAFT_EXTEND, variable lengths packed) in a layout the draft pool's views do not cover; "
+                    "spec v1's draft pool is verified eagerly (--disable-cuda-graph)")
     # eager or under CUDA graphs alike (EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner capture the
     # draft's HEAD/TAIL and each replay is an outer step): no CUDA-graph condition here
     return ""
+
+
+# spec v1: whether CUDA graphs are on, set while EAGLEWorker.__init__ runs (it sets server_args.disable_cuda_graph
+# while it builds the draft runner, whose install asks draft_skip_reason)
+_V1_CUDA_GRAPHS: contextvars.ContextVar = contextvars.ContextVar("kv_canary_v1_cuda_graphs", default=None)
 
 
 def _draft_manager(runner):
@@ -201,6 +269,13 @@ def _routed_steps(runner, forwards: range):
         runner.kv_canary_draft_steps = None
 
 
+def _worker_draft_runner(worker):
+    """The draft runner of an ``EagleDraftWorker`` (spec v2: ``draft_runner``) or ``EAGLEWorker`` (spec v1: itself a
+    ``TpModelWorker`` over the draft model, ``model_runner``)."""
+    runner = getattr(worker, "draft_runner", None)
+    return runner if runner is not None else getattr(worker, "model_runner", None)
+
+
 def around_draft_forward(original, worker, forward_batch, *args, **kwargs):
     """AROUND ``EagleDraftWorker.draft_forward``: step i on manager i; eagerly, the phase is one outer step.
 
@@ -208,7 +283,7 @@ def around_draft_forward(original, worker, forward_batch, *args, **kwargs):
     ``around_draft_graph_capture``): then only the routing is recorded, and each replay is bracketed by
     ``around_draft_graph_replay``.
     """
-    runner = worker.draft_runner
+    runner = _worker_draft_runner(worker)
     manager = _draft_manager(runner)
     if manager is None:
         return original(worker, forward_batch, *args, **kwargs)
@@ -276,6 +351,26 @@ def after_draft_worker_init(_result, worker, *args, **kwargs) -> None:
         from ..config import CanaryConfigError
 
         raise CanaryConfigError(f"--speculative-eagle-topk {worker.topk}: the draft pool is verified with topk 1 only")
+    manager.mark_init_finished()
+    target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
+    if target is not None:
+        target.kv_canary_draft_manager = manager
+
+
+def around_eagle_v1_worker_init(original, worker, *args, **kwargs):
+    """AROUND ``EAGLEWorker.__init__`` (spec v1): the draft runner's install sees whether CUDA graphs are on (sglang
+    sets ``server_args.disable_cuda_graph`` while it builds the draft runner); afterwards, as for spec v2, the draft
+    manager starts reporting and the target runner learns it (idle drain). Any topk: the v1 step views read the
+    committed prefix per request, whatever the lanes."""
+    server_args = kwargs.get("server_args", args[0] if args else None)
+    token = _V1_CUDA_GRAPHS.set(not getattr(server_args, "disable_cuda_graph", False))
+    try:
+        original(worker, *args, **kwargs)
+    finally:
+        _V1_CUDA_GRAPHS.reset(token)
+    manager = _draft_manager(getattr(worker, "model_runner", None))
+    if manager is None:
+        return
     manager.mark_init_finished()
     target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
     if target is not None:

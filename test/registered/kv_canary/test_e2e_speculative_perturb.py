@@ -41,7 +41,8 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
                   perturb_seed: int = 3):
     """(workload result, canary log, still running) of an EAGLE server with both perturbations on, in the
     target's pool (``target_group`` '') or the draft's (``'draft'``); ``spec_v1``: topk 2 with the overlap
-    scheduler off (sglang's EAGLEWorker: tree verifies, the target's pool only)."""
+    scheduler off (sglang's EAGLEWorker: tree verifies; its draft pool is verified eagerly only, so
+    ``target_group='draft'`` with ``spec_v1`` needs CPU / --disable-cuda-graph)."""
     target, draft = write_eagle_model_dirs(tmp_path / "models")
     env = {name: "0.15" for name in MODES.values()}
     if target_group:

@@ -1,0 +1,262 @@
+"""EAGLE spec v1 (``EAGLEWorker``: topk > 1, ``--disable-overlap-schedule``): the draft model's own KV pool, eager.
+
+Real sglang 0.5.12 code where the draft's layout comes from: the scratch slots of a draft decode phase are laid
+out by sglang's ``assign_draft_cache_locs`` (Triton, under the interpreter) as ``_draft_preprocess_decode`` does
+(page size 16 with topk 2: ``get_last_loc_large_page_size_large_top_k`` and the last partial page copied into each
+branch by the draft pool's ``move_kv_cache``), the phase is sglang's own ``EAGLEWorker.draft_forward`` (its
+``select_top_k_tokens`` over ``bs * topk`` lanes, ``out_cache_loc`` per step, ``positions.add_(1)``) run through the
+plugin's AROUND hook, and the draft extends are ``ForwardBatch``es in the modes spec v1 runs (EXTEND for the draft
+prefill, DRAFT_EXTEND over the kept tokens, variable length per request). The stand-in draft "model" writes K/V at
+``out_cache_loc`` like attention does (scratch slots included). The harness is ``test_speculative_draft``'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kv_canary import fingerprint as fp
+from kv_canary.adapter.draft import (
+    DraftBatchAdapter, around_draft_forward, around_eagle_v1_worker_init, draft_skip_reason,
+)
+from kv_canary.draft_pool import DRAFT_GROUP
+from kv_canary.violations import CanaryViolationError
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU-tensor batches laid out by sglang's Triton helpers under the interpreter (CPU CI); on a GPU host "
+           "test_e2e_speculative_v1.py covers spec v1's draft pool")
+
+_spec = importlib.util.spec_from_file_location("kvc_test_speculative_draft_v2", Path(__file__).with_name(
+    "test_speculative_draft.py"))
+_v2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_v2)  # loads the libcuda stand-in where needed (sgl_kernel)
+
+ForwardBatch, ForwardMode = _v2.ForwardBatch, _v2.ForwardMode
+import kv_canary_testing.spec_cpu.models  # noqa: E402,F401  CPU stand-ins (select_top_k_tokens uncompiled)
+from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
+from sglang.srt.speculative.eagle_worker import EAGLEWorker, get_last_loc_large_page_size_large_top_k  # noqa: E402
+from sglang.srt.speculative.spec_utils import assign_draft_cache_locs  # noqa: E402
+from sglang.srt.utils import next_power_of_2  # noqa: E402
+
+TOPK = 2
+_v2.SLOTS = 2048  # this module's copy of the harness: room for the scratch region
+SCRATCH = 2048 - 512  # the scratch slots (page aligned): given back after every phase (restore_state), so reused
+
+
+class V1DraftHarness(_v2.DraftHarness):
+    """spec v1's draft side: scratch-slot draft phases over ``bs * topk`` lanes, DRAFT_EXTEND over kept tokens."""
+
+    def __init__(self, *, steps: int = 3, page_size: int = 1, topk: int = TOPK, **kw):
+        super().__init__(steps=steps, page_size=page_size, **kw)
+        self.topk = topk
+        self.manager._adapter = DraftBatchAdapter(max_batch_size=_v2.ROWS + 1, device=torch.device("cpu"),
+                                                  draft_tokens_per_request=self.n, decode_steps=max(1, steps - 1),
+                                                  spec_v1=True)
+        # EAGLEWorker is a TpModelWorker over the draft model: its runner is model_runner (no draft_runner)
+        self.v1_worker = SimpleNamespace(
+            model_runner=self.runner, draft_model_runner=self.runner, speculative_num_steps=steps, topk=topk,
+            hot_token_id=None, server_args=SimpleNamespace(speculative_algorithm="EAGLE"),
+            speculative_num_draft_tokens=4,
+            draft_attn_backend=SimpleNamespace(attn_backends=[None] * steps))
+        self.scratch = []  # the last phase's scratch slots (freed by restore_state right after it)
+
+    def v1_draft_batch(self, rows):
+        """``_draft_preprocess_decode``: scratch slots for ``bs * topk`` lanes x steps, laid out by sglang's kernel."""
+        bs, steps, topk, ps = len(rows), self.steps, self.topk, self.page_size
+        rows_t = torch.tensor(rows)
+        seq = torch.tensor([self.committed[r] for r in rows])
+        dummy = torch.empty((), dtype=torch.int64)
+        src = tgt = cumsum = None
+        dup = 0
+        if ps == 1:
+            out = torch.arange(SCRATCH, SCRATCH + bs * topk * steps, dtype=torch.int64)
+            new_pages, extend_lens = dummy, dummy
+        else:  # fresh pages per branch; the last partial page duplicated into each (move_kv_cache below)
+            from unittest import mock
+
+            from sglang.srt import server_args as sglang_server_args
+
+            # get_last_loc asks the global server args for the attention backend (page > 1 with topk > 1: flashinfer)
+            with mock.patch.object(sglang_server_args, "_global_server_args",
+                                   SimpleNamespace(attention_backend="flashinfer")):
+                _, _, _, new_pages, extend_lens, last_page_lens = get_last_loc_large_page_size_large_top_k(
+                    self.r2t, rows_t, seq, steps, topk, ps)
+            out = torch.tensor([SCRATCH + i for i in range(int(new_pages.sum()) * topk * ps)], dtype=torch.int64)
+            cumsum = torch.cumsum(last_page_lens, dim=0)
+            dup = int((seq % ps).sum()) * (topk - 1)
+            src, tgt = torch.zeros(dup, dtype=torch.int32), torch.zeros(dup, dtype=torch.int32)
+        assign_draft_cache_locs[(bs,)](rows_t, self.r2t, seq, extend_lens, new_pages, out, src, tgt, cumsum, dup,
+                                       self.r2t.shape[1], topk, steps, ps, next_power_of_2(bs),
+                                       next_power_of_2(steps + ps))
+        if ps > 1:
+            if dup:  # the draft pool's move_kv_cache: the partial page's K/V copied into each branch's page
+                self.k[tgt.long()] = self.k[src.long()]
+                self.v[tgt.long()] = self.v[src.long()]
+            out = out[: bs * topk * steps]
+        self.scratch = out.tolist()
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.zeros(bs * topk, dtype=torch.int64),
+            req_pool_indices=rows_t, seq_lens=seq, out_cache_loc=out, seq_lens_sum=int(seq.sum()),
+            seq_lens_cpu=seq.clone(), positions=seq.repeat_interleave(topk), rids=[f"r{r}" for r in rows])
+        bonus = torch.tensor([self.own[r][-1] for r in rows])
+        guesses = torch.stack([(bonus + 1 + k) % _v2.VOCAB for k in range(topk)], dim=1)
+        fb.spec_info = EagleDraftInput(topk_p=torch.full((bs, topk), 1.0 / topk), topk_index=guesses,
+                                       hidden_states=torch.zeros(bs, 2), bonus_tokens=bonus)
+        return fb
+
+    def v1_draft_phase(self, rows):
+        """``EAGLEWorker.draft`` eagerly: sglang's ``draft_forward`` through the plugin's AROUND hook."""
+        fb = self.v1_draft_batch(rows)
+        return around_draft_forward(EAGLEWorker.draft_forward, self.v1_worker, fb)
+
+    def v1_draft_extend(self, rows, accept_lens):
+        """``forward_draft_extend_after_decode``: the verify kept ``a`` nodes (slots re-laid at ``[c, c + a)``); the
+        DRAFT_EXTEND feeds the appended tokens (positions ``c + j``: the token at ``c + 1 + j``)."""
+        fed, prefix = {}, {}
+        for row, a in zip(rows, accept_lens):
+            c = self.committed[row]
+            self.r2t[row, c:c + a] = torch.tensor(self._slots(row, c, a), dtype=torch.int32)
+            appended = [(self.own[row][-1] + 7 * (j + 1)) % _v2.VOCAB for j in range(a)]
+            fed[row], prefix[row] = appended, c
+            self.own[row] = self.own[row] + appended
+            self.convention_positions[row].update(range(c, c + a))
+            self.committed[row] = self.alloc[row] = c + a
+        fb = self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND)
+        fb.input_ids = fb.input_ids.to(torch.int32)  # accept_tokens: the verify's int32 predictions
+        self.runner.forward(fb)
+
+
+def _v1_rounds(h, rows, accepts):
+    for acc in accepts:
+        h.v1_draft_phase(rows)
+        h.v1_draft_extend(rows, acc)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_v1_draft_rounds_raise_nothing_count_every_forward_and_keep_the_token_offset(page_size, kernels):
+    h = V1DraftHarness(steps=3, page_size=page_size, kernels=kernels)
+    h.prefill({1: [5, 6, 7, 8, 9], 2: [10, 11]}, sampled={1: 12, 2: 13})
+    accepts = [[4, 1], [2, 3], [1, 1], [3, 4]]
+    verified = []
+    for acc in accepts:
+        before = int(h.counters()[fp.C_SLOTS_VERIFIED])
+        c = sum(h.committed[r] for r in (1, 2))
+        h.v1_draft_phase([1, 2])
+        # each of the steps - 1 draft forwards read the committed prefix [0, c) of both requests
+        verified.append((int(h.counters()[fp.C_SLOTS_VERIFIED]) - before, (h.steps - 1) * c))
+        h.v1_draft_extend([1, 2], acc)
+    c = h.counters()
+    assert int(c[fp.C_VIOLATIONS]) == 0 and h.manager.health_violations == 0
+    assert all(got == want for got, want in verified), verified
+    # one prefill, four draft extends, and per round steps - 1 = 2 draft decode steps (managers 0 and 1)
+    assert h.manager.forwards == 1 + 4 * (2 + 1) and h.manager.outer_steps == 1 + 4 * 2
+    assert h.sfm_log == [0] + [0, 1, 0] * 4
+    assert int(c[fp.C_FORWARD_INDEX]) == h.manager.forwards == int(c[fp.C_VERIFY_LAUNCHES])
+    # the scratch slots are not written (freed right after the phase): the prefill and the kept tokens only
+    assert int(c[fp.C_SLOTS_WRITTEN]) == 7 + sum(map(sum, accepts))
+    rec = h.manager.groups[0].records
+    for row in (1, 2):
+        for p in sorted(h.convention_positions[row]):
+            slot = int(h.r2t[row, p])
+            assert int(rec[slot, fp.F_POSITION]) == p
+            assert int(rec[slot, fp.F_TOKEN]) == h.own[row][p + 1], (row, p)  # slot p: the KV of token p + 1
+
+
+def test_a_v1_draft_step_reads_the_committed_prefix_and_writes_nothing():
+    h = V1DraftHarness(steps=3)
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, sampled={1: 11, 2: 12})
+    fb = h.v1_draft_batch([1, 2])
+    fb.input_ids = torch.zeros(2 * TOPK, dtype=torch.int64)
+    fb.out_cache_loc = fb.out_cache_loc.reshape(2, TOPK, 3).permute(2, 0, 1).reshape(3, -1)[0]  # step 0's lanes
+    adapter = h.manager._adapter
+    views = []
+    for step in range(2):
+        fb.kv_canary_draft_step = step
+        views.append(adapter.view(fb))
+    assert [v.seq_lens.tolist() for v in views] == [[4, 2], [4, 2]]  # [0, c) per request, whatever the step
+    assert all(v.new_lens.tolist() == [0, 0] and v.max_new_len == 0 and not v.staged for v in views)
+    assert views[0].seq_lens.data_ptr() != views[1].seq_lens.data_ptr()  # a buffer per step (graph-safe)
+    assert adapter.num_tokens(fb) == 0 and adapter.written_slots(fb) == []
+    assert adapter.host_batch(fb).new_lens == [0, 0]
+    fb.out_cache_loc = fb.out_cache_loc.clone()
+    fb.out_cache_loc[TOPK:] = 0  # a CUDA-graph padding request (out_cache_loc 0): reads nothing
+    assert adapter.view(fb).seq_lens.tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_corrupt_committed_draft_slot_is_caught_by_a_v1_draft_step(page_size):
+    h = V1DraftHarness(steps=3, page_size=page_size)
+    h.prefill({1: [5, 6, 7, 8, 9, 10]}, sampled={1: 11})
+    _v1_rounds(h, [1], [[2]])
+    slot = int(h.r2t[1, 3])
+    h.k[slot, 0, 1] += 1.0  # a flipped K value of a committed draft slot
+    with pytest.raises(CanaryViolationError, match=f"kind=kv_hash.*group={DRAFT_GROUP}.*slot={slot}"):
+        h.v1_draft_phase([1])
+
+
+def test_a_redirected_req_to_token_entry_is_caught_in_a_v1_draft_step():
+    h = V1DraftHarness(steps=3)
+    h.prefill({1: [5, 6, 7, 8, 9, 10]}, sampled={1: 11})
+    h.r2t[1, 2] = h.r2t[1, 4]  # the row points position 2 at position 4's draft slot
+    with pytest.raises(CanaryViolationError, match="kind=position"):
+        h.v1_draft_phase([1])
+
+
+def test_a_corrupt_scratch_slot_is_not_read_as_a_prefix():
+    """The documented gap: a scratch slot (a branch's in-phase draft KV) is not verified; it is freed right after the
+    phase and the next owner's write renews its record, so corrupting it reports nothing."""
+    h = V1DraftHarness(steps=3)
+    h.prefill({1: [5, 6, 7, 8]}, sampled={1: 9})
+    h.v1_draft_phase([1])
+    h.k[h.scratch[0], 0, 0] += 5.0
+    h.v1_draft_extend([1], [2])
+    _v1_rounds(h, [1], [[3], [1]])
+    assert int(h.counters()[fp.C_VIOLATIONS]) == 0
+
+
+def test_the_v1_worker_init_hook_sees_cuda_graphs_through_sglangs_override_and_starts_reporting():
+    """sglang's EAGLEWorker.__init__ sets server_args.disable_cuda_graph while it builds the draft runner (whose
+    install asks draft_skip_reason); the AROUND hook keeps the real setting visible, then starts reporting."""
+    args = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=2, disable_overlap_schedule=True,
+                device="cuda", disaggregation_mode="null")
+    assert draft_skip_reason(SimpleNamespace(**args, disable_cuda_graph=True), "raise") == ""
+    graphs = SimpleNamespace(**args, disable_cuda_graph=False)
+    assert "with CUDA graphs on (no --disable-cuda-graph)" in draft_skip_reason(graphs, "raise")
+    seen = []
+    started = []
+    manager = SimpleNamespace(mark_init_finished=lambda: started.append(1))
+    runner = SimpleNamespace(is_draft_worker=True, canary_manager=manager)
+    target = SimpleNamespace()
+
+    def init(worker, server_args, *a, **kw):  # what EAGLEWorker.__init__ does around its draft runner's install
+        server_args.disable_cuda_graph = True
+        seen.append(draft_skip_reason(server_args, "raise"))
+        server_args.disable_cuda_graph = False
+        worker.model_runner, worker.target_worker = runner, SimpleNamespace(model_runner=target)
+
+    around_eagle_v1_worker_init(init, SimpleNamespace(), graphs)
+    assert "with CUDA graphs on" in seen[0] and started == [1] and target.kv_canary_draft_manager is manager
+    eager = SimpleNamespace(**args, disable_cuda_graph=True)
+    seen.clear()
+    around_eagle_v1_worker_init(init, SimpleNamespace(), eager)
+    assert seen == [""] and draft_skip_reason(graphs, "raise")  # and the context is reset afterwards
+
+
+def test_a_v1_draft_extend_is_viewed_with_int64_ids_like_every_precompiled_variant():
+    """spec v1's DRAFT_EXTEND is fed ``accept_tokens`` (int32): a JIT after startup on the first one (the CPU e2e
+    logged ``kv_canary_jit_after_startup`` for the int32 variant) unless the view copies them into int64."""
+    h = V1DraftHarness(steps=3)
+    h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, sampled={1: 11, 2: 12})
+    h.v1_draft_phase([1, 2])
+    fb = h._extend_batch({1: [13, 14, 15], 2: [17]}, {1: 4, 2: 2}, ForwardMode.DRAFT_EXTEND)
+    fb.input_ids = fb.input_ids.to(torch.int32)
+    view = h.manager._adapter.view(fb)
+    assert view.input_ids.dtype == torch.int64 and view.input_ids.tolist() == [13, 14, 15, 17] and view.staged
+    assert view.seq_lens.tolist() == [7, 3] and view.new_lens.tolist() == [3, 1]  # reads [0, c), writes [c, c + a)
