@@ -27,20 +27,16 @@ register_cpu_ci(est_time=180, suite="kv-canary-cpu")
 MODEL = str(write_model_dir())
 REFUSED = "CanaryConfigError"
 
+_EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", MODEL, "--speculative-num-steps", "2",
+          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+
 # (case id, extra server args, text the refusal must contain)
 CASES = [
-    # EAGLE with topk 1 and spec v2 (eager or CUDA graphs) is verified (test_e2e_speculative); these are not
-    ("speculative-eagle-topk4", ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", MODEL,
-                                 "--speculative-num-steps", "2", "--speculative-eagle-topk", "4",
-                                 "--speculative-num-draft-tokens", "4"],
-     "cannot verify --speculative-algorithm EAGLE with --speculative-eagle-topk 4"),
-    ("speculative-eagle-spec-v1", ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", MODEL,
-                                   "--speculative-eagle-topk", "1", "--disable-overlap-schedule"],
-     "cannot verify --speculative-algorithm EAGLE with --disable-overlap-schedule"),
-    # EAGLE3 topk 1 spec v2 is verified (test_e2e_speculative_eagle3); spec v1 is not
-    ("speculative-eagle3-spec-v1", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", MODEL,
-                                    "--speculative-eagle-topk", "1", "--disable-overlap-schedule"],
-     "cannot verify --speculative-algorithm EAGLE3 with --disable-overlap-schedule"),
+    # EAGLE/EAGLE3 with any topk, spec v1 and v2, are verified (test_e2e_speculative*); these variants are not
+    ("speculative-adaptive", [*_EAGLE, "--speculative-adaptive"],
+     "cannot verify --speculative-algorithm EAGLE with --speculative-adaptive"),
+    ("speculative-multi-layer-eagle", [*_EAGLE, "--enable-multi-layer-eagle"],
+     "cannot verify --speculative-algorithm EAGLE with --enable-multi-layer-eagle"),
     ("speculative-dflash", ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm DFLASH"),
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
