@@ -188,7 +188,7 @@ def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryC
         batch_adapter=DraftBatchAdapter(
             max_batch_size=capacities.max_batch_size, device=device,
             draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1),
-            decode_steps=max(1, steps - 1), spec_v1=is_spec_v1(server_args)),
+            decode_steps=max(1, steps - 1), spec_v1=is_spec_v1(server_args), num_steps=steps),
         device=device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
     )
     if tracker is not None:
@@ -306,7 +306,7 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
     from .adapter.speculative import is_spec_v1
 
-    # spec v1: the tree verifies' deferred TAIL (the target's manager; the draft pool is not verified under it)
+    # spec v1: the tree verifies' deferred TAIL (the target's manager)
     manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)),
                        deferred_writes=is_spec_v1(server_args))
 

@@ -157,9 +157,9 @@ SPEC_HOOKS = {
     # the draft model's own pool (adapter/draft): the draft decode phase is one outer step, then start reporting
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.draft_forward": ("draft.around_draft_forward", "around"),
     "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker.__init__": ("draft.after_draft_worker_init", "after"),
-    # spec v1's draft pool (EAGLEWorker, eager): its draft decode phase likewise; each step reads the committed prefix
+    # spec v1's draft pool (EAGLEWorker): its draft decode phase likewise; each step reads the committed prefix
     "sglang.srt.speculative.eagle_worker.EAGLEWorker.draft_forward": ("draft.around_draft_forward", "around"),
-    "sglang.srt.speculative.eagle_worker.EAGLEWorker.__init__": ("draft.around_eagle_v1_worker_init", "around"),
+    "sglang.srt.speculative.eagle_worker.EAGLEWorker.__init__": ("draft.after_eagle_v1_worker_init", "after"),
     # ... and under CUDA graphs: the draft decode phase and the draft extend are captured with their HEAD/TAIL, and
     # each replay is an outer step (EagleDraftWorker.draft / _draft_extend_for_decode replay without draft_forward /
     # ModelRunner.forward)

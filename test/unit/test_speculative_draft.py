@@ -130,8 +130,7 @@ class DraftHarness:
         self.worker.draft_forward = lambda fb: around_draft_forward(EagleDraftWorker.draft_forward, self.worker, fb)
         self.graph_runner = self.extend_graph_runner = None
         if graph_bs:  # EagleDraftWorker.init_cuda_graphs: both draft graph runners capture before the AFTER hook
-            self.graph_runner = CpuDraftGraphRunner(self, graph_bs)
-            self.extend_graph_runner = CpuDraftExtendGraphRunner(self, graph_bs)
+            self._capture_graphs(graph_bs)
         after_draft_worker_init(None, self.worker)  # EagleDraftWorker.__init__'s AFTER hook: reporting on
         assert self.worker.target_worker.model_runner.kv_canary_draft_manager is self.manager
         self.own = {}  # row -> the request's tokens (the scheduler's record)
@@ -141,6 +140,10 @@ class DraftHarness:
         self._pages = iter(range(1, SLOTS // page_size))
         self._row_pages = {}
         self.convention_positions = {}  # row -> positions whose draft slot must hold token p + 1
+
+    def _capture_graphs(self, graph_bs):
+        self.graph_runner = CpuDraftGraphRunner(self, graph_bs)
+        self.extend_graph_runner = CpuDraftExtendGraphRunner(self, graph_bs)
 
     # ---- the draft ModelRunner.forward, through the plugin's hook ----------------------------
 
@@ -348,19 +351,19 @@ class _CpuCapture:
     def _capture_graph(self, graph, pool, stream, run_once_fn):
         return graph.record(run_once_fn)
 
-    def _common(self, h, capture_bs):
+    def _common(self, h, capture_bs, worker=None, topk=1):
         runner = h.runner
         runner.model_config = SimpleNamespace(vocab_size=VOCAB)
         runner.device_timer = None
         runner.spec_algorithm = SpeculativeAlgorithm.from_string("EAGLE")
         runner.req_to_token_pool = SimpleNamespace(req_to_token=h.r2t)
         runner.token_to_kv_pool = None
-        self.eagle_worker, self.model_runner = h.worker, runner
+        self.eagle_worker, self.model_runner = worker or h.worker, runner
         self.graphs, self.output_buffers = {}, {}
         self.disable_padding = False
         self.require_gathered_buffer = self.require_mlp_tp_gather = False
         self.require_mlp_sync = self.require_attn_tp_gather = False
-        self.speculative_num_steps, self.topk = h.steps, 1
+        self.speculative_num_steps, self.topk = h.steps, topk
         self.deepep_adapter = DeepEPCudaGraphRunnerAdapter()
         self.capture_bs, self.max_bs = list(capture_bs), max(capture_bs)
         self.stream, self.seq_len_fill_value = None, 1  # TritonAttnBackend.get_cuda_graph_seq_len_fill_value
@@ -371,11 +374,13 @@ class _CpuCapture:
 
 
 class CpuDraftGraphRunner(_CpuCapture, EAGLEDraftCudaGraphRunner):
-    """EAGLEDraftCudaGraphRunner's buffers as its __init__ builds them; its capture/replay code unchanged."""
+    """EAGLEDraftCudaGraphRunner's buffers as its __init__ builds them; its capture/replay code unchanged (``worker``:
+    spec v1's EAGLEWorker, ``topk`` lanes per request)."""
 
-    def __init__(self, h, capture_bs):
-        self._common(h, capture_bs)
-        self.num_tokens_per_bs, self.max_num_token = 1, self.max_bs
+    def __init__(self, h, capture_bs, worker=None, topk=1):
+        self._common(h, capture_bs, worker, topk)
+        self.num_tokens_per_bs = topk
+        self.max_num_token = self.max_bs * topk
         self.draft_attn_backend = SimpleNamespace(
             attn_backends=[None] * h.steps, init_forward_metadata_capture_cuda_graph=lambda fb: None,
             init_forward_metadata_replay_cuda_graph=lambda fb, bs: None)
@@ -386,8 +391,8 @@ class CpuDraftGraphRunner(_CpuCapture, EAGLEDraftCudaGraphRunner):
             out_cache_loc=torch.zeros(n * h.steps, **i64), positions=torch.zeros(n, **i64),
             mrope_positions=torch.zeros(3, n, **i64), seq_lens=torch.full((self.max_bs,), 1, dtype=torch.int32),
             seq_lens_cpu=torch.full((self.max_bs,), 1, dtype=torch.int32),
-            extend_seq_lens=torch.ones(self.max_bs, dtype=torch.int32), topk_p=torch.zeros(self.max_bs, 1),
-            topk_index=torch.zeros(self.max_bs, 1, **i64), hidden_states=torch.zeros(self.max_bs, 2),
+            extend_seq_lens=torch.ones(self.max_bs, dtype=torch.int32), topk_p=torch.zeros(self.max_bs, topk),
+            topk_index=torch.zeros(self.max_bs, topk, **i64), hidden_states=torch.zeros(self.max_bs, 2),
             global_num_tokens_gpu=None, global_num_tokens_for_logprob_gpu=None)
         self.capture_all(around_draft_graph_capture, EAGLEDraftCudaGraphRunner.capture_one_batch_size)
 
@@ -406,13 +411,14 @@ class ExtendModel(torch.nn.Module):
 
 
 class CpuDraftExtendGraphRunner(_CpuCapture, EAGLEDraftExtendCudaGraphRunner):
-    """EAGLEDraftExtendCudaGraphRunner (spec v2: DRAFT_EXTEND_V2) as its __init__ builds it; capture/replay unchanged."""
+    """EAGLEDraftExtendCudaGraphRunner (spec v2: DRAFT_EXTEND_V2; spec v1: DRAFT_EXTEND) as its __init__ builds it;
+    capture/replay unchanged."""
 
-    def __init__(self, h, capture_bs):
-        self._common(h, capture_bs)
+    def __init__(self, h, capture_bs, mode=ForwardMode.DRAFT_EXTEND_V2, worker=None, topk=1):
+        self._common(h, capture_bs, worker, topk)
         self.model_runner = SimpleNamespace(**vars(h.runner))
         self.model_runner.model = ExtendModel(h)
-        self.forward_mode, self.padded_static_len = ForwardMode.DRAFT_EXTEND_V2, -1
+        self.forward_mode, self.padded_static_len = mode, -1
         self.num_tokens_per_bs = h.steps + 1
         self.max_num_token = self.max_bs * self.num_tokens_per_bs
         self.draft_extend_attn_backend = SimpleNamespace(init_forward_metadata_capture_cuda_graph=lambda **kw: None,
@@ -427,7 +433,8 @@ class CpuDraftExtendGraphRunner(_CpuCapture, EAGLEDraftExtendCudaGraphRunner):
             extend_seq_lens=torch.full((bs,), self.num_tokens_per_bs, **i32),
             num_correct_drafts=torch.full((bs,), self.num_tokens_per_bs, **i32),
             num_accept_tokens=torch.full((bs,), self.num_tokens_per_bs, **i32),
-            next_token_logits_buffer=torch.zeros(n, VOCAB), global_num_tokens_gpu=None,
+            next_token_logits_buffer=torch.zeros(n if mode == ForwardMode.DRAFT_EXTEND_V2 else bs, VOCAB),
+            global_num_tokens_gpu=None,
             global_num_tokens_for_logprob_gpu=None)
         self.capture_all(around_draft_extend_graph_capture, EAGLEDraftExtendCudaGraphRunner.capture_one_batch_size)
 

@@ -367,7 +367,7 @@ def test_without_the_verify_hook_the_kept_drafts_are_unwritten_and_reported():
         h.manager.poll(drain=True)
 
 
-def test_spec_v1_is_a_config_fact_and_its_draft_pool_is_skipped_under_cuda_graphs_with_a_reason():
+def test_spec_v1_is_a_config_fact_and_its_draft_pool_is_verified_with_or_without_cuda_graphs():
     from kv_canary.adapter.draft import draft_skip_reason
     from kv_canary.adapter.speculative import is_spec_v1
 
@@ -376,9 +376,10 @@ def test_spec_v1_is_a_config_fact_and_its_draft_pool_is_skipped_under_cuda_graph
     assert not is_spec_v1(SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=1,
                                           disable_overlap_schedule=False))
     assert not is_spec_v1(SimpleNamespace(speculative_algorithm=None, disable_overlap_schedule=True))
-    assert "spec v1 (--speculative-eagle-topk 2, --disable-overlap-schedule)" in draft_skip_reason(args, "raise")
-    args.disable_cuda_graph = True  # eager: the draft pool is verified (test_speculative_v1_draft.py)
-    assert draft_skip_reason(args, "raise") == ""
+    for graphs_off in (False, True):  # test_speculative_v1_draft.py: eager and replayed draft rounds
+        args.disable_cuda_graph = graphs_off
+        assert draft_skip_reason(args, "raise") == ""
+    assert "--kv-canary contain" in draft_skip_reason(args, "contain")
 
 
 @pytest.mark.parametrize("delay", [1, 3])

@@ -22,7 +22,8 @@ import torch
 
 from kv_canary import fingerprint as fp
 from kv_canary.adapter.draft import (
-    DraftBatchAdapter, around_draft_forward, around_eagle_v1_worker_init, draft_skip_reason,
+    DraftBatchAdapter, after_eagle_v1_worker_init, around_draft_extend_graph_replay, around_draft_forward,
+    around_draft_graph_replay, draft_skip_reason,
 )
 from kv_canary.draft_pool import DRAFT_GROUP
 from kv_canary.violations import CanaryViolationError
@@ -44,27 +45,52 @@ from sglang.srt.speculative.eagle_worker import EAGLEWorker, get_last_loc_large_
 from sglang.srt.speculative.spec_utils import assign_draft_cache_locs  # noqa: E402
 from sglang.srt.utils import next_power_of_2  # noqa: E402
 
+EAGLEDraftCudaGraphRunner, EAGLEDraftExtendCudaGraphRunner = _v2.EAGLEDraftCudaGraphRunner, \
+    _v2.EAGLEDraftExtendCudaGraphRunner
+
 TOPK = 2
 _v2.SLOTS = 2048  # this module's copy of the harness: room for the scratch region
 SCRATCH = 2048 - 512  # the scratch slots (page aligned): given back after every phase (restore_state), so reused
 
 
+def _v1_adapter(steps):
+    """The draft adapter spec v1's install builds (api.install_draft_canary)."""
+
+    class V1Adapter(DraftBatchAdapter):
+        def __init__(self, **kw):
+            super().__init__(**kw, spec_v1=True, num_steps=steps)
+
+    return V1Adapter
+
+
 class V1DraftHarness(_v2.DraftHarness):
-    """spec v1's draft side: scratch-slot draft phases over ``bs * topk`` lanes, DRAFT_EXTEND over kept tokens."""
+    """spec v1's draft side: scratch-slot draft phases over ``bs * topk`` lanes, DRAFT_EXTEND over kept tokens;
+    with ``graph_bs``, both replayed from sglang's draft graph runners (emulated graphs, ``test_speculative_draft``)."""
 
     def __init__(self, *, steps: int = 3, page_size: int = 1, topk: int = TOPK, **kw):
-        super().__init__(steps=steps, page_size=page_size, **kw)
         self.topk = topk
-        self.manager._adapter = DraftBatchAdapter(max_batch_size=_v2.ROWS + 1, device=torch.device("cpu"),
-                                                  draft_tokens_per_request=self.n, decode_steps=max(1, steps - 1),
-                                                  spec_v1=True)
-        # EAGLEWorker is a TpModelWorker over the draft model: its runner is model_runner (no draft_runner)
-        self.v1_worker = SimpleNamespace(
-            model_runner=self.runner, draft_model_runner=self.runner, speculative_num_steps=steps, topk=topk,
-            hot_token_id=None, server_args=SimpleNamespace(speculative_algorithm="EAGLE"),
-            speculative_num_draft_tokens=4,
-            draft_attn_backend=SimpleNamespace(attn_backends=[None] * steps))
+        super().__init__(steps=steps, page_size=page_size, adapter=_v1_adapter(steps), **kw)
+        self._v1_worker()
         self.scratch = []  # the last phase's scratch slots (freed by restore_state right after it)
+
+    def _v1_worker(self):
+        """EAGLEWorker is a TpModelWorker over the draft model: its runner is model_runner (no draft_runner)."""
+        if getattr(self, "v1_worker", None) is None:
+            self.v1_worker = SimpleNamespace(
+                model_runner=self.runner, draft_model_runner=self.runner, speculative_num_steps=self.steps,
+                topk=self.topk, hot_token_id=None, server_args=SimpleNamespace(speculative_algorithm="EAGLE"),
+                speculative_num_draft_tokens=4,
+                draft_attn_backend=SimpleNamespace(attn_backends=[None] * self.steps))
+            self.v1_worker.draft_forward = lambda fb: around_draft_forward(EAGLEWorker.draft_forward, self.v1_worker,
+                                                                           fb)
+        return self.v1_worker
+
+    def _capture_graphs(self, graph_bs):
+        """EAGLEWorker.init_cuda_graphs: the draft phase over topk lanes, and the DRAFT_EXTEND (spec v1's mode)."""
+        worker = self._v1_worker()
+        self.graph_runner = _v2.CpuDraftGraphRunner(self, graph_bs, worker=worker, topk=self.topk)
+        self.extend_graph_runner = _v2.CpuDraftExtendGraphRunner(self, graph_bs, mode=ForwardMode.DRAFT_EXTEND,
+                                                                 worker=worker, topk=self.topk)
 
     def v1_draft_batch(self, rows):
         """``_draft_preprocess_decode``: scratch slots for ``bs * topk`` lanes x steps, laid out by sglang's kernel."""
@@ -111,9 +137,12 @@ class V1DraftHarness(_v2.DraftHarness):
         return fb
 
     def v1_draft_phase(self, rows):
-        """``EAGLEWorker.draft`` eagerly: sglang's ``draft_forward`` through the plugin's AROUND hook."""
+        """``EAGLEWorker.draft``: the captured phase replayed (``EAGLEDraftCudaGraphRunner.replay``) where it can
+        run, else sglang's ``draft_forward``, each through the plugin's AROUND hooks."""
         fb = self.v1_draft_batch(rows)
-        return around_draft_forward(EAGLEWorker.draft_forward, self.v1_worker, fb)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return around_draft_graph_replay(EAGLEDraftCudaGraphRunner.replay, self.graph_runner, fb)
+        return self.v1_worker.draft_forward(fb)
 
     def v1_draft_extend(self, rows, accept_lens):
         """``forward_draft_extend_after_decode``: the verify kept ``a`` nodes (slots re-laid at ``[c, c + a)``); the
@@ -129,7 +158,14 @@ class V1DraftHarness(_v2.DraftHarness):
             self.committed[row] = self.alloc[row] = c + a
         fb = self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND)
         fb.input_ids = fb.input_ids.to(torch.int32)  # accept_tokens: the verify's int32 predictions
-        self.runner.forward(fb)
+        acc = torch.tensor(accept_lens, dtype=torch.int32)
+        fb.spec_info = SimpleNamespace(hidden_states=torch.zeros(len(fb.input_ids), 2), num_correct_drafts=acc - 1,
+                                       num_accept_tokens=acc)
+        runner = self.extend_graph_runner
+        if runner is not None and runner.can_run(fb):  # forward_draft_extend_after_decode
+            around_draft_extend_graph_replay(EAGLEDraftExtendCudaGraphRunner.replay, runner, fb)
+        else:
+            self.runner.forward(fb)
 
 
 def _v1_rounds(h, rows, accepts):
@@ -221,32 +257,68 @@ def test_a_corrupt_scratch_slot_is_not_read_as_a_prefix():
     assert int(h.counters()[fp.C_VIOLATIONS]) == 0
 
 
-def test_the_v1_worker_init_hook_sees_cuda_graphs_through_sglangs_override_and_starts_reporting():
-    """sglang's EAGLEWorker.__init__ sets server_args.disable_cuda_graph while it builds the draft runner (whose
-    install asks draft_skip_reason); the AROUND hook keeps the real setting visible, then starts reporting."""
+def test_the_v1_draft_pool_is_verified_with_cuda_graphs_and_the_init_hook_starts_reporting():
+    """spec v1's draft pool is verified eager and under CUDA graphs alike (EAGLEDraftCudaGraphRunner /
+    EAGLEDraftExtendCudaGraphRunner: the replayed tests below); EAGLEWorker.__init__'s AFTER hook starts reporting."""
     args = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=2, disable_overlap_schedule=True,
                 device="cuda", disaggregation_mode="null")
-    assert draft_skip_reason(SimpleNamespace(**args, disable_cuda_graph=True), "raise") == ""
-    graphs = SimpleNamespace(**args, disable_cuda_graph=False)
-    assert "with CUDA graphs on (no --disable-cuda-graph)" in draft_skip_reason(graphs, "raise")
-    seen = []
+    for graphs_off in (True, False):
+        assert draft_skip_reason(SimpleNamespace(**args, disable_cuda_graph=graphs_off), "raise") == ""
     started = []
     manager = SimpleNamespace(mark_init_finished=lambda: started.append(1))
-    runner = SimpleNamespace(is_draft_worker=True, canary_manager=manager)
     target = SimpleNamespace()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(is_draft_worker=True, canary_manager=manager),
+                             target_worker=SimpleNamespace(model_runner=target))
+    after_eagle_v1_worker_init(None, worker)
+    assert started == [1] and target.kv_canary_draft_manager is manager
 
-    def init(worker, server_args, *a, **kw):  # what EAGLEWorker.__init__ does around its draft runner's install
-        server_args.disable_cuda_graph = True
-        seen.append(draft_skip_reason(server_args, "raise"))
-        server_args.disable_cuda_graph = False
-        worker.model_runner, worker.target_worker = runner, SimpleNamespace(model_runner=target)
 
-    around_eagle_v1_worker_init(init, SimpleNamespace(), graphs)
-    assert "with CUDA graphs on" in seen[0] and started == [1] and target.kv_canary_draft_manager is manager
-    eager = SimpleNamespace(**args, disable_cuda_graph=True)
-    seen.clear()
-    around_eagle_v1_worker_init(init, SimpleNamespace(), eager)
-    assert seen == [""] and draft_skip_reason(graphs, "raise")  # and the context is reset afterwards
+def _slot_records(h):
+    """(row, position) -> the draft pool's record of the slot the row holds there (every committed position)."""
+    rec = h.manager.groups[0].records
+    return {(row, p): rec[int(h.r2t[row, p])].tolist() for row, c in h.committed.items() for p in range(c)}
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_v1_draft_rounds_replayed_from_cuda_graphs_verify_and_record_what_the_eager_rounds_do(page_size, kernels):
+    """sglang's own EAGLEDraftCudaGraphRunner (bs * topk lanes) and EAGLEDraftExtendCudaGraphRunner (spec v1's
+    DRAFT_EXTEND: the kept tokens packed, the rest of the bs * (num_steps + 1) token slots at out_cache_loc 0, padding
+    requests at the fill value) replay the captured HEAD/TAIL: batches of 2 (a captured size) and 3 (padded to 4)
+    verify and record exactly what the same rounds do eagerly, with no violation, every replay counted."""
+    rows = {1: [5, 6, 7, 8, 9], 2: [10, 11], 3: [12, 13, 14, 15, 16, 17, 18]}
+    sampled = {1: 19, 2: 20, 3: 21}
+    accepts = [[4, 1, 2], [2, 3, 4], [1, 1, 1], [3, 4, 2]]
+    results = []
+    for graph_bs in ((), (1, 2, 4)):
+        h = V1DraftHarness(steps=3, page_size=page_size, kernels=kernels, graph_bs=graph_bs)
+        h.prefill(rows, sampled=sampled)
+        # the row a padding request reads as (req_pool_indices 0) holds a finished request's stale entries: a padding
+        # request that read anything would report a false position violation
+        h.r2t[0, :4] = h.r2t[1, 1:5]
+        for acc in accepts:
+            h.v1_draft_phase([1, 2])
+            h.v1_draft_extend([1, 2], acc[:2])
+            h.v1_draft_phase([1, 2, 3])
+            h.v1_draft_extend([1, 2, 3], acc)
+        c = h.counters()
+        assert int(c[fp.C_VIOLATIONS]) == 0 and h.manager.health_violations == 0
+        results.append((h, [int(c[i]) for i in (fp.C_SLOTS_VERIFIED, fp.C_SLOTS_WRITTEN)], _slot_records(h)))
+    (eager, eager_counts, eager_records), (graph, graph_counts, graph_records) = results
+    assert graph.manager.graph_forwards == 8 * (2 + 1) and eager.manager.graph_forwards == 0  # phases + extends
+    assert graph_counts == eager_counts and eager_counts[0] > 0
+    assert graph_records == eager_records
+
+
+def test_a_corrupt_committed_slot_is_caught_by_a_replayed_v1_draft_phase():
+    h = V1DraftHarness(steps=3, graph_bs=(1, 2, 4))
+    h.prefill({1: [5, 6, 7, 8, 9, 10], 2: [11, 12, 13], 3: [16, 17]}, sampled={1: 14, 2: 15, 3: 18})
+    _v1_rounds(h, [1, 2, 3], [[2, 3, 1]])
+    assert h.manager.graph_forwards == 2 + 1  # the phase's two steps and the extend, replayed (3 padded to 4)
+    slot = int(h.r2t[2, 4])  # a kept token's slot, written by the replayed DRAFT_EXTEND
+    h.k[slot, 0, 2] += 1.0
+    with pytest.raises(CanaryViolationError, match=f"kind=kv_hash.*group={DRAFT_GROUP}.*slot={slot}"):
+        h.v1_draft_phase([1, 2, 3])  # padded to 4 requests: the padding request reads nothing
 
 
 def test_a_v1_draft_extend_is_viewed_with_int64_ids_like_every_precompiled_variant():

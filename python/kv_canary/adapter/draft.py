@@ -1,4 +1,4 @@
-"""sglang 0.5.12 EAGLE draft worker (spec v2; spec v1 eagerly): its own KV pool, verified (``kv_canary.draft_pool``).
+"""sglang 0.5.12 EAGLE draft worker (spec v2 and v1): its own KV pool, verified (``kv_canary.draft_pool``).
 
 Wiring (hooks through sglang's HookRegistry, registered by the plugin):
 
@@ -29,21 +29,21 @@ step), and its ``out_cache_loc`` (a strided column of ``[bs, num_steps]`` in ``d
 preallocated contiguous buffer per step. All graph-safe (no allocation, no host sync); a CUDA-graph padding lane
 (``out_cache_loc`` 0) gets ``seq_lens`` 0: it reads and writes nothing.
 
-Spec v1 (``EAGLEWorker``: topk > 1 or ``--disable-overlap-schedule``), eager: the same manager and hooks
-(``EAGLEWorker.draft_forward`` AROUND is ``around_draft_forward``; ``EAGLEWorker.__init__`` AROUND starts reporting);
-a draft decode step runs ``bs * topk`` lanes into scratch slots sglang gives back right after the phase, so its view
-(``DraftBatchAdapter(spec_v1=True)``) reads each request's committed prefix ``[0, c)`` and writes nothing; the draft
-extends (DRAFT_EXTEND over the kept tokens, EXTEND after a prefill) are extend views. Not verified: a step's reads of
-its own branch's earlier scratch slots (docs/speculative.md).
+Spec v1 (``EAGLEWorker``: topk > 1 or ``--disable-overlap-schedule``), eager or under CUDA graphs: the same manager
+and hooks (``EAGLEWorker.draft_forward`` AROUND is ``around_draft_forward``; ``EAGLEWorker.__init__`` AFTER starts
+reporting; the two graph runners' capture/replay hooks as above); a draft decode step runs ``bs * topk`` lanes into
+scratch slots sglang gives back right after the phase, so its view (``DraftBatchAdapter(spec_v1=True)``) reads each
+request's committed prefix ``[0, c)`` and writes nothing; the draft extend after a verify (DRAFT_EXTEND: each
+request's kept tokens, packed) is viewed with starts/lengths computed on the device, one view eager and replayed
+(``_v1_draft_extend_view``); EXTEND after a prefill is an extend view. Not verified: a step's reads of its own
+branch's earlier scratch slots (docs/speculative.md).
 
-Not verified (skipped with a startup line naming why): ``--kv-canary contain``, PD disaggregation, and spec v1 with
-CUDA graphs on (its draft-extend graph replays a packed variable-length layout no view covers).
+Not verified (skipped with a startup line naming why): ``--kv-canary contain`` and PD disaggregation.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from typing import Any, Dict
 
@@ -57,15 +57,25 @@ class DraftBatchAdapter(SglangBatchAdapter):
     """``SglangBatchAdapter`` plus the draft decode steps' views (see the module docstring)."""
 
     def __init__(self, *, max_batch_size: int, device: torch.device, draft_tokens_per_request: int = 1,
-                 decode_steps: int = 1, spec_v1: bool = False):
+                 decode_steps: int = 1, spec_v1: bool = False, num_steps: int = 1):
         super().__init__(max_batch_size=max_batch_size, device=device)
-        # spec v1 (EAGLEWorker): a draft decode step runs topk lanes per request into scratch slots; its view reads
-        # the committed prefix [0, c) and writes nothing (new_lens 0)
-        self._spec_v1 = spec_v1
-        if spec_v1:
-            self._uniform_buffers(0)
         # rows of the per-step buffers start 16-byte aligned (Triton specializes pointer alignment: no new variant)
         width = -(-max_batch_size // 16) * 16
+        # spec v1 (EAGLEWorker): a draft decode step runs topk lanes per request into scratch slots; its view reads
+        # the committed prefix [0, c) and writes nothing (new_lens 0). Its DRAFT_EXTEND feeds each request's kept
+        # tokens (1 to num_steps + 1), packed; EAGLEDraftExtendCudaGraphRunner replays it with num_steps + 1 token
+        # slots per request: starts/lengths/seq_lens computed on the device into these buffers (int32 starts and
+        # lengths as an eager extend's; int64 seq_lens)
+        self._spec_v1 = spec_v1
+        self._v1_extend_max = max(1, num_steps) + 1
+        if spec_v1:
+            self._uniform_buffers(0)
+            self._v1_starts = torch.zeros(width, dtype=torch.int32, device=device)
+            self._v1_lens = torch.zeros(width, dtype=torch.int32, device=device)
+            self._v1_ends = torch.zeros(width, dtype=torch.int32, device=device)
+            self._v1_first = torch.zeros(width, dtype=torch.int32, device=device)  # start, clamped in range
+            self._v1_first_loc = torch.zeros(width, dtype=torch.int64, device=device)  # out_cache_loc there
+            self._v1_real = torch.zeros(width, dtype=torch.bool, device=device)
         steps = max(1, decode_steps)
         # per draft decode step (draft_forward's loop): its view's seq_lens and contiguous out_cache_loc, and which
         # lanes are real (a CUDA-graph padding lane has out_cache_loc 0 and must read and write nothing)
@@ -79,16 +89,17 @@ class DraftBatchAdapter(SglangBatchAdapter):
         self._uniform_buffers(self._extend_n)
         self._extend_seq_lens = torch.zeros(width, dtype=torch.int64, device=device)
         self._extend_real = torch.zeros(width, dtype=torch.bool, device=device)
-        self._extend_ids = torch.zeros(max_batch_size * self._extend_n, dtype=torch.int64, device=device)
+        id_slots = max(self._extend_n, self._v1_extend_max if spec_v1 else 0)
+        self._extend_ids = torch.zeros(max_batch_size * id_slots, dtype=torch.int64, device=device)
 
     def view(self, fb) -> ForwardView:
         if fb.forward_mode.name == "DRAFT_EXTEND_V2":
             return self._draft_extend_view(fb)
         if self._spec_v1 and fb.forward_mode.name == "DECODE" and self.batch_size(fb):
             return self._v1_step_view(fb)
+        if self._spec_v1 and fb.forward_mode.name == "DRAFT_EXTEND" and self.batch_size(fb):
+            return self._v1_draft_extend_view(fb)
         view = super().view(fb)
-        if fb.forward_mode.name == "DRAFT_EXTEND" and view.input_ids.dtype != torch.int64:
-            return self._int64_ids(view)
         if view.batch_size == 0 or fb.forward_mode.name != "DECODE":
             return view
         if view.max_new_len != 1:
@@ -115,17 +126,52 @@ class DraftBatchAdapter(SglangBatchAdapter):
             raise ValueError("kv-canary: a draft decode step's input_ids/positions are not contiguous")
         return dataclasses.replace(view, seq_lens=seq_lens, out_cache_loc=loc)
 
-    def _int64_ids(self, view: ForwardView) -> ForwardView:
-        """Spec v1's DRAFT_EXTEND is fed the verify's kept tokens (``accept_tokens``: int32); the TAIL's precompiled
-        extend variants take int64 ids (as DRAFT_EXTEND_V2's): a copy into the preallocated buffer (at most
-        ``--speculative-num-draft-tokens`` kept tokens per request)."""
-        tokens = int(view.input_ids.shape[0])
+    def _int64_ids(self, fb) -> torch.Tensor:
+        """The batch's ids as int64 (every precompiled TAIL variant's): spec v1's DRAFT_EXTEND is fed the verify's
+        kept tokens (``accept_tokens``: int32) eagerly, copied into the preallocated buffer."""
+        tokens = int(fb.input_ids.shape[0])
+        if fb.input_ids.dtype == torch.int64:
+            return fb.input_ids
         if tokens > self._extend_ids.numel():
             raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens; the draft adapter holds "
-                             f"{self._extend_ids.numel()} (--max-running-requests x --speculative-num-draft-tokens)")
+                             f"{self._extend_ids.numel()} (--max-running-requests x tokens per request)")
         ids = self._extend_ids[:tokens]
-        ids.copy_(view.input_ids)
-        return dataclasses.replace(view, input_ids=ids)
+        ids.copy_(fb.input_ids)
+        return ids
+
+    def _v1_draft_extend_view(self, fb) -> ForwardView:
+        """Spec v1's DRAFT_EXTEND (``forward_draft_extend_after_decode``), eager or captured/replayed by
+        ``EAGLEDraftExtendCudaGraphRunner`` alike: request ``b`` is fed its ``a_b`` kept tokens (``extend_seq_lens``,
+        int32[bs], 1 to num_steps + 1), packed in batch order, at positions ``[seq_lens - a_b, seq_lens)``. The
+        graph's batch has no ``extend_start_loc`` and ``bs * (num_steps + 1)`` token slots: after the packed tokens,
+        ``out_cache_loc`` 0 (the padding slot), and a padding request has ``extend_seq_lens`` num_steps + 1 and
+        ``seq_lens`` the fill value. So, on the device into fixed buffers: starts = exclusive cumsum of the
+        lengths; a request is real when ``out_cache_loc`` at its start is a slot (> 0); a padding request gets
+        length and ``seq_lens`` 0 (reads and writes nothing). The same view eagerly (no padding) and replayed."""
+        bs, cap = self.batch_size(fb), self._v1_extend_max
+        lens_cpu = getattr(fb, "extend_seq_lens_cpu", None)
+        if lens_cpu and max(lens_cpu) > cap:
+            raise ValueError(f"kv-canary: a spec v1 draft extend feeds {max(lens_cpu)} tokens for one request; at "
+                             f"most --speculative-num-steps + 1 = {cap} are kept per verify")
+        tokens = int(fb.input_ids.shape[0])
+        raw = fb.extend_seq_lens[:bs]
+        starts, lens, ends, first = (self._v1_starts[:bs], self._v1_lens[:bs], self._v1_ends[:bs],
+                                     self._v1_first[:bs])
+        torch.cumsum(raw, 0, dtype=torch.int32, out=ends)
+        torch.sub(ends, raw, out=starts)
+        torch.clamp(starts, max=max(0, tokens - 1), out=first)  # a trailing empty request: gather in range
+        real, loc = self._v1_real[:bs], self._v1_first_loc[:bs]
+        if fb.out_cache_loc.dtype != loc.dtype:
+            raise ValueError(f"kv-canary: a spec v1 draft extend's out_cache_loc is {fb.out_cache_loc.dtype}; "
+                             "sglang 0.5.12 gives int64")
+        torch.index_select(fb.out_cache_loc, 0, first, out=loc)
+        torch.gt(loc, 0, out=real)
+        torch.mul(raw, real, out=lens)
+        seq_lens = self._extend_seq_lens[:bs]
+        torch.mul(fb.seq_lens[:bs], real, out=seq_lens)
+        return ForwardView(input_ids=self._int64_ids(fb), positions=fb.positions, out_cache_loc=fb.out_cache_loc,
+                           req_pool_indices=fb.req_pool_indices, seq_lens=seq_lens, new_starts=starts,
+                           new_lens=lens, batch_size=bs, max_new_len=cap, staged=True)
 
     def _v1_step_view(self, fb) -> ForwardView:
         """Spec v1 draft decode step ``i``: ``bs * topk`` lanes (request-major: lane ``b * topk + k``) at position
@@ -157,13 +203,7 @@ class DraftBatchAdapter(SglangBatchAdapter):
         if tokens != bs * n:
             raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens for {bs} requests; the draft pool is "
                              f"verified with --speculative-num-draft-tokens {n} per request")
-        if tokens > self._extend_ids.numel():
-            raise ValueError(f"kv-canary: a draft extend feeds {tokens} tokens; the draft adapter holds "
-                             f"{self._extend_ids.numel()} (--max-running-requests x --speculative-num-draft-tokens)")
-        ids = fb.input_ids
-        if ids.dtype != torch.int64:
-            ids = self._extend_ids[:tokens]
-            ids.copy_(fb.input_ids)
+        ids = self._int64_ids(fb)
         starts, lens = self._uniform_buffers(n)
         seq_lens, real = self._extend_seq_lens[:bs], self._extend_real[:bs]
         torch.gt(fb.out_cache_loc[: tokens : n], 0, out=real)
@@ -205,26 +245,9 @@ def draft_skip_reason(server_args: Any, mode: str) -> str:
     pd = disaggregation_mode(server_args)
     if pd in ("prefill", "decode"):
         return f"--disaggregation-mode {pd}"
-    from .speculative import is_spec_v1
-
-    if is_spec_v1(server_args):
-        graphs = _V1_CUDA_GRAPHS.get()
-        if graphs is None:  # outside EAGLEWorker.__init__ (which sets disable_cuda_graph while it builds the draft)
-            graphs = not getattr(server_args, "disable_cuda_graph", False)
-        if graphs:
-            topk = getattr(server_args, "speculative_eagle_topk", None)
-            return (f"spec v1 (--speculative-eagle-topk {topk}, --disable-overlap-schedule) with CUDA graphs on "
-                    "(no --disable-cuda-graph): sglang's EAGLEDraftExtendCudaGraphRunner replays spec v1's draft "
-                    "extend (DRAFT_EXTEND, variable lengths packed) in a layout the draft pool's views do not cover; "
-                    "spec v1's draft pool is verified eagerly (--disable-cuda-graph)")
     # eager or under CUDA graphs alike (EAGLEDraftCudaGraphRunner / EAGLEDraftExtendCudaGraphRunner capture the
     # draft's HEAD/TAIL and each replay is an outer step): no CUDA-graph condition here
     return ""
-
-
-# spec v1: whether CUDA graphs are on, set while EAGLEWorker.__init__ runs (it sets server_args.disable_cuda_graph
-# while it builds the draft runner, whose install asks draft_skip_reason)
-_V1_CUDA_GRAPHS: contextvars.ContextVar = contextvars.ContextVar("kv_canary_v1_cuda_graphs", default=None)
 
 
 def _draft_manager(runner):
@@ -357,17 +380,10 @@ def after_draft_worker_init(_result, worker, *args, **kwargs) -> None:
         target.kv_canary_draft_manager = manager
 
 
-def around_eagle_v1_worker_init(original, worker, *args, **kwargs):
-    """AROUND ``EAGLEWorker.__init__`` (spec v1): the draft runner's install sees whether CUDA graphs are on (sglang
-    sets ``server_args.disable_cuda_graph`` while it builds the draft runner); afterwards, as for spec v2, the draft
-    manager starts reporting and the target runner learns it (idle drain). Any topk: the v1 step views read the
-    committed prefix per request, whatever the lanes."""
-    server_args = kwargs.get("server_args", args[0] if args else None)
-    token = _V1_CUDA_GRAPHS.set(not getattr(server_args, "disable_cuda_graph", False))
-    try:
-        original(worker, *args, **kwargs)
-    finally:
-        _V1_CUDA_GRAPHS.reset(token)
+def after_eagle_v1_worker_init(_result, worker, *args, **kwargs) -> None:
+    """AFTER ``EAGLEWorker.__init__`` (spec v1; any topk: the v1 step views read the committed prefix per request,
+    whatever the lanes): its draft graphs (if any) exist; as for spec v2, the draft manager starts reporting and the
+    target runner learns it (idle drain)."""
     manager = _draft_manager(getattr(worker, "model_runner", None))
     if manager is None:
         return

@@ -51,8 +51,8 @@ _SPEC_WHY = (
     "with topk 1 (EAGLEWorkerV2: TARGET_VERIFY views, eager or replayed from CUDA graphs, drafts staged, the token "
     "oracle advanced to the accepted prefix; docs/speculative.md) and the draft model's own KV pool (eager or under "
     "CUDA graphs); spec v1 (EAGLEWorker, topk > 1 or --disable-overlap-schedule): the target model's KV (the tree "
-    "verify's TAIL deferred to the kept drafts), the draft pool not verified; STANDALONE, NGRAM, DFLASH, "
-    "FROZEN_KV_MTP, multi-layer/adaptive EAGLE are not verified")
+    "verify's TAIL deferred to the kept drafts) and the draft pool, eager or under CUDA graphs; STANDALONE, NGRAM, "
+    "DFLASH, FROZEN_KV_MTP, multi-layer/adaptive EAGLE are not verified")
 
 
 def _spec_offender(value, args) -> str:

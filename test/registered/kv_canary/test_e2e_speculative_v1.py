@@ -9,9 +9,10 @@ CPU: one server (page size 1, topk 2, eager), the tiny target + tiny EAGLE draft
 (the target's TARGET_VERIFY graphs captured with the canary's HEAD/TAIL), page size 1 with topk 2 (Triton
 attention), and page size 16 with topk 2 over fa3 (sglang serves page size > 1 with topk > 1 on the
 flashinfer/fa3 backends only; there the kept K/V is moved by ``move_kv_cache`` before the deferred write hashes it).
-The draft model's own pool is verified under spec v1 eagerly (CPU: its draft decode steps read each request's
-committed prefix, its draft extends are written and verified; ``kv_canary_draft_stats=`` lines); with CUDA graphs on
-(GPU) it is skipped with its startup line (sglang's v1 draft-extend graph layout is not viewed), the target verified.
+The draft model's own pool is verified too (its draft decode steps read each request's committed prefix, its draft
+extends over the kept tokens are written and verified; ``kv_canary_draft_stats=`` lines): eagerly on CPU, and on the
+GPU replayed from sglang's draft graph runners (EAGLEDraftCudaGraphRunner over ``bs * topk`` lanes,
+EAGLEDraftExtendCudaGraphRunner over the packed kept tokens).
 """
 
 import os
@@ -123,7 +124,7 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     log = CanaryLog.read_settled(srv)
     running = srv.is_running()
     forwards, writes = log.last_stat("forwards_host"), log.last_stat("write_launches")
-    draft = parse_lines(log.text, DRAFT_STATS_PREFIX)  # the draft pool's own manager (eager only under spec v1)
+    draft = parse_lines(log.text, DRAFT_STATS_PREFIX)  # the draft pool's own manager
     d = draft[-1] if draft else {}
     print(f"kv_canary_e2e_eagle_v1 device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
@@ -132,7 +133,8 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
           f"health_violations={log.last_stat('health_violations')} "
           f"draft_slots_verified={d.get('slots_verified')} draft_slots_written={d.get('slots_written')} "
           f"draft_forwards={d.get('forwards_host')} draft_outer_steps={d.get('outer_steps')} "
-          f"draft_violations={d.get('violations')} draft_health_violations={d.get('health_violations')}")
+          f"draft_graph_replays={d.get('graph_forwards')} draft_violations={d.get('violations')} "
+          f"draft_health_violations={d.get('health_violations')}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5]) + "\n" + srv.log_tail()
     # the workload exercised what the canary must survive: prefix hits, chunked prefill, an abort, eviction
     assert result.cached_tokens > 0
@@ -144,22 +146,20 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
     # every forward ran HEAD and TAIL; each tree verify's deferred TAIL is one more write launch (counted)
     assert log.last_stat("verify_launches") == forwards and writes > forwards
-    if CUDA:  # spec v1 with CUDA graphs: the draft pool is skipped, naming the flags (the target is verified)
-        assert DRAFT_SKIPPED in log.text and "spec v1 (--speculative-eagle-topk 2" in log.text
-        assert "with CUDA graphs on (no --disable-cuda-graph)" in log.text
-        assert DRAFT_INSTALLED_PREFIX not in log.text
-    else:  # eager: the draft pool verified -- draft prefills, draft decode steps (reading the committed prefix,
-        # writing nothing: scratch slots) and draft extends over the kept tokens
-        installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
-        assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
-        assert DRAFT_SKIPPED not in log.text
-        assert d.get("settled") == "1", draft[-3:]
-        assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
-        assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
-        # NUM_STEPS - 1 draft decode steps per phase, plus the extends: more forwards than outer steps
-        assert int(d["forwards_host"]) > int(d["outer_steps"])
-        # every forward ran HEAD and TAIL on the host's count (no deferred writes in the draft pool)
-        assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
+    # the draft pool verified, eager and under CUDA graphs alike -- draft prefills, draft decode steps (reading the
+    # committed prefix, writing nothing: scratch slots) and draft extends over the kept tokens
+    installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
+    assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
+    assert DRAFT_SKIPPED not in log.text
+    assert d.get("settled") == "1", draft[-3:]
+    assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
+    assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
+    # NUM_STEPS - 1 draft decode steps per phase, plus the extends: more forwards than outer steps
+    assert int(d["forwards_host"]) > int(d["outer_steps"])
+    # every forward ran HEAD and TAIL on the host's count (no deferred writes in the draft pool)
+    assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
+    if CUDA:  # the draft decode phases and draft extends replayed from sglang's draft graph runners
+        assert int(d["graph_forwards"]) > 0, draft[-3:]
     assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
     if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
         assert "cuda graph: True" in log.text
