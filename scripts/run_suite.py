@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     env["KVC_TEST_DEVICE"] = args.hw
     targets = (["test/unit"] if args.with_unit else []) + [os.path.relpath(r.filename, ROOT) for r in regs]
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", *targets, *args.pytest_args]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "--durations=60", *targets, *args.pytest_args]
     print("run_suite: $ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
