@@ -278,10 +278,17 @@ class DraftHarness:
             self.convention_positions[row].update(range(c, c + a))
             self.committed[row] = c + a
         fb = self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND_V2)
-        fb.spec_info = SimpleNamespace(hidden_states=torch.zeros(len(fb.input_ids), 2), num_correct_drafts=None,
-                                       num_accept_tokens=None)
+        self.run_draft_extend(fb, accept=None)
+
+    def run_draft_extend(self, fb, accept):
+        """The draft extend replayed from ``EAGLEDraftExtendCudaGraphRunner`` where it can run (spec v2's
+        ``_draft_extend_for_decode``, spec v1's ``forward_draft_extend_after_decode``), else through the runner;
+        ``accept``: the kept tokens per request (int32; spec v1), or None (spec v2)."""
+        fb.spec_info = SimpleNamespace(hidden_states=torch.zeros(len(fb.input_ids), 2),
+                                       num_correct_drafts=None if accept is None else accept - 1,
+                                       num_accept_tokens=accept)
         runner = self.extend_graph_runner
-        if runner is not None and runner.can_run(fb):  # _draft_extend_for_decode
+        if runner is not None and runner.can_run(fb):
             around_draft_extend_graph_replay(EAGLEDraftExtendCudaGraphRunner.replay, runner, fb)
         else:
             self.runner.forward(fb)

@@ -22,8 +22,7 @@ import torch
 
 from kv_canary import fingerprint as fp
 from kv_canary.adapter.draft import (
-    DraftBatchAdapter, after_eagle_v1_worker_init, around_draft_extend_graph_replay, around_draft_forward,
-    around_draft_graph_replay, draft_skip_reason,
+    DraftBatchAdapter, after_eagle_v1_worker_init, around_draft_forward, around_draft_graph_replay, draft_skip_reason,
 )
 from kv_canary.draft_pool import DRAFT_GROUP
 from kv_canary.violations import CanaryViolationError
@@ -45,8 +44,7 @@ from sglang.srt.speculative.eagle_worker import EAGLEWorker, get_last_loc_large_
 from sglang.srt.speculative.spec_utils import assign_draft_cache_locs  # noqa: E402
 from sglang.srt.utils import next_power_of_2  # noqa: E402
 
-EAGLEDraftCudaGraphRunner, EAGLEDraftExtendCudaGraphRunner = _v2.EAGLEDraftCudaGraphRunner, \
-    _v2.EAGLEDraftExtendCudaGraphRunner
+EAGLEDraftCudaGraphRunner = _v2.EAGLEDraftCudaGraphRunner
 
 TOPK = 2
 _v2.SLOTS = 2048  # this module's copy of the harness: room for the scratch region
@@ -158,14 +156,7 @@ class V1DraftHarness(_v2.DraftHarness):
             self.committed[row] = self.alloc[row] = c + a
         fb = self._extend_batch(fed, prefix, ForwardMode.DRAFT_EXTEND)
         fb.input_ids = fb.input_ids.to(torch.int32)  # accept_tokens: the verify's int32 predictions
-        acc = torch.tensor(accept_lens, dtype=torch.int32)
-        fb.spec_info = SimpleNamespace(hidden_states=torch.zeros(len(fb.input_ids), 2), num_correct_drafts=acc - 1,
-                                       num_accept_tokens=acc)
-        runner = self.extend_graph_runner
-        if runner is not None and runner.can_run(fb):  # forward_draft_extend_after_decode
-            around_draft_extend_graph_replay(EAGLEDraftExtendCudaGraphRunner.replay, runner, fb)
-        else:
-            self.runner.forward(fb)
+        self.run_draft_extend(fb, accept=torch.tensor(accept_lens, dtype=torch.int32))
 
 
 def _v1_rounds(h, rows, accepts):

@@ -78,6 +78,32 @@ def check_drafts_accepted_and_rejected(srv, label: str) -> None:
     assert verifies * NUM_DRAFT_TOKENS > tokens - len(outs), "every draft was accepted"
 
 
+def draft_summary(d: dict) -> str:
+    """The draft pool's numbers of its last stats line ``d``, for the e2e result line."""
+    return " ".join(f"draft_{name}={d.get(key)}" for name, key in (
+        ("slots_verified", "slots_verified"), ("slots_written", "slots_written"), ("forwards", "forwards_host"),
+        ("outer_steps", "outer_steps"), ("graph_replays", "graph_forwards"), ("violations", "violations"),
+        ("health_violations", "health_violations")))
+
+
+def check_draft_pool(text: str, draft: list) -> None:
+    """The draft pool verified (CPU: eager; GPU: under CUDA graphs): installed with the token offset 1, settled, no
+    violation, its prefill/draft-extend forwards and each draft decode step counted (``draft``: its stats lines)."""
+    d = draft[-1] if draft else {}
+    installed = parse_lines(text, DRAFT_INSTALLED_PREFIX)
+    assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
+    assert DRAFT_SKIPPED not in text
+    assert d.get("settled") == "1", draft[-3:]
+    assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
+    assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
+    # prefills, draft extends and NUM_STEPS - 1 decode steps per draft phase: more forwards than outer steps
+    assert int(d["forwards_host"]) > int(d["outer_steps"])
+    # every forward the device ran (HEAD and TAIL, eager or inside a replayed graph) was counted on the host
+    assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
+    if CUDA:  # the draft decode phases and draft extends replayed from the draft's CUDA graphs
+        assert int(d["graph_forwards"]) > 0, draft[-3:]
+
+
 @pytest.mark.e2e
 def test_eagle_drafts_are_accepted_and_rejected(eagle_server):
     """The workload below exercises every verify outcome: some drafts accepted, some rejected."""
@@ -96,10 +122,7 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"slots_swept={log.last_stat('slots_swept')} forwards={log.last_stat('forwards_host')} "
           f"graph_replays={log.last_stat('graph_forwards')} violations={log.last_stat('violations')} "
-          f"draft_slots_verified={d.get('slots_verified')} draft_slots_written={d.get('slots_written')} "
-          f"draft_forwards={d.get('forwards_host')} draft_outer_steps={d.get('outer_steps')} "
-          f"draft_graph_replays={d.get('graph_forwards')} draft_violations={d.get('violations')} "
-          f"draft_health_violations={d.get('health_violations')}")
+          f"{draft_summary(d)}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5]) + "\n" + eagle_server.log_tail()
     # the workload exercised what the canary must survive: prefix hits, chunked prefill, an abort, eviction
     assert result.cached_tokens > 0
@@ -110,20 +133,7 @@ def test_eagle_raise_mixed_workload_has_no_violation(eagle_server):
     assert log.last_stat("health_violations") == 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
-    # the draft pool verified (CPU: eager; GPU: under CUDA graphs): its prefill/draft-extend forwards and each draft
-    # decode step
-    installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
-    assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
-    assert DRAFT_SKIPPED not in log.text
-    assert d.get("settled") == "1", draft[-3:]
-    assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
-    assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
-    # prefills, draft extends and NUM_STEPS - 1 decode steps per draft phase: more forwards than outer steps
-    assert int(d["forwards_host"]) > int(d["outer_steps"])
-    # every forward the device ran (HEAD and TAIL, eager or inside a replayed graph) was counted on the host
-    assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
-    if CUDA:  # the draft decode phases and draft extends replayed from the draft's CUDA graphs
-        assert int(d["graph_forwards"]) > 0, draft[-3:]
+    check_draft_pool(log.text, draft)
     assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
     if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
         assert "cuda graph: True" in log.text

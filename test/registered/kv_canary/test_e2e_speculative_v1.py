@@ -20,7 +20,7 @@ import os
 import pytest
 import requests
 
-from kv_canary.draft_pool import DRAFT_INSTALLED_PREFIX, DRAFT_STATS_PREFIX
+from kv_canary.draft_pool import DRAFT_STATS_PREFIX
 from kv_canary.violations import parse_lines
 from kv_canary_testing.canary_e2e import (
     CHUNKED_PREFILL_SIZE,
@@ -32,12 +32,12 @@ from kv_canary_testing.canary_e2e import (
 )
 from kv_canary_testing.model_dir import word_token_id, write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
+from test_e2e_speculative import check_draft_pool, draft_summary
 
 register_cpu_ci(est_time=420, suite="kv-canary-cpu")  # the EAGLE server + a short reference one
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 NUM_STEPS, TOPK, NUM_DRAFT_TOKENS = 3, 2, 4  # a tree: 3 of the 2 + 4 + 4 candidate drafts, siblings included
-DRAFT_SKIPPED = "the speculative draft model's KV pool is not verified"
 CUDA = e2e_device() == "cuda"
 # (page size, attention backend): sglang serves page size > 1 with topk > 1 on fa3/flashinfer only (GPU)
 PAGED_BACKEND = os.environ.get("KVC_SPEC_V1_PAGED_BACKEND", "flashinfer")  # or fa3 (needs sgl_kernel's FA3 ops)
@@ -125,16 +125,12 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     running = srv.is_running()
     forwards, writes = log.last_stat("forwards_host"), log.last_stat("write_launches")
     draft = parse_lines(log.text, DRAFT_STATS_PREFIX)  # the draft pool's own manager
-    d = draft[-1] if draft else {}
     print(f"kv_canary_e2e_eagle_v1 device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"slots_swept={log.last_stat('slots_swept')} forwards={forwards} deferred_writes={writes - forwards} "
           f"graph_replays={log.last_stat('graph_forwards')} violations={log.last_stat('violations')} "
           f"health_violations={log.last_stat('health_violations')} "
-          f"draft_slots_verified={d.get('slots_verified')} draft_slots_written={d.get('slots_written')} "
-          f"draft_forwards={d.get('forwards_host')} draft_outer_steps={d.get('outer_steps')} "
-          f"draft_graph_replays={d.get('graph_forwards')} draft_violations={d.get('violations')} "
-          f"draft_health_violations={d.get('health_violations')}")
+          f"{draft_summary(draft[-1] if draft else {})}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5]) + "\n" + srv.log_tail()
     # the workload exercised what the canary must survive: prefix hits, chunked prefill, an abort, eviction
     assert result.cached_tokens > 0
@@ -148,18 +144,7 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     assert log.last_stat("verify_launches") == forwards and writes > forwards
     # the draft pool verified, eager and under CUDA graphs alike -- draft prefills, draft decode steps (reading the
     # committed prefix, writing nothing: scratch slots) and draft extends over the kept tokens
-    installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
-    assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
-    assert DRAFT_SKIPPED not in log.text
-    assert d.get("settled") == "1", draft[-3:]
-    assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0
-    assert int(d["slots_verified"]) > 0 and int(d["slots_written"]) > 0
-    # NUM_STEPS - 1 draft decode steps per phase, plus the extends: more forwards than outer steps
-    assert int(d["forwards_host"]) > int(d["outer_steps"])
-    # every forward ran HEAD and TAIL on the host's count (no deferred writes in the draft pool)
-    assert int(d["verify_launches"]) == int(d["write_launches"]) == int(d["forwards_host"])
-    if CUDA:  # the draft decode phases and draft extends replayed from sglang's draft graph runners
-        assert int(d["graph_forwards"]) > 0, draft[-3:]
+    check_draft_pool(log.text, draft)
     assert "kv_canary_jit_after_startup" not in log.text and "Traceback" not in log.text
     if CUDA:  # the target's verify forwards ran inside replayed CUDA graphs
         assert "cuda graph: True" in log.text
