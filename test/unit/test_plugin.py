@@ -1,13 +1,11 @@
 """The sglang plugin layer: version gate, CLI flags and their startup errors, capacities.
 
-CLI checks run sglang's own entry code in a subprocess (load_plugins + prepare_server_args),
+CLI checks run sglang's own entry code in a forked child (load_plugins + prepare_server_args),
 so the hooks are applied exactly as in a real server process.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -49,7 +47,19 @@ def test_inactive_plugin_logs_one_line_and_registers_nothing(monkeypatch, caplog
     assert len(lines) == 1 and "plugin inactive" in lines[0].getMessage()
 
 
-def _prepare(args, env=None):
+@pytest.fixture(scope="module")
+def forker():
+    """One process imports sglang once; each parse runs in a fork of it (kv_canary_testing.entry_fork), with the
+    libcuda stand-in (sglang's scheduler module imports it)."""
+    from kv_canary_testing.entry_fork import EntryForker
+    from kv_canary_testing.server import SglangServer
+
+    with EntryForker(SglangServer(device="cpu").environment()) as f:
+        yield f
+
+
+def _prepare(forker, args, env=None):
+    """(exit code, output) of loading the plugins and parsing ``args`` as sglang's entry does, in a fresh fork."""
     from kv_canary_testing.model_dir import write_model_dir
 
     code = textwrap.dedent(f"""
@@ -57,19 +67,16 @@ def _prepare(args, env=None):
         load_plugins()
         from sglang.srt.server_args import prepare_server_args
         a = prepare_server_args(["--model-path", {str(write_model_dir())!r}, *{list(args)!r}])
-        print("PARSED", a.kv_canary, a.kv_canary_sweep_interval, a.kv_canary_real_data)
+        print("PARSED", a.kv_canary, a.kv_canary_sweep_interval, a.kv_canary_real_data, flush=True)
+        raise SystemExit(0)
     """)
-    from kv_canary_testing.server import SglangServer
-
-    full_env = SglangServer(device="cpu").environment()  # the libcuda stand-in: sglang's scheduler module imports
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+    return forker.run([], env or {}, prelude=code, timeout=120)
 
 
-def test_flags_parse_and_reach_server_args():
-    r = _prepare(["--kv-canary", "log", "--kv-canary-sweep-interval", "5", "--kv-canary-real-data", "all",
-                  "--device", "cuda", "--disable-piecewise-cuda-graph"])
-    assert "PARSED log 5 all" in r.stdout, r.stderr[-2000:]
+def test_flags_parse_and_reach_server_args(forker):
+    code, out = _prepare(forker, ["--kv-canary", "log", "--kv-canary-sweep-interval", "5", "--kv-canary-real-data",
+                                  "all", "--device", "cuda", "--disable-piecewise-cuda-graph"])
+    assert code == 0 and "PARSED log 5 all" in out, out[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -87,10 +94,10 @@ def test_flags_parse_and_reach_server_args():
          {"SGLANG_KV_CANARY_KV_HASH_LAYERS": "1"}, "tunes the hashed window of --kv-canary-real-data partial"),
     ],
 )
-def test_bad_input_fails_at_startup_naming_it(args, env, message):
-    r = _prepare(args, env)
-    assert r.returncode != 0 and "PARSED" not in r.stdout
-    assert message in r.stderr, r.stderr[-2000:]
+def test_bad_input_fails_at_startup_naming_it(forker, args, env, message):
+    code, out = _prepare(forker, args, env)
+    assert code != 0 and "PARSED" not in out
+    assert message in out, out[-2000:]
 
 
 def test_forward_over_capacity_names_the_capacity_and_the_flag():
