@@ -74,7 +74,8 @@ def run_modes(tmp_path, canary_mode, n_requests=40, real_data="all"):
 @pytest.mark.e2e
 @pytest.mark.parametrize("real_data", ["all", "partial"])
 def test_log_mode_detects_every_injection(tmp_path, real_data):
-    result, log, running, _ = run_modes(tmp_path, "log", real_data=real_data)
+    # 24 requests: each mode still injects several times (CI time: all bytes hashed under the Triton interpreter)
+    result, log, running, _ = run_modes(tmp_path, "log", n_requests=24, real_data=real_data)
     injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
     unexplained = [v for v in log.violations if not any(explains(p, v) for p in injections)]
     missed_by_mode = {}

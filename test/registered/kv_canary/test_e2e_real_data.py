@@ -21,7 +21,7 @@ def test_mixed_workload_has_no_violation(tmp_path, real_data, page_size):
                         extra_args=["--kv-canary-real-data", real_data, "--page-size", str(page_size),
                                     "--kv-canary-sweep-interval", "8"])
     with srv:
-        result = run_requests(srv.base_url, build_workload(60, seed=40 + page_size, n_aborts=4), concurrency=8,
+        result = run_requests(srv.base_url, build_workload(40, seed=40 + page_size, n_aborts=4), concurrency=8,
                               abort_mode="mixed", timeout=300)
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()

@@ -19,7 +19,7 @@ from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, r
 from kv_canary_testing.model_dir import write_eagle3_model_dirs, write_eagle_model_dirs, write_mla_model_dir
 from kv_canary_testing.server import ServerError
 from kv_canary_testing.workload import build_workload, run_requests
-from test_e2e_speculative import (DRAFT_SKIPPED, MAX_TOTAL_TOKENS, NUM_DRAFT_TOKENS, NUM_STEPS,
+from test_e2e_speculative import (DRAFT_SKIPPED, MAX_TOTAL_TOKENS, NEW_TOKENS, NUM_DRAFT_TOKENS, NUM_STEPS,
                                   check_drafts_accepted_and_rejected)
 
 register_cpu_ci(est_time=290, suite="kv-canary-cpu")
@@ -57,7 +57,7 @@ def test_eagle3_drafts_are_accepted_and_rejected(eagle3_server):
 @pytest.mark.e2e
 def test_eagle3_raise_mixed_workload_has_no_violation(eagle3_server):
     srv = eagle3_server
-    specs = build_workload(N_REQUESTS, seed=33, n_aborts=N_ABORTS, long_len=(150, 260), max_new_tokens=(8, 24))
+    specs = build_workload(N_REQUESTS, seed=33, n_aborts=N_ABORTS, long_len=(150, 260), max_new_tokens=NEW_TOKENS)
     result = run_requests(srv.base_url, specs, concurrency=8 if CUDA else 4, timeout=600)
     log = CanaryLog.read_settled(srv)
     running = srv.is_running()

@@ -32,7 +32,7 @@ from kv_canary_testing.canary_e2e import (
 )
 from kv_canary_testing.model_dir import word_token_id, write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
-from test_e2e_speculative import check_draft_pool, draft_summary
+from test_e2e_speculative import NEW_TOKENS, check_draft_pool, draft_summary
 
 register_cpu_ci(est_time=420, suite="kv-canary-cpu")  # the EAGLE server + a short reference one
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
@@ -119,7 +119,7 @@ def test_spec_v1_drafts_accepted_and_rejected_and_greedy_outputs_equal_the_non_s
 @pytest.mark.e2e
 def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     srv = eagle_v1_server
-    specs = build_workload(N_REQUESTS, seed=8, n_aborts=N_ABORTS, long_len=(150, 260), max_new_tokens=(8, 24))
+    specs = build_workload(N_REQUESTS, seed=8, n_aborts=N_ABORTS, long_len=(150, 260), max_new_tokens=NEW_TOKENS)
     result = run_requests(srv.base_url, specs, concurrency=8 if CUDA else 4, timeout=600)
     log = CanaryLog.read_settled(srv)
     running = srv.is_running()
