@@ -171,7 +171,7 @@ def test_swa_raise_mode_with_the_sweep_every_forward_has_no_violation(tmp_path_f
                         extra_args=["--swa-full-tokens-ratio", "1.0", "--kv-canary-sweep-interval", "1"],
                         max_total_tokens=POOL_TOKENS)
     with srv:
-        result = run_requests(srv.base_url, build_workload(14, seed=9, n_aborts=2, max_new_tokens=(12, 40),
+        result = run_requests(srv.base_url, build_workload(17, seed=9, n_aborts=2, max_new_tokens=(12, 40),
                                                              prefix_len=(48, 128), long_len=(160, 280)), concurrency=8,
                               abort_mode="mixed", timeout=300)
         tail = run_requests(srv.base_url, _divergence_phase()[:8], concurrency=6, timeout=300)
