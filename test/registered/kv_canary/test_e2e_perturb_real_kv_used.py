@@ -87,7 +87,10 @@ def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub)
     srv = canary_server("log", log_path=tmp_path / "server.log", env=env,
                         extra_args=["--kv-canary-real-data", real_data], max_total_tokens=ROOMY_POOL_TOKENS)
     with srv:
-        result = run_requests(srv.base_url, build_workload(18, seed=13, n_aborts=0), concurrency=8, timeout=300)
+        # the scrub needs forwards after the last flip to finish its pass (its bound): the longer workload
+        n_requests = 30 if scrub else 18
+        result = run_requests(srv.base_url, build_workload(n_requests, seed=13, n_aborts=0), concurrency=8,
+                              timeout=300)
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
     injections = log.perturbations
