@@ -64,18 +64,16 @@ class DraftBatchAdapter(SglangBatchAdapter):
         # spec v1 (EAGLEWorker): a draft decode step runs topk lanes per request into scratch slots; its view reads
         # the committed prefix [0, c) and writes nothing (new_lens 0). Its DRAFT_EXTEND feeds each request's kept
         # tokens (1 to num_steps + 1), packed; EAGLEDraftExtendCudaGraphRunner replays it with num_steps + 1 token
-        # slots per request: starts/lengths/seq_lens computed on the device into these buffers (int32 starts and
-        # lengths as an eager extend's; int64 seq_lens)
+        # slots per request: starts/lengths computed on the device into these buffers (int32, as an eager
+        # extend's); its seq_lens, real requests and int64 ids share the DRAFT_EXTEND_V2 buffers below
         self._spec_v1 = spec_v1
         self._v1_extend_max = max(1, num_steps) + 1
         if spec_v1:
             self._uniform_buffers(0)
             self._v1_starts = torch.zeros(width, dtype=torch.int32, device=device)
             self._v1_lens = torch.zeros(width, dtype=torch.int32, device=device)
-            self._v1_ends = torch.zeros(width, dtype=torch.int32, device=device)
             self._v1_first = torch.zeros(width, dtype=torch.int32, device=device)  # start, clamped in range
             self._v1_first_loc = torch.zeros(width, dtype=torch.int64, device=device)  # out_cache_loc there
-            self._v1_real = torch.zeros(width, dtype=torch.bool, device=device)
         steps = max(1, decode_steps)
         # per draft decode step (draft_forward's loop): its view's seq_lens and contiguous out_cache_loc, and which
         # lanes are real (a CUDA-graph padding lane has out_cache_loc 0 and must read and write nothing)
@@ -84,7 +82,8 @@ class DraftBatchAdapter(SglangBatchAdapter):
         self._step_real = torch.zeros((steps, width), dtype=torch.bool, device=device)
         # DRAFT_EXTEND_V2: n = --speculative-num-draft-tokens tokens per request (eager and replayed from
         # EAGLEDraftExtendCudaGraphRunner alike): uniform starts/lengths, its seq_lens with padding lanes at 0,
-        # and int64 ids (it is fed the verify's int32 next_token_ids eagerly), as precompiled at install
+        # which requests are real, and int64 ids (it is fed the verify's int32 next_token_ids eagerly), as
+        # precompiled at install; spec v1's DRAFT_EXTEND uses the same three (at most num_steps + 1 ids a request)
         self._extend_n = max(1, draft_tokens_per_request)
         self._uniform_buffers(self._extend_n)
         self._extend_seq_lens = torch.zeros(width, dtype=torch.int64, device=device)
@@ -155,12 +154,11 @@ class DraftBatchAdapter(SglangBatchAdapter):
                              f"most --speculative-num-steps + 1 = {cap} are kept per verify")
         tokens = int(fb.input_ids.shape[0])
         raw = fb.extend_seq_lens[:bs]
-        starts, lens, ends, first = (self._v1_starts[:bs], self._v1_lens[:bs], self._v1_ends[:bs],
-                                     self._v1_first[:bs])
-        torch.cumsum(raw, 0, dtype=torch.int32, out=ends)
-        torch.sub(ends, raw, out=starts)
+        starts, lens, first = self._v1_starts[:bs], self._v1_lens[:bs], self._v1_first[:bs]
+        torch.cumsum(raw, 0, dtype=torch.int32, out=starts)
+        starts.sub_(raw)  # exclusive
         torch.clamp(starts, max=max(0, tokens - 1), out=first)  # a trailing empty request: gather in range
-        real, loc = self._v1_real[:bs], self._v1_first_loc[:bs]
+        real, loc = self._extend_real[:bs], self._v1_first_loc[:bs]
         if fb.out_cache_loc.dtype != loc.dtype:
             raise ValueError(f"kv-canary: a spec v1 draft extend's out_cache_loc is {fb.out_cache_loc.dtype}; "
                              "sglang 0.5.12 gives int64")
@@ -374,6 +372,12 @@ def after_draft_worker_init(_result, worker, *args, **kwargs) -> None:
         from ..config import CanaryConfigError
 
         raise CanaryConfigError(f"--speculative-eagle-topk {worker.topk}: the draft pool is verified with topk 1 only")
+    _start_reporting(worker, manager)
+
+
+def _start_reporting(worker, manager) -> None:
+    """After the draft worker's init (its graphs, if any, captured): the draft manager starts reporting and the target
+    runner learns it (idle drain)."""
     manager.mark_init_finished()
     target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
     if target is not None:
@@ -385,12 +389,8 @@ def after_eagle_v1_worker_init(_result, worker, *args, **kwargs) -> None:
     whatever the lanes): its draft graphs (if any) exist; as for spec v2, the draft manager starts reporting and the
     target runner learns it (idle drain)."""
     manager = _draft_manager(getattr(worker, "model_runner", None))
-    if manager is None:
-        return
-    manager.mark_init_finished()
-    target = getattr(getattr(worker, "target_worker", None), "model_runner", None)
-    if target is not None:
-        target.kv_canary_draft_manager = manager
+    if manager is not None:
+        _start_reporting(worker, manager)
 
 
 def draft_manager_of_target(target_runner):
