@@ -172,17 +172,20 @@ class ServerConfig:
     role: str  # off | ours | upstream_off | upstream | storm | variant
     rows: Tuple[str, ...] = BASE_ROWS
     env: Tuple[Tuple[str, str], ...] = ()
-    eagle: bool = False  # EAGLE speculative decoding on (the plan's ``eagle_args``: draft model, steps, topk)
+    eagle: str = ""  # EAGLE on: "v2" (the plan's ``eagle_args``) or "v1" (``eagle_v1_args``: topk > 1, spec v1)
 
     def describe(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env)
-        spec = " + EAGLE (topk 1, 3 steps, 4 draft tokens)" if self.eagle else ""
+        spec = {"": "", "v2": f" + EAGLE (topk {EAGLE_TOPK}, {EAGLE_STEPS} steps, {EAGLE_DRAFT_TOKENS} draft tokens)",
+                "v1": f" + EAGLE spec v1 (topk {EAGLE_V1_TOPK}, {EAGLE_STEPS} steps, {EAGLE_DRAFT_TOKENS} draft "
+                      "tokens, overlap scheduler off)"}[self.eagle]
         return f"{self.stack} {' '.join(self.args) or '(no canary flags)'}{spec}{' ' + env if env else ''}"
 
 
 _SWEEP = ("--kv-canary-sweep-interval", str(SWEEP_INTERVAL))
 EAGLE_ROWS = ("decode_bs1", "decode_bs32")
 EAGLE_CONFIGS = ("eagle_off", "eagle_ours", "upstream_eagle_off", "upstream_eagle", "eagle_off")
+EAGLE_V1_CONFIGS = ("eagle_v1_off", "eagle_v1_ours", "eagle_v1_off")
 VARIANT_ROWS = ("decode_bs1", "decode_bs64", "prefill_bs8")
 SCRUB_SLOTS = 4096  # slots per forward whose every byte the scrub checks
 _UP_CANARY = ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
@@ -206,11 +209,15 @@ CONFIGS: Dict[str, ServerConfig] = {
         # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own
         # (--configs EAGLE_CONFIGS --rows EAGLE_ROWS --results-dir docs/results/eagle): the summary's roles
         # then compare EAGLE servers with EAGLE servers only
-        ServerConfig("eagle_off", OURS, ("--kv-canary", "none"), "off", EAGLE_ROWS, eagle=True),
-        ServerConfig("eagle_ours", OURS, ("--kv-canary", "raise"), "ours", EAGLE_ROWS, eagle=True),
-        ServerConfig("upstream_eagle_off", UPSTREAM, (), "upstream_off", EAGLE_ROWS, eagle=True),
+        ServerConfig("eagle_off", OURS, ("--kv-canary", "none"), "off", EAGLE_ROWS, eagle="v2"),
+        ServerConfig("eagle_ours", OURS, ("--kv-canary", "raise"), "ours", EAGLE_ROWS, eagle="v2"),
+        ServerConfig("upstream_eagle_off", UPSTREAM, (), "upstream_off", EAGLE_ROWS, eagle="v2"),
         ServerConfig("upstream_eagle", UPSTREAM, _UP_CANARY, "upstream", EAGLE_ROWS, env=UPSTREAM_CANARY_ENV,
-                     eagle=True),
+                     eagle="v2"),
+        # spec v1 (sglang's EAGLEWorker: a draft tree, the target's tree verify, both pools under CUDA graphs),
+        # ours only (--configs EAGLE_V1_CONFIGS --rows EAGLE_ROWS, a results dir of its own)
+        ServerConfig("eagle_v1_off", OURS, ("--kv-canary", "none"), "off", EAGLE_ROWS, eagle="v1"),
+        ServerConfig("eagle_v1_ours", OURS, ("--kv-canary", "raise"), "ours", EAGLE_ROWS, eagle="v1"),
     )
 }
 # Off first and again near the end (noise and drift), upstream after ours (its site is installed last).
@@ -249,6 +256,7 @@ LLAMA3_8B_CONFIG = {
 # every server, so the rows compare equal work)
 LLAMA3_8B_EAGLE_CONFIG = dict(LLAMA3_8B_CONFIG, architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
 EAGLE_STEPS, EAGLE_TOPK, EAGLE_DRAFT_TOKENS = 3, 1, 4
+EAGLE_V1_TOPK = 2  # topk > 1 selects spec v1 (with the overlap scheduler off)
 LLAMA_FIRST_TOKEN_ID = 1000  # random prompt ids are drawn from [this, vocab_size)
 
 MAX_RUNNING_REQUESTS = 64
@@ -293,6 +301,19 @@ def needed_kv_tokens(rows: Sequence[Row]) -> int:
     return -(-int(peak * KV_HEADROOM) // KV_ROUND) * KV_ROUND
 
 
+def eagle_args(topk: int) -> List[str]:
+    """EAGLE flags of the bench's GPU servers: the one-layer dummy draft, ``EAGLE_STEPS`` steps, ``topk``."""
+    return [
+        "--speculative-algorithm", "EAGLE",
+        "--speculative-draft-model-path",
+        str(write_llama_dir(default_cache_dir() / "bench-llama3-8b-eagle-dummy", LLAMA3_8B_EAGLE_CONFIG)),
+        "--speculative-draft-load-format", "dummy",
+        "--speculative-num-steps", str(EAGLE_STEPS),
+        "--speculative-eagle-topk", str(topk),
+        "--speculative-num-draft-tokens", str(EAGLE_DRAFT_TOKENS),
+    ]
+
+
 def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
     """Model path, token id range, pool size, extra flags and env of the servers for ``device``."""
     common = ["--skip-tokenizer-init", "--max-running-requests", str(MAX_RUNNING_REQUESTS)]
@@ -308,15 +329,8 @@ def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
                 "--chunked-prefill-size", str(GPU_CHUNKED_PREFILL),
                 "--max-prefill-tokens", str(GPU_MAX_PREFILL_TOKENS),
             ],
-            "eagle_args": [
-                "--speculative-algorithm", "EAGLE",
-                "--speculative-draft-model-path",
-                str(write_llama_dir(default_cache_dir() / "bench-llama3-8b-eagle-dummy", LLAMA3_8B_EAGLE_CONFIG)),
-                "--speculative-draft-load-format", "dummy",
-                "--speculative-num-steps", str(EAGLE_STEPS),
-                "--speculative-eagle-topk", str(EAGLE_TOPK),
-                "--speculative-num-draft-tokens", str(EAGLE_DRAFT_TOKENS),
-            ],
+            "eagle_args": eagle_args(EAGLE_TOPK),
+            "eagle_v1_args": eagle_args(EAGLE_V1_TOPK) + ["--disable-overlap-schedule"],
             # SglangServer defaults this to the tiny model's package; the 8B run uses sglang's own Llama.
             "env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""},
             "startup_timeout": GPU_STARTUP_TIMEOUT_S,
@@ -470,7 +484,8 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         _progress(f"[{label}] SKIPPED: {result['error']}")
         return result
     server = SglangServer(
-        [*config.args, *plan["args"], *(plan["eagle_args"] if config.eagle else ())],
+        [*config.args, *plan["args"], *(plan[{"v2": "eagle_args", "v1": "eagle_v1_args"}[config.eagle]]
+                                        if config.eagle else ())],
         env=env,
         log_path=log_dir / f"{label.replace('#', '')}.log",
         device=args.device,

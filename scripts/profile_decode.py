@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="32,64", help="decode batch sizes (1k in, 256 out), default 32,64")
     p.add_argument("--steps", type=int, default=40, help="forwards profiled per batch (default 40)")
     p.add_argument("--reps", type=int, default=2, help="timed batches before the profiled one (default 2)")
+    p.add_argument("--eagle", choices=["", "v2", "v1"], default="",
+                   help="EAGLE on every server, as the bench's eagle_* (v2) or eagle_v1_* (v1) configs (default off)")
     p.add_argument("--out", default="/tmp/kvc-prof/summary.json")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
@@ -203,10 +205,12 @@ def main(argv=None) -> int:
         env.update(dict(config.env))
         if path:
             env["PYTHONPATH"] = os.pathsep.join(x for x in (path, os.environ.get("PYTHONPATH", "")) if x)
-        server = SglangServer([*config.args, *plan["args"]], env=env, log_path=base / f"{name}.log", device="cuda",
-                              model_path=plan["model_path"], max_total_tokens=plan["max_total_tokens"])
+        eagle = plan[{"v2": "eagle_args", "v1": "eagle_v1_args"}[args.eagle]] if args.eagle else []
+        server = SglangServer([*config.args, *plan["args"], *eagle], env=env, log_path=base / f"{name}.log",
+                              device="cuda", model_path=plan["model_path"], max_total_tokens=plan["max_total_tokens"])
         prompts = PromptSource(plan["token_range"], 0)
-        entry = report["configs"][name] = {"args": config.describe(), "pythonpath_first": path or None}
+        entry = report["configs"][name] = {"args": config.describe(), "eagle": args.eagle or None,
+                                           "pythonpath_first": path or None}
         print(f"[{name}] starting server ...", flush=True)
         try:
             server.start(timeout=600)

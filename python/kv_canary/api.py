@@ -108,6 +108,8 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     pd_mode = disaggregation_mode(server_args)
     if pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
         manager.attach_transfer(TransferBook(pd_mode, new_origin(groups[0].num_slots, device)))
+    if is_spec_v1(server_args):  # the tree verifies' deferred TAIL: at most num_steps + 1 kept nodes a request
+        manager.enable_deferred_writes(int(getattr(server_args, "speculative_num_steps", 0) or 0) + 1)
     if tracker is not None:
         _precompile(manager, capacities, server_args, tk.write_block)
         logger.info("kv_canary_precompiled=1 %s", tracker.describe())
@@ -304,11 +306,7 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_arg
     lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
-    from .adapter.speculative import is_spec_v1
-
-    # spec v1: the tree verifies' deferred TAIL (the target's manager)
-    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)),
-                       deferred_writes=is_spec_v1(server_args))
+    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)))
 
 
 def _max_prefill_tokens(server_args: Any) -> int:

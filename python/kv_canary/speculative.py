@@ -44,7 +44,6 @@ bits as one launch (``kernels/accept.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -131,61 +130,95 @@ def record_accepted(*, staged: torch.Tensor, row_chain: torch.Tensor, sampled: t
 
 
 @dataclass(frozen=True)
-class AcceptedDrafts:
-    """The deferred TAIL of one spec v1 tree verify (``accepted_drafts``); the manager's ``write_accepted_drafts``.
+class AcceptedDraftBuffers:
+    """Preallocated outputs of ``build_accepted_drafts`` (the deferred TAIL's view), sized at install.
 
-    view: extend-like and ``staged``: request i's a_i kept nodes at ``new_starts[i]`` (int32), ``seq_lens`` c + a
-    (int64), ``out_cache_loc`` = req_to_token[row, c + k] (int64). expected: int64[sum(a) + bs], the oracle's staged
-    entries (request i's at ``new_starts[i] + i + k``, k in [0, a_i]). bonus: int64[bs]. slots: sum(a) (host).
+    ids, positions, out_cache_loc: int64[max_batch_size * max_kept] (the kept nodes, request-major); seq_lens:
+    int64[max_batch_size] (c + a); new_starts, new_lens: int32[max_batch_size]; bonus: int64[max_batch_size]
+    (each request's last appended token).
     """
 
-    view: ForwardView
-    expected: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    new_starts: torch.Tensor
+    new_lens: torch.Tensor
     bonus: torch.Tensor
-    slots: int
+
+    @classmethod
+    def allocate(cls, max_batch_size: int, max_kept: int, device: torch.device) -> "AcceptedDraftBuffers":
+        tokens, bs = max_batch_size * max_kept, max_batch_size
+
+        def z(n, dt):
+            return torch.zeros(n, dtype=dt, device=device)
+
+        return cls(ids=z(tokens, torch.int64), positions=z(tokens, torch.int64), out_cache_loc=z(tokens, torch.int64),
+                   seq_lens=z(bs, torch.int64), new_starts=z(bs, torch.int32), new_lens=z(bs, torch.int32),
+                   bonus=z(bs, torch.int64))
+
+    @property
+    def max_batch_size(self) -> int:
+        return int(self.seq_lens.numel())
+
+    def check(self, *, batch_size: int, kept: int, staged: torch.Tensor) -> None:
+        """``CanaryCapacityError`` when a verify kept more than the buffers (or the oracle's staged table) hold."""
+        if batch_size > self.max_batch_size or kept > self.ids.numel() or kept + batch_size > staged.numel():
+            raise CanaryCapacityError(
+                f"kv-canary: a tree verify kept {kept} drafts of {batch_size} requests; the deferred TAIL holds "
+                f"{self.ids.numel()} drafts of {self.max_batch_size} requests and the token oracle "
+                f"{staged.numel()} staged entries (sized at install from --max-running-requests and "
+                "--speculative-num-steps)")
+
+    def view(self, *, rows: torch.Tensor, batch_size: int, kept: int, max_new_len: int) -> ForwardView:
+        """The deferred TAIL's view over what ``build_accepted_drafts`` wrote (extend-like, ``staged``)."""
+        bs = batch_size
+        return ForwardView(
+            input_ids=self.ids[:kept], positions=self.positions[:kept], out_cache_loc=self.out_cache_loc[:kept],
+            req_pool_indices=rows[:bs].to(torch.int64), seq_lens=self.seq_lens[:bs], new_starts=self.new_starts[:bs],
+            new_lens=self.new_lens[:bs], batch_size=bs, max_new_len=max_new_len, staged=True)
 
 
-def accepted_drafts(*, req_to_token: torch.Tensor, rows: torch.Tensor, committed: torch.Tensor,
-                    accept_lens: Sequence[int], kept_nodes: torch.Tensor, fed_tokens: torch.Tensor,
-                    fed_positions: torch.Tensor, appended: torch.Tensor) -> AcceptedDrafts:
-    """Build the deferred TAIL of a tree verify (eager, after sglang's verify: it allocates; no host sync).
+def build_accepted_drafts(*, out: AcceptedDraftBuffers, staged: torch.Tensor, req_to_token: torch.Tensor,
+                          rows: torch.Tensor, committed: torch.Tensor, kept_nodes: torch.Tensor, kept: int,
+                          batch_size: int, n: int, fed_tokens: torch.Tensor, fed_positions: torch.Tensor,
+                          appended: torch.Tensor) -> None:
+    """The deferred TAIL's inputs of a tree verify, into ``out`` and the token oracle's ``staged`` table.
 
-    rows, committed (c, the verify batch's seq_lens before it): int[bs]; accept_lens: host ints a_i >= 1 (kept
-    nodes per request, root included, cut after a finishing token); kept_nodes: int[sum(a)] flat node indices into
-    the verify's fed tokens (request-major, root first); fed_tokens, fed_positions: int[bs * n] (what the verify
-    fed, tree order); appended: int[sum(a)] the tokens the scheduler appended (entry j of request i at c + 1 + j).
+    Torch reference (and the torch backend's); the Triton backend runs the same bits as one launch
+    (``kernels/accept.py``). No host sync, no allocation that depends on data.
+
+    rows, committed (c, the verify batch's seq_lens before it): int[bs]; kept_nodes: int[>= kept], the kept tree
+    nodes as flat indices into the verify's ``bs * n`` fed tokens (request-major, root first; request i's in
+    ``[i * n, (i + 1) * n)``, so a_i = how many fall there and the request's kept nodes start at the count below
+    ``i * n``); fed_tokens, fed_positions: int[bs * n]; appended: int[>= kept] the tokens the scheduler appended
+    (entry j of request i at c + 1 + j). Writes, for lane ``l = start_i + k`` (k < a_i): ids/positions = the kept
+    node's fed token/position, out_cache_loc = ``req_to_token[row_i, c_i + k]``; seq_lens c + a, new_starts,
+    new_lens a, bonus = the request's last appended token (-1 when it kept nothing); staged entry
+    ``start_i + i + k`` (k <= a_i) = the appended token at c + k for 1 <= k < a_i, else UNKNOWN.
     """
+    bs = batch_size
+    if bs == 0:
+        return
     dev = rows.device
-    bs = len(accept_lens)
-    total = int(sum(accept_lens))
-    lens = torch.tensor(list(accept_lens), dtype=torch.int64, device=dev)
-    starts = torch.cumsum(lens, 0) - lens
-    lane = torch.arange(total, device=dev)
-    req_of = torch.repeat_interleave(torch.arange(bs, device=dev), lens, output_size=total)  # no host sync
+    nodes = kept_nodes[:kept].to(torch.int64)
+    lo = torch.arange(bs, device=dev, dtype=torch.int64) * n
+    lens = ((nodes[None, :] >= lo[:, None]) & (nodes[None, :] < lo[:, None] + n)).sum(dim=1)
+    starts = (nodes[None, :] < lo[:, None]).sum(dim=1)
+    lane = torch.arange(kept, device=dev, dtype=torch.int64)
+    req_of = (lane[None, :] >= starts[:, None]).sum(dim=0) - 1 if kept else lane  # the request owning each lane
     k = lane - starts[req_of]
     rows64, c = rows[:bs].to(torch.int64), committed[:bs].to(torch.int64)
-    nodes = kept_nodes[:total].to(torch.int64)
-    slots = req_to_token[rows64[req_of], c[req_of] + k].to(torch.int64)
-    # staged entries: request i at starts[i] + i + k; k = 0 and k = a_i UNKNOWN, k in [1, a_i) the appended token
-    # at c + k (lane - 1: entry k - 1 of the request's appended tokens)
-    expected = torch.full((total + bs,), UNKNOWN, dtype=torch.int64, device=dev)
-    prev = appended[:total].to(torch.int64)[(lane - 1).clamp(min=0)]
-    expected.scatter_(0, starts[req_of] + req_of + k, torch.where(k > 0, prev, UNKNOWN))
-    view = ForwardView(
-        input_ids=fed_tokens.to(torch.int64)[nodes], positions=fed_positions.to(torch.int64)[nodes],
-        out_cache_loc=slots, req_pool_indices=rows64, seq_lens=c + lens,
-        new_starts=starts.to(torch.int32), new_lens=lens.to(torch.int32), batch_size=bs,
-        max_new_len=max(accept_lens) if bs else 0, staged=True,
-    )
-    bonus = appended[:total].to(torch.int64)[starts + lens - 1] if bs else lens
-    return AcceptedDrafts(view=view, expected=expected, bonus=bonus, slots=total)
-
-
-def stage_accepted_tokens(staged: torch.Tensor, accepted: AcceptedDrafts) -> None:
-    """Before the deferred TAIL: its expected tokens into the token oracle's ``staged`` table (one device copy)."""
-    n = accepted.expected.numel()
-    if n > staged.numel():
-        raise CanaryCapacityError(
-            f"kv-canary: a tree verify kept {accepted.slots} drafts of {accepted.view.batch_size} requests; the token "
-            f"oracle holds {staged.numel()} staged entries")
-    staged[:n].copy_(accepted.expected)
+    app = appended[:kept].to(torch.int64)
+    out.ids[:kept] = fed_tokens.to(torch.int64)[nodes]
+    out.positions[:kept] = fed_positions.to(torch.int64)[nodes]
+    out.out_cache_loc[:kept] = req_to_token[rows64[req_of], c[req_of] + k].to(torch.int64)
+    out.seq_lens[:bs] = c + lens
+    out.new_starts[:bs] = starts.to(torch.int32)
+    out.new_lens[:bs] = lens.to(torch.int32)
+    last = (starts + lens - 1).clamp(min=0)
+    out.bonus[:bs] = torch.where(lens > 0, app[last] if kept else lens, UNKNOWN)
+    # staged: request i's entries at start_i + i + k; k in [1, a_i) the appended token at c + k, else UNKNOWN
+    staged[: kept + bs].fill_(UNKNOWN)
+    prev = app[(lane - 1).clamp(min=0)]
+    staged.scatter_(0, starts[req_of] + req_of + k, torch.where(k > 0, prev, UNKNOWN))

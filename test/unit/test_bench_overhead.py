@@ -201,9 +201,13 @@ def test_eagle_configs_run_speculative_decoding_on_cuda_and_compare_eagle_with_e
     draft = json.loads((Path(args[args.index("--speculative-draft-model-path") + 1]) / "config.json").read_text())
     assert draft["architectures"] == ["LlamaForCausalLMEagle"] and draft["num_hidden_layers"] == 1
     assert draft["hidden_size"] == bench.LLAMA3_8B_CONFIG["hidden_size"]
+    v1 = plan["eagle_v1_args"]  # spec v1: topk > 1 with the overlap scheduler off (sglang's EAGLEWorker)
+    assert int(v1[v1.index("--speculative-eagle-topk") + 1]) > 1 and "--disable-overlap-schedule" in v1
     assert "eagle_args" not in bench.server_plan("cpu", 1 / 64, rows)
     eagle = [bench.CONFIGS[n] for n in bench.EAGLE_CONFIGS]
-    assert all(c.eagle and c.rows == bench.EAGLE_ROWS for c in eagle)
+    assert all(c.eagle == "v2" and c.rows == bench.EAGLE_ROWS for c in eagle)
+    assert [bench.CONFIGS[n].eagle for n in bench.EAGLE_V1_CONFIGS] == ["v1"] * 3
+    assert "spec v1 (topk 2" in bench.CONFIGS["eagle_v1_ours"].describe()
     assert not any(c.eagle for c in bench.CONFIGS.values() if c.name in bench.DEFAULT_CONFIGS)
     # in an EAGLE run the summary roles pair EAGLE servers with EAGLE servers only
     runs = [{"label": f"{c.name}#{i}", "role": c.role, "rows": {"decode_bs1": {"median_s": m, "hit_rate": [0.0]}}}

@@ -22,7 +22,7 @@ from kv_canary.views import LaunchCapacities
 from kv_canary.buffer_groups import PoolLayout, build_group
 from kv_canary.runner import CanaryBracketError, CanaryManager
 from kv_canary.violations import VIOLATION_PREFIX, CanaryViolationError, parse_lines
-from kv_canary.speculative import record_accepted
+from kv_canary.speculative import build_accepted_drafts, record_accepted
 
 sglang_fb = pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
 ForwardBatch, ForwardMode = sglang_fb.ForwardBatch, sglang_fb.ForwardMode
@@ -66,7 +66,7 @@ class Harness:
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
                                 ref.launch_scrub, spy("sweep", ref.launch_index_sweep), record_accepted,
-                                graph_safe=False)
+                                build_accepted_drafts, graph_safe=False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),

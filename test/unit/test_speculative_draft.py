@@ -38,7 +38,7 @@ from kv_canary.draft_pool import (
 from kv_canary.kernels import reference as ref
 from kv_canary.kernels import CanaryKernels, select_kernels
 from kv_canary.views import LaunchCapacities
-from kv_canary.speculative import record_accepted
+from kv_canary.speculative import build_accepted_drafts, record_accepted
 from kv_canary.violations import CanaryViolationError
 
 pytestmark = pytest.mark.skipif(
@@ -101,7 +101,7 @@ class DraftHarness:
         self.manager = DraftCanaryManager(
             config=config, groups=[group],
             kernels=CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub,
-                                  ref.launch_index_sweep, record_accepted, graph_safe=False),
+                                  ref.launch_index_sweep, record_accepted, build_accepted_drafts, graph_safe=False),
             req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=ROWS + 1, max_context_len=CTX, verify_programs_target=1),
             batch_adapter=adapter(max_batch_size=ROWS + 1, device=torch.device("cpu"),

@@ -85,6 +85,8 @@ class V1Harness(_v2.EagleHarness):
         super().__init__(n=n, **kw)
         self.topk, self.steps = topk, steps
         self.manager._adapter = SglangBatchAdapter(max_batch_size=9, device=torch.device("cpu"), tree_verify=True)
+        self.manager.kernels = self.manager.single_forward_managers[0]._kernels  # the deferred TAIL's inputs too
+        self.manager.enable_deferred_writes(steps + 1)  # as api.install_canary does for spec v1
         self.reqs_v1 = {}
         self.freed = []
         self.worker = SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(
@@ -398,8 +400,9 @@ def test_deferred_writes_are_counted_with_delayed_counter_copies(delay):
 
 
 def test_the_install_time_precompile_covers_the_deferred_tail():
-    """With ``deferred_writes`` (spec v1) the precompile launches the deferred TAIL's variant (no forward bump):
-    serving tree verifies then compiles no new Triton variant (a JIT on the serving path, GPU: a stall)."""
+    """After ``enable_deferred_writes`` (spec v1) the precompile launches the deferred TAIL's variants (its inputs
+    launch, and a write that bumps no forward): serving tree verifies then compiles no new Triton variant (a JIT on
+    the serving path, GPU: a stall)."""
     from kv_canary.kernels import VERIFY_BLOCK
     from kv_canary.kernels import triton_kernels as tk
     from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
@@ -414,7 +417,7 @@ def test_the_install_time_precompile_covers_the_deferred_tail():
     lengths = sorted(write_block_lengths(tk.write_block, caps.max_context_len).values())
     sizes = sorted(programs_classes(lambda bs: caps.verify_programs_per_request(bs, VERIFY_BLOCK),
                                     caps.max_batch_size).values())
-    m.precompile(lengths, sizes, verify_staged=True, deferred_writes=True)
+    m.precompile(lengths, sizes, verify_staged=True)  # the harness enabled the deferred TAIL (spec v1)
     m.mark_init_finished()
     h.prefill({1: [5, 6, 7, 8], 2: [9, 10]}, bonus={1: 11, 2: 12})
     for seed in range(3):

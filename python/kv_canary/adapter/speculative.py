@@ -15,7 +15,6 @@ bonus token pending for ``next_token``; one Triton launch), before the next forw
 
 from __future__ import annotations
 
-from ..speculative import accepted_drafts
 
 
 def _target_manager(worker):
@@ -69,10 +68,9 @@ def around_eagle_v1_verify(original, worker, batch, *args, **kwargs):
     res = result[1]
     accept_lens = [int(x) + 1 for x in res.num_correct_drafts_per_req_cpu]
     if accept_lens:
-        manager.write_accepted_drafts(accepted_drafts(
-            req_to_token=batch.req_to_token_pool.req_to_token, rows=rows, committed=committed,
-            accept_lens=accept_lens, kept_nodes=res.accept_indices, fed_tokens=spec_info.draft_token,
-            fed_positions=spec_info.positions, appended=res.accept_tokens))
+        manager.write_accepted_drafts(
+            rows=rows, committed=committed, accept_lens=accept_lens, kept_nodes=res.accept_indices,
+            fed_tokens=spec_info.draft_token, fed_positions=spec_info.positions, appended=res.accept_tokens)
     return result
 
 

@@ -9,6 +9,8 @@ signature in both backends:
     sweep_index(group, cached_slot_index, counters, ring, group_index=)
     record_accepted(staged=, row_chain=, sampled=, req_pool_indices=, committed=, next_token_ids=,
                     accept_lens=, batch_size=, n=)   (EAGLE's accepted drafts into the token oracle)
+    accepted_drafts(out=, staged=, req_to_token=, rows=, committed=, kept_nodes=, kept=, batch_size=, n=,
+                    fed_tokens=, fed_positions=, appended=)   (spec v1: a tree verify's deferred TAIL inputs)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class CanaryKernels:
     scrub: Callable[..., None]
     sweep_index: Callable[..., None]
     record_accepted: Callable[..., None]
+    accepted_drafts: Callable[..., None]
     graph_safe: bool
 
 
@@ -50,9 +53,10 @@ def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKern
         from . import triton_kernels as tk
 
         return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_scrub,
-                             index_sweep.launch_index_sweep, accept.launch_record_accepted, graph_safe=True)
-    from ..speculative import record_accepted
+                             index_sweep.launch_index_sweep, accept.launch_record_accepted,
+                             accept.launch_accepted_drafts, graph_safe=True)
+    from ..speculative import build_accepted_drafts, record_accepted
     from . import reference as ref
 
     return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub, ref.launch_index_sweep,
-                         record_accepted, graph_safe=False)
+                         record_accepted, build_accepted_drafts, graph_safe=False)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..speculative import verify_table_entries
+from ..token_oracle import UNKNOWN
 from .triton_kernels import _chain_term
 
 ACCEPT_BLOCK = 16
@@ -55,3 +56,65 @@ def launch_record_accepted(*, staged: torch.Tensor, row_chain: torch.Tensor, sam
     verify_table_entries(staged, batch_size, n)  # the capacity check (host ints only)
     record_accepted_kernel[(batch_size,)](staged, row_chain, sampled, req_pool_indices, committed, next_token_ids,
                                           accept_lens, n, BLOCK=ACCEPT_BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spec v1: the deferred TAIL's inputs of a tree verify (``speculative.build_accepted_drafts``) in one launch.
+# Its torch version is ~30 small device ops and an H2D copy of the kept counts (a stream sync), all on the host's
+# critical path between sglang's verify (which has just synced) and the draft extend: EAGLE spec v1 decode bs 1
+# +12% on an H200 (docs/results/gpu-h200-2026-11-23b/). One program per request; kept counts and starts are
+# counted from the kept nodes on the device (no host list crosses).
+# ---------------------------------------------------------------------------------------------------------------
+
+_UNKNOWN = tl.constexpr(UNKNOWN)  # token_oracle.UNKNOWN: no staged token
+
+
+@triton.jit(do_not_specialize=["kept", "n", "r2t_stride"])
+def accepted_drafts_kernel(req_to_token, r2t_stride, rows, committed, kept_nodes, kept, n, fed_tokens, fed_positions,
+                           appended, ids, positions, out_cache_loc, seq_lens, new_starts, new_lens, bonus, staged,
+                           BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    nn = n.to(tl.int64)
+    lo = i * nn
+    before = tl.zeros([BLOCK], dtype=tl.int64)
+    mine = tl.zeros([BLOCK], dtype=tl.int64)
+    for j0 in range(0, kept, BLOCK):
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < kept
+        node = tl.load(kept_nodes + j, mask=m, other=0).to(tl.int64)
+        before += tl.where(m & (node < lo), 1, 0)
+        mine += tl.where(m & (node >= lo) & (node < lo + nn), 1, 0)
+    start = tl.sum(before, axis=0)
+    a = tl.sum(mine, axis=0)
+    row = tl.load(rows + i).to(tl.int64)
+    c = tl.load(committed + i).to(tl.int64)
+    for k0 in range(0, a, BLOCK):
+        k = k0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = k < a
+        lane = start + k
+        node = tl.load(kept_nodes + lane, mask=m, other=0).to(tl.int64)
+        tl.store(ids + lane, tl.load(fed_tokens + node, mask=m, other=0).to(tl.int64), mask=m)
+        tl.store(positions + lane, tl.load(fed_positions + node, mask=m, other=0).to(tl.int64), mask=m)
+        slot = tl.load(req_to_token + row * r2t_stride + c + k, mask=m, other=0).to(tl.int64)
+        tl.store(out_cache_loc + lane, slot, mask=m)
+        prev = tl.load(appended + lane - 1, mask=m & (k > 0), other=_UNKNOWN).to(tl.int64)
+        tl.store(staged + start + i + k, tl.where(k > 0, prev, _UNKNOWN), mask=m)
+    tl.store(staged + start + i + a, _UNKNOWN)
+    tl.store(seq_lens + i, c + a)
+    tl.store(new_starts + i, start.to(tl.int32))
+    tl.store(new_lens + i, a.to(tl.int32))
+    last = tl.maximum(start + a - 1, 0)
+    b = tl.load(appended + last, mask=a > 0, other=_UNKNOWN).to(tl.int64)
+    tl.store(bonus + i, tl.where(a > 0, b, _UNKNOWN))
+
+
+def launch_accepted_drafts(*, out, staged: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
+                           committed: torch.Tensor, kept_nodes: torch.Tensor, kept: int, batch_size: int, n: int,
+                           fed_tokens: torch.Tensor, fed_positions: torch.Tensor, appended: torch.Tensor) -> None:
+    """Same arguments and effect as ``speculative.build_accepted_drafts``; one launch of ``batch_size`` programs."""
+    if batch_size == 0:
+        return
+    accepted_drafts_kernel[(batch_size,)](
+        req_to_token, req_to_token.stride(0), rows, committed, kept_nodes, kept, n, fed_tokens, fed_positions,
+        appended, out.ids, out.positions, out.out_cache_loc, out.seq_lens, out.new_starts, out.new_lens, out.bonus,
+        staged, BLOCK=ACCEPT_BLOCK)

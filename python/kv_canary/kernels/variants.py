@@ -94,8 +94,13 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
             "req_pool_indices", "committed", "next_token_ids", "accept_lens"))))
         return kernels.record_accepted(**kw)
 
+    def accepted_drafts(**kw):
+        tracker.note(("accepted_drafts", *(str(kw[k].dtype).replace("torch.", "") for k in (
+            "req_to_token", "rows", "committed", "kept_nodes", "fed_tokens", "fed_positions", "appended"))))
+        return kernels.accepted_drafts(**kw)
+
     return dataclasses.replace(kernels, verify=verify, write=write, scrub=scrub, sweep_index=sweep_index,
-                               record_accepted=record_accepted)
+                               record_accepted=record_accepted, accepted_drafts=accepted_drafts)
 
 
 def write_block_lengths(write_block: Callable[[int], int], max_new_len: int) -> Dict[int, int]:

@@ -46,7 +46,7 @@ from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
-from ..speculative import AcceptedDrafts, stage_accepted_tokens
+from ..speculative import AcceptedDraftBuffers
 from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
@@ -154,6 +154,8 @@ class CanaryManager:
         self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
+        self._accepted: Optional[AcceptedDraftBuffers] = None  # spec v1's deferred TAIL (enable_deferred_writes)
+        self._accepted_staged: Optional[torch.Tensor] = None  # where its expected tokens are staged
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
@@ -245,8 +247,16 @@ class CanaryManager:
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
 
-    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False,
-                   deferred_writes: bool = False) -> None:
+    def enable_deferred_writes(self, max_kept_per_request: int) -> None:
+        """Spec v1 (speculative tree verifies): preallocate the deferred TAIL's buffers, at install (before
+        ``precompile``, which then also compiles its launches). ``max_kept_per_request``: --speculative-num-steps + 1."""
+        bs, kept = self.capacities.max_batch_size, max(1, max_kept_per_request)
+        self._accepted = AcceptedDraftBuffers.allocate(bs, kept, self.counters.device)
+        # where the expected tokens go: the token oracle's staged table (read by the write), else a scratch table
+        self._accepted_staged = (self.token_oracle.staged if self.token_oracle is not None
+                                 else torch.zeros(bs * (kept + 1), dtype=torch.int64, device=self.counters.device))
+
+    def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
 
         Inert launches: every request is row 0 with a new run of n tokens at position 0
@@ -255,10 +265,12 @@ class CanaryManager:
         per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
         int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
         batches too: int64 and staged drafts, and the verify hook's ``record_accepted``; its
-        effect on the token oracle is cleared by ``mark_init_finished``; with ``deferred_writes``, the
-        deferred TAIL of speculative tree verifies: an extend-like launch that bumps no forward), plus the sweep.
+        effect on the token oracle is cleared by ``mark_init_finished``; after ``enable_deferred_writes``, the
+        deferred TAIL of speculative tree verifies: its inputs' launch and an extend-like write that bumps no
+        forward), plus the sweep.
         """
         dev = self.counters.device
+        deferred_writes = self._accepted is not None
         with self.capturing():
             for bs in batch_sizes:
                 for n in block_lengths:
@@ -285,6 +297,12 @@ class CanaryManager:
                 z64, z32 = (torch.zeros(1, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
                 self.record_accepted(req_pool_indices=z64, committed=z64, next_token_ids=torch.zeros(
                     2, dtype=torch.int32, device=dev), accept_lens=z32 + 1, batch_size=1, n=2)
+            if deferred_writes:  # spec v1's inputs launch, in sglang 0.5.12's dtypes
+                z64, z32 = (torch.zeros(2, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
+                self.kernels.accepted_drafts(
+                    out=self._accepted, staged=self._accepted_staged, req_to_token=self._req_to_token,
+                    rows=z64[:1], committed=z64[:1], kept_nodes=z32[:1], kept=1, batch_size=1, n=2,
+                    fed_tokens=z64, fed_positions=z64, appended=z32[:1])
             if self.cache_index is not None:  # empty: nothing held, nothing checked
                 for group_index, group in enumerate(self.groups):
                     self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
@@ -327,23 +345,40 @@ class CanaryManager:
         if sink is not None:
             sink(sampled)
 
-    def write_accepted_drafts(self, accepted: AcceptedDrafts) -> None:
+    def write_accepted_drafts(self, *, rows: torch.Tensor, committed: torch.Tensor, accept_lens: Sequence[int],
+                              kept_nodes: torch.Tensor, fed_tokens: torch.Tensor, fed_positions: torch.Tensor,
+                              appended: torch.Tensor) -> None:
         """The deferred TAIL of a speculative tree verify (spec v1), once the engine kept its drafts.
 
         The verify forward's own TAIL wrote nothing (tree nodes are no sequence positions yet); this is its
         write: eager, outside any graph, on the forward's stream, after the engine moved the kept K/V into place.
-        Stage what each kept slot must hold in the token oracle -> one write launch per group over the kept slots
-        (position = depth checked, token checked, records chained) -> each request's bonus token pending. No new
+        One launch lays out the kept slots and stages what each must hold in the token oracle
+        (``speculative.build_accepted_drafts``) -> one write launch per group over them (position = depth
+        checked, token checked, records chained) -> each request's bonus token pending. No host sync, no new
         forward: the health check expects these write launches and slots on top of the forwards'.
+
+        rows, committed (the verify batch's seq_lens before it): int[bs]; accept_lens: host ints (kept nodes per
+        request, root included); kept_nodes, fed_tokens, fed_positions, appended: see ``build_accepted_drafts``.
         """
-        if not self.init_finished or self._capturing or accepted.view.batch_size == 0:
+        bs = len(accept_lens)
+        if not self.init_finished or self._capturing or bs == 0:
             return
+        out = self._accepted
+        if out is None:
+            raise CanaryBracketError("kv-canary: a speculative tree verify (spec v1) ran, but the canary was installed "
+                                     "without its deferred TAIL (enable_deferred_writes): this path is not wired")
+        kept = int(sum(accept_lens))
+        out.check(batch_size=bs, kept=kept, staged=self._accepted_staged)
+        n = int(fed_tokens.shape[0]) // bs
+        self.kernels.accepted_drafts(
+            out=out, staged=self._accepted_staged,
+            req_to_token=self._req_to_token, rows=rows, committed=committed, kept_nodes=kept_nodes, kept=kept,
+            batch_size=bs, n=n, fed_tokens=fed_tokens, fed_positions=fed_positions, appended=appended)
+        view = out.view(rows=rows, batch_size=bs, kept=kept, max_new_len=max(accept_lens))
+        self.single_forward_managers[0].deferred_post_ops(view)
         if self.token_oracle is not None:
-            stage_accepted_tokens(self.token_oracle.staged, accepted)
-        self.single_forward_managers[0].deferred_post_ops(accepted.view)
-        if self.token_oracle is not None:
-            self.token_oracle.sampled[: accepted.view.batch_size].copy_(accepted.bonus)
-        self._expected_written += accepted.slots * len(self.groups)
+            self.token_oracle.sampled[:bs].copy_(out.bonus[:bs])
+        self._expected_written += kept * len(self.groups)
         self._deferred_write_launches += len(self.groups)
         self._deferred_uncopied = True  # the next forward's counter copy covers it (or the idle drain's)
 
