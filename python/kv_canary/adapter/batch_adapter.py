@@ -18,7 +18,7 @@ With ``tree_verify`` (spec v1, ``EAGLEWorker``: a config fact fixed at install) 
 TARGET_VERIFY forward feeds a tree of drafts at positions ``c + depth``: its view reads
 ``[0, c)`` (``seq_lens`` = the committed length, padding lanes 0, same buffer) and
 writes nothing (``new_lens`` 0); the kept drafts are written after sglang's verify
-(``kv_canary.speculative.accepted_drafts``, ``CanaryManager.write_accepted_drafts``).
+(``kv_canary.speculative.build_accepted_drafts``, ``CanaryManager.write_accepted_drafts``).
 """
 
 from __future__ import annotations

@@ -249,7 +249,10 @@ class CanaryManager:
 
     def enable_deferred_writes(self, max_kept_per_request: int) -> None:
         """Spec v1 (speculative tree verifies): preallocate the deferred TAIL's buffers, at install (before
-        ``precompile``, which then also compiles its launches). ``max_kept_per_request``: --speculative-num-steps + 1."""
+        ``precompile``, which then also compiles its launches).
+
+        max_kept_per_request: kept tree nodes a request can have per verify (--speculative-num-steps + 1).
+        """
         bs, kept = self.capacities.max_batch_size, max(1, max_kept_per_request)
         self._accepted = AcceptedDraftBuffers.allocate(bs, kept, self.counters.device)
         # where the expected tokens go: the token oracle's staged table (read by the write), else a scratch table
