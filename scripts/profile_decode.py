@@ -20,6 +20,10 @@ canary package, e.g. an A/B of one change). Output: ``--out`` (JSON summary) and
 
     export PYTHONPATH=/tmp/site:$PWD/python
     python3 scripts/profile_decode.py --configs off,ours --batches 32,64 --out /tmp/prof/summary.json
+    python3 scripts/profile_decode.py --eagle v1 --configs off,ours --batches 1,32   # EAGLE spec v1 servers
+
+With ``--eagle`` a decode step is several graph replays (spec v1: draft phase, tree verify, draft extend), so the
+per-replay numbers mix the three; compare off and ours per round (3 replays) instead.
 """
 
 from __future__ import annotations
