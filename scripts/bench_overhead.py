@@ -314,6 +314,11 @@ def eagle_args(topk: int) -> List[str]:
     ]
 
 
+def plan_eagle_args(plan: dict, eagle: str) -> List[str]:
+    """The plan's EAGLE flags for ``ServerConfig.eagle`` ("" none, "v2", "v1"); GPU plans only."""
+    return list(plan[{"v2": "eagle_args", "v1": "eagle_v1_args"}[eagle]]) if eagle else []
+
+
 def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
     """Model path, token id range, pool size, extra flags and env of the servers for ``device``."""
     common = ["--skip-tokenizer-init", "--max-running-requests", str(MAX_RUNNING_REQUESTS)]
@@ -484,8 +489,7 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         _progress(f"[{label}] SKIPPED: {result['error']}")
         return result
     server = SglangServer(
-        [*config.args, *plan["args"], *(plan[{"v2": "eagle_args", "v1": "eagle_v1_args"}[config.eagle]]
-                                        if config.eagle else ())],
+        [*config.args, *plan["args"], *plan_eagle_args(plan, config.eagle)],
         env=env,
         log_path=log_dir / f"{label.replace('#', '')}.log",
         device=args.device,

@@ -43,7 +43,8 @@ from typing import Dict, List, Optional
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import CONFIGS, ROWS, PromptSource, Row, run_batch, server_plan  # noqa: E402
+from bench_overhead import (  # noqa: E402
+    CONFIGS, ROWS, PromptSource, Row, plan_eagle_args, run_batch, server_plan)
 
 from kv_canary_testing.server import SglangServer  # noqa: E402
 
@@ -209,9 +210,9 @@ def main(argv=None) -> int:
         env.update(dict(config.env))
         if path:
             env["PYTHONPATH"] = os.pathsep.join(x for x in (path, os.environ.get("PYTHONPATH", "")) if x)
-        eagle = plan[{"v2": "eagle_args", "v1": "eagle_v1_args"}[args.eagle]] if args.eagle else []
-        server = SglangServer([*config.args, *plan["args"], *eagle], env=env, log_path=base / f"{name}.log",
-                              device="cuda", model_path=plan["model_path"], max_total_tokens=plan["max_total_tokens"])
+        server = SglangServer([*config.args, *plan["args"], *plan_eagle_args(plan, args.eagle)], env=env,
+                              log_path=base / f"{name}.log", device="cuda", model_path=plan["model_path"],
+                              max_total_tokens=plan["max_total_tokens"])
         prompts = PromptSource(plan["token_range"], 0)
         entry = report["configs"][name] = {"args": config.describe(), "eagle": args.eagle or None,
                                            "pythonpath_first": path or None}

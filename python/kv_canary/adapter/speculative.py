@@ -16,7 +16,6 @@ bonus token pending for ``next_token``; one Triton launch), before the next forw
 from __future__ import annotations
 
 
-
 def _target_manager(worker):
     runner = getattr(getattr(worker, "target_worker", None), "model_runner", None)
     if runner is None or getattr(runner, "is_draft_worker", False):
