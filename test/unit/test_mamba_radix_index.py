@@ -55,14 +55,16 @@ MAMBA_STATES = 12
 def hooked(monkeypatch):
     """The plugin's MambaRadixCache hooks, applied as HookRegistry applies AFTER hooks; sglang's global args."""
     from kv_canary import sglang_plugin as plugin
+    from kv_canary.adapter import hooks
+    from kv_canary.adapter.lines.v0_5_12 import LINE as V0_5_12
 
     applied, calls = 0, {}
-    for target, (name, kind) in plugin.HOOKS.items():
+    for target, (name, kind) in V0_5_12.hooks.items():
         if ".MambaRadixCache." not in target:
             continue
         assert kind == "after"
         attr = target.rsplit(".", 1)[1]
-        original, hook = getattr(MambaRadixCache, attr), plugin._resolve_hook(name)
+        original, hook = getattr(MambaRadixCache, attr), plugin.resolve_hook(name)
 
         def wrapped(*args, _original=original, _hook=hook, _attr=attr, **kwargs):
             result = _original(*args, **kwargs)
@@ -315,11 +317,13 @@ def _scheduler(tree, manager):
 
 def test_plugin_attaches_the_mamba_view_and_refuses_other_mamba_trees(hooked):
     from kv_canary import sglang_plugin as plugin
+    from kv_canary.adapter import hooks
+    from kv_canary.adapter.lines.v0_5_12 import LINE as V0_5_12
     from kv_canary.config import CanaryConfigError
 
     eng = Engine()
     manager = _Manager(CanaryConfig(sweep_interval=4))
-    plugin._after_scheduler_init(None, _scheduler(eng.cache, manager))
+    hooks.after_scheduler_init(None, _scheduler(eng.cache, manager))
     assert isinstance(manager.attached, mamba_radix.MambaRadixCacheView)
 
     class HiMambaRadixCache(MambaRadixCache):  # another tree over the same nodes (host offload): not followed
@@ -329,4 +333,4 @@ def test_plugin_attaches_the_mamba_view_and_refuses_other_mamba_trees(hooked):
                                               token_to_kv_pool_allocator=eng.alloc, page_size=1))
     with pytest.raises(CanaryConfigError, match="--kv-canary-sweep-interval 4 .* HiMambaRadixCache: the sweep "
                        "follows RadixCache, SWARadixCache and MambaRadixCache only"):
-        plugin._after_scheduler_init(None, _scheduler(other, _Manager(CanaryConfig(sweep_interval=4))))
+        hooks.after_scheduler_init(None, _scheduler(other, _Manager(CanaryConfig(sweep_interval=4))))

@@ -56,10 +56,12 @@ def _tree():
 def hooked_radix(monkeypatch):
     """RadixCache with the plugin's tree-change hooks applied as sglang's HookRegistry applies AFTER hooks."""
     from kv_canary import sglang_plugin as plugin
+    from kv_canary.adapter import hooks
+    from kv_canary.adapter.lines.v0_5_12 import LINE as V0_5_12
 
     cls = radix_cache.RadixCache
-    hooks = [(target.rsplit(".", 1)[1], plugin._resolve_hook(hook_name))
-             for target, (hook_name, kind) in plugin.HOOKS.items() if ".radix_cache.RadixCache." in target]
+    hooks = [(target.rsplit(".", 1)[1], plugin.resolve_hook(hook_name))
+             for target, (hook_name, kind) in V0_5_12.hooks.items() if ".radix_cache.RadixCache." in target]
     assert sorted(name for name, _ in hooks) == ["_delete_leaf", "_record_store_event", "reset"]
     for name, hook in hooks:
         original = getattr(cls, name)

@@ -33,13 +33,15 @@ WINDOW = 4
 def hooked(monkeypatch):
     """The plugin's SWARadixCache / allocator hooks, applied as HookRegistry applies them."""
     from kv_canary import sglang_plugin as plugin
+    from kv_canary.adapter import hooks
+    from kv_canary.adapter.lines.v0_5_12 import LINE as V0_5_12
 
-    for target, (name, kind) in plugin.HOOKS.items():
+    for target, (name, kind) in V0_5_12.hooks.items():
         if ".SWARadixCache." not in target and ".SWATokenToKVPoolAllocator." not in target:
             continue
         cls = SWARadixCache if ".SWARadixCache." in target else SWATokenToKVPoolAllocator
         attr = target.rsplit(".", 1)[1]
-        original, hook = getattr(cls, attr), plugin._resolve_hook(name)
+        original, hook = getattr(cls, attr), plugin.resolve_hook(name)
         if kind == "around":
             def wrapped(*args, _original=original, _hook=hook, **kwargs):
                 return _hook(_original, *args, **kwargs)

@@ -19,7 +19,7 @@ run by ``api.config_from_server_args``): what it verifies, what it refuses.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from ..config import FLAG_MODE, CanaryConfigError
 
@@ -229,25 +229,43 @@ def _show(field: str, value: Any) -> str:
 _OFFENDERS = {"speculative_algorithm": _spec_offender}  # field -> (value, args) -> the flag that is the problem
 
 
-def check_supported(server_args: Any, mode: str, *, given_only: bool = False) -> None:
-    """Refuse (``CanaryConfigError``) the first setting in ``RULES`` with an unsupported value.
+@dataclass(frozen=True)
+class ServerArgsPolicy:
+    """One sglang line's classification of every ``ServerArgs`` field (``test_server_args_policy``)."""
+
+    rules: Mapping[str, Rule]
+    checked_elsewhere: Mapping[str, str]
+    neutral: frozenset
+    offenders: Mapping[str, Callable[[Any, Any], str]]
+
+    def classified(self) -> Tuple[frozenset, ...]:
+        return frozenset(self.rules), frozenset(self.checked_elsewhere), self.neutral
+
+
+POLICY_0_5_12 = ServerArgsPolicy(RULES, CHECKED_ELSEWHERE, NEUTRAL, _OFFENDERS)
+
+
+def check_supported(server_args: Any, mode: str, *, given_only: bool = False,
+                    policy: Optional[ServerArgsPolicy] = None) -> None:
+    """Refuse (``CanaryConfigError``) the first setting in the line's rules with an unsupported value.
 
     ``given_only``: ``server_args`` holds the user's raw flags (an argparse namespace,
-    where None means "not given, sglang picks"): check only the values given.
+    where None means "not given, sglang picks"): check only the values given. ``policy``:
+    the running sglang line's (``adapter/lines``) unless given.
     """
-    for field, rule in RULES.items():
+    if policy is None:
+        from .lines import current_line
+
+        policy = current_line().policy
+    for field, rule in policy.rules.items():
         value = getattr(server_args, field, None)
         if given_only and value is None:
             continue
         if not rule.allowed(value, server_args):
-            offender = _OFFENDERS[field](value, server_args) if field in _OFFENDERS else ""
+            offender = policy.offenders[field](value, server_args) if field in policy.offenders else ""
             raise CanaryConfigError(
                 f"{FLAG_MODE} {mode} cannot verify {_show(field, value)}{f' with {offender}' if offender else ''}: "
                 f"{rule.why}. "
                 f"Supported: {flag_name(field)} {rule.supported}. Drop {flag_name(field)} or run with "
                 f"{FLAG_MODE} none."
             )
-
-
-def classified_fields() -> Tuple[frozenset, ...]:
-    return frozenset(RULES), frozenset(CHECKED_ELSEWHERE), NEUTRAL

@@ -1,0 +1,191 @@
+"""Hook bodies shared by the sglang lines (registered through each line's table, ``adapter/lines``).
+
+Reading sglang objects by attribute; what differs between releases sits in the line files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+logger = logging.getLogger("kv_canary")
+
+
+# ---------------------------------------------------------------- model runner
+
+
+def canary_of(model_runner):
+    """The runner's manager, or None (canary off, draft worker, or not installed)."""
+    if getattr(model_runner, "is_draft_worker", False):
+        return None
+    return getattr(model_runner, "canary_manager", None)
+
+
+def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):
+    """Hold the canary's device bytes back before sglang sizes the KV pool from free memory."""
+    from ..api import canary_reserved_bytes
+
+    reserve = canary_reserved_bytes(model_runner, int(available_bytes))
+    if reserve <= 0:
+        return None
+    model_runner.kv_canary_reserved_bytes = reserve
+    logger.info("kv_canary_reserved_bytes=%d available_bytes_before=%d (held back before the KV pool is sized)",
+                reserve, available_bytes)
+    return int(available_bytes) - reserve
+
+
+def after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:
+    from ..api import install_canary
+
+    model_runner.canary_manager = install_canary(server_args=model_runner.server_args, model_runner=model_runner)
+
+
+def around_initialize(original, model_runner, *args, **kwargs):
+    model_runner.canary_manager = None
+    result = original(model_runner, *args, **kwargs)
+    manager = canary_of(model_runner)
+    if manager is not None:
+        manager.mark_init_finished()
+    return result
+
+
+def after_forward_batch_init_new(forward_batch, _cls, batch, model_runner, *args, **kwargs) -> None:
+    """Keep the scheduler's Req objects on the batch: the token check needs cached prefixes' tokens."""
+    manager = canary_of(model_runner)
+    if manager is not None:
+        forward_batch.kv_canary_reqs = getattr(batch, "reqs", None)
+        if manager.transfer is not None and forward_batch.forward_mode.is_extend():
+            from .disagg import note_extend_rooms
+
+            note_extend_rooms(manager, forward_batch.kv_canary_reqs)
+
+
+def after_sample(next_token_ids, model_runner, *args, **kwargs) -> None:
+    """The scheduler's sampled tokens: what the next forward must be fed (the token oracle)."""
+    manager = canary_of(model_runner)
+    if manager is not None and next_token_ids is not None:
+        manager.record_sampled(next_token_ids)
+
+
+def around_forward(original, model_runner, forward_batch, *args, **kwargs):
+    manager = canary_of(model_runner)
+    if manager is None:
+        if getattr(model_runner, "is_draft_worker", False):  # the EAGLE draft's own pool (adapter/draft)
+            from .draft import route_draft_runner_forward
+
+            return route_draft_runner_forward(original, model_runner, forward_batch, *args, **kwargs)
+        return original(model_runner, forward_batch, *args, **kwargs)
+    with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=forward_batch):
+        with manager.with_active_single_forward_manager(0):
+            return original(model_runner, forward_batch, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+def scheduler_canary(scheduler):
+    worker = getattr(scheduler, "tp_worker", None)
+    return canary_of(getattr(worker, "model_runner", None)) if worker is not None else None
+
+
+def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
+    """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
+    from .radix import RadixCacheView
+    from .mamba_radix import MambaRadixCacheView
+    from .swa_radix import SWARadixCacheView
+    from ..config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
+
+    manager = scheduler_canary(scheduler)
+    if manager is None:
+        mode = str(getattr(scheduler.server_args, "kv_canary", "none"))
+        if mode != "none":
+            _check_hooks_applied(scheduler.server_args)
+            raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
+        return
+
+    collector = getattr(scheduler, "metrics_collector", None)
+    if getattr(scheduler, "current_scheduler_metrics_enabled", False) and collector is not None:
+        from .metrics import CanaryMetrics
+
+        scheduler.kv_canary_metrics = CanaryMetrics(collector.labels)
+    if manager.config.mode is CanaryMode.CONTAIN:
+        from .contain import SchedulerContainment
+
+        scheduler.kv_canary_containment = SchedulerContainment(scheduler)
+        manager.attach_containment(scheduler.kv_canary_containment)
+    tree = getattr(scheduler, "tree_cache", None)
+    if RadixCacheView.supports(tree):
+        manager.attach_prefix_cache(RadixCacheView(tree))
+    elif SWARadixCacheView.supports(tree):
+        manager.attach_prefix_cache(SWARadixCacheView(tree))
+    elif MambaRadixCacheView.supports(tree):
+        manager.attach_prefix_cache(MambaRadixCacheView(tree))
+    elif manager.config.sweep_interval > 0:
+        raise CanaryConfigError(
+            f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
+            f"cache is {type(tree).__name__}: "
+            + (f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}" if "Chunk" in type(tree).__name__ else
+               f"the sweep follows RadixCache, SWARadixCache and MambaRadixCache only (not yet this model's "
+               f"cache); unset {FLAG_SWEEP_INTERVAL}")
+        )
+    elif manager.config.perturb_real_kv_unused_cache_prob > 0:
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB needs sglang's radix cache, but the prefix "
+            f"cache is {type(tree).__name__}: unset it"
+        )
+
+
+def after_process_input_requests(_result, scheduler, *args, **kwargs) -> None:
+    """The scheduler's safe point (where sglang handles AbortReq): apply --kv-canary contain's aborts/evictions."""
+    containment = getattr(scheduler, "kv_canary_containment", None)
+    if containment is not None:
+        containment.apply()
+    export_metrics(scheduler)
+
+
+def export_metrics(scheduler) -> None:
+    metrics = getattr(scheduler, "kv_canary_metrics", None)
+    manager = scheduler_canary(scheduler)
+    if metrics is not None and manager is not None:
+        metrics.update(manager, getattr(scheduler, "kv_canary_containment", None))
+
+
+def after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
+    """Idle: read every counter copy still in flight, so the last forwards' violations surface now."""
+    manager = scheduler_canary(scheduler)
+    if manager is not None and manager.init_finished:
+        manager.poll(drain=True)
+        export_metrics(scheduler)
+        from .draft import draft_manager_of_target
+
+        draft = draft_manager_of_target(scheduler.tp_worker.model_runner)
+        if draft is not None and draft.init_finished:
+            draft.poll(drain=True)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def around_capture_one_batch_size(original, graph_runner, *args, **kwargs):
+    manager = canary_of(graph_runner.model_runner)
+    ctx = (
+        contextlib.nullcontext()
+        if manager is None
+        else stacked(manager.capturing(), manager.with_active_single_forward_manager(0))
+    )
+    with ctx:
+        return original(graph_runner, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def stacked(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+def _check_hooks_applied(server_args) -> None:
+    from ..sglang_plugin import check_hooks_applied
+
+    check_hooks_applied(server_args)

@@ -1,0 +1,47 @@
+"""What one sglang release line gives the canary: its hook table and the settings it does not verify yet.
+
+A line is one adapter file (``v0_5_12.py``, ``v0_5_23.py``, ...) holding one ``SglangLine``.
+Hook names are ``module.function`` under ``kv_canary.adapter`` (``hooks.after_sample``,
+``lines.v0_5_23.replace_install_canary``); the bodies shared by several lines live in
+``adapter/hooks.py``. A new release is a new file: copy the newest, diff it against sglang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Tuple
+
+HookTable = Mapping[str, Tuple[str, str]]  # dotted sglang target -> (hook name, "before"|"after"|"around"|"replace")
+
+
+def _nothing_unported(_server_args: Any) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class SglangLine:
+    """One sglang release line.
+
+    ``hooks`` are required whenever the canary is on; ``pd_hooks`` with
+    ``--disaggregation-mode prefill|decode``; ``spec_hooks`` with ``--speculative-algorithm``.
+    ``unported(server_args)`` names the first setting this line's adapter does not verify yet
+    ('' if none): refused at startup, naming the flag. ``in_tree_canary``: the release ships
+    sglang's own kv_canary (the plugin takes its place, ``SGLANG_KV_CANARY_IMPL`` chooses).
+    ``flags_declared_by_sglang``: ``--kv-canary*`` are sglang's own fields (else the plugin adds them).
+    """
+
+    name: str
+    versions: Tuple[str, ...]
+    hooks: HookTable
+    pd_hooks: HookTable = field(default_factory=dict)
+    spec_hooks: HookTable = field(default_factory=dict)
+    in_tree_canary: bool = False
+    flags_declared_by_sglang: bool = False
+    policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
+    unported: Callable[[Any], str] = _nothing_unported
+
+    def required_hooks(self, *, pd: bool, spec: bool) -> HookTable:
+        return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {})}
+
+    def all_hooks(self) -> HookTable:
+        return {**self.hooks, **self.pd_hooks, **self.spec_hooks}
