@@ -19,6 +19,7 @@ import torch
 
 from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.disagg import check_disaggregation, disaggregation_mode
+from .adapter.lines import current_line
 from .adapter.pools import pool_context, register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
@@ -101,6 +102,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         req_to_token=req_to_token,
         capacities=capacities,
         batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device,
+                                         req_row=current_line().req_row,
                                          tree_verify=is_spec_v1(server_args)),
         device=device,
         variant_tracker=tracker,

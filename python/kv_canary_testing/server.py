@@ -54,6 +54,16 @@ DEVICE_ARGS = {
 }
 
 DEFAULT_MAX_TOTAL_TOKENS = {"cpu": 4096, "cuda": 65536}
+# default flags left out on a later sglang line (0.5.23: no piecewise flag (off on CPU anyway); its server warmup
+# must run, else its post-warmup /freeze_gc call fails with a traceback)
+NOT_ON_LINE = {"0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
+
+
+def installed_sglang_version() -> str:
+    """The sglang release installed beside this package (the one the servers run)."""
+    from importlib.metadata import version
+
+    return version("sglang")
 
 
 class ServerError(RuntimeError):
@@ -153,7 +163,8 @@ class SglangServer:
         while i < len(defaults):
             flag = defaults[i]
             has_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("--")
-            if not _flag_given(self.extra_args, flag) and flag not in self.drop_default_args:
+            dropped = flag in self.drop_default_args or flag in NOT_ON_LINE.get(installed_sglang_version(), ())
+            if not _flag_given(self.extra_args, flag) and not dropped:
                 merged.append(flag)
                 if has_value:
                     merged.append(defaults[i + 1])

@@ -23,7 +23,7 @@ writes nothing (``new_lens`` 0); the kept drafts are written after sglang's veri
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,8 +33,10 @@ _EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PR
 
 
 class SglangBatchAdapter:
-    def __init__(self, *, max_batch_size: int, device: torch.device, tree_verify: bool = False):
+    def __init__(self, *, max_batch_size: int, device: torch.device, tree_verify: bool = False,
+                 req_row: Callable[[object], int] = lambda req: req.req_pool_idx):
         self._max_bs = max_batch_size
+        self._req_row = req_row  # the scheduler Req's req_to_token row (the line's reader: adapter/lines)
         self._tree_verify = tree_verify  # spec v1: a verify's TAIL is deferred to acceptance
         self._device = device
         self._uniform: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
@@ -153,7 +155,7 @@ class SglangBatchAdapter:
                 f"kv-canary: an extend batch of {len(reqs)} requests has extend_prefix_lens_cpu="
                 f"{None if prefix is None else len(prefix)} / extend_seq_lens_cpu={None if new is None else len(new)} "
                 "entries; the token oracle needs one per request")
-        return [(int(req.req_pool_idx), (str(req.rid), getattr(req, "retraction_count", 0), id(req)), int(p), int(n),
+        return [(int(self._req_row(req)), (str(req.rid), getattr(req, "retraction_count", 0), id(req)), int(p), int(n),
                  lambda r=req: (r.origin_input_ids, r.output_ids))
                 for req, p, n in zip(reqs, prefix, new)]
 

@@ -18,7 +18,14 @@ def canary_of(model_runner):
     """The runner's manager, or None (canary off, draft worker, or not installed)."""
     if getattr(model_runner, "is_draft_worker", False):
         return None
-    return getattr(model_runner, "canary_manager", None)
+    return manager_of(model_runner)
+
+
+def manager_of(model_runner):
+    """``model_runner.canary_manager``: the plugin's ``CanaryManager``, or on a line whose own call sites drive it
+    (0.5.23) the slot object those call sites use, which holds it as ``kv_canary_manager``."""
+    slot = getattr(model_runner, "canary_manager", None)
+    return getattr(slot, "kv_canary_manager", slot)
 
 
 def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):
@@ -44,7 +51,7 @@ def around_initialize(original, model_runner, *args, **kwargs):
     model_runner.canary_manager = None
     result = original(model_runner, *args, **kwargs)
     manager = canary_of(model_runner)
-    if manager is not None:
+    if manager is not None and not manager.init_finished:
         manager.mark_init_finished()
     return result
 
@@ -90,10 +97,12 @@ def scheduler_canary(scheduler):
 
 def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     """Give the canary the scheduler's radix cache: the sweep and the unused-cache perturbation read it."""
-    from .radix import RadixCacheView
-    from .mamba_radix import MambaRadixCacheView
-    from .swa_radix import SWARadixCacheView
-    from ..config import FLAG_MODE, FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
+    setup_scheduler(scheduler, metrics_enabled=bool(getattr(scheduler, "current_scheduler_metrics_enabled", False)))
+
+
+def setup_scheduler(scheduler, *, metrics_enabled: bool) -> None:
+    """A scheduler with the canary on must have it installed; then attach metrics, contain and the prefix cache."""
+    from ..config import FLAG_MODE, CanaryConfigError
 
     manager = scheduler_canary(scheduler)
     if manager is None:
@@ -102,9 +111,18 @@ def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
             _check_hooks_applied(scheduler.server_args)
             raise CanaryConfigError(f"{FLAG_MODE} {mode}: the canary was not installed in this scheduler process")
         return
+    attach_to_scheduler(scheduler, manager, metrics_enabled=metrics_enabled)
+
+
+def attach_to_scheduler(scheduler, manager, *, metrics_enabled: bool) -> None:
+    """Metrics (``--enable-metrics``), ``--kv-canary contain``'s scheduler side and the prefix cache."""
+    from .radix import RadixCacheView
+    from .mamba_radix import MambaRadixCacheView
+    from .swa_radix import SWARadixCacheView
+    from ..config import FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
 
     collector = getattr(scheduler, "metrics_collector", None)
-    if getattr(scheduler, "current_scheduler_metrics_enabled", False) and collector is not None:
+    if metrics_enabled and collector is not None:
         from .metrics import CanaryMetrics
 
         scheduler.kv_canary_metrics = CanaryMetrics(collector.labels)

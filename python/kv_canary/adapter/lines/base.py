@@ -18,6 +18,10 @@ def _nothing_unported(_server_args: Any) -> str:
     return ""
 
 
+def _req_pool_idx(req: Any) -> int:
+    return req.req_pool_idx
+
+
 @dataclass(frozen=True)
 class SglangLine:
     """One sglang release line.
@@ -39,6 +43,7 @@ class SglangLine:
     flags_declared_by_sglang: bool = False
     policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
     unported: Callable[[Any], str] = _nothing_unported
+    req_row: Callable[[Any], int] = _req_pool_idx  # a scheduler Req's req_to_token row
 
     def required_hooks(self, *, pd: bool, spec: bool) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {})}

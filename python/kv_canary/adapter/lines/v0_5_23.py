@@ -1,0 +1,184 @@
+"""sglang 0.5.23: the plugin takes the in-tree kv_canary's place, driven by sglang's own call sites.
+
+0.5.23 ships sglang's own ``kv_canary`` (the same seed design) and calls it from its code:
+``ModelRunner._init_post_memory_pool_components`` builds it through the module-level
+``install_canary`` that ``model_runner.py`` binds at import; ``ModelRunner.forward`` enters
+``with_ops_outside_graph`` + ``with_active_single_forward_manager(0)``; the graph runners and
+warmups enter ``with_active_single_forward_manager(0)``; the scheduler calls
+``attach_radix_cache``; the post-capture KV sizing asks ``per_forward_workspace_bytes``.
+Replacing that one binding (``install``) makes every one of those call sites drive the
+plugin's ``CanaryManager`` through ``InTreeSlot``: sglang's in-tree manager is never built,
+so nothing of it runs beside ours (no second HEAD/TAIL, no second set of buffers).
+``SGLANG_KV_CANARY_IMPL=in-tree`` leaves sglang's own in place instead (``adapter/lines``).
+
+The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data``,
+``--kv-canary-sweep-interval``, upstream's names, meanings and defaults: real data
+``none`` unless given); the plugin adds ``contain`` to ``--kv-canary``'s choices.
+
+Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
+(verified on the GPU host only for 0.5.12), the sweep and ``contain`` (0.5.23's
+``UnifiedRadixCache`` is not followed yet), speculative decoding, PD disaggregation.
+Verified pools: ``MHATokenToKVPool`` (checked at install).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..policy_0_5_23 import POLICY_0_5_23
+from .base import HookTable, SglangLine
+
+logger = logging.getLogger("kv_canary")
+
+HOOKS: HookTable = {
+    # sglang's call sites for its in-tree canary get the plugin's manager instead
+    "sglang.srt.model_executor.model_runner.install_canary": ("lines.v0_5_23.install", "replace"),
+    "sglang.srt.server_args.ServerArgs.add_cli_args": ("lines.v0_5_23.after_add_cli_args", "after"),
+    "sglang.srt.server_args.ServerArgs.from_cli_args": ("lines.v0_5_23.around_from_cli_args", "around"),
+    # the end of the scheduler's model setup: pools built, warmups, graph capture and post-capture sizing done
+    "sglang.srt.managers.scheduler.Scheduler.init_model_worker": ("lines.v0_5_23.after_init_model_worker", "after"),
+    "sglang.srt.model_executor.model_runner.ModelRunner.sample": ("hooks.after_sample", "after"),
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("hooks.after_forward_batch_init_new",
+                                                                          "after"),
+    "sglang.srt.managers.scheduler.Scheduler.__init__": ("lines.v0_5_23.after_scheduler_init", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
+}
+VERIFIED_POOLS = ("MHATokenToKVPool",)
+
+
+def unported(server_args: Any) -> str:
+    """The first setting this line's adapter does not verify yet, as a refusal ('' if none)."""
+    if str(getattr(server_args, "device", "cuda") or "cuda") != "cpu" and not getattr(server_args, "disable_cuda_graph",
+                                                                                        False):
+        return ("CUDA graphs on sglang 0.5.23 are not verified yet (the GPU host cannot load 0.5.23's torch); "
+                "pass --disable-cuda-graph, or use sglang 0.5.12")
+    if str(getattr(server_args, "kv_canary", "none")) == "contain":
+        return ("contain evicts corrupt slots from sglang's radix cache, and 0.5.23's UnifiedRadixCache is not "
+                "followed yet; use --kv-canary log or raise")
+    if int(getattr(server_args, "kv_canary_sweep_interval", 0) or 0) > 0:
+        return ("--kv-canary-sweep-interval follows sglang's radix cache, and 0.5.23's UnifiedRadixCache is not "
+                "followed yet; unset --kv-canary-sweep-interval")
+    if getattr(server_args, "speculative_algorithm", None):
+        return ("speculative decoding on sglang 0.5.23 is not verified yet; drop --speculative-algorithm, or use "
+                "sglang 0.5.12")
+    if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
+        return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
+                "sglang 0.5.12")
+    return ""
+
+
+class InTreeSlot:
+    """What sglang 0.5.23's call sites for its in-tree canary call (``model_runner.canary_manager``), served by the
+    plugin's ``CanaryManager`` (``kv_canary_manager``)."""
+
+    def __init__(self, manager):
+        self.kv_canary_manager = manager
+
+    def with_ops_outside_graph(self, *, single_forward_indices, maybe_inaccurate_forward_batch):
+        return self.kv_canary_manager.with_ops_outside_graph(
+            single_forward_indices=single_forward_indices, maybe_inaccurate_forward_batch=maybe_inaccurate_forward_batch)
+
+    def with_active_single_forward_manager(self, index: int):
+        return self.kv_canary_manager.with_active_single_forward_manager(index)
+
+    def mark_init_finished(self) -> None:
+        """Called by sglang right after graph capture; the plugin marks at the end of ``Scheduler.init_model_worker``
+        instead (``after_init_model_worker``), after sampling prewarm and post-capture KV sizing too."""
+
+    def attach_radix_cache(self, tree_cache) -> None:
+        """The plugin attaches the tree with metrics and contain in its ``Scheduler.__init__`` hook; the sweep's
+        tree (0.5.23's UnifiedRadixCache) is not followed yet (``unported``)."""
+
+    def per_forward_workspace_bytes(self) -> int:
+        """Bytes the canary allocates per forward after install, for sglang's post-capture KV sizing: none (every
+        buffer is preallocated at install)."""
+        return 0
+
+
+def install(*, server_args, model_runner, token_oracle_manager=None):
+    """In place of sglang's in-tree ``install_canary``: the plugin's manager behind an ``InTreeSlot``, or None."""
+    from ...api import config_from_server_args, install_canary
+    from ...config import FLAG_MODE, CanaryConfigError
+
+    del token_oracle_manager  # sglang's token-oracle sampler (--sampling-backend token_oracle); ours is built in
+    config = config_from_server_args(server_args)
+    if config.enabled:
+        from ...sglang_plugin import check_hooks_applied
+        from ..server_args import check_supported
+
+        check_supported(server_args, config.mode.value)
+        check_hooks_applied(server_args)
+        pool = type(getattr(model_runner, "token_to_kv_pool", None)).__name__
+        if pool not in VERIFIED_POOLS:
+            raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
+                                    f"0.5.23 yet (verified: {', '.join(VERIFIED_POOLS)}); use sglang 0.5.12 or "
+                                    f"{FLAG_MODE} none")
+    manager = install_canary(server_args=server_args, model_runner=model_runner)
+    return None if manager is None else InTreeSlot(manager)
+
+
+def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
+    """Start reporting once the model worker is ready, and refuse a KV pool sglang rebuilt after install (0.5.23's
+    post-capture KV sizing): the canary's records and zero-copy views would no longer match it."""
+    from ...config import FLAG_MODE, CanaryConfigError
+    from ..hooks import canary_of
+
+    runner = scheduler.tp_worker.model_runner
+    manager = canary_of(runner)
+    if manager is None or manager.init_finished:
+        return
+    pool = runner.token_to_kv_pool
+    live = {t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)}
+    viewed = {row.view.data_ptr() for row in manager.groups[0].rows}
+    if live != viewed or int(pool.k_buffer[0].shape[0]) != manager.groups[0].num_slots:
+        raise CanaryConfigError(f"{FLAG_MODE} {manager.config.mode.value}: sglang rebuilt the KV pool after the "
+                                "canary was installed (post-capture KV sizing); not verified on sglang 0.5.23 yet: "
+                                "pass --disable-cuda-graph or use sglang 0.5.12")
+    manager.mark_init_finished()
+
+
+def after_add_cli_args(_result, parser) -> None:
+    """``--kv-canary``: sglang's flag, plus the plugin's ``contain``."""
+    from ...config import CanaryMode
+
+    for action in parser._actions:
+        if "--kv-canary" in action.option_strings:
+            action.choices = [m.value for m in CanaryMode]
+            action.help = ((action.help or "") + " 'contain' (sglang-kv-canary) aborts the requests that read a "
+                           "corrupt KV slot and keeps serving.")
+
+
+def around_from_cli_args(original, cls, args):
+    """The user's flags checked before sglang resolves them (the scheduler checks again at install)."""
+    from ...api import config_from_server_args
+    from ..server_args import check_supported
+
+    server_args = original(cls, args)
+    config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
+    if config.enabled:
+        from ...sglang_plugin import check_hooks_applied
+
+        check_supported(args, config.mode.value, given_only=True)
+        check_hooks_applied(server_args)
+        logger.info("kv_canary: %s (sglang-kv-canary plugin in place of sglang 0.5.23's in-tree kv_canary)",
+                    config.describe())
+    return server_args
+
+
+def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
+    """Metrics, contain and the prefix cache, as on 0.5.12; the metrics switch moved to ``metrics_reporter``."""
+    from ..hooks import setup_scheduler
+
+    reporter = getattr(scheduler, "metrics_reporter", None)
+    setup_scheduler(scheduler, metrics_enabled=bool(getattr(reporter, "current_scheduler_metrics_enabled", False)))
+
+
+def req_row(req) -> int:
+    """0.5.23 keeps a request's KV bookkeeping in ``Req.kv`` (``req_pool_idx`` moved there)."""
+    return req.kv.req_pool_idx
+
+
+LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
+                  policy=POLICY_0_5_23, unported=unported, req_row=req_row)
