@@ -56,6 +56,7 @@ from ..violations import (
     READY_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
     health_violation,
 )
+from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
 from .ring_reader import RingReader
 from .single_forward import SingleForwardManager
 
@@ -66,10 +67,6 @@ HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_writt
 SCRUB_BATCH_INDEX = -2  # ring rows of the scrub (the sweep's are -1)
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
 MIN_RING_READ_BUDGET = 256  # ring rows the host reads per poll at most (at least 4 x max_logged_violations)
-
-
-class CanaryBracketError(RuntimeError):
-    """The engine wiring used the canary's context managers out of order."""
 
 
 class BatchAdapter(Protocol):
@@ -193,14 +190,17 @@ class CanaryManager:
 
     def with_ops_outside_graph(
         self, *, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: object
-    ) -> "_OutsideBracket":
-        """Host work around one outer step; never captured into a CUDA graph (a context manager)."""
-        return _OutsideBracket(self, single_forward_indices, maybe_inaccurate_forward_batch)
+    ) -> OutsideBracket:
+        """Host work around one outer step; never captured into a CUDA graph (a context manager).
 
-    def with_active_single_forward_manager(self, index: int) -> "_ActiveBracket":
+        Entering runs ``_pre_ops_outside_graph``; a clean exit runs ``_post_ops_outside_graph``.
+        """
+        return OutsideBracket(self, single_forward_indices, maybe_inaccurate_forward_batch)
+
+    def with_active_single_forward_manager(self, index: int) -> ActiveBracket:
         """Route the patched model.forward calls in this block to single-forward manager ``index``."""
         self._check_index(index)
-        return _ActiveBracket(self._active, index)
+        return ActiveBracket(self._active, index)
 
     @property
     def is_capturing(self) -> bool:
@@ -748,48 +748,3 @@ class CanaryManager:
                 f"(0..{len(self.single_forward_managers) - 1})"
             )
 
-
-class _OutsideBracket:
-    """``with_ops_outside_graph``'s context manager (a class: this runs on every forward's host path)."""
-
-    __slots__ = ("_m", "_indices", "_fb")
-
-    def __init__(self, manager: CanaryManager, indices: Sequence[int], fb: object):
-        self._m, self._indices, self._fb = manager, indices, fb
-
-    def __enter__(self) -> None:
-        m = self._m
-        if m._in_outside_bracket:
-            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
-        for i in self._indices:
-            m._check_index(i)
-        m._in_outside_bracket = True
-        m._eager_tails = 0
-        try:
-            m._pre_ops_outside_graph(self._fb)
-        except BaseException:
-            m._in_outside_bracket = False
-            raise
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        m = self._m
-        try:
-            if exc_type is None:
-                m._post_ops_outside_graph(self._fb, len(self._indices))
-        finally:
-            m._in_outside_bracket = False
-
-
-class _ActiveBracket:
-    """``with_active_single_forward_manager``'s context manager."""
-
-    __slots__ = ("_stack", "_index")
-
-    def __init__(self, stack: List[int], index: int):
-        self._stack, self._index = stack, index
-
-    def __enter__(self) -> None:
-        self._stack.append(self._index)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._stack.pop()
