@@ -23,10 +23,8 @@ outside ops never are. After the engine samples, ``record_sampled`` copies the
 sampled ids into the token oracle (one device copy; the next forward's HEAD lands
 them where its TAIL expects what each request is fed).
 
-Speculative tree verifies (spec v1) defer their TAIL: the verify forward's TAIL
-writes nothing, and once the engine kept a path of drafts ``write_accepted_drafts``
-runs that TAIL over the kept slots (eager; counted by the health check as write
-launches and slots, not as a forward).
+Speculative tree verifies (spec v1) defer their TAIL to ``write_accepted_drafts``
+(deferred_writes.py). Violation reporting, the health check and stats: reporting.py.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
-from ..speculative import AcceptedDraftBuffers
 from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
@@ -51,6 +48,7 @@ from ..cache_index import CachedSlotIndex
 from ..transfer import Arrival, TransferBook
 from ..violations import READY_PREFIX, format_line
 from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
+from .deferred_writes import DeferredWrites
 from .reporting import RID_HISTORY, Reporting
 from .ring_reader import RingReader
 from .single_forward import SingleForwardManager
@@ -81,7 +79,7 @@ class BatchAdapter(Protocol):
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
 
 
-class CanaryManager(Reporting):
+class CanaryManager(DeferredWrites, Reporting):
     def __init__(
         self,
         *,
@@ -138,8 +136,7 @@ class CanaryManager(Reporting):
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
-        self._accepted: Optional[AcceptedDraftBuffers] = None  # spec v1's deferred TAIL (enable_deferred_writes)
-        self._accepted_staged: Optional[torch.Tensor] = None  # where its expected tokens are staged
+        self._init_deferred_writes()
         self._init_reporting()
         self._reset_host_state()
 
@@ -150,8 +147,7 @@ class CanaryManager(Reporting):
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
         self._settled_forward = 0  # the forward of the last idle drain's settled stats line
         self._reset_reporting()
-        self._deferred_write_launches = 0  # write launches of deferred TAILs (write_accepted_drafts)
-        self._deferred_uncopied = False  # deferred TAILs ran since the last counter copy
+        self._reset_deferred_writes()
         self._swept_at = 0
         self.sweeps = 0
         self._arrivals: List[Arrival] = []  # PD arrivals the transfer perturbation has not drawn for yet
@@ -218,18 +214,6 @@ class CanaryManager(Reporting):
         logger.info(format_line(READY_PREFIX, 1, {"mode": self.config.mode.value,
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
-
-    def enable_deferred_writes(self, max_kept_per_request: int) -> None:
-        """Spec v1 (speculative tree verifies): preallocate the deferred TAIL's buffers, at install (before
-        ``precompile``, which then also compiles its launches).
-
-        max_kept_per_request: kept tree nodes a request can have per verify (--speculative-num-steps + 1).
-        """
-        bs, kept = self.capacities.max_batch_size, max(1, max_kept_per_request)
-        self._accepted = AcceptedDraftBuffers.allocate(bs, kept, self.counters.device)
-        # where the expected tokens go: the token oracle's staged table (read by the write), else a scratch table
-        self._accepted_staged = (self.token_oracle.staged if self.token_oracle is not None
-                                 else torch.zeros(bs * (kept + 1), dtype=torch.int64, device=self.counters.device))
 
     def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
@@ -319,54 +303,6 @@ class CanaryManager(Reporting):
         sink = self._sample_sink
         if sink is not None:
             sink(sampled)
-
-    def write_accepted_drafts(self, *, rows: torch.Tensor, committed: torch.Tensor, accept_lens: Sequence[int],
-                              kept_nodes: torch.Tensor, fed_tokens: torch.Tensor, fed_positions: torch.Tensor,
-                              appended: torch.Tensor) -> None:
-        """The deferred TAIL of a speculative tree verify (spec v1), once the engine kept its drafts.
-
-        The verify forward's own TAIL wrote nothing (tree nodes are no sequence positions yet); this is its
-        write: eager, outside any graph, on the forward's stream, after the engine moved the kept K/V into place.
-        One launch lays out the kept slots and stages what each must hold in the token oracle
-        (``speculative.build_accepted_drafts``) -> one write launch per group over them (position = depth
-        checked, token checked, records chained) -> each request's bonus token pending. No host sync, no new
-        forward: the health check expects these write launches and slots on top of the forwards'.
-
-        rows, committed (the verify batch's seq_lens before it): int[bs]; accept_lens: host ints (kept nodes per
-        request, root included); kept_nodes, fed_tokens, fed_positions, appended: see ``build_accepted_drafts``.
-        """
-        bs = len(accept_lens)
-        if not self.init_finished or self._capturing or bs == 0:
-            return
-        out = self._accepted
-        if out is None:
-            raise CanaryBracketError("kv-canary: a speculative tree verify (spec v1) ran, but the canary was installed "
-                                     "without its deferred TAIL (enable_deferred_writes): this path is not wired")
-        kept = int(sum(accept_lens))
-        out.check(batch_size=bs, kept=kept, staged=self._accepted_staged)
-        n = int(fed_tokens.shape[0]) // bs
-        self.kernels.accepted_drafts(
-            out=out, staged=self._accepted_staged,
-            req_to_token=self._req_to_token, rows=rows, committed=committed, kept_nodes=kept_nodes, kept=kept,
-            batch_size=bs, n=n, fed_tokens=fed_tokens, fed_positions=fed_positions, appended=appended)
-        view = out.view(rows=rows, batch_size=bs, kept=kept, max_new_len=max(accept_lens))
-        self.single_forward_managers[0].deferred_post_ops(view)
-        if self.token_oracle is not None:
-            self.token_oracle.sampled[:bs].copy_(out.bonus[:bs])
-        self._expected_written += kept * len(self.groups)
-        self._deferred_write_launches += len(self.groups)
-        self._deferred_uncopied = True  # the next forward's counter copy covers it (or the idle drain's)
-
-    def record_accepted(self, *, req_pool_indices: torch.Tensor, committed: torch.Tensor,
-                        next_token_ids: torch.Tensor, accept_lens: torch.Tensor, batch_size: int, n: int) -> None:
-        """EAGLE (spec v2), after a verify's sampling: the accepted drafts join the token oracle
-        (``speculative.record_accepted``; one launch on the Triton backend), outside any graph, no host sync."""
-        o = self.token_oracle
-        if o is not None:
-            self.kernels.record_accepted(staged=o.staged, row_chain=o.row_chain, sampled=o.sampled,
-                                         req_pool_indices=req_pool_indices, committed=committed,
-                                         next_token_ids=next_token_ids, accept_lens=accept_lens,
-                                         batch_size=batch_size, n=n)
 
     def _on_eager_tail(self) -> None:
         if not self._capturing:
@@ -512,17 +448,6 @@ class CanaryManager(Reporting):
             if self.config.swa_divergence_stats_interval and self.last_counters is not None:
                 self._last_swa_forward = self.forwards
                 logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
-
-    def _copy_deferred(self) -> None:
-        """Idle drain after deferred TAILs (``write_accepted_drafts``) no forward's counter copy covers: one more
-        copy at the same forward index. The copies in flight are read first, so none is dropped (each copy is
-        matched to its expected-counts entry in order)."""
-        for step, host_counters in self._d2h.drain():
-            self._check_health(step, host_counters)
-            self._handle_counters(host_counters, catch_up=True)
-        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
-        self._deferred_uncopied = False
-        self._d2h.snapshot(self.forwards)
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < len(self.single_forward_managers):
