@@ -24,7 +24,8 @@ sampled ids into the token oracle (one device copy; the next forward's HEAD land
 them where its TAIL expects what each request is fed).
 
 Speculative tree verifies (spec v1) defer their TAIL to ``write_accepted_drafts``
-(deferred_writes.py). Violation reporting, the health check and stats: reporting.py.
+(deferred_writes.py). PD transfer arrivals: arrivals.py. Violation reporting, the
+health check and stats: reporting.py.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..cache_index import CachedSlotIndex
-from ..transfer import Arrival, TransferBook
 from ..violations import READY_PREFIX, format_line
+from .arrivals import Arrivals
 from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
 from .deferred_writes import DeferredWrites
 from .reporting import RID_HISTORY, Reporting
@@ -79,7 +80,7 @@ class BatchAdapter(Protocol):
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
 
 
-class CanaryManager(DeferredWrites, Reporting):
+class CanaryManager(Arrivals, DeferredWrites, Reporting):
     def __init__(
         self,
         *,
@@ -131,11 +132,11 @@ class CanaryManager(DeferredWrites, Reporting):
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
-        self.transfer: Optional[TransferBook] = None  # PD disaggregation (attach_transfer)
         self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
+        self._init_arrivals()
         self._init_deferred_writes()
         self._init_reporting()
         self._reset_host_state()
@@ -150,9 +151,7 @@ class CanaryManager(DeferredWrites, Reporting):
         self._reset_deferred_writes()
         self._swept_at = 0
         self.sweeps = 0
-        self._arrivals: List[Arrival] = []  # PD arrivals the transfer perturbation has not drawn for yet
-        if self.transfer is not None:
-            self.transfer.reset()
+        self._reset_arrivals()
 
     # ------------------------------------------------------------------ engine wiring
 
@@ -318,8 +317,7 @@ class CanaryManager(DeferredWrites, Reporting):
             # a newly admitted request's expected chain over its cached prefix.
             self.token_oracle.stage(self._adapter.extend_requests(fb))
         if self._arrivals:  # after arrival, before the first forward that reads them
-            self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
-            self._arrivals = []
+            self._perturb_arrivals()
         if self.perturb.active:
             self.perturb.perturb_pre_forward(
                 forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
@@ -334,45 +332,6 @@ class CanaryManager(DeferredWrites, Reporting):
         """
         if self.token_oracle is not None:
             self.token_oracle.init_row(row, prompt_ids, output_ids)
-
-    def attach_transfer(self, book: TransferBook) -> None:
-        """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
-        self.transfer = book
-
-    def note_transfer_arrival(self, arrival: Arrival, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """PD decode side: ``arrival.received`` positions of a request arrived by transfer, before its first read."""
-        self.note_request_tokens(arrival.row, arrival.rid, prompt_ids, output_ids)
-        if self.transfer is not None:
-            self.transfer.note_arrival(arrival)
-        if self.config.perturb_transfer_prob > 0:
-            self._arrivals.append(arrival)
-
-    def note_fake_arrival(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """PD decode side: a *fake* transfer (sglang's warmup / health check) filled the KV positions with nothing.
-
-        There is nothing to verify there; the TAIL kernel fingerprints the slots as
-        they are (eager, outside any graph, counting into a scratch tensor so the
-        health check is untouched), so later reads do not false-alarm and the decode
-        TAIL chains onto them.
-        """
-        self.note_request_tokens(row, rid, prompt_ids, output_ids)
-        tokens = (list(prompt_ids) + list(output_ids))[: len(prompt_ids) + max(0, len(output_ids) - 1)]
-        n = len(tokens)
-        if n > 0:
-            dev = self.counters.device
-            one = torch.ones(1, dtype=torch.int64, device=dev)
-            view = ForwardView(
-                input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
-                positions=torch.arange(n, dtype=torch.int64, device=dev), out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
-                seq_lens=one * n, new_starts=one * 0, new_lens=one * n, batch_size=1, max_new_len=n,
-            )
-            scratch = torch.zeros_like(self.counters)  # report disabled: nothing reaches the ring
-            for group_index, group in enumerate(self.groups):
-                self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
-                                   group_index=group_index, check_fed=False, token_oracle=None,
-                                   full_hash=self.config.scrub_slots_per_forward > 0)
-        if self.transfer is not None:
-            self.transfer.fake_requests += 1
 
     def attach_prefix_cache(self, prefix_cache) -> None:
         """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
