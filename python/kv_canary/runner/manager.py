@@ -51,12 +51,9 @@ from .arrivals import Arrivals
 from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
 from .deferred_writes import DeferredWrites
 from .reporting import RID_HISTORY, Reporting
-from .ring_reader import RingReader
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
-
-MIN_RING_READ_BUDGET = 256  # ring rows the host reads per poll at most (at least 4 x max_logged_violations)
 
 
 class BatchAdapter(Protocol):
@@ -124,15 +121,12 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
         ]
         self.perturb = PerturbManager(config=config, groups=self.groups, req_to_token=req_to_token)
         self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps)
-        self._ring_reader = RingReader(self.ring, self.counters,
-                                       budget=max(MIN_RING_READ_BUDGET, 4 * config.max_logged_violations))
         self.init_finished = False
         self._capturing = 0
         self._active: List[int] = []  # stack of active single-forward-manager indices
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
-        self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None

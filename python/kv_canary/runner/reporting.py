@@ -3,7 +3,7 @@
 ``Reporting`` is a mixin of ``CanaryManager`` (runner/manager.py): the manager's ``poll`` hands it each counter copy
 that landed (``_check_health``, then ``_handle_counters``), it reads the new ring rows, logs each distinct violation
 once (repeats are only counted), orders the aborts of ``contain`` and raises in ``raise`` mode. It reads the
-manager's ``config``, ``groups``, ``perturb``, ``transfer``, ``_ring_reader`` and forward/sweep counts.
+manager's ``config``, ``groups``, ``counters``, ``ring``, ``perturb``, ``transfer`` and forward/sweep counts.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..violations import (
     STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation,
 )
 from .brackets import CanaryBracketError
+from .ring_reader import RingReader
 
 logger = logging.getLogger("kv_canary")
 
@@ -30,13 +31,17 @@ RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
 HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
 SCRUB_BATCH_INDEX = -2  # ring rows of the scrub (the sweep's are -1)
 REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
+MIN_RING_READ_BUDGET = 256  # ring rows the host reads per poll at most (at least 4 x max_logged_violations)
 
 
 class Reporting:
     """Mixin of ``CanaryManager``: reads counter copies and ring rows, reports violations, keeps the counts."""
 
     def _init_reporting(self) -> None:
-        """Counts that span the whole run (the reset at init finished keeps them)."""
+        """The ring reader, and counts that span the whole run (the reset at init finished keeps them)."""
+        self._ring_reader = RingReader(self.ring, self.counters,
+                                       budget=max(MIN_RING_READ_BUDGET, 4 * self.config.max_logged_violations))
+        self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool (stats line)
         self._containment: Optional[ContainmentTarget] = None  # --kv-canary contain: the engine's side
         self.contained_requests = 0  # requests --kv-canary contain ordered aborted
         self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
