@@ -25,7 +25,8 @@ class DeferredWrites:
     def _init_deferred_writes(self) -> None:
         """No buffers until ``enable_deferred_writes``."""
         self._accepted: Optional[AcceptedDraftBuffers] = None  # spec v1's deferred TAIL (enable_deferred_writes)
-        # where its expected tokens are staged: int64[max_batch_size * (kept + 1)] (the token oracle's, if any)
+        # where its expected tokens are staged: int64[n], the token oracle's ``staged`` table if there is one,
+        # else a scratch of max_batch_size * (max_kept_per_request + 1)
         self._accepted_staged: Optional[torch.Tensor] = None
 
     def _reset_deferred_writes(self) -> None:

@@ -78,6 +78,14 @@ class BatchAdapter(Protocol):
 
 
 class CanaryManager(Arrivals, DeferredWrites, Reporting):
+    """The canary's outer step: brackets each forward, counts it, polls the device's counter copies.
+
+    Device state: ``counters`` int64[NUM_COUNTERS] and ``ring`` int64[ring_capacity, RING_WIDTH] (violation rows),
+    shared with every ``SingleForwardManager``; ``req_to_token`` is the engine's int[rows, max_context_len] table.
+    Mixins: ``Arrivals`` (PD transfer), ``DeferredWrites`` (speculative verifies), ``Reporting`` (violations,
+    health check, stats).
+    """
+
     def __init__(
         self,
         *,
@@ -147,7 +155,7 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
         self.sweeps = 0
         self._reset_arrivals()
 
-    # ------------------------------------------------------------------ engine wiring
+    # ------------------------------------------------------------------ engine wiring and install
 
     def with_ops_outside_graph(
         self, *, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: object
@@ -162,6 +170,13 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
         """Route the patched model.forward calls in this block to single-forward manager ``index``."""
         self._check_index(index)
         return ActiveBracket(self._active, index)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self.single_forward_managers):
+            raise CanaryBracketError(
+                f"kv-canary: single-forward manager index {index} out of range "
+                f"(0..{len(self.single_forward_managers) - 1})"
+            )
 
     @property
     def is_capturing(self) -> bool:
@@ -207,6 +222,13 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
         logger.info(format_line(READY_PREFIX, 1, {"mode": self.config.mode.value,
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
+
+    def attach_prefix_cache(self, prefix_cache) -> None:
+        """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
+        self._prefix_cache = prefix_cache
+        self.perturb.attach_prefix_cache(prefix_cache)
+        if self.cache_index is not None:
+            prefix_cache.attach_index(self.cache_index)
 
     def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
@@ -260,7 +282,23 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
                     self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
                                              group_index=group_index)
 
-    # ------------------------------------------------------------------ inside (maybe captured)
+    # ------------------------------------------------------------------ one forward, top-down
+    # outside pre-ops -> plan + HEAD -> forward -> TAIL -> outside post-ops (count; poll the counter copies)
+
+    def _pre_ops_outside_graph(self, fb: object) -> None:
+        if not self.init_finished:
+            return
+        if self.token_oracle is not None:
+            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
+            # a newly admitted request's expected chain over its cached prefix.
+            self.token_oracle.stage(self._adapter.extend_requests(fb))
+        if self._arrivals:  # after arrival, before the first forward that reads them
+            self._perturb_arrivals()
+        if self.perturb.active:
+            self.perturb.perturb_pre_forward(
+                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
+                view=lambda: self._adapter.view(fb),
+            )
 
     def pre_ops_maybe_inside_graph(self, forward_batch: object) -> Optional[ForwardView]:
         """Plan + HEAD verify for the forward about to run; None when no manager is active."""
@@ -288,51 +326,9 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
             return None
         return self.single_forward_managers[self._active[-1]]
 
-    def record_sampled(self, sampled: torch.Tensor) -> None:
-        """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
-
-        Called after each sampling step, outside any graph: one device copy (the next forward's HEAD scatters).
-        """
-        sink = self._sample_sink
-        if sink is not None:
-            sink(sampled)
-
     def _on_eager_tail(self) -> None:
         if not self._capturing:
             self._eager_tails += 1
-
-    # ------------------------------------------------------------------ outside (host)
-
-    def _pre_ops_outside_graph(self, fb: object) -> None:
-        if not self.init_finished:
-            return
-        if self.token_oracle is not None:
-            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
-            # a newly admitted request's expected chain over its cached prefix.
-            self.token_oracle.stage(self._adapter.extend_requests(fb))
-        if self._arrivals:  # after arrival, before the first forward that reads them
-            self._perturb_arrivals()
-        if self.perturb.active:
-            self.perturb.perturb_pre_forward(
-                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
-                view=lambda: self._adapter.view(fb),
-            )
-
-    def note_request_tokens(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """Token oracle: admit request ``rid`` (req_to_token row ``row``) with the scheduler's record of its tokens.
-
-        For a request whose KV no forward of this server computed (PD decode side:
-        it arrived by transfer), called when sglang builds the prebuilt batch.
-        """
-        if self.token_oracle is not None:
-            self.token_oracle.init_row(row, prompt_ids, output_ids)
-
-    def attach_prefix_cache(self, prefix_cache) -> None:
-        """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
-        self._prefix_cache = prefix_cache
-        self.perturb.attach_prefix_cache(prefix_cache)
-        if self.cache_index is not None:
-            prefix_cache.attach_index(self.cache_index)
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
@@ -402,10 +398,22 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
                 self._last_swa_forward = self.forwards
                 logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
 
-    def _check_index(self, index: int) -> None:
-        if not 0 <= index < len(self.single_forward_managers):
-            raise CanaryBracketError(
-                f"kv-canary: single-forward manager index {index} out of range "
-                f"(0..{len(self.single_forward_managers) - 1})"
-            )
+    # ------------------------------------------------------------------ between forwards
 
+    def record_sampled(self, sampled: torch.Tensor) -> None:
+        """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
+
+        Called after each sampling step, outside any graph: one device copy (the next forward's HEAD scatters).
+        """
+        sink = self._sample_sink
+        if sink is not None:
+            sink(sampled)
+
+    def note_request_tokens(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Token oracle: admit request ``rid`` (req_to_token row ``row``) with the scheduler's record of its tokens.
+
+        For a request whose KV no forward of this server computed (PD decode side:
+        it arrived by transfer), called when sglang builds the prebuilt batch.
+        """
+        if self.token_oracle is not None:
+            self.token_oracle.init_row(row, prompt_ids, output_ids)
