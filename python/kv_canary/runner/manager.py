@@ -23,53 +23,37 @@ outside ops never are. After the engine samples, ``record_sampled`` copies the
 sampled ids into the token oracle (one device copy; the next forward's HEAD lands
 them where its TAIL expects what each request is fed).
 
-Speculative tree verifies (spec v1) defer their TAIL: the verify forward's TAIL
-writes nothing, and once the engine kept a path of drafts ``write_accepted_drafts``
-runs that TAIL over the kept slots (eager; counted by the health check as write
-launches and slots, not as a forward).
+Speculative tree verifies (spec v1) defer their TAIL to ``write_accepted_drafts``
+(deferred_writes.py). PD transfer arrivals: arrivals.py. Violation reporting, the
+health check and stats: reporting.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections import OrderedDict, deque
-from typing import Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Protocol, Sequence
 
 import torch
 
 from .. import fingerprint as fp
 from ..config import CanaryConfig, CanaryMode
-from ..containment import ContainmentTarget, build_order
 from ..d2h import DelayedDeviceHostHandler
 from ..kernels import CanaryKernels
 from ..swa_divergence import SwaDivergenceLog
 from ..perturb import PerturbManager
-from ..speculative import AcceptedDraftBuffers
 from ..token_oracle import FedRequest, TokenOracle
 from ..views import ForwardView, HostBatch, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
 from ..cache_index import CachedSlotIndex
-from ..transfer import Arrival, TransferBook
-from ..violations import (
-    READY_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
-    health_violation,
-)
-from .ring_reader import RingReader
+from ..violations import READY_PREFIX, format_line
+from .arrivals import Arrivals
+from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
+from .deferred_writes import DeferredWrites
+from .reporting import RID_HISTORY, Reporting
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
-
-RID_HISTORY = 4096  # forwards whose request ids are remembered for reports
-HEALTH_COUNTERS = ("forwards", "verify_launches", "write_launches", "slots_written")
-SCRUB_BATCH_INDEX = -2  # ring rows of the scrub (the sweep's are -1)
-REPORTED_MEMORY = 1 << 16  # distinct violations remembered so repeats are counted, not re-logged
-MIN_RING_READ_BUDGET = 256  # ring rows the host reads per poll at most (at least 4 x max_logged_violations)
-
-
-class CanaryBracketError(RuntimeError):
-    """The engine wiring used the canary's context managers out of order."""
 
 
 class BatchAdapter(Protocol):
@@ -93,7 +77,15 @@ class BatchAdapter(Protocol):
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
 
 
-class CanaryManager:
+class CanaryManager(Arrivals, DeferredWrites, Reporting):
+    """The canary's outer step: brackets each forward, counts it, polls the device's counter copies.
+
+    Device state: ``counters`` int64[NUM_COUNTERS] and ``ring`` int64[ring_capacity, RING_WIDTH] (violation rows),
+    shared with every ``SingleForwardManager``; ``req_to_token`` is the engine's int[rows, max_context_len] table.
+    Mixins: ``Arrivals`` (PD transfer), ``DeferredWrites`` (speculative verifies), ``Reporting`` (violations,
+    health check, stats).
+    """
+
     def __init__(
         self,
         *,
@@ -137,70 +129,54 @@ class CanaryManager:
         ]
         self.perturb = PerturbManager(config=config, groups=self.groups, req_to_token=req_to_token)
         self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps)
-        self._ring_reader = RingReader(self.ring, self.counters,
-                                       budget=max(MIN_RING_READ_BUDGET, 4 * config.max_logged_violations))
         self.init_finished = False
         self._capturing = 0
         self._active: List[int] = []  # stack of active single-forward-manager indices
         self._in_outside_bracket = False
         self._eager_tails = 0  # TAIL launches run eagerly inside the current outside bracket
         self._prefix_cache = None  # RadixCacheView once the scheduler attaches it
-        self.transfer: Optional[TransferBook] = None  # PD disaggregation (attach_transfer)
-        self._containment: Optional[ContainmentTarget] = None  # --kv-canary contain: the engine's side
-        self.contained_requests = 0  # requests --kv-canary contain ordered aborted
-        self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
-        self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
-        self._windowed = any(g.window > 0 for g in self.groups)  # a hybrid sliding-window pool
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
-        self._accepted: Optional[AcceptedDraftBuffers] = None  # spec v1's deferred TAIL (enable_deferred_writes)
-        self._accepted_staged: Optional[torch.Tensor] = None  # where its expected tokens are staged
+        self._init_arrivals()
+        self._init_deferred_writes()
+        self._init_reporting()
         self._reset_host_state()
 
     def _reset_host_state(self) -> None:
         """Host-side accounting that restarts when init finishes (it mirrors the zeroed device counters)."""
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
         self.outer_steps = 0
-        # forward index % RID_HISTORY -> (forward index, request ids in batch order, replayed from a CUDA graph)
-        self._forward_info: List[Optional[Tuple[int, Sequence[str], bool]]] = [None] * RID_HISTORY
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
-        self._violations_seen = 0
-        self.violations_reported = 0
-        self.violations_lost = 0
-        self.violations_repeated = 0
-        self._reported: "OrderedDict[tuple, None]" = OrderedDict()
-        self._distinct_reported = 0  # violations logged (or summarized) as new, lost rows included
-        self._reason_names: Dict[int, Tuple[str, str]] = {}  # ring reason bits -> (kind, group)
-        self.last_counters: Optional[List[int]] = None  # the newest counter copy the host has read
-        self._last_stats_forward = 0
-        self._last_swa_forward = 0
-        self._settled_forward = 0
-        self._expected_written = 0  # host's count of slots the TAIL launches should have written
-        self._deferred_write_launches = 0  # write launches of deferred TAILs (write_accepted_drafts)
-        self._deferred_uncopied = False  # deferred TAILs ran since the last counter copy
-        # (forward, expected slots written, deferred write launches), in order
-        self._expected_written_at: Deque[Tuple[int, int, int]] = deque()
-        self._health_drift: Tuple[int, ...] = (0,) * len(HEALTH_COUNTERS)
-        self.health_violations = 0
+        self._settled_forward = 0  # the forward of the last idle drain's settled stats line
+        self._reset_reporting()
+        self._reset_deferred_writes()
         self._swept_at = 0
         self.sweeps = 0
-        self._arrivals: List[Arrival] = []  # PD arrivals the transfer perturbation has not drawn for yet
-        if self.transfer is not None:
-            self.transfer.reset()
+        self._reset_arrivals()
 
-    # ------------------------------------------------------------------ engine wiring
+    # ------------------------------------------------------------------ engine wiring and install
 
     def with_ops_outside_graph(
         self, *, single_forward_indices: Sequence[int], maybe_inaccurate_forward_batch: object
-    ) -> "_OutsideBracket":
-        """Host work around one outer step; never captured into a CUDA graph (a context manager)."""
-        return _OutsideBracket(self, single_forward_indices, maybe_inaccurate_forward_batch)
+    ) -> OutsideBracket:
+        """Host work around one outer step; never captured into a CUDA graph (a context manager).
 
-    def with_active_single_forward_manager(self, index: int) -> "_ActiveBracket":
+        Entering runs ``_pre_ops_outside_graph``; a clean exit runs ``_post_ops_outside_graph``.
+        """
+        return OutsideBracket(self, single_forward_indices, maybe_inaccurate_forward_batch)
+
+    def with_active_single_forward_manager(self, index: int) -> ActiveBracket:
         """Route the patched model.forward calls in this block to single-forward manager ``index``."""
         self._check_index(index)
-        return _ActiveBracket(self._active, index)
+        return ActiveBracket(self._active, index)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < len(self.single_forward_managers):
+            raise CanaryBracketError(
+                f"kv-canary: single-forward manager index {index} out of range "
+                f"(0..{len(self.single_forward_managers) - 1})"
+            )
 
     @property
     def is_capturing(self) -> bool:
@@ -247,17 +223,12 @@ class CanaryManager:
                                                   "groups": ",".join(g.name for g in self.groups),
                                                   "kernels": self.kernels.name}))
 
-    def enable_deferred_writes(self, max_kept_per_request: int) -> None:
-        """Spec v1 (speculative tree verifies): preallocate the deferred TAIL's buffers, at install (before
-        ``precompile``, which then also compiles its launches).
-
-        max_kept_per_request: kept tree nodes a request can have per verify (--speculative-num-steps + 1).
-        """
-        bs, kept = self.capacities.max_batch_size, max(1, max_kept_per_request)
-        self._accepted = AcceptedDraftBuffers.allocate(bs, kept, self.counters.device)
-        # where the expected tokens go: the token oracle's staged table (read by the write), else a scratch table
-        self._accepted_staged = (self.token_oracle.staged if self.token_oracle is not None
-                                 else torch.zeros(bs * (kept + 1), dtype=torch.int64, device=self.counters.device))
+    def attach_prefix_cache(self, prefix_cache) -> None:
+        """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
+        self._prefix_cache = prefix_cache
+        self.perturb.attach_prefix_cache(prefix_cache)
+        if self.cache_index is not None:
+            prefix_cache.attach_index(self.cache_index)
 
     def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
         """Launch every kernel variant once at install so Triton compiles none while serving.
@@ -311,7 +282,23 @@ class CanaryManager:
                     self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
                                              group_index=group_index)
 
-    # ------------------------------------------------------------------ inside (maybe captured)
+    # ------------------------------------------------------------------ one forward, top-down
+    # outside pre-ops -> plan + HEAD -> forward -> TAIL -> outside post-ops (count; poll the counter copies)
+
+    def _pre_ops_outside_graph(self, fb: object) -> None:
+        if not self.init_finished:
+            return
+        if self.token_oracle is not None:
+            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
+            # a newly admitted request's expected chain over its cached prefix.
+            self.token_oracle.stage(self._adapter.extend_requests(fb))
+        if self._arrivals:  # after arrival, before the first forward that reads them
+            self._perturb_arrivals()
+        if self.perturb.active:
+            self.perturb.perturb_pre_forward(
+                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
+                view=lambda: self._adapter.view(fb),
+            )
 
     def pre_ops_maybe_inside_graph(self, forward_batch: object) -> Optional[ForwardView]:
         """Plan + HEAD verify for the forward about to run; None when no manager is active."""
@@ -339,143 +326,9 @@ class CanaryManager:
             return None
         return self.single_forward_managers[self._active[-1]]
 
-    def record_sampled(self, sampled: torch.Tensor) -> None:
-        """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
-
-        Called after each sampling step, outside any graph: one device copy (the next forward's HEAD scatters).
-        """
-        sink = self._sample_sink
-        if sink is not None:
-            sink(sampled)
-
-    def write_accepted_drafts(self, *, rows: torch.Tensor, committed: torch.Tensor, accept_lens: Sequence[int],
-                              kept_nodes: torch.Tensor, fed_tokens: torch.Tensor, fed_positions: torch.Tensor,
-                              appended: torch.Tensor) -> None:
-        """The deferred TAIL of a speculative tree verify (spec v1), once the engine kept its drafts.
-
-        The verify forward's own TAIL wrote nothing (tree nodes are no sequence positions yet); this is its
-        write: eager, outside any graph, on the forward's stream, after the engine moved the kept K/V into place.
-        One launch lays out the kept slots and stages what each must hold in the token oracle
-        (``speculative.build_accepted_drafts``) -> one write launch per group over them (position = depth
-        checked, token checked, records chained) -> each request's bonus token pending. No host sync, no new
-        forward: the health check expects these write launches and slots on top of the forwards'.
-
-        rows, committed (the verify batch's seq_lens before it): int[bs]; accept_lens: host ints (kept nodes per
-        request, root included); kept_nodes, fed_tokens, fed_positions, appended: see ``build_accepted_drafts``.
-        """
-        bs = len(accept_lens)
-        if not self.init_finished or self._capturing or bs == 0:
-            return
-        out = self._accepted
-        if out is None:
-            raise CanaryBracketError("kv-canary: a speculative tree verify (spec v1) ran, but the canary was installed "
-                                     "without its deferred TAIL (enable_deferred_writes): this path is not wired")
-        kept = int(sum(accept_lens))
-        out.check(batch_size=bs, kept=kept, staged=self._accepted_staged)
-        n = int(fed_tokens.shape[0]) // bs
-        self.kernels.accepted_drafts(
-            out=out, staged=self._accepted_staged,
-            req_to_token=self._req_to_token, rows=rows, committed=committed, kept_nodes=kept_nodes, kept=kept,
-            batch_size=bs, n=n, fed_tokens=fed_tokens, fed_positions=fed_positions, appended=appended)
-        view = out.view(rows=rows, batch_size=bs, kept=kept, max_new_len=max(accept_lens))
-        self.single_forward_managers[0].deferred_post_ops(view)
-        if self.token_oracle is not None:
-            self.token_oracle.sampled[:bs].copy_(out.bonus[:bs])
-        self._expected_written += kept * len(self.groups)
-        self._deferred_write_launches += len(self.groups)
-        self._deferred_uncopied = True  # the next forward's counter copy covers it (or the idle drain's)
-
-    def record_accepted(self, *, req_pool_indices: torch.Tensor, committed: torch.Tensor,
-                        next_token_ids: torch.Tensor, accept_lens: torch.Tensor, batch_size: int, n: int) -> None:
-        """EAGLE (spec v2), after a verify's sampling: the accepted drafts join the token oracle
-        (``speculative.record_accepted``; one launch on the Triton backend), outside any graph, no host sync."""
-        o = self.token_oracle
-        if o is not None:
-            self.kernels.record_accepted(staged=o.staged, row_chain=o.row_chain, sampled=o.sampled,
-                                         req_pool_indices=req_pool_indices, committed=committed,
-                                         next_token_ids=next_token_ids, accept_lens=accept_lens,
-                                         batch_size=batch_size, n=n)
-
     def _on_eager_tail(self) -> None:
         if not self._capturing:
             self._eager_tails += 1
-
-    # ------------------------------------------------------------------ outside (host)
-
-    def _pre_ops_outside_graph(self, fb: object) -> None:
-        if not self.init_finished:
-            return
-        if self.token_oracle is not None:
-            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
-            # a newly admitted request's expected chain over its cached prefix.
-            self.token_oracle.stage(self._adapter.extend_requests(fb))
-        if self._arrivals:  # after arrival, before the first forward that reads them
-            self.perturb.perturb_transferred(forward_index=self.forwards, arrivals=self._arrivals)
-            self._arrivals = []
-        if self.perturb.active:
-            self.perturb.perturb_pre_forward(
-                forward_index=self.forwards, host_batch=lambda: self._adapter.host_batch(fb),
-                view=lambda: self._adapter.view(fb),
-            )
-
-    def note_request_tokens(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """Token oracle: admit request ``rid`` (req_to_token row ``row``) with the scheduler's record of its tokens.
-
-        For a request whose KV no forward of this server computed (PD decode side:
-        it arrived by transfer), called when sglang builds the prebuilt batch.
-        """
-        if self.token_oracle is not None:
-            self.token_oracle.init_row(row, prompt_ids, output_ids)
-
-    def attach_transfer(self, book: TransferBook) -> None:
-        """PD disaggregation: the records travel with the KV; ``book`` remembers what arrived."""
-        self.transfer = book
-
-    def note_transfer_arrival(self, arrival: Arrival, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """PD decode side: ``arrival.received`` positions of a request arrived by transfer, before its first read."""
-        self.note_request_tokens(arrival.row, arrival.rid, prompt_ids, output_ids)
-        if self.transfer is not None:
-            self.transfer.note_arrival(arrival)
-        if self.config.perturb_transfer_prob > 0:
-            self._arrivals.append(arrival)
-
-    def note_fake_arrival(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
-        """PD decode side: a *fake* transfer (sglang's warmup / health check) filled the KV positions with nothing.
-
-        There is nothing to verify there; the TAIL kernel fingerprints the slots as
-        they are (eager, outside any graph, counting into a scratch tensor so the
-        health check is untouched), so later reads do not false-alarm and the decode
-        TAIL chains onto them.
-        """
-        self.note_request_tokens(row, rid, prompt_ids, output_ids)
-        tokens = (list(prompt_ids) + list(output_ids))[: len(prompt_ids) + max(0, len(output_ids) - 1)]
-        n = len(tokens)
-        if n > 0:
-            dev = self.counters.device
-            one = torch.ones(1, dtype=torch.int64, device=dev)
-            view = ForwardView(
-                input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
-                positions=torch.arange(n, dtype=torch.int64, device=dev), out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
-                seq_lens=one * n, new_starts=one * 0, new_lens=one * n, batch_size=1, max_new_len=n,
-            )
-            scratch = torch.zeros_like(self.counters)  # report disabled: nothing reaches the ring
-            for group_index, group in enumerate(self.groups):
-                self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
-                                   group_index=group_index, check_fed=False, token_oracle=None,
-                                   full_hash=self.config.scrub_slots_per_forward > 0)
-        if self.transfer is not None:
-            self.transfer.fake_requests += 1
-
-    def attach_prefix_cache(self, prefix_cache) -> None:
-        """The engine's prefix cache (a ``RadixCacheView``): swept, and the unused-cache perturbation's target."""
-        self._prefix_cache = prefix_cache
-        self.perturb.attach_prefix_cache(prefix_cache)
-        if self.cache_index is not None:
-            prefix_cache.attach_index(self.cache_index)
-
-    def attach_containment(self, target: ContainmentTarget) -> None:
-        """The engine's abort/evict side for ``--kv-canary contain``."""
-        self._containment = target
 
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
@@ -545,251 +398,22 @@ class CanaryManager:
                 self._last_swa_forward = self.forwards
                 logger.info(SwaDivergenceLog.from_counters(self.last_counters).format() + " settled=1")
 
-    def _copy_deferred(self) -> None:
-        """Idle drain after deferred TAILs (``write_accepted_drafts``) no forward's counter copy covers: one more
-        copy at the same forward index. The copies in flight are read first, so none is dropped (each copy is
-        matched to its expected-counts entry in order)."""
-        for step, host_counters in self._d2h.drain():
-            self._check_health(step, host_counters)
-            self._handle_counters(host_counters, catch_up=True)
-        self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
-        self._deferred_uncopied = False
-        self._d2h.snapshot(self.forwards)
+    # ------------------------------------------------------------------ between forwards
 
-    def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
-        """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
-        self.last_counters = host_counters
-        total = int(host_counters[fp.C_VIOLATIONS])
-        reported = self._distinct_reported
-        while self._violations_seen < total:
-            first, rows, lost = self._ring_reader.read(self._violations_seen, total)
-            self._violations_seen = first + len(rows)
-            self.violations_lost += lost
-            self._report_rows(first, rows, lost)
-            if not catch_up:
-                break
-        every = self.config.stats_print_every_n_steps
-        forward = int(host_counters[fp.C_FORWARD_INDEX])
-        swa_every = self.config.swa_divergence_stats_interval
-        if swa_every and forward - self._last_swa_forward >= swa_every:
-            self._last_swa_forward = forward
-            logger.info(SwaDivergenceLog.from_counters(host_counters).format())
-        if (every and forward - self._last_stats_forward >= every) or self._distinct_reported > reported:
-            self._last_stats_forward = forward
-            logger.info(self.stats_line(host_counters))
+    def record_sampled(self, sampled: torch.Tensor) -> None:
+        """The tokens the scheduler just sampled (int device tensor, batch order) join the token oracle.
 
-    def _report_rows(self, first: int, rows: List[List[int]], lost: int) -> None:
-        """Ring rows (sequence numbers from ``first``): repeats of a reported violation are counted without decoding."""
-        fresh, seqs = [], []
-        dedup = self.config.mode is not CanaryMode.RAISE  # raise reports whatever it read, then stops
-        for k, r in enumerate(rows):
-            key = self._row_key(r)
-            if dedup and key in self._reported:
-                self._reported.move_to_end(key)
-                self.violations_repeated += 1
-                self.violations_reported += 1
-                continue
-            fresh.append(r)
-            seqs.append(first + k)
-        if fresh or lost:
-            names = [g.name for g in self.groups]
-            violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward)[0]
-                          for r, seq in zip(fresh, seqs)]
-            self._report(violations, lost)
-
-    def _row_key(self, r: List[int]) -> tuple:
-        """The dedup key of a raw ring row: the same as ``_violation_key`` of its decoded ``Violation``."""
-        reason = r[fp.V_REASON]
-        names = self._reason_names.get(reason)
-        if names is None:
-            v = decode_rows(torch.tensor([r]), 0, [g.name for g in self.groups], lambda *_: ("?", None))[0]
-            names = self._reason_names[reason] = (v.kind, v.group)
-        return names + (r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_STORED], r[fp.V_EXPECTED])
-
-    @staticmethod
-    def _violation_key(v: Violation) -> tuple:
-        return (v.kind, v.group, v.slot, v.position, v.stored, v.expected)
-
-    def _check_health(self, step: int, c: List[int]) -> None:
-        """The device must have run HEAD and TAIL for every forward the host counted up to ``step``.
-
-        A canary that silently stopped running (a graph replayed without its
-        kernels, an unwired forward path) shows here as a ``kind=health``
-        violation, reported once per new discrepancy.
+        Called after each sampling step, outside any graph: one device copy (the next forward's HEAD scatters).
         """
-        groups = len(self.groups)
-        pending = self._expected_written_at
-        while pending and pending[0][0] < step:
-            pending.popleft()
-        if pending and pending[0][0] == step:
-            _, written, deferred = pending.popleft()
-        else:
-            written, deferred = c[fp.C_SLOTS_WRITTEN], c[fp.C_WRITE_LAUNCHES] - step * groups
-        want = (step, step * groups, step * groups + deferred, written)
-        got = (c[fp.C_FORWARD_INDEX], c[fp.C_VERIFY_LAUNCHES], c[fp.C_WRITE_LAUNCHES], c[fp.C_SLOTS_WRITTEN])
-        drift = (got[0] - want[0], got[1] - want[1], got[2] - want[2], got[3] - want[3])
-        if drift == self._health_drift:  # the common case: nothing changed
-            return
-        bad = [
-            health_violation(name, g, w, step)
-            for name, g, w, d, old in zip(HEALTH_COUNTERS, got, want, drift, self._health_drift)
-            if d != old
-        ]
-        self._health_drift = drift
-        self.health_violations += len(bad)
-        self._report(bad, 0)
+        sink = self._sample_sink
+        if sink is not None:
+            sink(sampled)
 
-    def _describe_forward(self, forward: int, batch_index: int) -> Tuple[str, Optional[bool]]:
-        """(request id, replayed from a CUDA graph) for a ring row; '?'/None once forgotten."""
-        entry = self._forward_info[forward % RID_HISTORY] if forward >= 0 else None
-        _, rids, replayed = entry if entry is not None and entry[0] == forward else (forward, (), None)
-        if batch_index == SCRUB_BATCH_INDEX:
-            return "scrub", None  # a scrub row: found by the round-robin whole-slot check
-        if batch_index < 0:
-            return "cache", None  # a sweep row: the slot is held by the prefix cache
-        rid = str(rids[batch_index]) if batch_index < len(rids) else "?"
-        return rid, replayed
+    def note_request_tokens(self, row: int, rid: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Token oracle: admit request ``rid`` (req_to_token row ``row``) with the scheduler's record of its tokens.
 
-    def _report(self, violations: List[Violation], lost: int) -> None:
-        """Log each new violation once; repeats (the same corrupt slot read again) are only counted."""
-        if self.transfer is not None:  # PD: name the bootstrap room and the prefill slot it came from
-            violations = [
-                dataclasses.replace(v, identity=tuple(self.transfer.identity(v.rid, v.slot, v.position).items()))
-                for v in violations
-            ]
-        new = []
-        for v in violations:
-            key = self._violation_key(v)
-            if key in self._reported:
-                self._reported.move_to_end(key)
-                self.violations_repeated += 1
-                continue
-            self._reported[key] = None
-            new.append(v)
-        while len(self._reported) > REPORTED_MEMORY:
-            self._reported.popitem(last=False)
-        self._distinct_reported += len(new) + lost
-        limit = self.config.max_logged_violations
-        for v in new[:limit]:
-            logger.error(v.format())
-        hidden = max(0, len(new) - limit) + lost
-        if hidden:
-            logger.error(format_line(SUMMARY_PREFIX, len(violations) + lost, {"not_itemized": hidden}))
-        self.violations_reported += len(violations) + lost
-        for v in violations:
-            self.violations_by_kind[v.kind] = self.violations_by_kind.get(v.kind, 0) + 1
-        if lost:
-            self.violations_by_kind["unitemized"] = self.violations_by_kind.get("unitemized", 0) + lost
-        if self.config.mode is CanaryMode.CONTAIN:
-            self._contain(violations)
-        if self.config.mode is CanaryMode.RAISE:
-            raise CanaryViolationError(new[:limit] or violations[:limit], lost=hidden)
-
-    def _contain(self, violations: List[Violation]) -> None:
-        """Every row counts, repeats included: each names a request that read a bad slot."""
-        order = build_order(violations, self.groups[0].num_slots, already_aborted=self._contained)
-        if not order:
-            return
-        if self._containment is None:
-            raise CanaryBracketError("kv-canary: --kv-canary contain needs the engine's containment side attached")
-        for rid in order.aborts:
-            self._contained[rid] = None
-        while len(self._contained) > REPORTED_MEMORY:
-            self._contained.popitem(last=False)
-        self.contained_requests += len(order.aborts)
-        self._containment.submit(order)
-
-    def metrics_snapshot(self) -> Dict[str, int]:
-        """Cumulative counts for exporters (device counters as of the newest host read)."""
-        c = self.last_counters or [0] * fp.NUM_COUNTERS
-        return {
-            "forwards": self.forwards,
-            "slots_verified": int(c[fp.C_SLOTS_VERIFIED]),
-            "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
-            "slots_swept": int(c[fp.C_SLOTS_SWEPT]),
-            "sweeps": self.sweeps,
-            "health_violations": self.health_violations,
-            "perturbations": self.perturb.injection_count,
-            "contained_requests": self.contained_requests,
-        }
-
-    def stats_line(self, host_counters: Optional[List[int]] = None) -> str:
-        c = self.last_counters if host_counters is None else host_counters
-        values = [0] * fp.NUM_COUNTERS if c is None else list(c)
-        return format_line(
-            STATS_PREFIX,
-            values[fp.C_FORWARD_INDEX],
-            {
-                "mode": self.config.mode.value,
-                "outer_steps": self.outer_steps,
-                "forwards_host": self.forwards,
-                "graph_forwards": self.graph_forwards,
-                "slots_written": values[fp.C_SLOTS_WRITTEN],
-                "slots_verified": values[fp.C_SLOTS_VERIFIED],
-                "verify_launches": values[fp.C_VERIFY_LAUNCHES],
-                "write_launches": values[fp.C_WRITE_LAUNCHES],
-                "sweeps": self.sweeps,
-                "slots_swept": values[fp.C_SLOTS_SWEPT],
-                "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
-                **({"slots_verified_swa": values[fp.C_SWA_VERIFIED]} if self._windowed else {}),
-                "violations": values[fp.C_VIOLATIONS],
-                "violations_repeated": self.violations_repeated,
-                "health_violations": self.health_violations,
-                "perturbations": self.perturb.injection_count,
-                "contained_requests": self.contained_requests,
-                **(self.transfer.stats() if self.transfer is not None else {}),
-            },
-        )
-
-    def _check_index(self, index: int) -> None:
-        if not 0 <= index < len(self.single_forward_managers):
-            raise CanaryBracketError(
-                f"kv-canary: single-forward manager index {index} out of range "
-                f"(0..{len(self.single_forward_managers) - 1})"
-            )
-
-
-class _OutsideBracket:
-    """``with_ops_outside_graph``'s context manager (a class: this runs on every forward's host path)."""
-
-    __slots__ = ("_m", "_indices", "_fb")
-
-    def __init__(self, manager: CanaryManager, indices: Sequence[int], fb: object):
-        self._m, self._indices, self._fb = manager, indices, fb
-
-    def __enter__(self) -> None:
-        m = self._m
-        if m._in_outside_bracket:
-            raise CanaryBracketError("kv-canary: with_ops_outside_graph entered twice (nested outer steps)")
-        for i in self._indices:
-            m._check_index(i)
-        m._in_outside_bracket = True
-        m._eager_tails = 0
-        try:
-            m._pre_ops_outside_graph(self._fb)
-        except BaseException:
-            m._in_outside_bracket = False
-            raise
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        m = self._m
-        try:
-            if exc_type is None:
-                m._post_ops_outside_graph(self._fb, len(self._indices))
-        finally:
-            m._in_outside_bracket = False
-
-
-class _ActiveBracket:
-    """``with_active_single_forward_manager``'s context manager."""
-
-    __slots__ = ("_stack", "_index")
-
-    def __init__(self, stack: List[int], index: int):
-        self._stack, self._index = stack, index
-
-    def __enter__(self) -> None:
-        self._stack.append(self._index)
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._stack.pop()
+        For a request whose KV no forward of this server computed (PD decode side:
+        it arrived by transfer), called when sglang builds the prebuilt batch.
+        """
+        if self.token_oracle is not None:
+            self.token_oracle.init_row(row, prompt_ids, output_ids)
