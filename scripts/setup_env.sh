@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtualenv and install the plugin into it.
+# Create (or reuse) the project's virtualenv for one sglang release line and install the plugin into it.
 #
-#   source scripts/setup_env.sh      # sets KVC_PY to the venv's python
+#   KVC_SGLANG=0.5.23 source scripts/setup_env.sh   # sets KVC_PY to the venv's python (default line: 0.5.23)
+#   KVC_SGLANG=0.5.12 source scripts/setup_env.sh
 #
 # The venv lives outside the checkout ($KVC_VENV, default
 # ~/.cache/sglang-kv-canary/venv-<hash>), keyed by a hash of the dependency pins
 # below, so CI and later runs reuse it; it is built from nothing when absent
-# (sglang 0.5.12 pulls the CUDA build of torch 2.11: ~9 GB, ~4 min). The plugin
-# itself is (re)installed editable every time (seconds, no download).
+# (each line pulls a CUDA build of torch: 0.5.12 torch 2.11, ~9 GB, ~5 min; 0.5.23 torch 2.14.1, ~10 min).
+# The plugin itself is (re)installed editable every time (seconds, no download, no dependency change).
 set -euo pipefail
 kvc_pip() {  # pip, quiet unless it fails (this machine's pip config adds noisy local-index warnings)
   local log; log="$(mktemp)"
@@ -15,12 +16,18 @@ kvc_pip() {  # pip, quiet unless it fails (this machine's pip config adds noisy 
   rm -f "$log"
 }
 KVC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-KVC_DEPS=("sglang==0.5.12" "kernels==0.14.1" "torch==2.11.0" "pytest>=8" "requests>=2.31" "hatchling>=1.25" "editables>=0.5")
+KVC_SGLANG="${KVC_SGLANG:-0.5.23}"
+case "$KVC_SGLANG" in
+  0.5.12) KVC_DEPS=("sglang==0.5.12" "kernels==0.14.1" "torch==2.11.0") ;;
+  0.5.23) KVC_DEPS=("sglang==0.5.23") ;;  # pins torch 2.14.1, kernels<0.15
+  *) echo "setup_env: KVC_SGLANG=$KVC_SGLANG: supported sglang lines are 0.5.12 and 0.5.23" >&2; return 2 2>/dev/null || exit 2 ;;
+esac
+KVC_DEPS+=("pytest>=8" "requests>=2.31" "hatchling>=1.25" "editables>=0.5")
 KVC_PYTHON="${KVC_PYTHON:-python3}"
 kvc_hash="$(printf '%s\n' "${KVC_DEPS[@]}" "$("$KVC_PYTHON" -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-12)"
 KVC_VENV="${KVC_VENV:-$HOME/.cache/sglang-kv-canary/venv-$kvc_hash}"
 if [ ! -f "$KVC_VENV/.kvc-ready" ]; then
-  echo "setup_env: building $KVC_VENV (sglang 0.5.12 + CUDA torch wheels; a few minutes)"
+  echo "setup_env: building $KVC_VENV (sglang $KVC_SGLANG + CUDA torch wheels; several minutes)"
   rm -rf "$KVC_VENV"
   mkdir -p "$(dirname "$KVC_VENV")"
   "$KVC_PYTHON" -m venv "$KVC_VENV"
@@ -30,8 +37,9 @@ if [ ! -f "$KVC_VENV/.kvc-ready" ]; then
 else
   echo "setup_env: reusing $KVC_VENV"
 fi
-# PD-disaggregation extras (mooncake transfer engine, sglang's router): a separate guarded step with its own
-# marker, so the base venv (and its hash) stays as it is. mooncake's import needs Debian's ibverbs/rdmacm/numa.
+# PD-disaggregation extras (mooncake transfer engine, sglang's router), 0.5.12 only (PD is not verified on 0.5.23
+# yet): a separate guarded step with its own marker, so the base venv (and its hash) stays as it is. mooncake's
+# import needs Debian's ibverbs/rdmacm/numa.
 KVC_EXTRAS=("mooncake-transfer-engine-non-cuda==0.3.13.post1" "sglang-router==0.3.2")
 KVC_APT=(libibverbs1 librdmacm1 libnuma1)
 kvc_extras_marker="$KVC_VENV/.kvc-extras-$(printf '%s\n' "${KVC_EXTRAS[@]}" "${KVC_APT[@]}" | sha256sum | cut -c1-12)"
@@ -42,7 +50,7 @@ kvc_apt_missing() {
   done
   echo "${missing[@]}"
 }
-if [ ! -f "$kvc_extras_marker" ] || [ -n "$(kvc_apt_missing)" ]; then
+if [ "$KVC_SGLANG" = 0.5.12 ] && { [ ! -f "$kvc_extras_marker" ] || [ -n "$(kvc_apt_missing)" ]; }; then
   missing="$(kvc_apt_missing)"
   if [ -n "$missing" ]; then
     echo "setup_env: installing Debian packages for the PD extras: $missing"
@@ -62,4 +70,4 @@ fi
 kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check --no-deps --no-build-isolation -e "$KVC_ROOT"
 "$KVC_VENV/bin/python" -c "import kv_canary.sglang_plugin, kv_canary_testing"
 KVC_PY="$KVC_VENV/bin/python"
-export KVC_PY KVC_ROOT
+export KVC_PY KVC_ROOT KVC_SGLANG

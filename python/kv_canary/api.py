@@ -240,7 +240,8 @@ def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: s
                    memory: Optional[dict] = None) -> str:
     """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=... canary_bytes=...`` (parseable)."""
     return " ".join([
-        format_line(INSTALLED_PREFIX, 1, {}), config.describe(),
+        format_line(INSTALLED_PREFIX, 1, {"impl": "sglang-kv-canary", "sglang": current_line().name}),
+        config.describe(),
         format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
                                         "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,
                                         "max_context_len": capacities.max_context_len,

@@ -17,34 +17,21 @@ from kv_canary.views import CanaryCapacityError, ForwardView, LaunchCapacities
 pytest.importorskip("sglang")
 
 
-def test_version_gate_accepts_only_stock_0_5_12(monkeypatch):
-    assert sglang_plugin.version_gate() == ""
-    import sglang.version
-
-    monkeypatch.setattr(sglang.version, "__version__", "0.5.13")
-    assert "0.5.13 is not 0.5.12" in sglang_plugin.version_gate()
-
-
-def test_in_tree_canary_disables_the_plugin(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "sglang.srt.kv_canary" else real(name, *a))
-    assert "in-tree kv_canary" in sglang_plugin.version_gate()
-
-
-def test_inactive_plugin_logs_one_line_and_registers_nothing(monkeypatch, caplog):
+def test_inactive_plugin_on_an_unsupported_release_registers_only_the_refusal(monkeypatch, caplog):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    monkeypatch.setattr(sglang_plugin, "version_gate", lambda: "sglang 9.9 is not 0.5.12")
+    from kv_canary.adapter import lines
+
+    monkeypatch.setattr(lines, "_current", lines.choose_line("9.9", has_in_tree_canary=True, environ={}))
     monkeypatch.setattr(sglang_plugin, "_registered", False)
     before = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    monkeypatch.setattr(HookRegistry, "_hooks", __import__("collections").defaultdict(list, before))
     with caplog.at_level("WARNING", logger="kv_canary"):
         sglang_plugin.register()
-    assert {k: list(v) for k, v in HookRegistry._hooks.items()} == before
-    lines = [r for r in caplog.records if r.name == "kv_canary"]
-    assert len(lines) == 1 and "plugin inactive" in lines[0].getMessage()
+    added = {k for k, v in HookRegistry._hooks.items() if len(v) > len(before.get(k, []))}
+    assert added == set(sglang_plugin.REFUSAL_HOOKS)
+    lines_logged = [r.getMessage() for r in caplog.records if r.name == "kv_canary"]
+    assert len(lines_logged) == 1 and "plugin inactive: sglang 9.9 is not supported" in lines_logged[0]
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,10 @@ from .base import HookTable, SglangLine
 logger = logging.getLogger("kv_canary")
 
 HOOKS: HookTable = {
-    # sglang's call sites for its in-tree canary get the plugin's manager instead
+    # sglang's call sites for its in-tree canary get the plugin's manager instead ...
     "sglang.srt.model_executor.model_runner.install_canary": ("lines.v0_5_23.install", "replace"),
+    # ... and sglang's own install can never run beside it (model_runner.py is its only caller in 0.5.23)
+    "sglang.srt.kv_canary.api.install_canary": ("lines.v0_5_23.refuse_in_tree_install", "replace"),
     "sglang.srt.server_args.ServerArgs.add_cli_args": ("lines.v0_5_23.after_add_cli_args", "after"),
     "sglang.srt.server_args.ServerArgs.from_cli_args": ("lines.v0_5_23.around_from_cli_args", "around"),
     # the end of the scheduler's model setup: pools built, warmups, graph capture and post-capture sizing done
@@ -117,6 +119,15 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
                                     f"{FLAG_MODE} none")
     manager = install_canary(server_args=server_args, model_runner=model_runner)
     return None if manager is None else InTreeSlot(manager)
+
+
+def refuse_in_tree_install(*args, **kwargs):
+    """sglang's own ``install_canary``, reached by a path other than ``model_runner.py``'s binding: refused, so two
+    canaries never verify (and allocate for) the same pool."""
+    from ...config import FLAG_MODE, CanaryConfigError
+
+    raise CanaryConfigError(f"{FLAG_MODE}: sglang 0.5.23's in-tree kv_canary was about to install beside "
+                            "sglang-kv-canary; set SGLANG_KV_CANARY_IMPL=in-tree to use sglang's own instead")
 
 
 def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:

@@ -1,0 +1,57 @@
+"""Which adapter serves which sglang release (``adapter/lines``): the pick, the switch, the refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_canary.adapter.lines import IMPL_ENV, SUPPORTED_VERSIONS, UnsupportedSglang, choose_line
+from kv_canary.adapter.refusal import _refuse
+from kv_canary.config import CanaryConfigError
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VERSIONS)
+def test_each_supported_release_gets_its_own_line(version):
+    choice = choose_line(version, has_in_tree_canary=version != "0.5.12", environ={})
+    assert choice.line is not None and choice.line.name == version and version in choice.line.versions
+    assert choice.line.in_tree_canary is (version != "0.5.12")
+    hooks = choice.line.all_hooks()
+    assert hooks and all(kind in ("before", "after", "around", "replace") for _, kind in hooks.values())
+    assert choice.line.policy is not None
+
+
+def test_the_newest_line_replaces_the_in_tree_install_and_declares_no_flags_of_its_own():
+    line = choose_line("0.5.23", has_in_tree_canary=True, environ={}).line
+    assert line.hooks["sglang.srt.model_executor.model_runner.install_canary"][1] == "replace"
+    assert line.flags_declared_by_sglang
+    assert "sglang.srt.model_executor.model_runner.ModelRunner.forward" not in line.hooks  # sglang brackets it
+
+
+@pytest.mark.parametrize("version,in_tree", [("0.5.13", True), ("0.5.21", True), ("0.5.11", False), ("0.6.0", True)])
+def test_an_unsupported_release_installs_nothing_and_refuses_naming_versions(version, in_tree):
+    choice = choose_line(version, has_in_tree_canary=in_tree, environ={})
+    assert choice.line is None and choice.refuse
+    assert f"sglang {version} is not supported" in choice.reason
+    assert all(v in choice.reason for v in SUPPORTED_VERSIONS)
+    assert (f"{IMPL_ENV}=in-tree" in choice.reason) is in_tree
+
+
+def test_the_in_tree_switch_keeps_sglangs_own_canary():
+    for version in ("0.5.23", "0.5.21"):
+        choice = choose_line(version, has_in_tree_canary=True, environ={IMPL_ENV: "in-tree"})
+        assert choice.line is None and not choice.refuse and "sglang" in choice.reason
+    with pytest.raises(UnsupportedSglang, match="ships no in-tree kv_canary"):
+        choose_line("0.5.12", has_in_tree_canary=False, environ={IMPL_ENV: "in-tree"})
+    with pytest.raises(UnsupportedSglang, match=f"{IMPL_ENV}='both'"):
+        choose_line("0.5.23", has_in_tree_canary=True, environ={IMPL_ENV: "both"})
+
+
+def test_the_refusal_hook_passes_none_and_refuses_any_other_mode(monkeypatch):
+    from types import SimpleNamespace
+
+    from kv_canary.adapter import lines
+
+    monkeypatch.setattr(lines, "_current", choose_line("0.5.21", has_in_tree_canary=True, environ={}))
+    _refuse(SimpleNamespace(kv_canary="none"))
+    _refuse(SimpleNamespace())
+    with pytest.raises(CanaryConfigError, match="--kv-canary log: sglang 0.5.21 is not supported"):
+        _refuse(SimpleNamespace(kv_canary="log"))
