@@ -255,7 +255,7 @@ EXTRA_CONTEXT_BOUND = 64  # req_to_token width = context_len + a few (speculativ
 MIN_KV_BYTES_PER_SLOT = 1024  # used only when the pool configurator does not expose its per-token size
 
 
-def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:
+def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:  # or 0.5.23's KVCacheConfigurator
     """Device bytes to hold back from the KV pool's budget for the canary (0 when the canary is off).
 
     Called from sglang's memory profiling, before the pool is sized: the request pool's

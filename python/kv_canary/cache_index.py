@@ -88,6 +88,18 @@ class CachedSlotIndex:
         """The cache dropped everything."""
         self._pending = [("clear",)]
 
+    def replace_rows(self, slots: torch.Tensor, positions: torch.Tensor, preds: torch.Tensor,
+                     records: torch.Tensor) -> None:
+        """The cache holds exactly these rows now (host int64[n] each; ``preds`` 0 at position 0).
+
+        For a tree that does not report its changes one by one but can be walked (sglang 0.5.23's
+        ``UnifiedRadixCache``: ``walk_for_kv_canary``). The walk has no keys, so each held slot's
+        token is its own record's (``records``: the group's int64[num_slots, RECORD_WIDTH]): the
+        sweep then checks position, chain link and K/V bytes, not the cache's token claim (HEAD's
+        token check covers that at the first read).
+        """
+        self._pending = [("rows", slots, positions, preds, records)]
+
     @property
     def pending(self) -> int:
         return len(self._pending)
@@ -106,10 +118,32 @@ class CachedSlotIndex:
             run = []
             if op[0] == "clear":
                 self.held.zero_()
+            elif op[0] == "rows":
+                self._apply_rows(*op[1:])
             else:
                 self.held.index_fill_(0, self._on_this_stream(op[1]).to(torch.int64), 0)
                 self.nodes_removed += 1
         self._apply_adds(run)
+
+    def _apply_rows(self, slots: torch.Tensor, positions: torch.Tensor, preds: torch.Tensor,
+                    records: torch.Tensor) -> None:
+        """Everything held is replaced: one pinned staging copy (no host sync), then four scatters."""
+        self.held.zero_()
+        n = int(slots.numel())
+        if n == 0:
+            return
+        host, arr = self._staging.take()  # [0, n): slots; [n, 2n): positions; [2n, 3n): predecessors
+        arr[:n], arr[n:2 * n], arr[2 * n:3 * n] = slots.numpy(), positions.numpy(), preds.numpy()
+        dev = self._dev_staged[:3 * n]
+        dev.copy_(host[:3 * n], non_blocking=self._staging.is_cuda)
+        self._staging.done()
+        index = self._dev_slots[:n]
+        index.copy_(dev[:n])
+        self.position.index_copy_(0, index, dev[n:2 * n])
+        self.pred.index_copy_(0, index, dev[2 * n:])
+        self.token.index_copy_(0, index, records[index, 0].to(torch.int32))
+        self.held.index_fill_(0, index, 1)
+        self.nodes_added += 1
 
     def _on_this_stream(self, t: torch.Tensor) -> torch.Tensor:
         """The engine made ``t`` on its own stream: keep its memory from reuse until this stream has read it."""

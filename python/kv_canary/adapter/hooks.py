@@ -30,15 +30,23 @@ def manager_of(model_runner):
 
 def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):
     """Hold the canary's device bytes back before sglang sizes the KV pool from free memory."""
-    from ..api import canary_reserved_bytes
-
-    reserve = canary_reserved_bytes(model_runner, int(available_bytes))
+    reserve = reserve_before_kv_pool(model_runner, available_bytes)
     if reserve <= 0:
         return None
     model_runner.kv_canary_reserved_bytes = reserve
-    logger.info("kv_canary_reserved_bytes=%d available_bytes_before=%d (held back before the KV pool is sized)",
-                reserve, available_bytes)
     return int(available_bytes) - reserve
+
+
+def reserve_before_kv_pool(sizer, available_bytes) -> int:
+    """The canary's bytes to hold back (logged); ``sizer``: what sglang sizes the pool from (it has
+    ``server_args``, ``model_config``, ``is_draft_worker``: 0.5.12's ModelRunner, 0.5.23's KVCacheConfigurator)."""
+    from ..api import canary_reserved_bytes
+
+    reserve = canary_reserved_bytes(sizer, int(available_bytes))
+    if reserve > 0:
+        logger.info("kv_canary_reserved_bytes=%d available_bytes_before=%d (held back before the KV pool is sized)",
+                    reserve, available_bytes)
+    return reserve
 
 
 def after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:
@@ -116,9 +124,6 @@ def setup_scheduler(scheduler, *, metrics_enabled: bool) -> None:
 
 def attach_to_scheduler(scheduler, manager, *, metrics_enabled: bool) -> None:
     """Metrics (``--enable-metrics``), ``--kv-canary contain``'s scheduler side and the prefix cache."""
-    from .radix import RadixCacheView
-    from .mamba_radix import MambaRadixCacheView
-    from .swa_radix import SWARadixCacheView
     from ..config import FLAG_SWEEP_INTERVAL, CanaryConfigError, CanaryMode
 
     collector = getattr(scheduler, "metrics_collector", None)
@@ -131,20 +136,19 @@ def attach_to_scheduler(scheduler, manager, *, metrics_enabled: bool) -> None:
 
         scheduler.kv_canary_containment = SchedulerContainment(scheduler)
         manager.attach_containment(scheduler.kv_canary_containment)
+    from .lines import current_line
+
     tree = getattr(scheduler, "tree_cache", None)
-    if RadixCacheView.supports(tree):
-        manager.attach_prefix_cache(RadixCacheView(tree))
-    elif SWARadixCacheView.supports(tree):
-        manager.attach_prefix_cache(SWARadixCacheView(tree))
-    elif MambaRadixCacheView.supports(tree):
-        manager.attach_prefix_cache(MambaRadixCacheView(tree))
+    view = current_line().prefix_cache_view(tree, manager)
+    if view is not None:
+        manager.attach_prefix_cache(view)
     elif manager.config.sweep_interval > 0:
         raise CanaryConfigError(
             f"{FLAG_SWEEP_INTERVAL} {manager.config.sweep_interval} needs sglang's radix cache, but the prefix "
             f"cache is {type(tree).__name__}: "
             + (f"drop --disable-radix-cache or {FLAG_SWEEP_INTERVAL}" if "Chunk" in type(tree).__name__ else
-               f"the sweep follows RadixCache, SWARadixCache and MambaRadixCache only (not yet this model's "
-               f"cache); unset {FLAG_SWEEP_INTERVAL}")
+               f"the sweep follows {current_line().prefix_caches} only (not yet this model's cache); unset "
+               f"{FLAG_SWEEP_INTERVAL}")
         )
     elif manager.config.perturb_real_kv_unused_cache_prob > 0:
         raise CanaryConfigError(

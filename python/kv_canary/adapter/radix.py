@@ -31,6 +31,9 @@ class RadixCacheView:
     def supports(tree_cache) -> bool:
         return type(tree_cache).__name__ == "RadixCache" and hasattr(tree_cache, "root_node")
 
+    def before_sweep(self) -> None:
+        """Nothing to do: the tree hooks keep the index in step with every change."""
+
     def _walk(self) -> Iterator[Tuple[object, int, object]]:
         """(node, first position, parent node) for every resident non-root node, parents first."""
         root = self._tree.root_node
@@ -107,3 +110,16 @@ def after_node_removed(_result, tree, node, *args, **kwargs) -> None:
 def after_tree_reset(_result, tree, *args, **kwargs) -> None:
     """``reset``: the tree was emptied."""
     on_reset(tree)
+
+
+def radix_view_for(tree_cache, manager):
+    """The 0.5.12 line's prefix-cache reader (``SglangLine.prefix_cache_view``): RadixCache, SWARadixCache or
+    MambaRadixCache, else None."""
+    from .mamba_radix import MambaRadixCacheView
+    from .swa_radix import SWARadixCacheView
+
+    del manager
+    for view in (RadixCacheView, SWARadixCacheView, MambaRadixCacheView):
+        if view.supports(tree_cache):
+            return view(tree_cache)
+    return None

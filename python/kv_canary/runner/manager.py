@@ -375,6 +375,7 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
         checks every held slot (H200, 131k-slot pool: ~60 us host, ~80 us device;
         docs/performance.md).
         """
+        self._prefix_cache.before_sweep()  # a tree that is walked, not followed, refreshes the index now
         self.cache_index.apply_pending()
         for group_index, group in enumerate(self.groups):
             self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring, group_index=group_index)

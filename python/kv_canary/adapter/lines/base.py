@@ -44,6 +44,9 @@ class SglangLine:
     policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
     unported: Callable[[Any], str] = _nothing_unported
     req_row: Callable[[Any], int] = _req_pool_idx  # a scheduler Req's req_to_token row
+    # (tree cache, manager) -> the reader the sweep and the unused-cache perturbation use, or None; and its trees
+    prefix_cache_view: Callable[[Any, Any], Any] = lambda tree, manager: None
+    prefix_caches: str = "no prefix cache"
 
     def required_hooks(self, *, pd: bool, spec: bool) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {})}

@@ -9,6 +9,7 @@ their own tables, required with their flags.
 
 from __future__ import annotations
 
+from ..radix import radix_view_for
 from ..server_args import POLICY_0_5_12
 from .base import HookTable, SglangLine
 
@@ -92,4 +93,5 @@ SPEC_HOOKS: HookTable = {
 
 
 LINE = SglangLine(name="0.5.12", versions=("0.5.12",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
-                    policy=POLICY_0_5_12)
+                    policy=POLICY_0_5_12, prefix_cache_view=radix_view_for,
+                    prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")

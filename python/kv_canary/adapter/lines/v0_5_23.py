@@ -15,9 +15,10 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 ``--kv-canary-sweep-interval``, upstream's names, meanings and defaults: real data
 ``none`` unless given); the plugin adds ``contain`` to ``--kv-canary``'s choices.
 
+The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``).
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
-(verified on the GPU host only for 0.5.12), the sweep and ``contain`` (0.5.23's
-``UnifiedRadixCache`` is not followed yet), speculative decoding, PD disaggregation.
+(verified on the GPU host only for 0.5.12), ``contain`` (its eviction of chosen nodes is not
+ported to the unified tree), speculative decoding, PD disaggregation.
 Verified pools: ``MHATokenToKVPool`` (checked at install).
 """
 
@@ -27,6 +28,7 @@ import logging
 from typing import Any
 
 from ..policy_0_5_23 import POLICY_0_5_23
+from ..unified_radix import unified_view_for
 from .base import HookTable, SglangLine
 
 logger = logging.getLogger("kv_canary")
@@ -38,6 +40,8 @@ HOOKS: HookTable = {
     "sglang.srt.kv_canary.api.install_canary": ("lines.v0_5_23.refuse_in_tree_install", "replace"),
     "sglang.srt.server_args.ServerArgs.add_cli_args": ("lines.v0_5_23.after_add_cli_args", "after"),
     "sglang.srt.server_args.ServerArgs.from_cli_args": ("lines.v0_5_23.around_from_cli_args", "around"),
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes": (
+        "lines.v0_5_23.after_profile_available_bytes", "after"),
     # the end of the scheduler's model setup: pools built, warmups, graph capture and post-capture sizing done
     "sglang.srt.managers.scheduler.Scheduler.init_model_worker": ("lines.v0_5_23.after_init_model_worker", "after"),
     "sglang.srt.model_executor.model_runner.ModelRunner.sample": ("hooks.after_sample", "after"),
@@ -59,9 +63,6 @@ def unported(server_args: Any) -> str:
     if str(getattr(server_args, "kv_canary", "none")) == "contain":
         return ("contain evicts corrupt slots from sglang's radix cache, and 0.5.23's UnifiedRadixCache is not "
                 "followed yet; use --kv-canary log or raise")
-    if int(getattr(server_args, "kv_canary_sweep_interval", 0) or 0) > 0:
-        return ("--kv-canary-sweep-interval follows sglang's radix cache, and 0.5.23's UnifiedRadixCache is not "
-                "followed yet; unset --kv-canary-sweep-interval")
     if getattr(server_args, "speculative_algorithm", None):
         return ("speculative decoding on sglang 0.5.23 is not verified yet; drop --speculative-algorithm, or use "
                 "sglang 0.5.12")
@@ -90,8 +91,8 @@ class InTreeSlot:
         instead (``after_init_model_worker``), after sampling prewarm and post-capture KV sizing too."""
 
     def attach_radix_cache(self, tree_cache) -> None:
-        """The plugin attaches the tree with metrics and contain in its ``Scheduler.__init__`` hook; the sweep's
-        tree (0.5.23's UnifiedRadixCache) is not followed yet (``unported``)."""
+        """The plugin attaches the tree with metrics and contain in its ``Scheduler.__init__`` hook (right after
+        this call), through the line's reader (``unified_radix``)."""
 
     def per_forward_workspace_bytes(self) -> int:
         """Bytes the canary allocates per forward after install, for sglang's post-capture KV sizing: none (every
@@ -117,6 +118,9 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
             raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
                                     f"0.5.23 yet (verified: {', '.join(VERIFIED_POOLS)}); use sglang 0.5.12 or "
                                     f"{FLAG_MODE} none")
+    reserved = _RESERVED.get(id(getattr(model_runner, "kv_cache_configurator", None)))
+    if reserved is not None:
+        model_runner.kv_canary_reserved_bytes = reserved
     manager = install_canary(server_args=server_args, model_runner=model_runner)
     return None if manager is None else InTreeSlot(manager)
 
@@ -128,6 +132,20 @@ def refuse_in_tree_install(*args, **kwargs):
 
     raise CanaryConfigError(f"{FLAG_MODE}: sglang 0.5.23's in-tree kv_canary was about to install beside "
                             "sglang-kv-canary; set SGLANG_KV_CANARY_IMPL=in-tree to use sglang's own instead")
+
+
+_RESERVED = {}  # id(KVCacheConfigurator) -> bytes held back (a slots dataclass: no attribute of ours on it)
+
+
+def after_profile_available_bytes(available_bytes, configurator, *args, **kwargs):
+    """Hold the canary's device bytes back before sglang sizes the KV pool (0.5.23 sizes it in its configurator)."""
+    from ..hooks import reserve_before_kv_pool
+
+    reserve = reserve_before_kv_pool(configurator, available_bytes)
+    if reserve <= 0:
+        return None
+    _RESERVED[id(configurator)] = reserve
+    return int(available_bytes) - reserve
 
 
 def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
@@ -192,4 +210,5 @@ def req_row(req) -> int:
 
 
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
-                  policy=POLICY_0_5_23, unported=unported, req_row=req_row)
+                  policy=POLICY_0_5_23, unported=unported, req_row=req_row,
+                  prefix_cache_view=unified_view_for, prefix_caches="UnifiedRadixCache (full-attention tree)")

@@ -1,0 +1,59 @@
+"""Read sglang 0.5.23's ``UnifiedRadixCache`` for the sweep and the unused-cache perturbation.
+
+0.5.23's radix cache keeps its nodes in a tree core (Rust by default) that reports no
+per-node changes the plugin could follow, but it gives a walk made for exactly this:
+``tree_core.walk_for_kv_canary(unlocked_only, swa_resident_only)`` -> flat host int64 rows
+``(slot, position, prev slot)`` of every device-resident slot (prev -1 at position 0).
+So the index is rebuilt from a walk right before each sweep (``before_sweep``): host work
+O(cached slots) every ``--kv-canary-sweep-interval`` forwards, one pinned staging copy and a
+few scatters on the device (``CachedSlotIndex.replace_rows``). The walk carries no keys, so
+the sweep checks each cached slot's position, chain link and K/V bytes, not the cache's
+token claim (HEAD checks that at the first read of the slot).
+
+Only a tree of full-attention slots is supported (components ``FULL``); SWA/mamba trees are
+refused by the pool check of the line (MHA pools only on 0.5.23).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional, Tuple
+
+
+class UnifiedRadixCacheView:
+    def __init__(self, tree_cache, records):
+        """``records``: the swept group's int64[num_slots, RECORD_WIDTH] (the held slots' tokens, see above)."""
+        self._tree = tree_cache
+        self._records = records
+        self._index = None
+
+    @staticmethod
+    def supports(tree_cache) -> bool:
+        comps = getattr(tree_cache, "components", None)
+        return (type(tree_cache).__name__ == "UnifiedRadixCache" and hasattr(getattr(tree_cache, "tree_core", None),
+                                                                               "walk_for_kv_canary")
+                and comps is not None and [getattr(c, "name", str(c)) for c in comps] == ["FULL"])
+
+    def attach_index(self, index) -> None:
+        self._index = index
+        self.before_sweep()
+
+    def before_sweep(self) -> None:
+        walk = self._tree.tree_core.walk_for_kv_canary(False, False)
+        preds = walk.prev_slot_indices.clamp(min=0)
+        self._index.replace_rows(walk.slot_indices, walk.positions, preds, self._records)
+
+    def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
+        """(slot, position) of a random slot held only by the cache (no running request), or None."""
+        walk = self._tree.tree_core.walk_for_kv_canary(True, False)
+        n = int(walk.slot_indices.numel())
+        if n == 0:
+            return None
+        k = rng.randrange(n)
+        return int(walk.slot_indices[k]), int(walk.positions[k])
+
+
+def unified_view_for(tree_cache, manager):
+    """The 0.5.23 line's prefix-cache reader (``SglangLine.prefix_cache_view``), or None for another tree."""
+    return UnifiedRadixCacheView(tree_cache, manager.groups[0].records) if UnifiedRadixCacheView.supports(
+        tree_cache) else None
