@@ -1,4 +1,8 @@
-"""The server-args allow-list classifies every sglang 0.5.12 ``ServerArgs`` field, and accepts the defaults."""
+"""The installed sglang line's server-args allow-list classifies every ``ServerArgs`` field, and accepts the defaults.
+
+The policy is picked by sglang's version (``POLICIES``); the line adapter must carry the same
+one (``test_the_line_adapter_carries_this_policy``, once that line's adapter is importable).
+"""
 
 from __future__ import annotations
 
@@ -6,38 +10,79 @@ import dataclasses
 
 import pytest
 
-from kv_canary.adapter.server_args import CHECKED_ELSEWHERE, NEUTRAL, RULES, check_supported, flag_name
+from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
+from kv_canary.adapter.server_args import POLICY_0_5_12, check_supported, flag_name
 from kv_canary.config import CanaryConfigError
 
 server_args_mod = pytest.importorskip("sglang.srt.server_args")
+SGLANG_VERSION = pytest.importorskip("sglang.version").__version__
+
+POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.23": POLICY_0_5_23}
+if SGLANG_VERSION not in POLICIES:
+    pytest.skip(f"no server-args policy for sglang {SGLANG_VERSION}", allow_module_level=True)
+POLICY = POLICIES[SGLANG_VERSION]
+on_0_5_23 = pytest.mark.skipif(POLICY is not POLICY_0_5_23, reason="sglang 0.5.23's rules")
+
+
+def server_args_defaults() -> dict:
+    """Field -> default of the installed ``ServerArgs`` (0.5.12: a dataclass; 0.5.23: a msgspec Struct)."""
+    cls = server_args_mod.ServerArgs
+    if dataclasses.is_dataclass(cls):
+        return {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                         else None if f.default is dataclasses.MISSING else f.default)
+                for f in dataclasses.fields(cls)}
+    import msgspec
+
+    return {f.name: (f.default_factory() if f.default_factory is not msgspec.NODEFAULT
+                     else None if f.default is msgspec.NODEFAULT else f.default)
+            for f in msgspec.structs.fields(cls)}
+
+
+DEFAULTS = server_args_defaults()
+
+
+class Settings:
+    """Every ``ServerArgs`` field at its default (None for a name that is not a field), but ``overrides``."""
+
+    def __init__(self, **overrides):
+        self._values = {**DEFAULTS, **overrides}
+
+    def __getattr__(self, name):
+        return self._values.get(name)
+
+
+def supported_defaults(**overrides) -> Settings:
+    # 0.5.23 captures breakable prefill CUDA graphs by default on CUDA, which the canary refuses (and its adapter
+    # needs --disable-cuda-graph on GPU): the defaults are supported with CUDA graphs off
+    return Settings(**{"disable_cuda_graph": True, **overrides} if POLICY is POLICY_0_5_23 else overrides)
 
 
 def test_every_server_args_field_is_classified_exactly_once():
-    fields = {f.name for f in dataclasses.fields(server_args_mod.ServerArgs)}
-    rules, elsewhere = set(RULES), set(CHECKED_ELSEWHERE)
-    assert not (rules & NEUTRAL) and not (rules & elsewhere) and not (elsewhere & NEUTRAL)
-    assert fields - (rules | elsewhere | NEUTRAL) == set(), "unreviewed ServerArgs fields"
-    assert (rules | elsewhere | NEUTRAL) - fields == set(), "classified names that are not ServerArgs fields"
+    rules, elsewhere, neutral = POLICY.classified()
+    assert not (rules & neutral) and not (rules & elsewhere) and not (elsewhere & neutral)
+    assert set(DEFAULTS) - (rules | elsewhere | neutral) == set(), "unreviewed ServerArgs fields"
+    assert (rules | elsewhere | neutral) - set(DEFAULTS) == set(), "classified names that are not ServerArgs fields"
+
+
+def test_the_line_adapter_carries_this_policy():
+    from kv_canary.adapter.lines import LINE_MODULES, load_line
+
+    try:
+        line = load_line(LINE_MODULES[SGLANG_VERSION])
+    except ImportError as exc:
+        pytest.skip(f"the sglang {SGLANG_VERSION} line adapter is not importable here: {exc}")
+    assert line.policy is POLICY
 
 
 def test_sglang_defaults_are_supported():
-    class Defaults:
-        def __getattr__(self, name):
-            return getattr(server_args_mod.ServerArgs, name, None)
-
-    check_supported(Defaults(), "log")
+    check_supported(supported_defaults(), "log", policy=POLICY)
 
 
-@pytest.mark.parametrize("field", sorted(RULES))
+@pytest.mark.parametrize("field", sorted(POLICY.rules))
 def test_a_value_outside_the_allow_list_is_refused_naming_flag_and_value(field):
-    class Odd:
-        """Every field at its default, except ``field`` at a value no rule lists."""
-
-        def __getattr__(self, name):
-            return "NEW_VALUE_1" if name == field else getattr(server_args_mod.ServerArgs, name, None)
-
+    odd = supported_defaults(**{field: "NEW_VALUE_1"})  # no rule lists it
     with pytest.raises(CanaryConfigError, match=f"cannot verify {flag_name(field)} NEW_VALUE_1.*--kv-canary none"):
-        check_supported(Odd(), "log")
+        check_supported(odd, "log", policy=POLICY)
 
 
 def test_raw_flags_not_given_are_left_to_sglang():
@@ -45,4 +90,49 @@ def test_raw_flags_not_given_are_left_to_sglang():
         def __getattr__(self, name):
             return None  # argparse: nothing given
 
-    check_supported(Raw(), "log", given_only=True)
+    check_supported(Raw(), "log", given_only=True, policy=POLICY)
+
+
+@on_0_5_23
+@pytest.mark.parametrize("flags, refused", [
+    # sglang's precedence: the per-phase flag beats --disable-cuda-graph, the JSON beats both
+    (dict(disable_cuda_graph=True, cuda_graph_backend_prefill="breakable"), "--cuda-graph-backend-prefill breakable"),
+    (dict(disable_cuda_graph=True, cuda_graph_config={"prefill": {"backend": "full"}}), "--cuda-graph-config"),
+    (dict(disable_prefill_cuda_graph=True, cuda_graph_config={"decode": {"backend": "breakable"}}),
+     "--cuda-graph-config"),
+    (dict(device="cuda", disable_cuda_graph=False), "--disable-prefill-cuda-graph False"),
+])
+def test_prefill_cuda_graphs_are_refused(monkeypatch, flags, refused):
+    from sglang.srt.model_executor import cuda_graph_config
+
+    monkeypatch.setattr(cuda_graph_config, "default_prefill_backend", lambda: "breakable")  # sglang's CUDA default
+    with pytest.raises(CanaryConfigError, match=f"cannot verify {refused}"):
+        check_supported(Settings(**flags), "log", policy=POLICY)
+
+
+@on_0_5_23
+@pytest.mark.parametrize("flags", [dict(disable_cuda_graph=True), dict(disable_prefill_cuda_graph=True),
+                                   dict(cuda_graph_backend_prefill="disabled"), dict(device="cpu"),
+                                   dict(cuda_graph_config={"prefill": {"backend": "disabled"}})])
+def test_prefill_cuda_graphs_off_are_supported(monkeypatch, flags):
+    from sglang.srt.model_executor import cuda_graph_config
+
+    monkeypatch.setattr(cuda_graph_config, "default_prefill_backend", lambda: "breakable")
+    check_supported(Settings(**flags), "log", policy=POLICY)
+    check_supported(Settings(**flags), "log", given_only=True, policy=POLICY)
+
+
+@on_0_5_23
+def test_prefill_cuda_graph_rule_reads_what_sglang_resolved():
+    """A resolved 0.5.23 record keeps the raw flags as fields and sglang's decisions in a stash."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    def resolved(backend):
+        record = Settings(disable_cuda_graph=True)
+        record._values["_resolved_overrides"] = [("a handler", {"cuda_graph_config": CudaGraphConfig(
+            decode=PhaseConfig(backend="disabled"), prefill=PhaseConfig(backend=backend))})]
+        return record
+
+    check_supported(resolved("disabled"), "log", policy=POLICY)
+    with pytest.raises(CanaryConfigError, match="cannot verify --disable-prefill-cuda-graph False"):
+        check_supported(resolved("full"), "log", policy=POLICY)
