@@ -42,7 +42,13 @@ def test_server_command_overrides_and_devices(tmp_path):
     cmd = srv.command()
     assert cmd.count("--max-total-tokens") == 1 and "999" in cmd
     assert cmd[cmd.index("--port") + 1] == str(port)
-    assert "--disable-piecewise-cuda-graph" in cmd and "torch_native" in cmd
+    assert "torch_native" in cmd
+    # a default flag the installed sglang line lacks is left out (0.5.23: no piecewise flag; its warmup runs)
+    from kv_canary_testing.server import NOT_ON_LINE, installed_sglang_version
+
+    dropped = NOT_ON_LINE.get(installed_sglang_version(), ())
+    assert ("--disable-piecewise-cuda-graph" in cmd) is ("--disable-piecewise-cuda-graph" not in dropped)
+    assert ("--skip-server-warmup" in cmd) is ("--skip-server-warmup" not in dropped)
     env = srv.environment()
     assert env["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "kv_canary_testing.tiny_model"
     assert "libcuda-stub-" in env["LD_LIBRARY_PATH"]

@@ -28,8 +28,10 @@ SCRIPT = textwrap.dedent("""
     from kv_canary.config import CanaryConfigError
 
     COMMON = dict(model_path=sys.argv[1], device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                  disable_piecewise_cuda_graph=True, sampling_backend="pytorch", load_format="dummy",
-                  dtype="float32", max_total_tokens=2048, chunked_prefill_size=128, log_level="info")
+                  sampling_backend="pytorch", load_format="dummy", dtype="float32", max_total_tokens=2048,
+                  chunked_prefill_size=128, log_level="info")
+    if sglang.__version__ == "0.5.12":  # a later line has no such flag (and no piecewise graphs on CPU)
+        COMMON["disable_piecewise_cuda_graph"] = True
 
     if __name__ == "__main__":
         try:

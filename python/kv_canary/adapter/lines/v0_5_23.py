@@ -18,7 +18,7 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``).
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
 (verified on the GPU host only for 0.5.12), ``contain`` (its eviction of chosen nodes is not
-ported to the unified tree), speculative decoding, PD disaggregation.
+ported to the unified tree), speculative decoding, PD disaggregation, tensor parallel.
 Verified pools: ``MHATokenToKVPool`` (checked at install).
 """
 
@@ -39,7 +39,8 @@ HOOKS: HookTable = {
     # ... and sglang's own install can never run beside it (model_runner.py is its only caller in 0.5.23)
     "sglang.srt.kv_canary.api.install_canary": ("lines.v0_5_23.refuse_in_tree_install", "replace"),
     "sglang.srt.server_args.ServerArgs.add_cli_args": ("lines.v0_5_23.after_add_cli_args", "after"),
-    "sglang.srt.server_args.ServerArgs.from_cli_args": ("lines.v0_5_23.around_from_cli_args", "around"),
+    # the CLI and sglang.Engine(...) both resolve their ServerArgs in the launching process before any other starts
+    "sglang.srt.server_args.ServerArgs.resolve_once": ("lines.v0_5_23.after_resolve_once", "after"),
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes": (
         "lines.v0_5_23.after_profile_available_bytes", "after"),
     # the end of the scheduler's model setup: pools built, warmups, graph capture and post-capture sizing done
@@ -66,10 +67,21 @@ def unported(server_args: Any) -> str:
     if getattr(server_args, "speculative_algorithm", None):
         return ("speculative decoding on sglang 0.5.23 is not verified yet; drop --speculative-algorithm, or use "
                 "sglang 0.5.12")
+    if int(getattr(server_args, "tp_size", 1) or 1) > 1:
+        return "tensor parallel on sglang 0.5.23 is not verified yet; drop --tp-size, or use sglang 0.5.12"
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")
     return ""
+
+
+def refuse_unported(server_args: Any) -> None:
+    mode = str(getattr(server_args, "kv_canary", "none") or "none")
+    reason = unported(server_args) if mode != "none" else ""
+    if reason:
+        from ...config import FLAG_MODE, CanaryConfigError
+
+        raise CanaryConfigError(f"{FLAG_MODE} {mode} on sglang 0.5.23: {reason}")
 
 
 class InTreeSlot:
@@ -106,6 +118,7 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
     from ...config import FLAG_MODE, CanaryConfigError
 
     del token_oracle_manager  # sglang's token-oracle sampler (--sampling-backend token_oracle); ours is built in
+    refuse_unported(server_args)
     config = config_from_server_args(server_args)
     if config.enabled:
         from ...sglang_plugin import check_hooks_applied
@@ -179,21 +192,23 @@ def after_add_cli_args(_result, parser) -> None:
                            "corrupt KV slot and keeps serving.")
 
 
-def around_from_cli_args(original, cls, args):
-    """The user's flags checked before sglang resolves them (the scheduler checks again at install)."""
+def after_resolve_once(_result, server_args, *args, **kwargs) -> None:
+    """The settings checked once sglang resolved them, in the launching process (CLI and Engine alike), before any
+    scheduler starts; the scheduler checks again at install. ``CanaryConfigError`` names the flag."""
     from ...api import config_from_server_args
     from ..server_args import check_supported
 
-    server_args = original(cls, args)
+    refuse_unported(server_args)  # before the checks of features this line does not have yet
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
     if config.enabled:
         from ...sglang_plugin import check_hooks_applied
 
-        check_supported(args, config.mode.value, given_only=True)
+        check_supported(server_args, config.mode.value)
         check_hooks_applied(server_args)
-        logger.info("kv_canary: %s (sglang-kv-canary plugin in place of sglang 0.5.23's in-tree kv_canary)",
-                    config.describe())
-    return server_args
+        if not getattr(after_resolve_once, "logged", False):
+            after_resolve_once.logged = True
+            logger.info("kv_canary: %s (sglang-kv-canary plugin in place of sglang 0.5.23's in-tree kv_canary)",
+                        config.describe())
 
 
 def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
