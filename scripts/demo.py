@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Demo: a real sglang 0.5.12 server on CPU with the kv-canary on, a workload, and the result.
+"""Demo: a real sglang server on CPU (the line KVC_SGLANG picks: 0.5.23 by default, or 0.5.12) with the kv-canary on, a workload, and the result.
 
 1. ``--kv-canary raise`` on the bundled tiny model: a mixed workload (shared
    prefixes, chunked prefill, aborts, eviction) -> slots fingerprinted and

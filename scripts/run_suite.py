@@ -31,6 +31,13 @@ def collect(hw: str, suite: str | None):
     regs = [r for r in collect_tests(files, sanity_check=True) if r.backend == backend and not r.disabled]
     if suite:
         regs = [r for r in regs if r.effective_suite == suite]
+    from kv_canary_testing.line_suites import not_on_this_line
+
+    skipped = not_on_this_line()  # files that drive another sglang line's adapter only
+    for r in [r for r in regs if os.path.relpath(r.filename, ROOT / "test") in skipped]:
+        print(f"run_suite: not on this sglang line: {os.path.relpath(r.filename, ROOT)} "
+              f"({skipped[os.path.relpath(r.filename, ROOT / 'test')]})")
+    regs = [r for r in regs if os.path.relpath(r.filename, ROOT / "test") not in skipped]
     regs.sort(key=lambda r: (-r.est_time, r.filename))
     return regs
 

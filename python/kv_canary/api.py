@@ -18,12 +18,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from .adapter.batch_adapter import SglangBatchAdapter
-from .adapter.disagg import check_disaggregation, disaggregation_mode
+from .adapter.disagg import check_disaggregation
 from .adapter.lines import current_line
-from .adapter.pools import pool_context, register_sglang_pools
+from .adapter.facts import SglangFacts, SpecFacts, max_prefill_tokens, read_facts
+from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
-from .memory import DEFAULT_MAX_PREFILL_TOKENS, canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
+from .memory import canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
@@ -49,81 +50,70 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 
 
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
+    """The canary for one model runner (target or EAGLE draft), or None with ``--kv-canary none``."""
     tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
     set_process_tags(tp_rank=tp_rank)  # every canary line names its TP rank (each rank verifies its own shard)
     config = config_from_server_args(server_args).for_tp_rank(tp_rank)
     if not config.enabled:
         logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None
-    from .adapter.draft import draft_skip_reason
+    facts = read_facts(server_args, model_runner, config.mode.value)  # sglang is read here, once
+    if facts.is_draft_worker:
+        return install_draft_canary(facts, config)
     from .draft_pool import target_config
 
-    draft_skip = draft_skip_reason(server_args, config.mode.value)
-    if getattr(model_runner, "is_draft_worker", False):
-        return install_draft_canary(server_args=server_args, model_runner=model_runner, config=config,
-                                    skip_reason=draft_skip)
-    config = target_config(config, draft_skip)  # PERTURB_TARGET_GROUP=draft: the target injects nothing
-    if getattr(model_runner, "model_is_mrope", False):
+    config = target_config(config, facts.spec.draft_skip if facts.spec else "")  # PERTURB_TARGET_GROUP=draft
+    if facts.mrope:
         raise CanaryConfigError(
             f"--kv-canary {config.mode.value}: this model uses M-RoPE (multimodal rotary positions, "
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
-    from .adapter.speculative import is_spec_v1, spec_pool_refusal
+    from .adapter.speculative import spec_pool_refusal
 
-    spec_refusal = spec_pool_refusal(server_args, model_runner.token_to_kv_pool, draft=False)
+    spec_refusal = spec_pool_refusal(facts.spec and facts.spec.algorithm, facts.pool, draft=False)
     if spec_refusal:
         raise CanaryConfigError(f"--kv-canary {config.mode.value} cannot verify {spec_refusal}; drop "
                                 "--speculative-algorithm or run with --kv-canary none")
-    device = torch.device(model_runner.device)
     register_sglang_pools()
-    groups = attach_canary_buffers(model_runner.token_to_kv_pool, config, device, pool_context(model_runner))
-    check_groups_supported(config, groups, type(model_runner.token_to_kv_pool).__name__,
-                           disaggregation_mode(server_args))
-    req_to_token = model_runner.req_to_token_pool.req_to_token
-    capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)
-    kernels = select_kernels(config.kernel_backend, device)
-    if device.type == "cuda" and not kernels.graph_safe and not getattr(server_args, "disable_cuda_graph", False):
+    groups = attach_canary_buffers(facts.pool, config, facts.device, facts.pool_context)
+    check_groups_supported(config, groups, facts.pool_name, facts.pd_mode)
+    capacities = compute_capacities(facts)
+    kernels = select_kernels(config.kernel_backend, facts.device)
+    if facts.device.type == "cuda" and not kernels.graph_safe and facts.cuda_graphs:
         raise CanaryConfigError(
             "SGLANG_KV_CANARY_KERNEL_BACKEND=torch cannot run inside CUDA graphs: "
             "use the triton backend or pass --disable-cuda-graph"
         )
-    tracker = None
-    if kernels.name == "triton":
-        from .kernels import triton_kernels as tk
-        from .kernels.variants import VariantTracker, track
-
-        tracker = VariantTracker()
-        kernels = track(kernels, tracker, tk.write_block)
+    kernels, tracker = _track_variants(kernels)
     manager = CanaryManager(
         config=config,
         groups=groups,
         kernels=kernels,
-        req_to_token=req_to_token,
+        req_to_token=facts.req_to_token,
         capacities=capacities,
-        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=device,
-                                         req_row=current_line().req_row,
-                                         tree_verify=is_spec_v1(server_args)),
-        device=device,
+        batch_adapter=SglangBatchAdapter(max_batch_size=capacities.max_batch_size, device=facts.device,
+                                         req_row=current_line().req_row, tree_verify=facts.tree_verify),
+        device=facts.device,
         variant_tracker=tracker,
     )
-    pd_mode = disaggregation_mode(server_args)
-    if pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
-        manager.attach_transfer(TransferBook(pd_mode, new_origin(groups[0].num_slots, device)))
-    if is_spec_v1(server_args):  # the tree verifies' deferred TAIL: at most num_steps + 1 kept nodes a request
-        manager.enable_deferred_writes(int(getattr(server_args, "speculative_num_steps", 0) or 0) + 1)
+    if facts.pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
+        manager.attach_transfer(TransferBook(facts.pd_mode, new_origin(groups[0].num_slots, facts.device)))
+    if facts.tree_verify:  # the tree verifies' deferred TAIL: at most num_steps + 1 kept nodes a request
+        manager.enable_deferred_writes(facts.spec.num_steps + 1)
     if tracker is not None:
-        _precompile(manager, capacities, server_args, tk.write_block)
+        _precompile(manager, capacities, facts)
         logger.info("kv_canary_precompiled=1 %s", tracker.describe())
-    _patch_model_forward(model_runner.model, manager)
+    _patch_model_forward(facts.model, manager)
+    req_rows, context_len = (int(n) for n in facts.req_to_token.shape)
     memory = canary_memory_bytes(
-        num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=int(req_to_token.shape[0]),
-        context_len=int(req_to_token.shape[1]), ring_capacity=config.ring_capacity,
-        token_oracle=config.uses_token_oracle, max_batch_size=capacities.max_batch_size,
-        sweep=config.sweep_interval > 0, max_tokens_per_forward=capacities.tokens_per_forward,
+        num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=req_rows, context_len=context_len,
+        ring_capacity=config.ring_capacity, token_oracle=config.uses_token_oracle,
+        max_batch_size=capacities.max_batch_size, sweep=config.sweep_interval > 0,
+        max_tokens_per_forward=capacities.tokens_per_forward,
     )
-    kv_bytes = kv_pool_bytes(model_runner.token_to_kv_pool)
-    reserved = getattr(model_runner, "kv_canary_reserved_bytes", None)
+    kv_bytes = kv_pool_bytes(facts.pool)
+    reserved = facts.reserved_bytes
     if reserved is not None and memory.total > reserved:
         logger.warning("kv_canary: allocated %d bytes, more than the %d held back from the KV pool's budget",
                        memory.total, reserved)
@@ -131,82 +121,79 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         span = groups[0].num_slots - 1
         logger.info(format_line("kv_canary_scrub", config.scrub_slots_per_forward, {
             "pool_slots": span, "every_slot_within_forwards": -(-span // config.scrub_slots_per_forward)}))
-    logger.info(installed_line(config, type(model_runner.token_to_kv_pool).__name__, groups, kernels.name,
-                               capacities, pd_mode, memory={
-                                   "req_rows": int(req_to_token.shape[0]), "canary_bytes": memory.total,
-                                   "kv_pool_bytes": kv_bytes,
-                                   "canary_pct_of_kv_pool": f"{memory.pct_of(kv_bytes):.3f}",
-                                   "reserved_before_kv_pool": "none" if reserved is None else reserved}))
+    logger.info(installed_line(config, facts.pool_name, groups, kernels.name, capacities, facts.pd_mode, memory={
+        "req_rows": req_rows, "canary_bytes": memory.total, "kv_pool_bytes": kv_bytes,
+        "canary_pct_of_kv_pool": f"{memory.pct_of(kv_bytes):.3f}",
+        "reserved_before_kv_pool": "none" if reserved is None else reserved}))
     return manager
 
 
-def install_draft_canary(*, server_args: Any, model_runner: Any, config: CanaryConfig,
-                         skip_reason: str) -> Optional[CanaryManager]:
+def _track_variants(kernels):
+    """(kernels, tracker): the Triton kernels note every variant they launch (precompile, then no JIT)."""
+    if kernels.name != "triton":
+        return kernels, None
+    from .kernels import triton_kernels as tk
+    from .kernels.variants import VariantTracker, track
+
+    tracker = VariantTracker()
+    return track(kernels, tracker, tk.write_block), tracker
+
+
+def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[CanaryManager]:
     """The EAGLE draft runner's own pool (``kv_canary.draft_pool``): its own groups and ``DraftCanaryManager``."""
     from .adapter.draft import DraftBatchAdapter
+    from .adapter.speculative import spec_pool_refusal
     from .draft_pool import (DRAFT_GROUP, DRAFT_INSTALLED_PREFIX, DRAFT_NOT_VERIFIED, KV_TOKEN_ID_VS_POSITION_OFFSET,
                              DraftCanaryManager, draft_config)
 
-    algorithm = getattr(server_args, "speculative_algorithm", None)
-    if skip_reason:
+    spec = facts.spec
+    if spec.draft_skip:
         logger.warning("kv_canary: --speculative-algorithm %s: %s (%s; docs/speculative.md); verifying the target "
-                       "model's KV only", algorithm, DRAFT_NOT_VERIFIED, skip_reason)
+                       "model's KV only", spec.algorithm, DRAFT_NOT_VERIFIED, spec.draft_skip)
         return None
     config = draft_config(config)
-    device = torch.device(model_runner.device)
     register_sglang_pools()
-    pool = model_runner.token_to_kv_pool
+    pool = facts.pool
     try:
-        from .adapter.speculative import spec_pool_refusal
-
-        if spec_pool_refusal(server_args, pool, draft=True):
-            raise CanaryConfigError(spec_pool_refusal(server_args, pool, draft=True))
-        groups = attach_canary_buffers(pool, config, device, pool_context(model_runner))
+        refusal = spec_pool_refusal(spec.algorithm, pool, draft=True)
+        if refusal:
+            raise CanaryConfigError(refusal)
+        groups = attach_canary_buffers(pool, config, facts.device, facts.pool_context)
         if len(groups) != 1:
             pool.kv_canary_groups = None
-            raise CanaryConfigError(f"the draft model's KV pool {type(pool).__name__} has groups "
+            raise CanaryConfigError(f"the draft model's KV pool {facts.pool_name} has groups "
                                     f"{','.join(g.name for g in groups)}; only a single-group draft pool is verified")
     except CanaryConfigError as e:  # the target's KV stays verified, as before the draft pool was
         if config.any_perturbation:  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft would inject nowhere
             raise
         logger.warning("kv_canary: --speculative-algorithm %s: %s (%s); verifying the target model's KV only",
-                       algorithm, DRAFT_NOT_VERIFIED, e)
+                       spec.algorithm, DRAFT_NOT_VERIFIED, e)
         return None
     groups = [dataclasses.replace(groups[0], name=DRAFT_GROUP)]
     pool.kv_canary_groups = groups
-    capacities = compute_capacities(server_args=server_args, model_runner=model_runner, device=device)
-    kernels = select_kernels(config.kernel_backend, device)
-    tracker = None
-    if kernels.name == "triton":
-        from .kernels import triton_kernels as tk
-        from .kernels.variants import VariantTracker, track
-
-        tracker = VariantTracker()
-        kernels = track(kernels, tracker, tk.write_block)
-    steps = int(getattr(server_args, "speculative_num_steps", 1) or 1)
-    from .adapter.speculative import is_spec_v1
-
+    capacities = compute_capacities(facts)
+    kernels, tracker = _track_variants(select_kernels(config.kernel_backend, facts.device))
+    steps = spec.num_steps
     manager = DraftCanaryManager(
-        config=config, groups=groups, kernels=kernels, req_to_token=model_runner.req_to_token_pool.req_to_token,
-        capacities=capacities,
+        config=config, groups=groups, kernels=kernels, req_to_token=facts.req_to_token, capacities=capacities,
         batch_adapter=DraftBatchAdapter(
-            max_batch_size=capacities.max_batch_size, device=device,
-            draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1),
-            decode_steps=max(1, steps - 1), spec_v1=is_spec_v1(server_args), num_steps=steps),
-        device=device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
+            max_batch_size=capacities.max_batch_size, device=facts.device,
+            draft_tokens_per_request=spec.draft_tokens_per_request,
+            decode_steps=max(1, steps - 1), spec_v1=spec.tree_verify, num_steps=steps),
+        device=facts.device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
     )
     if tracker is not None:
-        _precompile(manager, capacities, server_args, tk.write_block)
+        _precompile(manager, capacities, facts)
         logger.info("kv_canary_precompiled=1 pool=draft %s", tracker.describe())
-    _patch_model_forward(model_runner.model, manager)
+    _patch_model_forward(facts.model, manager)
     memory = canary_memory_bytes(
         num_slots=groups[0].num_slots, num_groups=1, req_rows=0, context_len=0,
         ring_capacity=config.ring_capacity, token_oracle=False, max_batch_size=capacities.max_batch_size,
         sweep=False, max_tokens_per_forward=capacities.tokens_per_forward,
     )
     logger.info(format_line(DRAFT_INSTALLED_PREFIX, 1, {
-        "algorithm": algorithm, "draft_model": type(getattr(model_runner, "model", None)).__name__,
-        "pool": type(pool).__name__, "groups": DRAFT_GROUP, "slots": groups[0].num_slots,
+        "algorithm": spec.algorithm, "draft_model": type(facts.model).__name__,
+        "pool": facts.pool_name, "groups": DRAFT_GROUP, "slots": groups[0].num_slots,
         "kernels": kernels.name, "single_forward_managers": max(1, steps - 1),
         "kv_token_id_vs_position_offset": KV_TOKEN_ID_VS_POSITION_OFFSET, "token_checks": 0,
         "canary_bytes": memory.total}))
@@ -274,15 +261,14 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:  # or
     groups = 2 if getattr(model_runner.model_config, "is_hybrid_swa", False) else 1  # SWAKVPool: full + swa
     max_bs = max(rows, int(getattr(server_args, "cuda_graph_max_bs", 0) or 0)) + 1  # >= compute_capacities'
     tokens = tokens_per_forward_bound(context_len=ctx, max_batch_size=max_bs,
-                                      max_prefill_tokens=_max_prefill_tokens(server_args))
+                                      max_prefill_tokens=max_prefill_tokens(server_args))
     common = dict(num_groups=groups, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
                   token_oracle=config.uses_token_oracle, max_batch_size=max_bs, sweep=config.sweep_interval > 0,
                   max_tokens_per_forward=tokens)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
-    from .adapter.draft import draft_skip_reason
-
-    if getattr(server_args, "speculative_algorithm", None) and not draft_skip_reason(server_args, config.mode.value):
+    spec = SpecFacts.read(server_args, config.mode.value)
+    if spec is not None and not spec.draft_skip:
         # the EAGLE draft pool's own manager (draft_pool): one group of records over the same slots, its ring
         draft = dict(common, num_groups=1, req_rows=0, token_oracle=False, sweep=False)
         draft_fixed = canary_memory_bytes(num_slots=0, **draft).total
@@ -299,41 +285,33 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:  # or
     return fixed + slots * per_slot
 
 
-def _precompile(manager: CanaryManager, capacities: LaunchCapacities, server_args: Any, write_block) -> None:
+def _precompile(manager: CanaryManager, capacities: LaunchCapacities, facts: SglangFacts) -> None:
     """Every TAIL block size a forward can pick and every verify-grid specialization a batch size gives."""
     from .kernels import VERIFY_BLOCK
+    from .kernels import triton_kernels as tk
     from .kernels.variants import programs_classes, write_block_lengths
 
     # the longest new run is bounded by the context length (chunking only makes it shorter); speculative
     # decoding adds the verify forwards' variant (int64 lengths, staged drafts)
-    lengths = sorted(write_block_lengths(write_block, capacities.max_context_len).values())
+    lengths = sorted(write_block_lengths(tk.write_block, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
-    manager.precompile(lengths, sizes, verify_staged=bool(getattr(server_args, "speculative_algorithm", None)))
+    manager.precompile(lengths, sizes, verify_staged=facts.spec is not None)
 
 
-def _max_prefill_tokens(server_args: Any) -> int:
-    """sglang's prefill token budget per forward (and the chunk size, when larger)."""
-    budget = int(getattr(server_args, "max_prefill_tokens", 0) or DEFAULT_MAX_PREFILL_TOKENS)
-    chunk = int(getattr(server_args, "chunked_prefill_size", 0) or 0)
-    return max(budget, chunk)
-
-
-def compute_capacities(*, server_args: Any, model_runner: Any, device: torch.device) -> LaunchCapacities:
-    req_pool = model_runner.req_to_token_pool
-    max_bs = max(int(req_pool.size), int(getattr(server_args, "cuda_graph_max_bs", 0) or 0)) + 1
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = 2 * sms
+def compute_capacities(facts: SglangFacts) -> LaunchCapacities:
+    max_bs = max(facts.req_pool_size, facts.cuda_graph_max_bs) + 1
+    if facts.device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(facts.device).multi_processor_count
     else:
         target = 1  # CPU/interpreter: one program per request
-    ctx = int(req_pool.req_to_token.shape[1])
+    ctx = int(facts.req_to_token.shape[1])
     return LaunchCapacities(
         max_batch_size=max_bs,
         max_context_len=ctx,
         verify_programs_target=target,
         max_tokens_per_forward=tokens_per_forward_bound(
-            context_len=ctx, max_batch_size=max_bs, max_prefill_tokens=_max_prefill_tokens(server_args)),
+            context_len=ctx, max_batch_size=max_bs, max_prefill_tokens=facts.max_prefill_tokens),
     )
 
 

@@ -1,4 +1,4 @@
-"""Test and demo infrastructure for kv-canary: a real sglang 0.5.12 server on CPU.
+"""Test and demo infrastructure for kv-canary: a real sglang server (0.5.12 or 0.5.23) on CPU.
 
 Modules:
   tiny_model    external sglang model package (``KvcTinyForCausalLM``)

@@ -1,4 +1,4 @@
-"""Launch a real sglang 0.5.12 HTTP server (``python -m sglang.launch_server``) for tests.
+"""Launch a real sglang HTTP server (0.5.12 or 0.5.23) (``python -m sglang.launch_server``) for tests.
 
 ``SglangServer`` picks a free loopback port, starts the server in its own process
 group with stdout+stderr going to a log file, waits until it answers, and kills

@@ -115,14 +115,14 @@ def test_speculative_decoding_over_pools_it_was_not_run_with_is_refused():
 
     for algo in ("EAGLE", "EAGLE3"):
         args = SimpleNamespace(speculative_algorithm=algo)
-        assert spec_pool_refusal(args, pool(MHATokenToKVPool), draft=False) == ""
-        assert spec_pool_refusal(args, pool(MHATokenToKVPool), draft=True) == ""
+        assert spec_pool_refusal(args.speculative_algorithm, pool(MHATokenToKVPool), draft=False) == ""
+        assert spec_pool_refusal(args.speculative_algorithm, pool(MHATokenToKVPool), draft=True) == ""
         for cls in (MLATokenToKVPool, SWAKVPool, HybridLinearKVPool):
-            why = spec_pool_refusal(args, pool(cls), draft=False)
+            why = spec_pool_refusal(args.speculative_algorithm, pool(cls), draft=False)
             assert why.startswith(f"--speculative-algorithm {algo} with the target model's KV pool {cls.__name__}:")
-            assert spec_pool_refusal(args, pool(cls), draft=True).startswith(
+            assert spec_pool_refusal(args.speculative_algorithm, pool(cls), draft=True).startswith(
                 f"--speculative-algorithm {algo} with the draft model's KV pool {cls.__name__}:")
-    assert spec_pool_refusal(SimpleNamespace(speculative_algorithm=None), pool(MLATokenToKVPool), draft=False) == ""
+    assert spec_pool_refusal(None, pool(MLATokenToKVPool), draft=False) == ""
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

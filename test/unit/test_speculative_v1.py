@@ -371,13 +371,13 @@ def test_without_the_verify_hook_the_kept_drafts_are_unwritten_and_reported():
 
 def test_spec_v1_is_a_config_fact_and_its_draft_pool_is_verified_with_or_without_cuda_graphs():
     from kv_canary.adapter.draft import draft_skip_reason
-    from kv_canary.adapter.speculative import is_spec_v1
+    from kv_canary.adapter.facts import SpecFacts
 
     args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=2, disable_overlap_schedule=True)
-    assert is_spec_v1(args)
-    assert not is_spec_v1(SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=1,
-                                          disable_overlap_schedule=False))
-    assert not is_spec_v1(SimpleNamespace(speculative_algorithm=None, disable_overlap_schedule=True))
+    assert SpecFacts.read(args, "raise").tree_verify
+    assert not SpecFacts.read(SimpleNamespace(speculative_algorithm="EAGLE", speculative_eagle_topk=1,
+                                              disable_overlap_schedule=False), "raise").tree_verify
+    assert SpecFacts.read(SimpleNamespace(speculative_algorithm=None, disable_overlap_schedule=True), "raise") is None
     for graphs_off in (False, True):  # test_speculative_v1_draft.py: eager and replayed draft rounds
         args.disable_cuda_graph = graphs_off
         assert draft_skip_reason(args, "raise") == ""

@@ -15,6 +15,8 @@ bonus token pending for ``next_token``; one Triton launch), before the next forw
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 def _target_manager(worker):
     runner = getattr(getattr(worker, "target_worker", None), "model_runner", None)
@@ -35,16 +37,6 @@ def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
                             next_token_ids=result.next_token_ids, accept_lens=accept_lens,
                             batch_size=int(batch.req_pool_indices.shape[0]),
                             n=int(result.speculative_num_draft_tokens))
-
-
-EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # served by EAGLEWorker (spec v1) / EAGLEWorkerV2 (spec v2)
-
-
-def is_spec_v1(server_args) -> bool:
-    """sglang runs EAGLE through spec v1 (``EAGLEWorker``): the overlap scheduler off, which sglang forces for
-    topk > 1 (``ServerArgs.__post_init__``; ``SpeculativeAlgorithm.create_worker`` picks the worker by it)."""
-    return (getattr(server_args, "speculative_algorithm", None) in EAGLE_ALGORITHMS
-            and bool(getattr(server_args, "disable_overlap_schedule", False)))
 
 
 def around_eagle_v1_verify(original, worker, batch, *args, **kwargs):
@@ -76,7 +68,7 @@ def around_eagle_v1_verify(original, worker, batch, *args, **kwargs):
 SPEC_POOL_CLASSES = ("MHATokenToKVPool",)  # the pools speculative decoding was run end to end with (target, draft)
 
 
-def spec_pool_refusal(server_args, pool, *, draft: bool) -> str:
+def spec_pool_refusal(algorithm: Optional[str], pool, *, draft: bool) -> str:
     """'' where speculative decoding over ``pool`` is verified, else why not (naming ``--speculative-algorithm``).
 
     MTP drafts run through the same ``EAGLEWorkerV2`` as EAGLE (``--speculative-algorithm EAGLE``/``NEXTN``,
@@ -86,7 +78,6 @@ def spec_pool_refusal(server_args, pool, *, draft: bool) -> str:
     linear-attention (Qwen3-Next/Qwen3.5, Nemotron-H MTP): none has been run with speculative decoding, so
     none is verified (refused on the target, the draft pool skipped with its startup line on the draft).
     """
-    algorithm = getattr(server_args, "speculative_algorithm", None)
     name = type(pool).__name__
     if not algorithm or name in SPEC_POOL_CLASSES:
         return ""

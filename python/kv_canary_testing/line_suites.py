@@ -1,0 +1,63 @@
+"""Which test files run on which sglang line (read by test/conftest.py and scripts/run_suite.py).
+
+Test files that drive what only one sglang line's adapter verifies (python/kv_canary/adapter/lines): on
+another line they are not collected (their sglang imports may not even exist there), and the run's header
+(and run_suite's file list) says so, with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+# Test files that drive what only one sglang line's adapter verifies (python/kv_canary/adapter/lines): on another
+# line they are not collected (their sglang imports may not even exist there), and the run's header says so.
+ONLY_ON_LINE = {
+    "0.5.12 (same code on both lines)": {
+        "why": "drives the core (kernels, token oracle, scrub) through hooks the newest-line files already drive on "
+               "0.5.23; the CPU CI runs it once, on 0.5.12 (scripts/test.sh: the whole suite on one line, the "
+               "line-specific e2e on the other)",
+        "line": "0.5.12",
+        "files": (
+            "registered/kv_canary/test_e2e_real_data.py", "registered/kv_canary/test_e2e_perturb_real_kv_used.py",
+            "registered/kv_canary/test_e2e_fed_positions_tokens.py",
+        ),
+    },
+    "0.5.12": {
+        "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): speculative decoding, PD, "
+               "SWA / MLA / hybrid-linear pools, contain, TP; or the test drives 0.5.12's own classes",
+        "files": (
+            "unit/test_mamba_radix_index.py", "unit/test_pools.py", "unit/test_speculative.py",
+            "unit/test_speculative_draft.py", "unit/test_speculative_v1.py", "unit/test_speculative_v1_draft.py",
+            "unit/test_swa_radix_index.py", "unit/test_perturb_and_radix.py", "unit/test_plugin.py", "unit/test_pd.py",
+            "unit/test_speculative_eagle3.py",
+            "registered/kv_canary/test_e2e_contain.py", "registered/kv_canary/test_e2e_hybrid_linear.py",
+            "registered/kv_canary/test_e2e_mla_fp8.py", "registered/kv_canary/test_e2e_pd.py",
+            "registered/kv_canary/test_e2e_speculative.py", "registered/kv_canary/test_e2e_speculative_eagle3.py",
+            "registered/kv_canary/test_e2e_speculative_mtp.py", "registered/kv_canary/test_e2e_speculative_perturb.py",
+            "registered/kv_canary/test_e2e_speculative_v1.py", "registered/kv_canary/test_e2e_swa.py",
+            "registered/kv_canary/test_e2e_tp.py", "registered/kv_canary/test_refused_configs.py",
+        ),
+    },
+    "0.5.23": {
+        "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
+        "files": ("registered/kv_canary/test_e2e_newest_line.py",),
+    },
+}
+
+
+
+
+def installed_sglang() -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def not_on_this_line() -> Dict[str, str]:
+    """{test file relative to test/: why it is not run on the installed sglang line}."""
+    line = installed_sglang()
+    return {f: f"only on sglang {spec.get('line', only)}: {spec['why']}" for only, spec in ONLY_ON_LINE.items()
+            if spec.get("line", only) != line for f in spec["files"]}
