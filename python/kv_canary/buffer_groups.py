@@ -205,3 +205,19 @@ def attach_canary_buffers(pool: object, config: CanaryConfig, device: torch.devi
     groups = [build_group(layout, config, device) for layout in extractor(pool, context or PoolContext())]
     pool.kv_canary_groups = groups
     return groups
+
+
+def groups_still_view(pool: object, groups: Sequence[CanaryBufferGroup], context: Optional[PoolContext] = None) -> bool:
+    """Do ``groups`` still view the pool's live K/V buffers (same tensors, same slot count)?
+
+    False when the engine rebuilt or resized the pool after the canary attached (the records and
+    zero-copy views would no longer match it).
+    """
+    layouts = _REGISTRY[type(pool)](pool, context or PoolContext())
+    for layout, group in zip(layouts, groups):
+        live = [*layout.k_buffers, *(layout.v_buffers or [])]
+        if {t.data_ptr() for t in live} != {row.view.data_ptr() for row in group.rows}:
+            return False
+        if int(live[0].shape[0]) != int(group.rows[0].view.shape[0]):
+            return False
+    return len(layouts) == len(groups)

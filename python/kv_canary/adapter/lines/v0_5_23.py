@@ -19,7 +19,7 @@ The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adap
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
 (verified on the GPU host only for 0.5.12), ``contain`` (its eviction of chosen nodes is not
 ported to the unified tree), speculative decoding, PD disaggregation, tensor parallel.
-Verified pools: ``MHATokenToKVPool`` (checked at install).
+Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool`` (checked at install).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ HOOKS: HookTable = {
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
 }
-VERIFIED_POOLS = ("MHATokenToKVPool",)
+VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
 
 
 def unported(server_args: Any) -> str:
@@ -164,17 +164,16 @@ def after_profile_available_bytes(available_bytes, configurator, *args, **kwargs
 def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
     """Start reporting once the model worker is ready, and refuse a KV pool sglang rebuilt after install (0.5.23's
     post-capture KV sizing): the canary's records and zero-copy views would no longer match it."""
+    from ...buffer_groups import groups_still_view
     from ...config import FLAG_MODE, CanaryConfigError
     from ..hooks import canary_of
+    from ..pools import pool_context
 
     runner = scheduler.tp_worker.model_runner
     manager = canary_of(runner)
     if manager is None or manager.init_finished:
         return
-    pool = runner.token_to_kv_pool
-    live = {t.data_ptr() for t in (*pool.k_buffer, *pool.v_buffer)}
-    viewed = {row.view.data_ptr() for row in manager.groups[0].rows}
-    if live != viewed or int(pool.k_buffer[0].shape[0]) != manager.groups[0].num_slots:
+    if not groups_still_view(runner.token_to_kv_pool, manager.groups, pool_context(runner)):
         raise CanaryConfigError(f"{FLAG_MODE} {manager.config.mode.value}: sglang rebuilt the KV pool after the "
                                 "canary was installed (post-capture KV sizing); not verified on sglang 0.5.23 yet: "
                                 "pass --disable-cuda-graph or use sglang 0.5.12")
