@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..speculative import verify_table_entries
 from ..token_oracle import UNKNOWN
-from .triton_kernels import _chain_term
+from .slot_checks import _chain_term
 
 ACCEPT_BLOCK = 16
 

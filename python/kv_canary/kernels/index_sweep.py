@@ -2,7 +2,7 @@
 
 Lane ``s`` of ``num_slots`` checks slot ``s`` if ``held[s]``: its record against the
 cache's claim (position, predecessor's chain, token) and its live K/V bytes, with the
-same check as HEAD (``triton_kernels._check_slots``). Ring rows get batch_index = row = -1.
+same check as HEAD (``slot_checks._check_slots``). Ring rows get batch_index = row = -1.
 Device work: one pass over the index (13 bytes per slot) plus ~100 bytes per held slot;
 the grid depends only on the pool size. The torch twin is ``reference.launch_index_sweep``.
 
@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .. import fingerprint as fp
-from .triton_kernels import _append_violations, _check_slots, _hash_args, _map_args, _translate, hash_word_tile
+from .slot_checks import _append_violations, _check_slots, _translate
+from .triton_kernels import _hash_args, _map_args, hash_word_tile
 
 SWEEP_BLOCK = 256
 _C_REPORT_ENABLED = tl.constexpr(fp.C_REPORT_ENABLED)
