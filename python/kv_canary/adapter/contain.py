@@ -1,5 +1,8 @@
 """The sglang side of ``--kv-canary contain``: abort requests by rid and evict radix-cache nodes by slot.
 
+This is sglang 0.5.12's (``RadixCache``'s Python nodes); 0.5.23's scheduler and ``UnifiedRadixCache``
+are in ``contain_unified`` (a subclass, chosen by ``SglangLine.containment``).
+
 ``SchedulerContainment.submit`` (called from ``CanaryManager.poll``, inside a
 forward) only queues; ``apply`` runs at the scheduler's next safe point -- right
 after ``Scheduler.process_input_requests``, where sglang itself handles

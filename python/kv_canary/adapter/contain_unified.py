@@ -190,7 +190,8 @@ class UnifiedTreeEvictor:
 
 
 class TreeSnapshot:
-    """One walk of the tree: slot -> row, the rows below each row, and the slots no running request holds."""
+    """One walk of the tree: slot -> row, the rows below each row, and the slots no running request holds
+    (numpy over the walk's host rows; no per-slot Python work unless a pending slot is cached and unlocked)."""
 
     def __init__(self, evictor: UnifiedTreeEvictor):
         core = evictor._core
@@ -198,14 +199,24 @@ class TreeSnapshot:
         walk = core.walk_for_kv_canary(False, False)
         self.slots = walk.slot_indices.numpy()
         self.positions = walk.positions.numpy()
-        prev = walk.prev_slot_indices.numpy()
-        self.row: Dict[int, int] = {int(s): i for i, s in enumerate(self.slots.tolist())}
-        self.parent = np.array([self.row.get(int(p), -1) for p in prev.tolist()], dtype=np.int64)
+        n = len(self.slots)
+        lut = np.full(int(self.slots.max()) + 2 if n else 1, -1, dtype=np.int64)  # slot -> row; lut[-1] = -1
+        lut[self.slots] = np.arange(n, dtype=np.int64)
+        self._lut = lut
+        self.parent = lut[walk.prev_slot_indices.numpy()]  # prev slot -1 (position 0) -> lut[-1] = -1
         order = np.argsort(self.parent, kind="stable")  # rows grouped by parent row: children of r = a run
         self._by_parent = order
-        self._first = np.searchsorted(self.parent[order], np.arange(len(self.slots)), side="left")
-        self._last = np.searchsorted(self.parent[order], np.arange(len(self.slots)), side="right")
-        self.unlocked = set(core.walk_for_kv_canary(True, False).slot_indices.tolist())
+        self._first = np.searchsorted(self.parent[order], np.arange(n), side="left")
+        self._last = np.searchsorted(self.parent[order], np.arange(n), side="right")
+        self._unlocked = np.zeros(len(lut), dtype=bool)
+        free = core.walk_for_kv_canary(True, False).slot_indices.numpy()
+        self._unlocked[free[free < len(lut) - 1]] = True
+
+    def _row(self, slot: int) -> Optional[int]:
+        if not 0 <= slot < len(self._lut) - 1:
+            return None
+        r = int(self._lut[slot])
+        return r if r >= 0 else None
 
     def _children(self, r: int):
         return self._by_parent[self._first[r]:self._last[r]]
@@ -220,8 +231,8 @@ class TreeSnapshot:
     def subtree_nodes(self, slot: int, namespaces: Sequence[Namespace]) -> Optional[List[int]]:
         """Node ids of the node holding ``slot`` and of its whole subtree, deepest first; None if the slot is
         not cached, a running request holds it, or a leaf below it cannot be resolved to a node."""
-        r = self.row.get(int(slot))
-        if r is None or int(slot) not in self.unlocked:
+        r = self._row(int(slot))
+        if r is None or not self._unlocked[int(slot)]:
             return None
         position = int(self.positions[r])
         starts: Dict[int, int] = {}  # node id -> first position
