@@ -118,7 +118,10 @@ class UnifiedSchedulerContainment(SchedulerContainment):
             self.evicted_nodes += dropped
             self.evicted_tokens += tokens
             logger.error(format_line(CONTAIN_PREFIX, "evict", {"slot": slot, "nodes": dropped, "tokens": tokens}))
-            del self._slots[slot]
+            if dropped == len(nodes):
+                del self._slots[slot]
+            else:  # stopped below the bad slot's node (see drop): the rest is retried
+                self._slots[slot] -= 1
             snap = evictor.snapshot()  # the tree changed
 
     def _namespace_order(self) -> List[Namespace]:
@@ -132,6 +135,7 @@ class UnifiedTreeEvictor:
         self._tree = tree_cache
         self._core = tree_cache.tree_core
         self._records = records
+        self.warned = set()  # slots whose unresolved subtree was logged (once each)
 
     @staticmethod
     def supports(tree_cache) -> bool:
@@ -245,8 +249,10 @@ class TreeSnapshot:
                 continue
             leaf = self._evictor.resolve_leaf(self._chain(cur), namespaces)
             if leaf is None:
-                logger.warning("kv_canary: contain: the cache node below slot %d (leaf slot %d) was not found by "
-                               "its key; retried later", slot, int(self.slots[cur]))
+                if slot not in self._evictor.warned and len(self._evictor.warned) < 4096:
+                    self._evictor.warned.add(slot)
+                    logger.warning("kv_canary: contain: the cache node below slot %d (leaf slot %d) was not found "
+                                   "by its key (another namespace?); retried later", slot, int(self.slots[cur]))
                 return None
             for info in self._evictor._core.collect_path_info([leaf])[0]:
                 if info.path_end > position:
