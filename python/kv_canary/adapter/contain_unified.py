@@ -122,6 +122,8 @@ class UnifiedSchedulerContainment(SchedulerContainment):
                 del self._slots[slot]
             else:  # stopped below the bad slot's node (see drop): the rest is retried
                 self._slots[slot] -= 1
+                if self._slots[slot] <= 0:
+                    del self._slots[slot]
             snap = evictor.snapshot()  # the tree changed
 
     def _namespace_order(self) -> List[Namespace]:
