@@ -42,6 +42,12 @@ ONLY_ON_LINE = {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
         "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),
     },
+    "0.5.23 (covered on 0.5.12 by another file)": {
+        "why": "the paged pool on 0.5.12 is driven by test_e2e_real_data's page-16 case (sweep included); the "
+               "CPU CI runs this file on 0.5.23, whose unified radix tree it drives",
+        "line": "0.5.23",
+        "files": ("registered/kv_canary/test_e2e_page_size.py",),
+    },
 }
 
 
