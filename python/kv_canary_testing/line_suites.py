@@ -51,8 +51,6 @@ ONLY_ON_LINE = {
 }
 
 
-
-
 def installed_sglang() -> Optional[str]:
     from importlib.metadata import PackageNotFoundError, version
 
