@@ -24,13 +24,13 @@ ONLY_ON_LINE = {
     },
     "0.5.12": {
         "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): speculative decoding, PD, "
-               "SWA / hybrid-linear pools, contain, TP; or the test drives 0.5.12's own classes",
+               "SWA / hybrid-linear pools, TP; or the test drives 0.5.12's own classes",
         "files": (
             "unit/test_mamba_radix_index.py", "unit/test_pools.py", "unit/test_speculative.py",
             "unit/test_speculative_draft.py", "unit/test_speculative_v1.py", "unit/test_speculative_v1_draft.py",
             "unit/test_swa_radix_index.py", "unit/test_perturb_and_radix.py", "unit/test_plugin.py", "unit/test_pd.py",
             "unit/test_speculative_eagle3.py",
-            "registered/kv_canary/test_e2e_contain.py", "registered/kv_canary/test_e2e_hybrid_linear.py",
+            "registered/kv_canary/test_e2e_hybrid_linear.py",
             "registered/kv_canary/test_e2e_pd.py",
             "registered/kv_canary/test_e2e_speculative.py", "registered/kv_canary/test_e2e_speculative_eagle3.py",
             "registered/kv_canary/test_e2e_speculative_mtp.py", "registered/kv_canary/test_e2e_speculative_perturb.py",
@@ -40,7 +40,7 @@ ONLY_ON_LINE = {
     },
     "0.5.23": {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
-        "files": ("registered/kv_canary/test_e2e_newest_line.py",),
+        "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),
     },
     "0.5.23 (covered on 0.5.12 by another file)": {
         "why": "the paged pool on 0.5.12 is driven by test_e2e_real_data's page-16 case (sweep included); the "
@@ -49,8 +49,6 @@ ONLY_ON_LINE = {
         "files": ("registered/kv_canary/test_e2e_page_size.py",),
     },
 }
-
-
 
 
 def installed_sglang() -> Optional[str]:

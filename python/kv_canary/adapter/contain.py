@@ -1,5 +1,8 @@
 """The sglang side of ``--kv-canary contain``: abort requests by rid and evict radix-cache nodes by slot.
 
+This is sglang 0.5.12's (``RadixCache``'s Python nodes); 0.5.23's scheduler and ``UnifiedRadixCache``
+are in ``contain_unified`` (a subclass, chosen by ``SglangLine.containment``).
+
 ``SchedulerContainment.submit`` (called from ``CanaryManager.poll``, inside a
 forward) only queues; ``apply`` runs at the scheduler's next safe point -- right
 after ``Scheduler.process_input_requests``, where sglang itself handles
@@ -100,19 +103,12 @@ class SchedulerContainment:
             self._evict()
 
     def _abort(self, aborts: Dict[str, str]) -> None:
-        from sglang.srt.managers.io_struct import AbortReq
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         s = self._scheduler
         found = set()
         state: Dict[str, str] = {}  # rid -> aborted | finished (before the abort reached it)
-        running = list(s.running_batch.reqs)
-        for batch in (getattr(s, "cur_batch", None), getattr(s, "last_batch", None)):
-            if batch is not None and batch is not s.running_batch:
-                running += list(batch.reqs)
-        if getattr(s, "chunked_req", None) is not None:
-            running.append(s.chunked_req)
-        for req in running:
+        for req in self._inflight_reqs():
             message = aborts.get(req.rid)
             if message is None or req.rid in found:
                 continue
@@ -132,13 +128,34 @@ class SchedulerContainment:
             state[req.rid] = "aborted"
             s.waiting_queue.pop(i)
             req.skip_radix_cache_insert = True
-            s.send_to_tokenizer.send_output(
-                AbortReq(rid=req.rid, finished_reason=FINISH_ABORT(message=message).to_json(), abort_message=message),
-                req,
-            )
+            self._answer_queued(req, message)
         for rid in aborts:  # finished/gone: it completed within the detection delay (the stated bound)
             logger.error(format_line(CONTAIN_PREFIX, "abort", {"rid": rid, "state": state.get(rid, "gone")}))
         self.aborted += sum(1 for v in state.values() if v == "aborted")
+
+    # ------------------------------------------------------------------ what differs per sglang line
+    # (0.5.23: contain_unified.UnifiedSchedulerContainment, chosen by SglangLine.containment)
+
+    def _inflight_reqs(self) -> List[object]:
+        """The requests a forward may be running for: the running batch, the current/last batch, the chunked one."""
+        s = self._scheduler
+        running = list(s.running_batch.reqs)
+        for batch in (getattr(s, "cur_batch", None), getattr(s, "last_batch", None)):
+            if batch is not None and batch is not s.running_batch:
+                running += list(batch.reqs)
+        if getattr(s, "chunked_req", None) is not None:
+            running.append(s.chunked_req)
+        return running
+
+    def _answer_queued(self, req, message: str) -> None:
+        """A queued request was removed from the waiting queue: answer it with ``AbortReq``."""
+        from sglang.srt.managers.io_struct import AbortReq
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        self._scheduler.send_to_tokenizer.send_output(
+            AbortReq(rid=req.rid, finished_reason=FINISH_ABORT(message=message).to_json(), abort_message=message),
+            req,
+        )
 
     def _evict(self) -> None:
         tree = getattr(self._scheduler, "tree_cache", None)

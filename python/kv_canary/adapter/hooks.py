@@ -131,13 +131,11 @@ def attach_to_scheduler(scheduler, manager, *, metrics_enabled: bool) -> None:
         from .metrics import CanaryMetrics
 
         scheduler.kv_canary_metrics = CanaryMetrics(collector.labels)
-    if manager.config.mode is CanaryMode.CONTAIN:
-        from .contain import SchedulerContainment
-
-        scheduler.kv_canary_containment = SchedulerContainment(scheduler)
-        manager.attach_containment(scheduler.kv_canary_containment)
     from .lines import current_line
 
+    if manager.config.mode is CanaryMode.CONTAIN:
+        scheduler.kv_canary_containment = current_line().containment(scheduler, manager)
+        manager.attach_containment(scheduler.kv_canary_containment)
     tree = getattr(scheduler, "tree_cache", None)
     view = current_line().prefix_cache_view(tree, manager)
     if view is not None:

@@ -5,6 +5,10 @@ A ``real_kv_used`` perturbation flips hashed bytes of slots a forward reads (thr
 injections, then none). Every request a violation names fails with finish reason
 abort and the canary's message; every other request of the concurrent workload
 succeeds; each aborted prompt, retried, succeeds with zero new violations.
+
+Runs on both sglang lines: 0.5.12 evicts from ``RadixCache`` (``adapter/contain``), 0.5.23 from
+``UnifiedRadixCache`` through its tree core (``adapter/contain_unified``). ``--kv-canary-real-data partial``
+is passed explicitly (0.5.12's default; 0.5.23's upstream default is ``none``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ ENV = {
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
     "SGLANG_KV_CANARY_PERTURB_SEED": "5",
     "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(INJECTIONS),
-    # inside the window the default --kv-canary-real-data partial hashes: every injection is detected
+    # inside the window --kv-canary-real-data partial hashes: every injection is detected
     "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed",
 }
 MESSAGE = "kv-canary contain: aborted"
@@ -34,7 +38,8 @@ MESSAGE = "kv-canary contain: aborted"
 @pytest.fixture(scope="module")
 def contain_server(tmp_path_factory):
     srv = canary_server("contain", log_path=tmp_path_factory.mktemp("contain") / "server.log", env=ENV,
-                        extra_args=["--kv-canary-sweep-interval", "8", "--enable-metrics"])
+                        extra_args=["--kv-canary-real-data", "partial", "--kv-canary-sweep-interval", "8",
+                                    "--enable-metrics"])
     srv.start(timeout=600)
     try:
         yield srv

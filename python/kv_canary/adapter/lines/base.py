@@ -22,6 +22,13 @@ def _req_pool_idx(req: Any) -> int:
     return req.req_pool_idx
 
 
+def _radix_containment(scheduler: Any, manager: Any) -> Any:
+    from ..contain import SchedulerContainment
+
+    del manager
+    return SchedulerContainment(scheduler)
+
+
 @dataclass(frozen=True)
 class SglangLine:
     """One sglang release line.
@@ -47,6 +54,9 @@ class SglangLine:
     # (tree cache, manager) -> the reader the sweep and the unused-cache perturbation use, or None; and its trees
     prefix_cache_view: Callable[[Any, Any], Any] = lambda tree, manager: None
     prefix_caches: str = "no prefix cache"
+    # (scheduler, manager) -> --kv-canary contain's scheduler side: aborts, and eviction from this line's radix
+    # cache (0.5.12: contain.SchedulerContainment, RadixCache nodes; 0.5.23: contain_unified, UnifiedRadixCache)
+    containment: Callable[[Any, Any], Any] = _radix_containment
 
     def required_hooks(self, *, pd: bool, spec: bool) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {})}

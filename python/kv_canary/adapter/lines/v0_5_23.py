@@ -15,10 +15,10 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 ``--kv-canary-sweep-interval``, upstream's names, meanings and defaults: real data
 ``none`` unless given); the plugin adds ``contain`` to ``--kv-canary``'s choices.
 
-The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``).
+The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
+``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
-(verified on the GPU host only for 0.5.12), ``contain`` (its eviction of chosen nodes is not
-ported to the unified tree), speculative decoding, PD disaggregation, tensor parallel.
+(verified on the GPU host only for 0.5.12), speculative decoding, PD disaggregation, tensor parallel.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool`` (checked at install).
 """
 
@@ -61,9 +61,6 @@ def unported(server_args: Any) -> str:
                                                                                         False):
         return ("CUDA graphs on sglang 0.5.23 are not verified yet (the GPU host cannot load 0.5.23's torch); "
                 "pass --disable-cuda-graph, or use sglang 0.5.12")
-    if str(getattr(server_args, "kv_canary", "none")) == "contain":
-        return ("contain evicts corrupt slots from sglang's radix cache, and 0.5.23's UnifiedRadixCache is not "
-                "followed yet; use --kv-canary log or raise")
     if getattr(server_args, "speculative_algorithm", None):
         return ("speculative decoding on sglang 0.5.23 is not verified yet; drop --speculative-algorithm, or use "
                 "sglang 0.5.12")
@@ -226,11 +223,18 @@ def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
     setup_scheduler(scheduler, metrics_enabled=bool(getattr(reporter, "current_scheduler_metrics_enabled", False)))
 
 
+def containment(scheduler, manager):
+    """``--kv-canary contain``'s scheduler side on this line: 0.5.23's abort path and ``UnifiedRadixCache``."""
+    from ..contain_unified import UnifiedSchedulerContainment
+
+    return UnifiedSchedulerContainment(scheduler, manager)
+
+
 def req_row(req) -> int:
     """0.5.23 keeps a request's KV bookkeeping in ``Req.kv`` (``req_pool_idx`` moved there)."""
     return req.kv.req_pool_idx
 
 
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
-                  policy=POLICY_0_5_23, unported=unported, req_row=req_row,
+                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, containment=containment,
                   prefix_cache_view=unified_view_for, prefix_caches="UnifiedRadixCache (full-attention tree)")
