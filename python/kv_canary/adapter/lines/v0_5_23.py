@@ -17,8 +17,10 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
+Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel context (``tp_rank``; the
+``ModelRunner`` has no ``tp_rank`` there); contain's ranks agree over the scheduler's ``tp_cpu_group``.
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
-(verified on the GPU host only for 0.5.12), speculative decoding, PD disaggregation, tensor parallel.
+(verified on the GPU host only for 0.5.12), speculative decoding, PD disaggregation.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool`` (checked at install).
 """
 
@@ -64,8 +66,6 @@ def unported(server_args: Any) -> str:
     if getattr(server_args, "speculative_algorithm", None):
         return ("speculative decoding on sglang 0.5.23 is not verified yet; drop --speculative-algorithm, or use "
                 "sglang 0.5.12")
-    if int(getattr(server_args, "tp_size", 1) or 1) > 1:
-        return "tensor parallel on sglang 0.5.23 is not verified yet; drop --tp-size, or use sglang 0.5.12"
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")
@@ -130,10 +130,10 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
 
         check_supported(server_args, config.mode.value)
         check_hooks_applied(server_args)
-        pool = type(getattr(model_runner, "token_to_kv_pool", None)).__name__
-        if pool not in VERIFIED_POOLS:
+        pool, verified = type(getattr(model_runner, "token_to_kv_pool", None)).__name__, _running_line().verified_pools
+        if verified is not None and pool not in verified:
             raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
-                                    f"{_running_line().name} yet (verified: {', '.join(VERIFIED_POOLS)}); use sglang "
+                                    f"{_running_line().name} yet (verified: {', '.join(verified)}); use sglang "
                                     f"0.5.12 or {FLAG_MODE} none")
     reserved = _RESERVED.get(id(getattr(model_runner, "kv_cache_configurator", None)))
     if reserved is not None:
@@ -235,6 +235,15 @@ def req_row(req) -> int:
     return req.kv.req_pool_idx
 
 
+def tp_rank(model_runner) -> int:
+    """0.5.23's ``ModelRunner`` has no ``tp_rank``: the process's parallel context holds it."""
+    del model_runner
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_rank)
+
+
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
-                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, containment=containment,
+                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
+                  verified_pools=VERIFIED_POOLS, containment=containment,
                   prefix_cache_view=unified_view_for, prefix_caches="UnifiedRadixCache (full-attention tree)")
