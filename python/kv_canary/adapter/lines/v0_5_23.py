@@ -21,7 +21,8 @@ Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel contex
 ``ModelRunner`` has no ``tp_rank`` there); contain's ranks agree over the scheduler's ``tp_cpu_group``.
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
 (verified on the GPU host only for 0.5.12), speculative decoding, PD disaggregation.
-Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool`` (checked at install).
+Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
+SWA allocator's mapping; checked at install).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ HOOKS: HookTable = {
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
 }
-VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
+VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool")
 
 
 def unported(server_args: Any) -> str:
@@ -246,4 +247,5 @@ def tp_rank(model_runner) -> int:
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
-                  prefix_cache_view=unified_view_for, prefix_caches="UnifiedRadixCache (full-attention tree)")
+                  prefix_cache_view=unified_view_for,
+                  prefix_caches="UnifiedRadixCache (full-attention and hybrid-SWA trees)")
