@@ -24,7 +24,8 @@ ONLY_ON_LINE = {
     },
     "0.5.12": {
         "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): speculative decoding, PD, "
-               "hybrid-linear pools; or the test drives 0.5.12's own classes (SWARadixCache, MambaRadixCache, ...)",
+               "the GPU hybrid-linear e2e (sglang's own Qwen3-Next; 0.5.23 cannot load on the GPU host); or the "
+               "test drives 0.5.12's own classes (SWARadixCache, MambaRadixCache, ...)",
         "files": (
             "unit/test_mamba_radix_index.py", "unit/test_pools.py", "unit/test_speculative.py",
             "unit/test_speculative_draft.py", "unit/test_speculative_v1.py", "unit/test_speculative_v1_draft.py",
@@ -38,8 +39,10 @@ ONLY_ON_LINE = {
         ),
     },
     "0.5.23": {
-        "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
-        "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),
+        "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache; "
+               "the CPU hybrid-linear stand-in needs 0.5.23's --mamba-radix-cache-strategy no_buffer)",
+        "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py",
+                  "registered/kv_canary/test_e2e_hybrid_linear_cpu.py"),
     },
     "0.5.12 and 0.5.23": {
         "why": "sglang 0.5.17's adapter refuses contain, tensor parallel and SWAKVPool at startup "

@@ -150,3 +150,115 @@ def test_the_sweep_reads_a_hybrid_swa_tree_and_reaches_the_swa_group_only_where_
             assert torch.equal(index.pred[slots].to(torch.int64), walk.prev_slot_indices.clamp(min=0))
             assert torch.equal(index.token[slots].to(torch.int64), t.records[slots, 0])
     assert swa_tombstones > 0  # the SWA eviction left full slots without their SWA KV along the way
+
+
+# ---------------------------------------------------------------- the sweep over a hybrid-mamba UnifiedRadixCache
+
+MAMBA_STATES = 6
+
+
+class MambaTree:
+    """sglang 0.5.23's own ``HybridReqToTokenPool`` (mamba states), KV allocator and a FULL + MAMBA tree."""
+
+    def __init__(self, backend: str):
+        import torch
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.environ import envs
+        from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.events import KvEventLoraNames
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool, MHATokenToKVPool
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        from kv_canary_testing.model_dir import write_tiny_hybrid_linear_model_dir
+
+        set_global_server_args_for_scheduler(ServerArgs(
+            model_path=str(write_tiny_hybrid_linear_model_dir()), page_size=1, device="cpu", load_format="dummy",
+            attention_backend="torch_native", disable_cuda_graph=True, mamba_radix_cache_strategy="no_buffer",
+            disable_overlap_schedule=True))
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=8, n_groups=1, num_heads=2, head_dim=4,
+                                        state_size=4, conv_kernel=2)
+        self.req_pool = HybridReqToTokenPool(
+            size=4, mamba_size=MAMBA_STATES, mamba_spec_state_size=MAMBA_STATES, max_context_len=64, device="cpu",
+            enable_memory_saver=False, cache_params=Mamba2CacheParams(shape=shape, layers=[0]), mamba_layer_ids=[0],
+            enable_mamba_extra_buffer=False, enable_overlap_schedule=False)
+        pool = MHATokenToKVPool(size=FULL_SLOTS, page_size=1, dtype=torch.float32, head_num=1, head_dim=4,
+                                layer_num=1, device="cpu", enable_memory_saver=False)
+        self.alloc = TokenToKVPoolAllocator(size=FULL_SLOTS, dtype=torch.float32, device="cpu", kvcache=pool,
+                                            need_sort=False)
+        params = CacheInitParams(req_to_token_pool=self.req_pool, token_to_kv_pool_allocator=self.alloc, page_size=1,
+                                 disable=False, tree_components=(ComponentType.FULL, ComponentType.MAMBA),
+                                 kv_event_lora_names=KvEventLoraNames())
+        with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override(backend):
+            self.tree = UnifiedRadixCache(params=params)
+        self.records = torch.zeros((FULL_SLOTS + 2, 5), dtype=torch.int64)
+
+    def request(self, tokens) -> bool:
+        """Match (up to the last cached mamba state), allocate the rest and a state, insert; False when full."""
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(array("q", tokens))
+        m = self.tree.match_prefix(MatchPrefixParams(key=key))
+        core = self.tree.tree_core
+        prefix = core.collect_full_device_indices(m.last_device_node, core.root_node_handle())[:m.device_prefix_len]
+        new, state = self.alloc.alloc(len(tokens) - len(prefix)), self.req_pool.mamba_allocator.alloc(1)
+        if new is None or state is None:
+            for held in (new, state):
+                if held is not None:
+                    (self.alloc if held is new else self.req_pool.mamba_allocator).free(held)
+            return False
+        value = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+        self.records[value, 0] = torch.tensor(tokens, dtype=torch.int64)
+        result = self.tree.insert(InsertParams(key=key, value=value, mamba_value=state, prev_prefix_len=len(prefix)))
+        if result.mamba_exist:
+            self.req_pool.mamba_allocator.free(state)
+        return True
+
+
+@on_0_5_23
+@pytest.mark.parametrize("backend", ["rust", "python"])
+def test_the_sweep_reads_a_hybrid_mamba_tree_and_claims_only_slots_the_tree_holds(backend):
+    """``unified_radix`` on a FULL + MAMBA tree: through inserts that share prefixes (sglang frees the duplicate
+    slots of a prefix it already holds), mamba eviction (tombstones keep their KV) and full eviction, the
+    walked slots are distinct, exactly the KV slots the tree keeps allocated (no request runs), and the index
+    the view builds before each sweep holds exactly them, at their positions, chained to their predecessors."""
+    import random
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from kv_canary.adapter.unified_radix import UnifiedRadixCacheView, unified_view_for
+    from kv_canary.cache_index import CachedSlotIndex
+
+    t = MambaTree(backend)
+    view = unified_view_for(t.tree, SimpleNamespace(groups=[SimpleNamespace(records=t.records)]))
+    assert isinstance(view, UnifiedRadixCacheView)
+    index = CachedSlotIndex(FULL_SLOTS + 2, torch.device("cpu"))
+    view.attach_index(index)
+    rng, prefixes, hits = random.Random(7), [list(range(100, 112)), list(range(200, 208))], 0
+    for step in range(40):
+        op = rng.random()
+        if op < 0.6:
+            tokens = rng.choice(prefixes)[:rng.randrange(4, 13)] + [rng.randrange(300, 400) for _ in range(6)]
+            if not t.request(tokens):
+                t.tree.evict(EvictParams(num_tokens=24, mamba_num=2))
+        elif op < 0.85:
+            t.tree.evict(EvictParams(num_tokens=0, mamba_num=rng.randrange(1, 3)))
+        else:
+            t.tree.evict(EvictParams(num_tokens=rng.randrange(4, 20)))
+        walk = t.tree.tree_core.walk_for_kv_canary(False, False)
+        slots = walk.slot_indices
+        assert len(set(slots.tolist())) == len(slots) == FULL_SLOTS - t.alloc.available_size(), step
+        view.before_sweep()
+        index.apply_pending()
+        assert set(torch.nonzero(index.held).flatten().tolist()) == set(slots.tolist())
+        if len(slots):
+            hits += 1
+            assert torch.equal(index.position[slots].to(torch.int64), walk.positions)
+            assert torch.equal(index.pred[slots].to(torch.int64), walk.prev_slot_indices.clamp(min=0))
+            assert torch.equal(index.token[slots].to(torch.int64), t.records[slots, 0])
+    assert hits > 0

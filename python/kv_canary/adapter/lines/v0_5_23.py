@@ -22,7 +22,8 @@ Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel contex
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
 (verified on the GPU host only for 0.5.12), speculative decoding, PD disaggregation.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
-SWA allocator's mapping; checked at install).
+SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
+is not covered, as on 0.5.12); checked at install.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ HOOKS: HookTable = {
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
 }
-VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool")
+VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
 
 
 def unported(server_args: Any) -> str:
@@ -248,4 +249,4 @@ LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_cana
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
                   prefix_cache_view=unified_view_for,
-                  prefix_caches="UnifiedRadixCache (full-attention and hybrid-SWA trees)")
+                  prefix_caches="UnifiedRadixCache (full-attention, hybrid-SWA and hybrid-mamba trees)")
