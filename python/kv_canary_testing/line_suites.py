@@ -39,17 +39,15 @@ ONLY_ON_LINE = {
         ),
     },
     "0.5.23": {
-        "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache; "
-               "the CPU hybrid-linear stand-in needs 0.5.23's --mamba-radix-cache-strategy no_buffer)",
-        "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py",
-                  "registered/kv_canary/test_e2e_hybrid_linear_cpu.py"),
+        "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
+        "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),
     },
     "0.5.12 and 0.5.23": {
-        "why": "sglang 0.5.17's adapter refuses contain, tensor parallel and SWAKVPool at startup "
-               "(docs/compatibility.md)",
+        "why": "sglang 0.5.17's adapter refuses contain, tensor parallel, SWAKVPool and HybridLinearKVPool at "
+               "startup (docs/compatibility.md)",
         "line": ("0.5.12", "0.5.23"),
         "files": ("registered/kv_canary/test_e2e_contain.py", "registered/kv_canary/test_e2e_tp.py",
-                  "registered/kv_canary/test_e2e_swa.py"),
+                  "registered/kv_canary/test_e2e_swa.py", "registered/kv_canary/test_e2e_hybrid_linear_cpu.py"),
     },
     "0.5.23 (covered on 0.5.12 by another file)": {
         "why": "the paged pool on 0.5.12 is driven by test_e2e_real_data's page-16 case (sweep included); the "
