@@ -262,3 +262,19 @@ def test_the_sweep_reads_a_hybrid_mamba_tree_and_claims_only_slots_the_tree_hold
             assert torch.equal(index.pred[slots].to(torch.int64), walk.prev_slot_indices.clamp(min=0))
             assert torch.equal(index.token[slots].to(torch.int64), t.records[slots, 0])
     assert hits > 0
+
+
+@on_0_5_23
+def test_only_the_no_buffer_mamba_strategy_is_accepted():
+    """The hybrid-linear pool is verified with ``--mamba-radix-cache-strategy no_buffer`` only (install refuses
+    the rest): the reader returns sglang's resolved strategy, and ``no_buffer`` when no radix cache is kept."""
+    from sglang.srt.server_args import ServerArgs
+
+    from kv_canary_testing.model_dir import write_tiny_hybrid_linear_model_dir
+
+    kw = dict(model_path=str(write_tiny_hybrid_linear_model_dir()), device="cpu", attention_backend="torch_native",
+              disable_cuda_graph=True, load_format="dummy", disable_overlap_schedule=True)
+    assert v0_5_23.mamba_strategy(ServerArgs(mamba_radix_cache_strategy="no_buffer", **kw)) == "no_buffer"
+    assert v0_5_23.mamba_strategy(ServerArgs(mamba_radix_cache_strategy="extra_buffer", **kw)) == "extra_buffer"
+    assert v0_5_23.mamba_strategy(ServerArgs(**kw)) == "auto"  # refused: it may resolve to extra_buffer later
+    assert v0_5_23.mamba_strategy(ServerArgs(disable_radix_cache=True, **kw)) == "no_buffer"

@@ -137,11 +137,26 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
             raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
                                     f"{_running_line().name} yet (verified: {', '.join(verified)}); use sglang "
                                     f"0.5.12 or {FLAG_MODE} none")
+        strategy = mamba_strategy(server_args)
+        if pool == "HybridLinearKVPool" and strategy != "no_buffer":
+            raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: --mamba-radix-cache-strategy {strategy} is not "
+                                    f"verified on sglang {_running_line().name} yet (no_buffer only: extra_buffer "
+                                    "snapshots need a GPU platform, where 0.5.23 never ran); pass "
+                                    "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule")
     reserved = _RESERVED.get(id(getattr(model_runner, "kv_cache_configurator", None)))
     if reserved is not None:
         model_runner.kv_canary_reserved_bytes = reserved
     manager = install_canary(server_args=server_args, model_runner=model_runner)
     return None if manager is None else InTreeSlot(manager)
+
+
+def mamba_strategy(server_args) -> str:
+    """The resolved ``--mamba-radix-cache-strategy`` (sglang's view); ``no_buffer`` when the radix cache is off (no
+    mamba state is cached). ``auto`` may still read ``auto`` here and become extra_buffer later: not accepted."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    view = resolved_view(server_args)
+    return "no_buffer" if view.disable_radix_cache else str(view.mamba_radix_cache_strategy)
 
 
 def refuse_in_tree_install(*args, **kwargs):
