@@ -87,3 +87,16 @@ def test_the_extends_run_on_manager_0_and_a_step_past_the_managers_is_an_error()
             assert manager._active == [0] and manager._adapter.draft_step(SimpleNamespace()) == 0
     with pytest.raises(CanaryBracketError):
         slot.with_active_single_forward_manager(2)  # num_steps - 1 = 2 managers: 0 and 1
+
+
+def test_a_draft_phase_batch_before_its_first_step_has_a_host_layout():
+    """0.5.23's ``draft()`` opens the phase's outer step before ``draft_forward`` sets ``input_ids``: the pre-forward
+    perturbations read the host layout of that batch (one token per request per step at topk 1)."""
+    adapter = DraftBatchAdapter(max_batch_size=5, device=torch.device("cpu"), draft_tokens_per_request=4,
+                                decode_steps=2)
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(name="DECODE", is_idle=lambda: False), batch_size=2,
+                         input_ids=None, req_pool_indices=torch.tensor([3, 1]), seq_lens=torch.tensor([7, 9]),
+                         seq_lens_cpu=None, extend_seq_lens=None, extend_seq_lens_cpu=None)
+    batch = adapter.host_batch(fb)
+    assert batch.rows == [3, 1] and batch.new_lens == [1, 1] and batch.seq_lens == [8, 10]  # step 0 writes c
+

@@ -229,6 +229,13 @@ class DraftBatchAdapter(SglangBatchAdapter):
             return []
         return super().written_slots(fb)
 
+    def _tokens_per_request(self, fb, bs: int) -> int:
+        """As the target's; a draft decode phase's batch has no ``input_ids`` before its first step (0.5.23's
+        ``EagleDraftWorker.draft`` opens the outer step first): topk 1 feeds one token per request per step."""
+        if fb.input_ids is None and fb.forward_mode.name == "DECODE" and not self._spec_v1:
+            return 1
+        return SglangBatchAdapter._tokens_per_request(fb, bs)
+
     def host_batch(self, fb):
         batch = super().host_batch(fb)
         if batch is None or fb.forward_mode.name != "DECODE":
