@@ -98,10 +98,12 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
 
 def install_cpu_helpers() -> None:
     """Point sglang's EAGLE modules at the stand-ins (idempotent)."""
-    import importlib.util
-
-    if importlib.util.find_spec("sglang.kernels.ops.speculative.spec_tree") is not None:
-        _install_cpu_helpers_kernels_ops()  # sglang's EAGLE helpers in sglang.kernels.ops (0.5.23's layout)
+    try:
+        from sglang.kernels.ops.speculative import spec_tree  # noqa: F401  0.5.23's layout of the EAGLE helpers
+    except ImportError:
+        pass
+    else:
+        _install_cpu_helpers_kernels_ops()
         return
     from sglang.srt.speculative import eagle_info, eagle_info_v2, eagle_utils, spec_utils
     from sglang.srt.utils.common import next_power_of_2
