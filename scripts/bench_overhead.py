@@ -148,7 +148,20 @@ SWEEP_INTERVAL = 16
 
 # ---------------------------------------------------------------- server configs
 
-OURS, UPSTREAM = "sglang-0.5.12+kv_canary", "sglang-0.5.14"  # the two software stacks
+def _installed_sglang() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - only names the stack in the report
+        return "?"
+
+
+# the software stacks: the installed sglang with this project's plugin, upstream 0.5.14 from --upstream-site, and
+# the installed sglang's own in-tree canary (0.5.13+, chosen with SGLANG_KV_CANARY_IMPL=in-tree)
+OURS, UPSTREAM = f"sglang-{_installed_sglang()}+kv_canary", "sglang-0.5.14"
+IN_TREE = f"sglang-{_installed_sglang()} in-tree canary"
+IN_TREE_ENV = (("SGLANG_KV_CANARY_IMPL", "in-tree"),)
 STORM_ENV = (  # one corruption of a slot a forward reads, never repeated: read again by every later request
     ("SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB", "1"),
     ("SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS", "1"),
@@ -200,6 +213,13 @@ CONFIGS: Dict[str, ServerConfig] = {
         ServerConfig("upstream_sweep16", UPSTREAM, _UP_CANARY + _SWEEP, "upstream", SWEEP_ROWS,
                      env=UPSTREAM_CANARY_ENV),
         ServerConfig("storm", OURS, ("--kv-canary", "log"), "storm", ("shared_prefix",), env=STORM_ENV),
+        # on a line that ships its own canary (0.5.13+): ours and that canary (in the plugin's place) with the same
+        # flags (upstream's rows' flags; real data defaults to none there), against the same sglang without canary
+        ServerConfig("ours_same_flags", OURS, _UP_CANARY, "ours"),
+        ServerConfig("ours_same_flags_sweep16", OURS, _UP_CANARY + _SWEEP, "ours", SWEEP_ROWS),
+        ServerConfig("intree", IN_TREE, _UP_CANARY, "upstream", env=UPSTREAM_CANARY_ENV + IN_TREE_ENV),
+        ServerConfig("intree_sweep16", IN_TREE, _UP_CANARY + _SWEEP, "upstream", SWEEP_ROWS,
+                     env=UPSTREAM_CANARY_ENV + IN_TREE_ENV),
         # issue 7's cost of full coverage: every byte on every read, or the budgeted scrub (not in the summary
         # table; their medians are in the full report, compared with the same run's off server)
         ServerConfig("ours_all", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
@@ -223,6 +243,8 @@ CONFIGS: Dict[str, ServerConfig] = {
 # Off first and again near the end (noise and drift), upstream after ours (its site is installed last).
 DEFAULT_CONFIGS = ("off", "ours", "ours_sweep16", "upstream_off", "upstream", "upstream_sweep16", "off", "storm")
 CPU_DEFAULT_CONFIGS = ("off", "ours", "ours_sweep16", "off", "storm")
+# a line with its own in-tree canary (the GPU host's newest, 0.5.17): off / ours / its in-tree canary, one sglang
+IN_TREE_CONFIGS = ("off", "ours_same_flags", "intree", "ours_same_flags_sweep16", "intree_sweep16", "off")
 
 # ---------------------------------------------------------------- models and server flags
 
@@ -759,7 +781,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in list(args.row_names):
         if ROWS[name].baseline not in args.row_names:
             args.row_names.insert(args.row_names.index(name), ROWS[name].baseline)
-    default = DEFAULT_CONFIGS if args.device == "cuda" else CPU_DEFAULT_CONFIGS
+    default = CPU_DEFAULT_CONFIGS if args.device != "cuda" else (
+        DEFAULT_CONFIGS if _installed_sglang() == "0.5.12" else IN_TREE_CONFIGS)
     names = [c.strip() for c in (args.configs or ",".join(default)).split(",") if c.strip()]
     args.config_names = ["ours" if c == "on" else c for c in names]
     bad = [c for c in args.config_names if c not in CONFIGS]
@@ -776,7 +799,10 @@ def write_results(report: dict, out_path: Path, results_dir: Path) -> None:
     out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     results_dir.mkdir(parents=True, exist_ok=True)
     overhead = {"device": report["host"].get("device_name"), "date": report["date"][:10],
-                "command": report["command"], "rows": report["overhead_rows"]}
+                "command": report["command"],
+                "stacks": {role: sorted({r["stack"] for r in report["runs"] if r["role"] == role})
+                           for role in ("off", "ours", "upstream")},
+                "rows": report["overhead_rows"]}
     (results_dir / "overhead.json").write_text(json.dumps(overhead, indent=2) + "\n")
     extra = {k: report.get(k) for k in ("host", "date", "reps", "warmup_reps", "scale", "max_total_tokens",
                                         "configs", "row_details", "memory", "storm", "elapsed_s")}

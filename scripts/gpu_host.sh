@@ -8,6 +8,9 @@
 #   bash scripts/gpu_host.sh install-a              # call 1 (carry .bundle/part-a)
 #   bash scripts/gpu_host.sh install-b              # call 2 (carry .bundle/part-b and .bundle/kvc)
 #   bash scripts/gpu_host.sh install-upstream       # sglang 0.5.14 into /tmp/site-upstream (carry .bundle/upstream)
+#   KVC_GPU_LINE=0.5.17 bash scripts/gpu_host.sh bundle   # HERE: .bundle/line-{a,b} (sglang 0.5.17 in place of 0.5.12)
+#   bash scripts/gpu_host.sh install-line-a         # in place of install-a (carry .bundle/line-a)
+#   bash scripts/gpu_host.sh install-line-b         # in place of install-b (carry .bundle/line-b, .bundle/kvc)
 #   bash scripts/gpu_host.sh bench-start [args]     # scripts/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
@@ -33,11 +36,19 @@ bench_dir=/tmp/kvc-bench
 case "$step" in
   bundle)  # runs on the development machine: build every upload and check it fits one call
     rm -rf .bundle/kvc; mkdir -p .bundle
-    [ -f .bundle/part-a/install.sh ] || bash ../shared/gpu-host/build_bundle.sh .bundle
-    [ -f .bundle/upstream/install.sh ] || bash ../shared/gpu-host/build_upstream_bundle.sh .bundle
+    if [ -z "${KVC_GPU_LINE:-}" ]; then
+      [ -f .bundle/part-a/install.sh ] || bash ../shared/gpu-host/build_bundle.sh .bundle
+      [ -f .bundle/upstream/install.sh ] || bash ../shared/gpu-host/build_upstream_bundle.sh .bundle
+    fi
     python3 -m pip wheel -q --no-deps -w .bundle/kvc .
+    calls=("part-a" "part-b kvc" "upstream")
+    if [ -n "${KVC_GPU_LINE:-}" ]; then  # a newer sglang line's bundle, in place of part-a/-b (build_line_bundle.sh)
+      [ -f .bundle/line-a/install.sh ] && grep -q "sglang $KVC_GPU_LINE bundle" .bundle/line-a/install.sh \
+        || bash scripts/build_line_bundle.sh "$KVC_GPU_LINE" .bundle
+      calls=("line-a" "line-b kvc")
+    fi
     tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-    for call in "part-a" "part-b kvc" "upstream"; do
+    for call in "${calls[@]}"; do
       b=0; for d in $call; do b=$((b + $(du -sb ".bundle/$d" | cut -f1))); done
       t=$((b + tree)); echo "upload [$call] + tree: $((t / 1048576)) MiB of 64"
       [ "$t" -lt $((64 * 1048576)) ] || { echo "too large for one call: [$call]" >&2; exit 1; }
@@ -66,7 +77,12 @@ case "$step" in
   install-b)
     bash .bundle/part-b/install.sh
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .bundle/kvc/*.whl
-    python3 -c 'import sglang, kv_canary.sglang_plugin as p; print("sglang", sglang.__version__, "gate:", p.version_gate() or "ok")' ;;
+    python3 -c 'import sglang; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, "line:", c().line.name if c().line else c().reason)' ;;
+  install-line-a) bash .bundle/line-a/install.sh; nvidia-smi -L ;;
+  install-line-b)  # after install-line-a (same warm host), with the plugin's wheel: the plugin picks its line
+    bash .bundle/line-b/install.sh
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .bundle/kvc/*.whl
+    python3 -c 'import sglang; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, "line:", c().line.name if c().line else c().reason)' ;;
   unit) python3 -m pytest -q -rs test/unit -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-unit.log" ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
   bench)

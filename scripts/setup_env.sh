@@ -3,6 +3,7 @@
 #
 #   KVC_SGLANG=0.5.23 source scripts/setup_env.sh   # sets KVC_PY to the venv's python (default line: 0.5.23)
 #   KVC_SGLANG=0.5.12 source scripts/setup_env.sh
+#   KVC_SGLANG=0.5.17 source scripts/setup_env.sh   # the newest release the GPU host can run (torch 2.11)
 #
 # The venv lives outside the checkout ($KVC_VENV, default
 # ~/.cache/sglang-kv-canary/venv-<hash>), keyed by a hash of the dependency pins
@@ -19,8 +20,10 @@ KVC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KVC_SGLANG="${KVC_SGLANG:-0.5.23}"
 case "$KVC_SGLANG" in
   0.5.12) KVC_DEPS=("sglang==0.5.12" "kernels==0.14.1" "torch==2.11.0") ;;
+  0.5.17) KVC_DEPS=("sglang==0.5.17") ;;  # pins torch 2.11.0 (the GPU host's), kernels 0.14.1
   0.5.23) KVC_DEPS=("sglang==0.5.23") ;;  # pins torch 2.14.1, kernels<0.15
-  *) echo "setup_env: KVC_SGLANG=$KVC_SGLANG: supported sglang lines are 0.5.12 and 0.5.23" >&2; return 2 2>/dev/null || exit 2 ;;
+  *) echo "setup_env: KVC_SGLANG=$KVC_SGLANG: supported sglang lines are 0.5.12, 0.5.17 and 0.5.23" >&2
+     return 2 2>/dev/null || exit 2 ;;
 esac
 KVC_DEPS+=("pytest>=8" "requests>=2.31" "hatchling>=1.25" "editables>=0.5")
 KVC_PYTHON="${KVC_PYTHON:-python3}"

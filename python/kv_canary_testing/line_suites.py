@@ -15,8 +15,8 @@ ONLY_ON_LINE = {
     "0.5.12 (same code on both lines)": {
         "why": "drives the core (kernels, token oracle, scrub) through hooks the newest-line files already drive on "
                "0.5.23; the CPU CI runs it once, on 0.5.12 (scripts/test.sh: the whole suite on one line, the "
-               "line-specific e2e on the other)",
-        "line": "0.5.12",
+               "line-specific e2e on the other); and on 0.5.17, the newest line the GPU host runs (CUDA graphs)",
+        "line": ("0.5.12", "0.5.17"),
         "files": (
             "registered/kv_canary/test_e2e_real_data.py", "registered/kv_canary/test_e2e_perturb_real_kv_used.py",
             "registered/kv_canary/test_e2e_fed_positions_tokens.py",
@@ -41,6 +41,11 @@ ONLY_ON_LINE = {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
         "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),
     },
+    "0.5.12 and 0.5.23": {
+        "why": "sglang 0.5.17's adapter refuses contain at startup (docs/compatibility.md)",
+        "line": ("0.5.12", "0.5.23"),
+        "files": ("registered/kv_canary/test_e2e_contain.py",),
+    },
     "0.5.23 (covered on 0.5.12 by another file)": {
         "why": "the paged pool on 0.5.12 is driven by test_e2e_real_data's page-16 case (sweep included); the "
                "CPU CI runs this file on 0.5.23, whose unified radix tree it drives",
@@ -62,5 +67,9 @@ def installed_sglang() -> Optional[str]:
 def not_on_this_line() -> Dict[str, str]:
     """{test file relative to test/: why it is not run on the installed sglang line}."""
     line = installed_sglang()
-    return {f: f"only on sglang {spec.get('line', only)}: {spec['why']}" for only, spec in ONLY_ON_LINE.items()
-            if spec.get("line", only) != line for f in spec["files"]}
+    def lines(only, spec):
+        on = spec.get("line", only)
+        return (on,) if isinstance(on, str) else tuple(on)
+
+    return {f: f"only on sglang {' and '.join(lines(only, spec))}: {spec['why']}" for only, spec in ONLY_ON_LINE.items()
+            if line not in lines(only, spec) for f in spec["files"]}

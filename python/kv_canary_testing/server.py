@@ -56,7 +56,11 @@ DEVICE_ARGS = {
 DEFAULT_MAX_TOTAL_TOKENS = {"cpu": 4096, "cuda": 65536}
 # default flags left out on a later sglang line (0.5.23: no piecewise flag (off on CPU anyway); its server warmup
 # must run, else its post-warmup /freeze_gc call fails with a traceback)
-NOT_ON_LINE = {"0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
+NOT_ON_LINE = {"0.5.17": ("--disable-piecewise-cuda-graph",),
+               "0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
+# default flags added on a line, per device (0.5.17: prefill CUDA graphs, breakable by default on CUDA, replaced the
+# piecewise ones; the canary needs them off)
+ADDED_ON_LINE = {("0.5.17", "cuda"): ("--disable-prefill-cuda-graph",)}
 
 
 def installed_sglang_version() -> str:
@@ -155,6 +159,7 @@ class SglangServer:
             "--host", self.host,
             "--port", str(self.port),
             *DEVICE_ARGS[self.device],
+            *ADDED_ON_LINE.get((installed_sglang_version(), self.device), ()),
             "--max-total-tokens", str(self.max_total_tokens),
         ]
         # Drop defaults that the caller overrides in extra_args.

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from kv_canary.adapter.policy_0_5_17 import POLICY_0_5_17
 from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
 from kv_canary.adapter.server_args import POLICY_0_5_12, check_supported, flag_name
 from kv_canary.config import CanaryConfigError
@@ -17,11 +18,13 @@ from kv_canary.config import CanaryConfigError
 server_args_mod = pytest.importorskip("sglang.srt.server_args")
 SGLANG_VERSION = pytest.importorskip("sglang.version").__version__
 
-POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.23": POLICY_0_5_23}
+POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.17": POLICY_0_5_17, "0.5.23": POLICY_0_5_23}
 if SGLANG_VERSION not in POLICIES:
     pytest.skip(f"no server-args policy for sglang {SGLANG_VERSION}", allow_module_level=True)
 POLICY = POLICIES[SGLANG_VERSION]
 on_0_5_23 = pytest.mark.skipif(POLICY is not POLICY_0_5_23, reason="sglang 0.5.23's rules")
+PHASE_GRAPH_LINES = (POLICY_0_5_17, POLICY_0_5_23)  # per-phase CUDA graph config (prefill graphs must be off)
+on_phase_graph_lines = pytest.mark.skipif(POLICY not in PHASE_GRAPH_LINES, reason="sglang 0.5.17/0.5.23's rules")
 
 
 def server_args_defaults() -> dict:
@@ -54,7 +57,7 @@ class Settings:
 def supported_defaults(**overrides) -> Settings:
     # 0.5.23 captures breakable prefill CUDA graphs by default on CUDA, which the canary refuses (and its adapter
     # needs --disable-cuda-graph on GPU): the defaults are supported with CUDA graphs off
-    return Settings(**{"disable_cuda_graph": True, **overrides} if POLICY is POLICY_0_5_23 else overrides)
+    return Settings(**{"disable_cuda_graph": True, **overrides} if POLICY in PHASE_GRAPH_LINES else overrides)
 
 
 def test_every_server_args_field_is_classified_exactly_once():
@@ -93,7 +96,7 @@ def test_raw_flags_not_given_are_left_to_sglang():
     check_supported(Raw(), "log", given_only=True, policy=POLICY)
 
 
-@on_0_5_23
+@on_phase_graph_lines
 @pytest.mark.parametrize("flags, refused", [
     # sglang's precedence: the per-phase flag beats --disable-cuda-graph, the JSON beats both
     (dict(disable_cuda_graph=True, cuda_graph_backend_prefill="breakable"), "--cuda-graph-backend-prefill breakable"),
@@ -110,7 +113,7 @@ def test_prefill_cuda_graphs_are_refused(monkeypatch, flags, refused):
         check_supported(Settings(**flags), "log", policy=POLICY)
 
 
-@on_0_5_23
+@on_phase_graph_lines
 @pytest.mark.parametrize("flags", [dict(disable_cuda_graph=True), dict(disable_prefill_cuda_graph=True),
                                    dict(cuda_graph_backend_prefill="disabled"), dict(device="cpu"),
                                    dict(cuda_graph_config={"prefill": {"backend": "disabled"}})])

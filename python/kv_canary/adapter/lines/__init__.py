@@ -3,6 +3,7 @@
 | sglang | adapter | in-tree kv_canary |
 | --- | --- | --- |
 | 0.5.12 | ``v0_5_12`` | none |
+| 0.5.17 | ``v0_5_17`` | yes: as 0.5.23 (``v0_5_17`` is a diff of ``v0_5_23``; CUDA graphs verified on the GPU host) |
 | 0.5.23 | ``v0_5_23`` | yes: the plugin takes its place (``SGLANG_KV_CANARY_IMPL=in-tree`` keeps sglang's own) |
 
 Any other release: the plugin installs nothing and a ``--kv-canary`` other than ``none`` is
@@ -18,7 +19,8 @@ from typing import Mapping, Optional
 
 from .base import SglangLine
 
-LINE_MODULES = {"0.5.12": "v0_5_12", "0.5.23": "v0_5_23"}  # release -> adapter module of this package
+# release -> adapter module of this package
+LINE_MODULES = {"0.5.12": "v0_5_12", "0.5.17": "v0_5_17", "0.5.23": "v0_5_23"}
 SUPPORTED_VERSIONS = tuple(LINE_MODULES)
 IMPL_ENV = "SGLANG_KV_CANARY_IMPL"
 IMPL_PLUGIN, IMPL_IN_TREE = "plugin", "in-tree"

@@ -83,12 +83,19 @@ def unported(server_args: Any) -> str:
 
 
 def refuse_unported(server_args: Any) -> None:
+    line = _running_line()  # this line, or a line that reuses its functions (v0_5_17)
     mode = str(getattr(server_args, "kv_canary", "none") or "none")
-    reason = unported(server_args) if mode != "none" else ""
+    reason = line.unported(server_args) if mode != "none" else ""
     if reason:
         from ...config import FLAG_MODE, CanaryConfigError
 
-        raise CanaryConfigError(f"{FLAG_MODE} {mode} on sglang 0.5.23: {reason}")
+        raise CanaryConfigError(f"{FLAG_MODE} {mode} on sglang {line.name}: {reason}")
+
+
+def _running_line() -> SglangLine:
+    from . import current_line
+
+    return current_line()
 
 
 class InTreeSlot:
@@ -136,8 +143,8 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
         pool = type(getattr(model_runner, "token_to_kv_pool", None)).__name__
         if pool not in VERIFIED_POOLS:
             raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
-                                    f"0.5.23 yet (verified: {', '.join(VERIFIED_POOLS)}); use sglang 0.5.12 or "
-                                    f"{FLAG_MODE} none")
+                                    f"{_running_line().name} yet (verified: {', '.join(VERIFIED_POOLS)}); use sglang "
+                                    f"0.5.12 or {FLAG_MODE} none")
     reserved = _RESERVED.get(id(getattr(model_runner, "kv_cache_configurator", None)))
     if reserved is not None:
         model_runner.kv_canary_reserved_bytes = reserved
@@ -156,8 +163,8 @@ def refuse_in_tree_install(*args, **kwargs):
     canaries never verify (and allocate for) the same pool."""
     from ...config import FLAG_MODE, CanaryConfigError
 
-    raise CanaryConfigError(f"{FLAG_MODE}: sglang 0.5.23's in-tree kv_canary was about to install beside "
-                            "sglang-kv-canary; set SGLANG_KV_CANARY_IMPL=in-tree to use sglang's own instead")
+    raise CanaryConfigError(f"{FLAG_MODE}: sglang {_running_line().name}'s in-tree kv_canary was about to install "
+                            "beside sglang-kv-canary; set SGLANG_KV_CANARY_IMPL=in-tree to use sglang's own instead")
 
 
 _RESERVED = {}  # id(KVCacheConfigurator) -> bytes held back (a slots dataclass: no attribute of ours on it)
@@ -190,8 +197,9 @@ def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
         return
     if not groups_still_view(runner.token_to_kv_pool, manager.groups, pool_context(runner)):
         raise CanaryConfigError(f"{FLAG_MODE} {manager.config.mode.value}: sglang rebuilt the KV pool after the "
-                                "canary was installed (post-capture KV sizing); not verified on sglang 0.5.23 yet: "
-                                "pass --disable-cuda-graph or use sglang 0.5.12")
+                                "canary was installed (post-capture KV sizing); not verified on sglang "
+                                f"{_running_line().name} yet: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING, or pass "
+                                "--disable-cuda-graph")
     manager.mark_init_finished()
     start_draft_reporting(scheduler, runner)  # the EAGLE draft's own pool, if verified
 
@@ -222,8 +230,8 @@ def after_resolve_once(_result, server_args, *args, **kwargs) -> None:
         check_hooks_applied(server_args)
         if not getattr(after_resolve_once, "logged", False):
             after_resolve_once.logged = True
-            logger.info("kv_canary: %s (sglang-kv-canary plugin in place of sglang 0.5.23's in-tree kv_canary)",
-                        config.describe())
+            logger.info("kv_canary: %s (sglang-kv-canary plugin in place of sglang %s's in-tree kv_canary)",
+                        config.describe(), _running_line().name)
 
 
 def after_scheduler_init(_result, scheduler, *args, **kwargs) -> None:
