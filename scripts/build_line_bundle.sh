@@ -18,8 +18,10 @@ case "$line" in
   # sglang 0.5.17's pins (its wheel's Requires-Dist) that differ from the 0.5.12 bundle's; whatever else its
   # server imports at startup is in that bundle or on the host (checked by importing its server modules in a
   # 0.5.17 venv and comparing with 0.5.12's)
+  # 0.5.17's server imports xgrammar unconditionally (function_call/inkling_detector.py), 0.5.12's did not: its wheel
+  # ships a 65 MB static library (xgrammar/lib) that nothing loads at run time, left out here
   0.5.17) pins=("sglang==0.5.17" "apache-tvm-ffi==0.1.11" "transformers==5.12.1" "flashinfer-python==0.6.15.post1")
-          kernel="sglang-kernel==0.4.5" ;;
+          kernel="sglang-kernel==0.4.5"; xgrammar="xgrammar==0.2.1" ;;
   *) echo "build_line_bundle: no GPU-host bundle for sglang $line (lines the host loads: 0.5.17)" >&2; exit 2 ;;
 esac
 [ -f "$base_reqs" ] || { echo "build_line_bundle: $base_reqs not found (set KVC_BASE_REQUIREMENTS)" >&2; exit 2; }
@@ -47,8 +49,17 @@ rm -rf "$tmp/x/sgl_kernel/sm100" "$tmp/x/sgl_kernel/flash_ops.abi3.so" "$tmp/x/s
        "$tmp/x"/_mscclpp*.so
 tar czf "$dest/line-b/sgl_kernel_sm90.tgz" -C "$tmp/x" .
 rm -rf "$tmp"
+if [ -n "${xgrammar:-}" ]; then
+  tmp="$(mktemp -d)"
+  download "$tmp" "$xgrammar"
+  (cd "$tmp" && python3 -m zipfile -e xgrammar-*.whl x >/dev/null)
+  rm -rf "$tmp/x/xgrammar/lib"
+  tar czf "$dest/line-a/xgrammar.tgz" -C "$tmp/x" .
+  rm -rf "$tmp"
+fi
 # two parts of similar size, largest first
-a=0; b=$(stat -c %s "$dest/line-b/sgl_kernel_sm90.tgz")
+a=0; for t in "$dest/line-a"/*.tgz; do [ -f "$t" ] && a=$((a + $(stat -c %s "$t"))); done
+b=$(stat -c %s "$dest/line-b/sgl_kernel_sm90.tgz")
 for w in $(ls -S "$dest/line-wheels"); do
   s=$(stat -c %s "$dest/line-wheels/$w")
   if [ "$a" -le "$b" ]; then mv "$dest/line-wheels/$w" "$dest/line-a/"; a=$((a + s))

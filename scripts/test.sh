@@ -20,8 +20,12 @@ cat /tmp/kvc-setup-*.log
 status=0
 for line in $lines; do
   echo "=== sglang $line ==="
-  # shellcheck source=/dev/null
-  KVC_SGLANG="$line" source "$root/scripts/setup_env.sh" > /dev/null
-  (cd "$KVC_ROOT" && "$KVC_PY" scripts/run_suite.py --hw cpu --with-unit -- -s "$@") || status=1
+  # each line in a subshell: setup_env.sh sets KVC_VENV / KVC_PY, which must not carry over to the next line
+  (
+    # shellcheck source=/dev/null
+    KVC_SGLANG="$line" source "$root/scripts/setup_env.sh" > /dev/null
+    "$KVC_PY" -c "import sglang, sys; v = sglang.__version__; sys.exit(0 if v == '$line' else f'test.sh: the venv for sglang $line holds sglang {v}')"
+    cd "$KVC_ROOT" && "$KVC_PY" scripts/run_suite.py --hw cpu --with-unit -- -s "$@"
+  ) || status=1
 done
 exit $status

@@ -92,5 +92,10 @@ class DraftCanaryManager(CanaryManager):
     def __init__(self, *, groups, **kwargs):
         super().__init__(groups=[dataclasses.replace(g, check_chain=False) for g in groups], **kwargs)
 
+    def note_draft_step(self, step: int) -> None:
+        """The draft decode step the next forwards run, for wiring that routes the steps of a draft decode phase
+        without marking the batch (the adapter's ``active_step``; 0 outside a phase)."""
+        self._adapter.active_step = step
+
     def stats_line(self, host_counters=None) -> str:
         return DRAFT_STATS_PREFIX + super().stats_line(host_counters)[len(STATS_PREFIX):]

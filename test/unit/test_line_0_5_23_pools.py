@@ -30,6 +30,9 @@ def test_tensor_parallel_is_no_longer_refused_on_0_5_23_but_still_on_0_5_17():
                            disaggregation_mode="null", speculative_algorithm=None)
     assert v0_5_23.unported(args) == ""
     assert "--tp-size" in v0_5_17.unported(args)
+    spec = SimpleNamespace(**{**vars(args), "speculative_algorithm": "EAGLE", "disable_overlap_schedule": True,
+                              "speculative_eagle_topk": 1})
+    assert "--tp-size" in v0_5_23.unported(spec)  # TP with speculative decoding: not run together on 0.5.23
 
 
 def test_each_line_names_the_pools_it_verifies():

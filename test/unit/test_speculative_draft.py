@@ -609,15 +609,22 @@ def test_an_unsupported_draft_pool_is_skipped_and_said(caplog):
     class SomeOtherPool:
         pass
 
-    runner = SimpleNamespace(device="cpu", token_to_kv_pool=SomeOtherPool())
-    args = SimpleNamespace(speculative_algorithm="EAGLE")
+    import dataclasses
+
+    from kv_canary.adapter.facts import SglangFacts, SpecFacts
+
+    spec = SpecFacts(algorithm="EAGLE", tree_verify=False, num_steps=3, draft_tokens_per_request=4, draft_skip="")
+    values = dict(line="0.5.12", device=torch.device("cpu"), tp_rank=0, is_draft_worker=True, model=None,
+                  pool=SomeOtherPool(), pool_name="SomeOtherPool", pool_context=None,
+                  req_to_token=torch.zeros(2, 8, dtype=torch.int32), req_pool_size=2, cuda_graph_max_bs=0,
+                  max_prefill_tokens=64, cuda_graphs=False, pd_mode=None, spec=spec, mrope=False, reserved_bytes=None)
+    facts = SglangFacts(**{f.name: values[f.name] for f in dataclasses.fields(SglangFacts)})
     with caplog.at_level("WARNING", logger="kv_canary"):
-        assert install_draft_canary(server_args=args, model_runner=runner, config=CanaryConfig(mode=CanaryMode.RAISE),
-                                    skip_reason="") is None
+        assert install_draft_canary(facts, CanaryConfig(mode=CanaryMode.RAISE)) is None
     assert DRAFT_NOT_VERIFIED in caplog.text and "SomeOtherPool" in caplog.text
     to_draft = CanaryConfig(mode=CanaryMode.LOG, perturb_target_group=DRAFT_GROUP, perturb_real_kv_used_prob=0.1)
     with pytest.raises(CanaryConfigError, match="SomeOtherPool"):
-        install_draft_canary(server_args=args, model_runner=runner, config=to_draft, skip_reason="")
+        install_draft_canary(facts, to_draft)
 
 
 def test_a_draft_loop_with_more_forwards_than_steps_is_an_error():

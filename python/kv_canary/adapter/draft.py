@@ -67,6 +67,7 @@ class DraftBatchAdapter(SglangBatchAdapter):
         # slots per request: starts/lengths computed on the device into these buffers (int32, as an eager
         # extend's); its seq_lens, real requests and int64 ids share the DRAFT_EXTEND_V2 buffers below
         self._spec_v1 = spec_v1
+        self.active_step = 0  # the draft decode step, where the engine's wiring routes steps without marking the batch
         self._v1_extend_max = max(1, num_steps) + 1
         if spec_v1:
             self._uniform_buffers(0)
@@ -91,6 +92,12 @@ class DraftBatchAdapter(SglangBatchAdapter):
         id_slots = max(self._extend_n, self._v1_extend_max if spec_v1 else 0)
         self._extend_ids = torch.zeros(max_batch_size * id_slots, dtype=torch.int64, device=device)
 
+    def draft_step(self, fb) -> int:
+        """The draft decode step ``fb`` runs: marked on the batch (``kv_canary_draft_step``: 0.5.12's hooks), else the
+        one the engine's own call sites made active (``active_step``: 0.5.23's ``DraftInTreeSlot``)."""
+        step = getattr(fb, "kv_canary_draft_step", None)
+        return self.active_step if step is None else int(step)
+
     def view(self, fb) -> ForwardView:
         if fb.forward_mode.name == "DRAFT_EXTEND_V2":
             return self._draft_extend_view(fb)
@@ -104,7 +111,7 @@ class DraftBatchAdapter(SglangBatchAdapter):
         if view.max_new_len != 1:
             raise ValueError(f"kv-canary: a draft decode step feeds {view.max_new_len} tokens per request; only "
                              "--speculative-eagle-topk 1 (one) is verified")
-        step = int(getattr(fb, "kv_canary_draft_step", 0))
+        step = self.draft_step(fb)
         if step >= self._step_seq_lens.shape[0]:
             raise ValueError(f"kv-canary: draft decode step {step}; the draft adapter holds "
                              f"{self._step_seq_lens.shape[0]} (--speculative-num-steps - 1)")
@@ -178,7 +185,7 @@ class DraftBatchAdapter(SglangBatchAdapter):
         requests with ``seq_lens`` = ``c`` (a preallocated buffer per step), ``new_lens`` 0 -- HEAD verifies
         ``[0, c)``, TAIL writes nothing. A CUDA-graph padding request (``out_cache_loc`` 0 at its first lane)
         gets 0: it reads nothing."""
-        step = int(getattr(fb, "kv_canary_draft_step", 0))
+        step = self.draft_step(fb)
         if step >= self._step_seq_lens.shape[0]:
             raise ValueError(f"kv-canary: draft decode step {step}; the draft adapter holds "
                              f"{self._step_seq_lens.shape[0]} (--speculative-num-steps - 1)")
@@ -222,13 +229,20 @@ class DraftBatchAdapter(SglangBatchAdapter):
             return []
         return super().written_slots(fb)
 
+    def _tokens_per_request(self, fb, bs: int) -> int:
+        """As the target's; a draft decode phase's batch has no ``input_ids`` before its first step (0.5.23's
+        ``EagleDraftWorker.draft`` opens the outer step first): topk 1 feeds one token per request per step."""
+        if fb.input_ids is None and fb.forward_mode.name == "DECODE" and not self._spec_v1:
+            return 1
+        return SglangBatchAdapter._tokens_per_request(fb, bs)
+
     def host_batch(self, fb):
         batch = super().host_batch(fb)
         if batch is None or fb.forward_mode.name != "DECODE":
             return batch
         if self._spec_v1:
             return dataclasses.replace(batch, new_lens=[0] * len(batch.rows))
-        step = int(getattr(fb, "kv_canary_draft_step", 0))
+        step = self.draft_step(fb)
         return dataclasses.replace(batch, seq_lens=[s + step + 1 for s in batch.seq_lens])
 
 

@@ -25,9 +25,8 @@ EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")  # served by EAGLEWorker (spec v
 class SpecFacts:
     """``--speculative-algorithm`` as the canary verifies it.
 
-    ``tree_verify``: sglang runs EAGLE through spec v1 (``EAGLEWorker``) with the overlap scheduler off, which it
-    forces for topk > 1 (``ServerArgs.__post_init__``; ``SpeculativeAlgorithm.create_worker`` picks the worker by
-    it): a verify's TAIL is deferred to the drafts sglang keeps. ``draft_skip``: '' when the draft model's own pool is verified,
+    ``tree_verify``: sglang runs EAGLE through spec v1 (the line's ``spec_v1``: 0.5.12's ``EAGLEWorker`` with the
+    overlap scheduler off): a verify's TAIL is deferred to the drafts sglang keeps. ``draft_skip``: '' when the draft model's own pool is verified,
     else why not (naming the flag).
     """
 
@@ -43,10 +42,11 @@ class SpecFacts:
         if not algorithm:
             return None
         from .draft import draft_skip_reason
+        from .lines import current_line
 
         return cls(
             algorithm=str(algorithm),
-            tree_verify=algorithm in EAGLE_ALGORITHMS and bool(getattr(server_args, "disable_overlap_schedule", False)),
+            tree_verify=algorithm in EAGLE_ALGORITHMS and current_line().spec_v1(server_args),
             num_steps=int(getattr(server_args, "speculative_num_steps", 1) or 1),
             draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1),
             draft_skip=draft_skip_reason(server_args, mode),

@@ -16,8 +16,9 @@ refused unless off. 0.5.23 replaced the piecewise CUDA graph (and
 ``--disable-piecewise-cuda-graph``) with a per-phase CUDA graph config whose prefill phase
 defaults to ``breakable`` on CUDA: the prefill phase must be ``disabled``
 (``--disable-prefill-cuda-graph``, ``--cuda-graph-backend-prefill disabled`` or
-``--disable-cuda-graph``). Speculative decoding on 0.5.23 is refused by
-``lines.v0_5_23.unported`` for now, so its new knobs are neutral here.
+``--disable-cuda-graph``). Speculative decoding: EAGLE/EAGLE3 (NEXTN) as 0.5.12, and the
+new 0.5.23 knobs that change what the draft or the verify writes or accepts must stay off; the
+device, the overlap scheduler and topk are checked by ``adapter/spec_0_5_23.spec_unported``.
 
 A ``ServerArgs`` of 0.5.23 keeps the user's raw values as its fields and sglang's
 resolved ones in a stash (``arg_groups.overrides.resolution_result``); the prefill CUDA
@@ -30,7 +31,7 @@ from typing import Any, Mapping
 
 from .server_args import _OFF, _OFFENDERS, _TP, CHECKED_ELSEWHERE as _ELSEWHERE_0_5_12, NEUTRAL as _NEUTRAL_0_5_12
 from .server_args import RULES as _RULES_0_5_12
-from .server_args import Rule, ServerArgsPolicy, _only
+from .server_args import _SPEC_ALGORITHMS, Rule, ServerArgsPolicy, _only, _spec_allowed
 
 # 0.5.12 fields that 0.5.23 no longer has
 _GONE = frozenset("""
@@ -132,8 +133,23 @@ _NEW_OFF = {  # new 0.5.23 switches that must stay off: field -> why
     "enable_amd_monokernel": "the monokernel's fused forward replaces the model's forward, which is not verified",
 }
 
+_SPEC_WHY_0_5_23 = (
+    "on sglang 0.5.23 the canary verifies EAGLE's and EAGLE3's spec v2 (EAGLEWorkerV2) with topk 1, synchronous "
+    "(the overlap scheduler off, as sglang runs it on CPU), on CPU: the target model's TARGET_VERIFY forwards and the "
+    "draft model's own KV pool (docs/speculative.md); STANDALONE, NGRAM, DFLASH, DSPARK, UNO, FROZEN_KV_MTP and "
+    "multi-layer/adaptive EAGLE are not verified")
+_SPEC_OFF = {  # new 0.5.23 speculative knobs that change what the draft or the verify reads, writes or accepts
+    "speculative_use_rejection_sampling": "chain rejection sampling accepts drafts by sampled probabilities, which "
+                                          "was not run with the canary (greedy acceptance was)",
+    "speculative_use_block_verification": "block verification accepts drafts block-wise, which is not verified",
+    "speculative_draft_kv_cache_dtype": "a draft pool with its own KV dtype is not verified",
+    "speculative_draft_window_size": "a sliding-window draft is not verified",
+    "speculative_draft_sink_size": "a sliding-window draft with attention sinks is not verified",
+}
+
 RULES = {field: rule for field, rule in _RULES_0_5_12.items() if field not in _GONE}
 RULES.update({field: Rule(_OFF, "off", why) for field, why in _NEW_OFF.items()})
+RULES.update({field: Rule(_OFF, "unset", why) for field, why in _SPEC_OFF.items()})
 RULES.update({
     # the flags the user gave first (named in the refusal), then what sglang runs with (its CUDA default included)
     "cuda_graph_backend_prefill": Rule(_only(None, _DISABLED), "disabled", _PREFILL_GRAPH_WHY),
@@ -163,6 +179,8 @@ RULES.update({
                                         "bootstrap and may run them again"),
     "decoupled_spec_role": Rule(_only("null"), "null", "decoupled speculative decoding runs the draft and verify "
                                 "halves in separate engines, which is not verified"),
+    "speculative_algorithm": Rule(_spec_allowed, f"unset, or {' / '.join(_SPEC_ALGORITHMS)} (NEXTN: sglang's alias "
+                                  "of EAGLE), with --speculative-eagle-topk 1", _SPEC_WHY_0_5_23),
     "ep_join_mode": Rule(_only(None), "unset", "an elastic-EP joiner enters a running group (scale-up or fault "
                          "recovery), which is not verified"),
 })
@@ -175,8 +193,8 @@ CHECKED_ELSEWHERE = {
 }
 
 # New in 0.5.23 and neutral: serving, observability, weights, MoE/collectives, kernels, multimodal, watermarking,
-# sizes and backends of features a rule above keeps off, speculative decoding (refused on 0.5.23 by
-# lines.v0_5_23.unported), and sglang's bookkeeping fields
+# sizes and backends of features a rule above keeps off, speculative knobs of algorithms the speculative_algorithm
+# rule refuses (DFLASH, DSPARK, UNO, ...) or of kernels, and sglang's bookkeeping fields
 _NEW_NEUTRAL = frozenset("""
     _radix_eviction_policy_explicitly_set _speculative_draft_quantization_explicitly_set
     _swa_full_tokens_ratio_explicitly_set aux_hidden_state_capture uses_mamba_radix_cache stat_loggers
@@ -214,10 +232,10 @@ _NEW_NEUTRAL = frozenset("""
     image_processor_backend mm_feature_transport mm_global_cache_backend mm_io_worker_num mm_preprocess_cache_size_mb
     mm_processor_worker_num trust_mm_content_hashes
     decoupled_spec_bind_endpoint decoupled_spec_connect_endpoints decoupled_spec_rank spec_trace_dir uno_lora_path
-    speculative_boundary_reduction speculative_domino_candidate_pool_size speculative_draft_kv_cache_dtype
-    speculative_draft_sink_size speculative_dsa_topk_backend speculative_dspark_align_verify_tokens_to_graph_tier
+    speculative_boundary_reduction speculative_domino_candidate_pool_size
+    speculative_dsa_topk_backend speculative_dspark_align_verify_tokens_to_graph_tier
     speculative_dspark_block_size speculative_dspark_confidence_sts_path speculative_dspark_sps_table_path
-    speculative_enable_w4a4_mxfp4_megamoe speculative_use_block_verification speculative_use_rejection_sampling
+    speculative_enable_w4a4_mxfp4_megamoe
 """.split())
 
 NEUTRAL = (_NEUTRAL_0_5_12 - _GONE - frozenset(RULES)) | _NEW_NEUTRAL  # page_size: neutral on 0.5.12, a rule here

@@ -1,4 +1,4 @@
-"""sglang 0.5.12 EAGLE: the accepted tokens join the target's token oracle (spec v2), or are written (spec v1).
+"""sglang EAGLE (0.5.12; 0.5.23's spec v2 alike): the accepted tokens join the target's token oracle (spec v2), or are written (spec v1).
 
 Spec v1 (``EAGLEWorker``, topk > 1 or ``--disable-overlap-schedule``): ``around_eagle_v1_verify`` below.
 
@@ -19,14 +19,15 @@ from typing import Optional
 
 
 def _target_manager(worker):
+    """The target runner's manager (on a line whose own call sites drive it, held by their slot object)."""
+    from .hooks import canary_of
+
     runner = getattr(getattr(worker, "target_worker", None), "model_runner", None)
-    if runner is None or getattr(runner, "is_draft_worker", False):
-        return None
-    return getattr(runner, "canary_manager", None)
+    return None if runner is None else canary_of(runner)
 
 
 def after_eagle_v2_verify(result, worker, batch, *args, **kwargs) -> None:
-    """AFTER ``EAGLEWorkerV2.verify(batch)``: advance the target's token oracle to the accepted prefix."""
+    """AFTER ``EAGLEWorkerV2.verify(batch, ...)`` (0.5.23 adds ``pp_proxy_tensors``, ``grammar_barrier``): advance the target's token oracle to the accepted prefix."""
     manager = _target_manager(worker)
     if getattr(manager, "token_oracle", None) is None or not manager.init_finished or batch.forward_mode.is_idle():
         return

@@ -98,6 +98,13 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
 
 def install_cpu_helpers() -> None:
     """Point sglang's EAGLE modules at the stand-ins (idempotent)."""
+    try:
+        from sglang.kernels.ops.speculative import spec_tree  # noqa: F401  0.5.23's layout of the EAGLE helpers
+    except ImportError:
+        pass
+    else:
+        _install_cpu_helpers_kernels_ops()
+        return
     from sglang.srt.speculative import eagle_info, eagle_info_v2, eagle_utils, spec_utils
     from sglang.srt.utils.common import next_power_of_2
 
@@ -118,6 +125,22 @@ def install_cpu_helpers() -> None:
     # that needs inductor's C++ toolchain and minutes per shape, so run the same function uncompiled
     later = spec_utils._select_top_k_tokens_later
     spec_utils._select_top_k_tokens_later = getattr(later, "_torchdynamo_orig_callable", later)
+    _cpu_record_stream()
+
+
+def _install_cpu_helpers_kernels_ops() -> None:
+    """sglang with its EAGLE helpers under ``sglang.kernels.ops.speculative`` (0.5.23): those modules carry
+    Triton implementations for Intel GPUs (their ``_is_xpu`` branches: the tree build, the greedy tree walk, the
+    verify's cache locations), which run on CPU under the Triton interpreter; the stand-in points those modules at
+    their own Triton branches, and makes ``record_stream`` a no-op on CPU tensors."""
+    from sglang.kernels.ops.speculative import cache_locs, spec_tree
+
+    cache_locs._is_xpu = True
+    spec_tree._is_xpu = True
+    _cpu_record_stream()
+
+
+def _cpu_record_stream() -> None:
     if not getattr(torch.Tensor.record_stream, "_kvc_cpu", False):
         original = torch.Tensor.record_stream
 

@@ -264,10 +264,13 @@ class KvcTinyForCausalLM(nn.Module):
 
 
 def _is_dummy_load() -> bool:
+    """``--load-format dummy`` (sglang 0.5.23 reads server args through ``runtime_context``; 0.5.12 globally)."""
     try:
-        from sglang.srt.server_args import get_global_server_args
-
-        return str(get_global_server_args().load_format) == "dummy"
+        from sglang.srt.runtime_context import get_server_args
+    except ImportError:
+        from sglang.srt.server_args import get_global_server_args as get_server_args
+    try:
+        return str(get_server_args().load_format) == "dummy"
     except Exception:
         return False
 

@@ -37,7 +37,9 @@ MODES = {
 
 def _env():
     env = {var: "0.1" for var in MODES.values()}  # every mode at once: injections are told apart by their lines
-    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10", "SGLANG_KV_CANARY_PERTURB_SEED": "3"})
+    # past every line's startup forwards (sglang 0.5.17 on a GPU: 11 with its health-check generate; an injection
+    # there makes `raise` stop the server before it is up)
+    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "24", "SGLANG_KV_CANARY_PERTURB_SEED": "3"})
     return env
 
 

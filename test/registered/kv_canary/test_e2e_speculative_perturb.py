@@ -8,20 +8,36 @@ reported by that forward's HEAD in that pool, nothing else is reported, and the 
 On the GPU the verify forwards, the draft decode phases and the draft extends replay from CUDA graphs
 (the draft pool's HEAD/TAIL captured inside the draft's graphs).
 
-GPU only in CI: the CPU suite runs one EAGLE server (``test_e2e_speculative``), and a second
-one under the Triton interpreter costs minutes of CI time; the same run on CPU is recorded in
-docs/speculative.md (``run_perturbed`` with ``device="cpu"``).
+On sglang 0.5.12, GPU only in CI: the CPU suite runs one EAGLE server (``test_e2e_speculative``), and a
+second one under the Triton interpreter costs minutes of CI time; the same run on CPU is recorded in
+docs/speculative.md (``run_perturbed`` with ``device="cpu"``). On sglang 0.5.23 (which the GPU host cannot
+load; its canary verifies synchronous spec v2 on CPU) the two spec v2 tests run in the CPU suite, 12 requests
+each; spec v1 is gone there (topk > 1 is refused at startup).
 """
 
 import pytest
 
 from kv_canary.draft_pool import DRAFT_GROUP, DRAFT_STATS_PREFIX
 from kv_canary.violations import parse_lines
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, cuda_skip_reason, e2e_device, register_cuda_ci
+from kv_canary_testing.canary_e2e import (
+    CanaryLog, canary_server, cuda_skip_reason, e2e_device, register_cpu_ci, register_cuda_ci,
+)
+from kv_canary_testing.line_suites import installed_sglang
 from kv_canary_testing.model_dir import write_eagle_model_dirs
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cuda_ci(est_time=420, suite="kv-canary-cuda")
+register_cpu_ci(est_time=420, suite="kv-canary-cpu")  # sglang 0.5.23 only (the 0.5.12 CPU run skips)
+
+CPU_LINE = "0.5.23"  # the line whose speculative path is verified on CPU only (docs/compatibility.md)
+SPEC_V1_GONE = "sglang 0.5.23 has no spec v1 (EAGLEWorker); topk > 1 is refused at startup there"
+
+
+def spec_v2_device() -> str:
+    """Where the spec v2 perturbation tests run ('' : skipped here): the GPU suite; on sglang 0.5.23, the CPU one."""
+    if installed_sglang() == CPU_LINE:
+        return "cpu" if e2e_device() == "cpu" else ""
+    return "cuda" if e2e_device() == "cuda" and not cuda_skip_reason() else ""
 
 MODES = {"real_kv_used": "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB",
          "req_to_token": "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"}
@@ -70,26 +86,30 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
 
 @pytest.mark.e2e
 def test_eagle_target_pool_perturbations_are_each_detected(tmp_path):
-    if e2e_device() != "cuda" or cuda_skip_reason():
-        pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
-                    "test_e2e_speculative already holds the one CPU EAGLE server; the CPU run is in "
+    device = spec_v2_device()
+    if not device:
+        pytest.skip("GPU suite only on sglang 0.5.12 (CI time): on CPU the EAGLE server runs under the Triton "
+                    "interpreter and test_e2e_speculative already holds the one CPU EAGLE server; the CPU run is in "
                     "docs/speculative.md")
-    result, log, running = run_perturbed(tmp_path, "cuda", 64)
+    result, log, running = run_perturbed(tmp_path, device, 64 if device == "cuda" else 12)
     check(result, log, running, "full")
 
 
 @pytest.mark.e2e
 def test_eagle_draft_pool_perturbations_are_each_detected(tmp_path):
-    if e2e_device() != "cuda" or cuda_skip_reason():
-        pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
-                    "test_e2e_speculative already holds the one CPU EAGLE server (whose draft pool is verified); "
-                    "the CPU run is in docs/speculative.md")
-    result, log, running = run_perturbed(tmp_path, "cuda", 64, target_group=DRAFT_GROUP)
+    device = spec_v2_device()
+    if not device:
+        pytest.skip("GPU suite only on sglang 0.5.12 (CI time): on CPU the EAGLE server runs under the Triton "
+                    "interpreter and test_e2e_speculative already holds the one CPU EAGLE server (whose draft pool "
+                    "is verified); the CPU run is in docs/speculative.md")
+    result, log, running = run_perturbed(tmp_path, device, 64 if device == "cuda" else 12, target_group=DRAFT_GROUP)
     check(result, log, running, DRAFT_GROUP)
 
 
 @pytest.mark.e2e
 def test_eagle_spec_v1_target_pool_perturbations_are_each_detected(tmp_path):
+    if installed_sglang() == CPU_LINE:
+        pytest.skip(SPEC_V1_GONE)
     if e2e_device() != "cuda" or cuda_skip_reason():
         pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
                     "test_e2e_speculative_v1 already holds the one CPU spec v1 server; the CPU run is in "
@@ -100,6 +120,8 @@ def test_eagle_spec_v1_target_pool_perturbations_are_each_detected(tmp_path):
 
 @pytest.mark.e2e
 def test_eagle_spec_v1_draft_pool_perturbations_are_each_detected(tmp_path):
+    if installed_sglang() == CPU_LINE:
+        pytest.skip(SPEC_V1_GONE)
     if e2e_device() != "cuda" or cuda_skip_reason():
         pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
                     "test_e2e_speculative_v1 already holds the one CPU spec v1 server (whose draft pool is "

@@ -18,6 +18,10 @@ def _nothing_unported(_server_args: Any) -> str:
     return ""
 
 
+def _no_spec_v1(_server_args: Any) -> bool:
+    return False
+
+
 def _req_pool_idx(req: Any) -> int:
     return req.req_pool_idx
 
@@ -64,6 +68,9 @@ class SglangLine:
     # (scheduler, manager) -> --kv-canary contain's scheduler side: aborts, and eviction from this line's radix
     # cache (0.5.12: contain.SchedulerContainment, RadixCache nodes; 0.5.23: contain_unified, UnifiedRadixCache)
     containment: Callable[[Any, Any], Any] = _radix_containment
+    # server args -> whether speculative decoding runs through spec v1 (tree verifies whose TAIL is deferred to the
+    # kept drafts: 0.5.12's EAGLEWorker); False where the line has no spec v1 (0.5.23: EAGLEWorkerV2 only)
+    spec_v1: Callable[[Any], bool] = _no_spec_v1
 
     def required_hooks(self, *, pd: bool, spec: bool) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {})}

@@ -92,6 +92,12 @@ SPEC_HOOKS: HookTable = {
 }
 
 
+def spec_v1(server_args) -> bool:
+    """EAGLE with the overlap scheduler off runs spec v1 (``EAGLEWorker``: tree verifies, their TAIL deferred); sglang
+    forces it off for topk > 1 (``ServerArgs.__post_init__``; ``SpeculativeAlgorithm.create_worker`` picks by it)."""
+    return bool(getattr(server_args, "disable_overlap_schedule", False))
+
+
 LINE = SglangLine(name="0.5.12", versions=("0.5.12",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
-                    policy=POLICY_0_5_12, prefix_cache_view=radix_view_for,
+                    policy=POLICY_0_5_12, prefix_cache_view=radix_view_for, spec_v1=spec_v1,
                     prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")

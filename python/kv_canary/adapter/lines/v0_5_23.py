@@ -17,10 +17,12 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
+Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1, synchronous, CPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
+(the draft runner's call sites drive the draft pool's manager through ``DraftInTreeSlot``).
 Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel context (``tp_rank``; the
 ``ModelRunner`` has no ``tp_rank`` there); contain's ranks agree over the scheduler's ``tp_cpu_group``.
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
-(verified on the GPU host only for 0.5.12), speculative decoding, PD disaggregation.
+(verified on the GPU host only for 0.5.12), speculative settings other than the above, PD disaggregation.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
 SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
 is not covered, as on 0.5.12); checked at install.
@@ -56,6 +58,12 @@ HOOKS: HookTable = {
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
 }
+# speculative decoding (adapter/spec_0_5_23): the accepted tokens join the token oracle, as on 0.5.12; the draft
+# pool needs no hook of its own (EagleDraftWorker's own call sites drive DraftInTreeSlot); required with
+# --speculative-algorithm only
+SPEC_HOOKS: HookTable = {
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify": ("speculative.after_eagle_v2_verify", "after"),
+}
 VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
 
 
@@ -65,9 +73,14 @@ def unported(server_args: Any) -> str:
                                                                                         False):
         return ("CUDA graphs on sglang 0.5.23 are not verified yet (the GPU host cannot load 0.5.23's torch); "
                 "pass --disable-cuda-graph, or use sglang 0.5.12")
-    if getattr(server_args, "speculative_algorithm", None):
-        return ("speculative decoding on sglang 0.5.23 is not verified yet; drop --speculative-algorithm, or use "
-                "sglang 0.5.12")
+    from ..spec_0_5_23 import spec_unported
+
+    spec = spec_unported(server_args)
+    if spec:
+        return spec
+    if int(getattr(server_args, "tp_size", 1) or 1) > 1 and getattr(server_args, "speculative_algorithm", None):
+        return ("tensor parallel with speculative decoding on sglang 0.5.23 is not verified yet; drop --tp-size or "
+                "--speculative-algorithm, or use sglang 0.5.12")
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")
@@ -147,7 +160,13 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
     if reserved is not None:
         model_runner.kv_canary_reserved_bytes = reserved
     manager = install_canary(server_args=server_args, model_runner=model_runner)
-    return None if manager is None else InTreeSlot(manager)
+    if manager is None:
+        return None
+    if getattr(model_runner, "is_draft_worker", False):  # the EAGLE draft's own pool (adapter/spec_0_5_23)
+        from ..spec_0_5_23 import DraftInTreeSlot
+
+        return DraftInTreeSlot(manager)
+    return InTreeSlot(manager)
 
 
 def mamba_strategy(server_args) -> str:
@@ -190,6 +209,8 @@ def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
     from ..hooks import canary_of
     from ..pools import pool_context
 
+    from ..spec_0_5_23 import start_draft_reporting
+
     runner = scheduler.tp_worker.model_runner
     manager = canary_of(runner)
     if manager is None or manager.init_finished:
@@ -200,6 +221,7 @@ def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
                                 f"{_running_line().name} yet: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING, or pass "
                                 "--disable-cuda-graph")
     manager.mark_init_finished()
+    start_draft_reporting(scheduler, runner)  # the EAGLE draft's own pool, if verified
 
 
 def after_add_cli_args(_result, parser) -> None:
@@ -260,7 +282,8 @@ def tp_rank(model_runner) -> int:
     return int(get_parallel().tp_rank)
 
 
-LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
+LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
+                  flags_declared_by_sglang=True,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
                   prefix_cache_view=unified_view_for,
