@@ -51,7 +51,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
     """The canary for one model runner (target or EAGLE draft), or None with ``--kv-canary none``."""
-    tp_rank = int(getattr(model_runner, "tp_rank", 0) or 0)
+    tp_rank = current_line().tp_rank(model_runner)
     set_process_tags(tp_rank=tp_rank)  # every canary line names its TP rank (each rank verifies its own shard)
     config = config_from_server_args(server_args).for_tp_rank(tp_rank)
     if not config.enabled:

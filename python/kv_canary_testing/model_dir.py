@@ -246,6 +246,17 @@ def write_qwen3_next_model_dir(path: str | os.PathLike | None = None) -> Path:
     return write_model_dir(out, config_overrides=qwen3_next_config_overrides())
 
 
+TINY_HYBRID_LINEAR_ARCHITECTURE = "KvcTinyHybridLinearForCausalLM"  # kv_canary_testing.tiny_model.kvc_tiny_hybrid_linear
+
+
+def write_tiny_hybrid_linear_model_dir(path: str | os.PathLike | None = None) -> Path:
+    """The tiny Qwen3-Next config (sglang's ``Qwen3NextConfig``: ``HybridLinearKVPool``, FULL + MAMBA radix
+    cache) served by the tiny model's CPU stand-in (float32; default folder ``<cache>/tiny-model-hybrid-linear``)."""
+    out = Path(path) if path is not None else default_cache_dir() / "tiny-model-hybrid-linear"
+    return write_model_dir(out, config_overrides={**qwen3_next_config_overrides(), "torch_dtype": "float32",
+                                                  "architectures": [TINY_HYBRID_LINEAR_ARCHITECTURE]})
+
+
 MIMO_ARCHITECTURE = "MiMoForCausalLM"  # sglang's own; as a draft ModelConfig renames it to MiMoMTP
 
 

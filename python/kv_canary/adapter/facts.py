@@ -100,7 +100,7 @@ def read_facts(server_args: Any, model_runner: Any, mode: str) -> SglangFacts:
     return SglangFacts(
         line=current_line().name,
         device=torch.device(model_runner.device),
-        tp_rank=int(getattr(model_runner, "tp_rank", 0) or 0),
+        tp_rank=current_line().tp_rank(model_runner),
         is_draft_worker=bool(getattr(model_runner, "is_draft_worker", False)),
         model=model_runner.model,
         pool=pool,

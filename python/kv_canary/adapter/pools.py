@@ -40,6 +40,11 @@ def _swa_layouts(pool, context: PoolContext) -> List[PoolLayout]:
                 f"--kv-canary: SWAKVPool's {name} is {type(inner).__name__}; only MHATokenToKVPool halves "
                 "are supported. Run with --kv-canary none for this model/configuration."
             )
+    if getattr(pool, "swa_req_ring_size", None) is not None:  # sglang >= 0.5.13: SWA KV in a per-request ring
+        raise CanaryConfigError(
+            f"--kv-canary: SWAKVPool with a per-request SWA ring (swa_req_ring_size={pool.swa_req_ring_size}): its "
+            "SWA slots are not reached through full_to_swa_index_mapping; run with --kv-canary none"
+        )
     mapping = getattr(pool, "full_to_swa_index_mapping", None)
     if mapping is None:
         raise CanaryConfigError(

@@ -10,8 +10,24 @@ few scatters on the device (``CachedSlotIndex.replace_rows``). The walk carries 
 the sweep checks each cached slot's position, chain link and K/V bytes, not the cache's
 token claim (HEAD checks that at the first read of the slot).
 
-Only a tree of full-attention slots is supported (components ``FULL``); SWA/mamba trees are
-refused by the pool check of the line (MHA pools only on 0.5.23).
+The trees it reads: ``FULL`` (full-attention models), ``FULL`` + ``SWA`` (hybrid sliding-window
+models, ``SWAKVPool``) and ``FULL`` + ``MAMBA`` (below). The walk's slots are the engine's (full) slots, so both of the pool's groups
+are swept from one index: ``full`` at those slots, ``swa`` through the live ``full_to_swa_index_mapping``
+only where it is > 0 (``kernels/index_sweep``). sglang clears a full slot's mapping when it releases
+its SWA KV (``SWATokenToKVPoolAllocator.free_swa`` / ``_free_swa_pages``: a node whose SWA value was
+evicted, a request's slots outside its window), so the swa group is never swept at a released slot,
+and a predecessor whose SWA KV was released leaves that chain link unchecked (as in HEAD). The
+unused-cache pick takes nodes no request holds at all (the ``FULL`` lock, which every request takes
+on its whole path: ``walk_for_kv_canary(True, False)``); the swa perturbation skips slots with no
+mapping.
+
+``FULL`` + ``MAMBA`` (hybrid linear-attention models, ``HybridLinearKVPool``: the one group ``full`` is
+the full-attention layers' inner pool, engine slots): the walk emits every node whose FULL value is
+on the device, mamba-tombstoned nodes included -- sglang's mamba eviction of an internal node frees
+only its state and keeps its KV allocated and cached (a later match reads it through a descendant's
+state), so the sweep verifies those slots, as 0.5.12's ``MambaRadixCache`` index did. The unused-cache
+pick takes nodes with no FULL lock (tombstones included). The mamba state itself is not covered.
+Any other tree (unified memory, ...) is not read: the sweep is refused naming its flag.
 """
 
 from __future__ import annotations
@@ -27,12 +43,14 @@ class UnifiedRadixCacheView:
         self._records = records
         self._index = None
 
-    @staticmethod
-    def supports(tree_cache) -> bool:
+    COMPONENTS = (("FULL",), ("FULL", "SWA"), ("FULL", "MAMBA"))  # the trees whose slots this view reads (module doc)
+
+    @classmethod
+    def supports(cls, tree_cache) -> bool:
         comps = getattr(tree_cache, "components", None)
         return (type(tree_cache).__name__ == "UnifiedRadixCache" and hasattr(getattr(tree_cache, "tree_core", None),
                                                                                "walk_for_kv_canary")
-                and comps is not None and [getattr(c, "name", str(c)) for c in comps] == ["FULL"])
+                and comps is not None and tuple(getattr(c, "name", str(c)) for c in comps) in cls.COMPONENTS)
 
     def attach_index(self, index) -> None:
         self._index = index

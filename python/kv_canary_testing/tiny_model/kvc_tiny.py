@@ -235,19 +235,32 @@ class KvcTinyForCausalLM(nn.Module):
         """Seeded init: norms = 1, linears ~ N(0, 1/fan_in), embeddings ~ N(0, 1)."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         for name, param in sorted(self.named_parameters()):
+            shape = self.full_shape(name, param)  # the unsharded weight (a TP shard is cut from it: same model)
             if name.endswith("norm.weight"):
-                value = torch.ones(param.shape)
+                value = torch.ones(shape)
             elif param.dim() == 2 and "embed_tokens" in name:
-                value = torch.randn(param.shape, generator=gen)
+                value = torch.randn(shape, generator=gen)
             elif param.dim() == 2:
-                value = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[1])
+                value = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
             else:
                 continue
+            value = self.shard(name, value)
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 # kvc_branch_scale: how much attention/MLP add to the residual stream (0: the next token
                 # is a function of the current one; small: mostly, which an EAGLE draft can guess)
                 value = value * float(_cfg(self.config, "kvc_branch_scale", 1.0))
             param.data.copy_(value.to(device=param.device, dtype=param.dtype))
+
+
+    def full_shape(self, name: str, param) -> tuple:
+        """The shape of ``name``'s weight in the unsharded model (this model is not sharded)."""
+        del name
+        return tuple(param.shape)
+
+    def shard(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``name``'s unsharded weight (all of it here)."""
+        del name
+        return value
 
 
 def _is_dummy_load() -> bool:

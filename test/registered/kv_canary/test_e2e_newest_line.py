@@ -90,9 +90,8 @@ def test_the_in_tree_switch_hands_the_flag_back_to_sglangs_own_canary(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("args,names", [
-    (["--kv-canary", "log", "--tp-size", "2"], "--tp-size"),
     (["--kv-canary", "log", "--disaggregation-mode", "prefill"], "--disaggregation-mode"),
-], ids=["tp", "pd"])
+], ids=["pd"])
 def test_what_this_line_does_not_verify_yet_is_refused_at_startup(tmp_path, args, names):
     text = _start_fails(tmp_path, args, timeout=120)
     assert "CanaryConfigError" in text and names in text and "0.5.23" in text, text[-3000:]

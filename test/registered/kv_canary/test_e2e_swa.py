@@ -57,6 +57,7 @@ ENV = {
     "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": "25",
 }
 SWEEP_INTERVAL = 4
+REAL_DATA = ("--kv-canary-real-data", "partial")  # 0.5.12's default; 0.5.23's is none
 
 
 def _divergence_phase():
@@ -80,7 +81,7 @@ def swa_run(tmp_path_factory):
     # wraps, swa slots diverge from full slots (the translation matters).
     srv = canary_server("log", log_path=log_path, env=ENV, model_path=write_swa_model_dir(),
                         extra_args=["--swa-full-tokens-ratio", "1.0", "--kv-canary-sweep-interval",
-                                    str(SWEEP_INTERVAL)], max_total_tokens=POOL_TOKENS)
+                                    str(SWEEP_INTERVAL), *REAL_DATA], max_total_tokens=POOL_TOKENS)
     with srv:
         result = run_requests(srv.base_url, build_workload(32, seed=7, n_aborts=3, max_new_tokens=(12, 40),
                                                              prefix_len=(48, 128), long_len=(160, 280)), concurrency=8,
@@ -168,7 +169,7 @@ def test_swa_raise_mode_with_the_sweep_every_forward_has_no_violation(tmp_path_f
     log_path = tmp_path_factory.mktemp("swa_raise") / "server.log"
     srv = canary_server("raise", log_path=log_path, model_path=write_swa_model_dir(),
                         env={"SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": "25"},
-                        extra_args=["--swa-full-tokens-ratio", "1.0", "--kv-canary-sweep-interval", "1"],
+                        extra_args=["--swa-full-tokens-ratio", "1.0", "--kv-canary-sweep-interval", "1", *REAL_DATA],
                         max_total_tokens=POOL_TOKENS)
     with srv:
         result = run_requests(srv.base_url, build_workload(17, seed=9, n_aborts=2, max_new_tokens=(12, 40),

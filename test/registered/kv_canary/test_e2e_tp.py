@@ -1,12 +1,17 @@
-"""Tensor parallel (``--tp-size 2``) on two GPUs: each rank verifies its own KV shard, every line names its
-rank, ``contain`` aborts the same requests on both ranks, ``raise`` on one rank stops the whole server.
+"""Tensor parallel (``--tp-size 2``): each rank verifies its own KV shard, every line names its rank,
+``contain`` aborts the same requests on both ranks, ``raise`` on one rank stops the whole server.
 
-The model is sglang's own ``LlamaForCausalLM`` (its layers shard over the ranks; the tiny external model's
-plain torch layers do not), config only, dummy weights, CUDA graphs. A ``real_kv_used`` perturbation runs on
-rank 1 only (``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``): it flips a hashed byte of rank 1's shard, which rank 0
-never sees -- the case where the ranks must agree on what to abort.
+A ``real_kv_used`` perturbation runs on rank 1 only (``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``): it flips a
+hashed byte of rank 1's shard, which rank 0 never sees -- the case where the ranks must agree on what to abort.
 
-GPU only: sglang 0.5.12's CPU path cannot run TP > 1 here (its PyNcclCommunicator needs CUDA).
+* CUDA (two GPUs): sglang's own ``LlamaForCausalLM`` (its layers shard over the ranks), config only, dummy
+  weights, CUDA graphs.
+* CPU: two scheduler processes on the CPU, gloo collectives. sglang's Llama cannot be built off CUDA (its
+  rotary embedding imports ``vllm`` custom ops), so the model is ``KvcTinyTpForCausalLM`` (the tiny model
+  with its attention heads split over the ranks: each rank's KV pool holds its own KV heads). The server
+  runs as on a CPU-only host: one core per rank (``SGLANG_CPU_OMP_THREADS_BIND``; sglang binds one rank per
+  NUMA node otherwise) and no NCCL library (``SGLANG_NCCL_SO_PATH`` names none: the CUDA build of torch in
+  the test venv ships one, and sglang's PyNccl communicator would take it and ask for a CUDA device).
 """
 
 from __future__ import annotations
@@ -15,17 +20,17 @@ import pytest
 import requests
 
 from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
-from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cuda_ci
+from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.model_dir import write_model_dir
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cuda_ci(est_time=420, suite="kv-canary-cuda")
+register_cpu_ci(est_time=420, suite="kv-canary-cpu")
 
 
 def _skip_reason():
     if e2e_device() != "cuda":
-        return ("tensor parallel needs two CUDA GPUs: sglang 0.5.12's CPU path cannot run --tp-size 2 "
-                "(PyNcclCommunicator needs CUDA); runs in the CUDA suite on a two-GPU host")
+        return None
     import torch
 
     if torch.cuda.device_count() < 2:
@@ -47,16 +52,36 @@ PERTURB = {
 MESSAGE = "kv-canary contain: aborted"
 
 
+CPU = e2e_device() == "cpu"
+# requests per test: fewer on CPU (two ranks share the machine's cores, Triton kernels interpreted)
+N_CLEAN, N_CONTAIN, N_RAISE = (48, 32, 16) if CPU else (120, 48, 24)
+
+
 def _tp_model(tmp_path_factory):
+    if CPU:
+        return write_model_dir(tmp_path_factory.mktemp("tp-tiny"), config_overrides={
+            "architectures": ["KvcTinyTpForCausalLM"]})
     return write_model_dir(tmp_path_factory.mktemp("tp-llama"), config_overrides={
         "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "bfloat16"})
 
 
+def _cpu_tp_env():
+    """A CPU-only host's TP setting: the cores split over the two ranks, no NCCL library."""
+    import os
+
+    n = max(2, os.cpu_count() or 2)
+    half = n // 2
+    return {"SGLANG_CPU_OMP_THREADS_BIND": f"0-{half - 1}|{half}-{2 * half - 1}",
+            "SGLANG_NCCL_SO_PATH": "/nonexistent/kv-canary-cpu-tp/libnccl.so.2"}
+
+
 def _server(tmp_path_factory, mode, name, env=None, extra=()):
-    srv = canary_server(mode, log_path=tmp_path_factory.mktemp(name) / "server.log", env=env,
-                        extra_args=["--tp-size", "2", "--dtype", "bfloat16", "--cuda-graph-max-bs", "16",
-                                    "--model-path", str(_tp_model(tmp_path_factory)), *extra])
+    device_args = [] if CPU else ["--dtype", "bfloat16", "--cuda-graph-max-bs", "16"]
+    srv = canary_server(mode, log_path=tmp_path_factory.mktemp(name) / "server.log",
+                        env={**(_cpu_tp_env() if CPU else {}), **(env or {})},
+                        extra_args=["--tp-size", "2", *device_args, "--model-path", str(_tp_model(tmp_path_factory)),
+                                    "--kv-canary-real-data", "partial", *extra])  # 0.5.23's default is none
     return srv
 
 
@@ -96,7 +121,7 @@ def test_tp2_raise_mixed_workload_has_no_violation_on_either_rank(tmp_path_facto
                                                                 "--max-total-tokens", "4096"])
     srv.start(timeout=900)
     try:
-        specs = build_workload(120, seed=2027, n_aborts=6)
+        specs = build_workload(N_CLEAN, seed=2027, n_aborts=6)
         result = run_requests(srv.base_url, specs, concurrency=16, abort_mode="disconnect", timeout=600)
         text, stats = _settled(srv)
         violations = parse_lines(text, VIOLATION_PREFIX)
@@ -121,7 +146,7 @@ def test_tp2_raise_mixed_workload_has_no_violation_on_either_rank(tmp_path_facto
 @pytest.mark.e2e
 def test_tp2_contain_aborts_the_same_requests_on_both_ranks(contain_tp):
     srv = contain_tp
-    specs = build_workload(48, seed=31, n_aborts=0)
+    specs = build_workload(N_CONTAIN, seed=31, n_aborts=0)
     result = run_requests(srv.base_url, specs, concurrency=8, timeout=300)
     text, stats = _settled(srv)
     injections = _by_rank(parse_lines(text, PERTURB_PREFIX))
@@ -167,7 +192,7 @@ def test_tp2_raise_on_one_rank_stops_the_server(tmp_path_factory):
     srv = _server(tmp_path_factory, "raise", "tp-raise", env=PERTURB)
     srv.start(timeout=900)
     try:
-        result = run_requests(srv.base_url, build_workload(24, seed=41, n_aborts=0), concurrency=6, timeout=300)
+        result = run_requests(srv.base_url, build_workload(N_RAISE, seed=41, n_aborts=0), concurrency=6, timeout=300)
         code = srv.wait_exit(timeout=180)
         text = srv.log_text()
         violations = parse_lines(text, VIOLATION_PREFIX)

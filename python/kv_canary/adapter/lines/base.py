@@ -9,7 +9,7 @@ Hook names are ``module.function`` under ``kv_canary.adapter`` (``hooks.after_sa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 HookTable = Mapping[str, Tuple[str, str]]  # dotted sglang target -> (hook name, "before"|"after"|"around"|"replace")
 
@@ -24,6 +24,10 @@ def _no_spec_v1(_server_args: Any) -> bool:
 
 def _req_pool_idx(req: Any) -> int:
     return req.req_pool_idx
+
+
+def _runner_tp_rank(model_runner: Any) -> int:
+    return int(getattr(model_runner, "tp_rank", 0) or 0)
 
 
 def _radix_containment(scheduler: Any, manager: Any) -> Any:
@@ -55,6 +59,9 @@ class SglangLine:
     policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
     unported: Callable[[Any], str] = _nothing_unported
     req_row: Callable[[Any], int] = _req_pool_idx  # a scheduler Req's req_to_token row
+    tp_rank: Callable[[Any], int] = _runner_tp_rank  # a ModelRunner's tensor-parallel rank
+    # KV pool classes this line's adapter verifies (None: every class adapter/pools registers); others refused
+    verified_pools: Optional[Tuple[str, ...]] = None
     # (tree cache, manager) -> the reader the sweep and the unused-cache perturbation use, or None; and its trees
     prefix_cache_view: Callable[[Any, Any], Any] = lambda tree, manager: None
     prefix_caches: str = "no prefix cache"

@@ -19,9 +19,13 @@ The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adap
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
 Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1, synchronous, CPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
 (the draft runner's call sites drive the draft pool's manager through ``DraftInTreeSlot``).
+Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel context (``tp_rank``; the
+``ModelRunner`` has no ``tp_rank`` there); contain's ranks agree over the scheduler's ``tp_cpu_group``.
 Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
-(verified on the GPU host only for 0.5.12), speculative settings other than the above, PD disaggregation, tensor
-parallel. Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool`` (checked at install).
+(verified on the GPU host only for 0.5.12), speculative settings other than the above, PD disaggregation.
+Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
+SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
+is not covered, as on 0.5.12); checked at install.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ HOOKS: HookTable = {
 SPEC_HOOKS: HookTable = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify": ("speculative.after_eagle_v2_verify", "after"),
 }
-VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool")
+VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
 
 
 def unported(server_args: Any) -> str:
@@ -74,8 +78,9 @@ def unported(server_args: Any) -> str:
     spec = spec_unported(server_args)
     if spec:
         return spec
-    if int(getattr(server_args, "tp_size", 1) or 1) > 1:
-        return "tensor parallel on sglang 0.5.23 is not verified yet; drop --tp-size, or use sglang 0.5.12"
+    if int(getattr(server_args, "tp_size", 1) or 1) > 1 and getattr(server_args, "speculative_algorithm", None):
+        return ("tensor parallel with speculative decoding on sglang 0.5.23 is not verified yet; drop --tp-size or "
+                "--speculative-algorithm, or use sglang 0.5.12")
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")
@@ -140,11 +145,17 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
 
         check_supported(server_args, config.mode.value)
         check_hooks_applied(server_args)
-        pool = type(getattr(model_runner, "token_to_kv_pool", None)).__name__
-        if pool not in VERIFIED_POOLS:
+        pool, verified = type(getattr(model_runner, "token_to_kv_pool", None)).__name__, _running_line().verified_pools
+        if verified is not None and pool not in verified:
             raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
-                                    f"{_running_line().name} yet (verified: {', '.join(VERIFIED_POOLS)}); use sglang "
+                                    f"{_running_line().name} yet (verified: {', '.join(verified)}); use sglang "
                                     f"0.5.12 or {FLAG_MODE} none")
+        strategy = mamba_strategy(server_args)
+        if pool == "HybridLinearKVPool" and strategy != "no_buffer":
+            raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: --mamba-radix-cache-strategy {strategy} is not "
+                                    f"verified on sglang {_running_line().name} yet (no_buffer only: extra_buffer "
+                                    "snapshots need a GPU platform, where 0.5.23 never ran); pass "
+                                    "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule")
     reserved = _RESERVED.get(id(getattr(model_runner, "kv_cache_configurator", None)))
     if reserved is not None:
         model_runner.kv_canary_reserved_bytes = reserved
@@ -156,6 +167,15 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
 
         return DraftInTreeSlot(manager)
     return InTreeSlot(manager)
+
+
+def mamba_strategy(server_args) -> str:
+    """The resolved ``--mamba-radix-cache-strategy`` (sglang's view); ``no_buffer`` when the radix cache is off (no
+    mamba state is cached). ``auto`` may still read ``auto`` here and become extra_buffer later: not accepted."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    view = resolved_view(server_args)
+    return "no_buffer" if view.disable_radix_cache else str(view.mamba_radix_cache_strategy)
 
 
 def refuse_in_tree_install(*args, **kwargs):
@@ -254,7 +274,17 @@ def req_row(req) -> int:
     return req.kv.req_pool_idx
 
 
+def tp_rank(model_runner) -> int:
+    """0.5.23's ``ModelRunner`` has no ``tp_rank``: the process's parallel context holds it."""
+    del model_runner
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_rank)
+
+
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
                   flags_declared_by_sglang=True,
-                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, containment=containment,
-                  prefix_cache_view=unified_view_for, prefix_caches="UnifiedRadixCache (full-attention tree)")
+                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
+                  verified_pools=VERIFIED_POOLS, containment=containment,
+                  prefix_cache_view=unified_view_for,
+                  prefix_caches="UnifiedRadixCache (full-attention, hybrid-SWA and hybrid-mamba trees)")
