@@ -7,6 +7,7 @@ another line they are not collected (their sglang imports may not even exist the
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional
 
 # Test files that drive what only one sglang line's adapter verifies (python/kv_canary/adapter/lines): on another
@@ -41,18 +42,49 @@ ONLY_ON_LINE = {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
         "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),
     },
+    "0.5.23 (TP on CPU)": {
+        "why": "tensor parallel on CPU (two gloo ranks) drives 0.5.23's parallel-context rank reader; 0.5.12's TP=2 "
+               "is recorded on the GPU host (docs/results/gpu-h200x2-2026-11-22) and its rank reader is the "
+               "ModelRunner's own tp_rank; 0.5.17 refuses TP",
+        "line": "0.5.23",
+        "cpu_only": True,  # the GPU host's two-GPU run on 0.5.12 still runs it
+        "files": ("registered/kv_canary/test_e2e_tp.py",),
+    },
+    "0.5.23 (0.5.12's recorded on the GPU host)": {
+        "why": "CI time: on 0.5.12 EAGLE3 rides the draft hooks test_e2e_speculative drives, and the hybrid-linear "
+               "pool's MambaRadixCache hooks are unit-tested (unit/test_mamba_radix_index); both run with sglang's "
+               "own models on the GPU host (test_e2e_speculative_eagle3, test_e2e_hybrid_linear: docs/results)",
+        "line": "0.5.23",
+        "cpu_only": True,
+        "files": ("registered/kv_canary/test_e2e_speculative_eagle3.py",
+                  "registered/kv_canary/test_e2e_hybrid_linear_cpu.py"),
+    },
     "0.5.12 and 0.5.23": {
-        "why": "sglang 0.5.17's adapter refuses contain, tensor parallel, SWAKVPool and HybridLinearKVPool at "
-               "startup (docs/compatibility.md)",
+        "why": "sglang 0.5.17's adapter refuses contain, speculative decoding, tensor parallel, SWAKVPool and "
+               "HybridLinearKVPool at startup (docs/compatibility.md)",
         "line": ("0.5.12", "0.5.23"),
-        "files": ("registered/kv_canary/test_e2e_contain.py", "registered/kv_canary/test_e2e_tp.py",
-                  "registered/kv_canary/test_e2e_swa.py", "registered/kv_canary/test_e2e_hybrid_linear_cpu.py"),
+        "files": ("registered/kv_canary/test_e2e_contain.py",
+                  "registered/kv_canary/test_e2e_swa.py", "registered/kv_canary/test_e2e_speculative.py",
+                  "registered/kv_canary/test_e2e_speculative_eagle3.py",
+                  "registered/kv_canary/test_e2e_speculative_perturb.py", "registered/kv_canary/test_e2e_tp.py",
+                  "registered/kv_canary/test_e2e_hybrid_linear_cpu.py"),
     },
     "0.5.23 (covered on 0.5.12 by another file)": {
         "why": "the paged pool on 0.5.12 is driven by test_e2e_real_data's page-16 case (sweep included); the "
                "CPU CI runs this file on 0.5.23, whose unified radix tree it drives",
         "line": "0.5.23",
         "files": ("registered/kv_canary/test_e2e_page_size.py",),
+    },
+    "0.5.23 and 0.5.17 (0.5.12's wiring driven by other files)": {
+        "why": "CI time (scripts/test.sh: the whole suite on the newest line, the line-specific e2e on the other): "
+               "on 0.5.12 what these drive that is 0.5.12's own is driven by other files there (the forward "
+               "bracket and RadixCache sweep by test_e2e_baseline, injections by test_e2e_perturb_real_kv_used / "
+               "test_e2e_real_data and unit/test_perturb_and_radix, the pool readers by test_e2e_real_data); "
+               "0.5.12's MLA pool and TP=2 are recorded on the GPU host (docs/results)",
+        "line": ("0.5.23", "0.5.17"),
+        "cpu_only": True,  # a GPU-host run on 0.5.12 still runs them
+        "files": ("registered/kv_canary/test_e2e_perturb_modes.py", "registered/kv_canary/test_e2e_mla_fp8.py",
+                  "registered/test_fixture_smoke.py"),
     },
 }
 
@@ -69,9 +101,12 @@ def installed_sglang() -> Optional[str]:
 def not_on_this_line() -> Dict[str, str]:
     """{test file relative to test/: why it is not run on the installed sglang line}."""
     line = installed_sglang()
+    on_gpu = os.environ.get("KVC_TEST_DEVICE", "cpu") != "cpu"  # scripts/run_suite.py --hw cuda sets it
+
     def lines(only, spec):
         on = spec.get("line", only)
         return (on,) if isinstance(on, str) else tuple(on)
 
-    return {f: f"only on sglang {' and '.join(lines(only, spec))}: {spec['why']}" for only, spec in ONLY_ON_LINE.items()
-            if line not in lines(only, spec) for f in spec["files"]}
+    return {f: f"only on sglang {' and '.join(lines(only, spec))}{' (CPU runs)' if spec.get('cpu_only') else ''}: "
+               f"{spec['why']}" for only, spec in ONLY_ON_LINE.items()
+            if line not in lines(only, spec) and not (on_gpu and spec.get("cpu_only")) for f in spec["files"]}
