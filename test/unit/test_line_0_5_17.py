@@ -148,3 +148,21 @@ def test_a_resolved_0_5_17_cuda_graph_config_is_read():
     assert not rule.allowed(False, resolved("breakable"))
     assert POLICY_0_5_17.rules["cuda_graph_config"].allowed(resolved("disabled").cuda_graph_config, None)
     assert not POLICY_0_5_17.rules["cuda_graph_config"].allowed(resolved("tc_piecewise").cuda_graph_config, None)
+
+
+def test_an_mha_pool_installs_without_reading_0_5_23s_mamba_view(monkeypatch):
+    """0.5.17 reuses 0.5.23's install: the hybrid-linear strategy (read through a view only 0.5.23 has) is asked
+    for a HybridLinearKVPool only (on the H100 every 0.5.17 server failed at install while it was asked always)."""
+    from kv_canary.config import CanaryConfigError
+
+    def only_on_0_5_23(server_args):
+        raise ImportError("No module named 'sglang.srt.arg_groups.model_override_base'")
+
+    monkeypatch.setattr(v0_5_23, "mamba_strategy", only_on_0_5_23)
+    for pool in ("MHATokenToKVPool", "MLATokenToKVPool"):
+        v0_5_23.refuse_unverified_pool(SimpleNamespace(), pool, "raise", v0_5_17.LINE)
+    with pytest.raises(CanaryConfigError, match="HybridLinearKVPool is not verified on sglang 0.5.17"):
+        v0_5_23.refuse_unverified_pool(SimpleNamespace(), "HybridLinearKVPool", "raise", v0_5_17.LINE)
+    monkeypatch.setattr(v0_5_23, "mamba_strategy", lambda server_args: "extra_buffer")
+    with pytest.raises(CanaryConfigError, match="--mamba-radix-cache-strategy extra_buffer"):
+        v0_5_23.refuse_unverified_pool(SimpleNamespace(), "HybridLinearKVPool", "raise", v0_5_23.LINE)

@@ -134,7 +134,6 @@ class InTreeSlot:
 def install(*, server_args, model_runner, token_oracle_manager=None):
     """In place of sglang's in-tree ``install_canary``: the plugin's manager behind an ``InTreeSlot``, or None."""
     from ...api import config_from_server_args, install_canary
-    from ...config import FLAG_MODE, CanaryConfigError
 
     del token_oracle_manager  # sglang's token-oracle sampler (--sampling-backend token_oracle); ours is built in
     refuse_unported(server_args)
@@ -145,17 +144,8 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
 
         check_supported(server_args, config.mode.value)
         check_hooks_applied(server_args)
-        pool, verified = type(getattr(model_runner, "token_to_kv_pool", None)).__name__, _running_line().verified_pools
-        if verified is not None and pool not in verified:
-            raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: the KV pool {pool} is not verified on sglang "
-                                    f"{_running_line().name} yet (verified: {', '.join(verified)}); use sglang "
-                                    f"0.5.12 or {FLAG_MODE} none")
-        strategy = mamba_strategy(server_args)
-        if pool == "HybridLinearKVPool" and strategy != "no_buffer":
-            raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value}: --mamba-radix-cache-strategy {strategy} is not "
-                                    f"verified on sglang {_running_line().name} yet (no_buffer only: extra_buffer "
-                                    "snapshots need a GPU platform, where 0.5.23 never ran); pass "
-                                    "--mamba-radix-cache-strategy no_buffer --disable-overlap-schedule")
+        refuse_unverified_pool(server_args, type(getattr(model_runner, "token_to_kv_pool", None)).__name__,
+                               config.mode.value, _running_line())
     reserved = _RESERVED.get(id(getattr(model_runner, "kv_cache_configurator", None)))
     if reserved is not None:
         model_runner.kv_canary_reserved_bytes = reserved
@@ -167,6 +157,23 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
 
         return DraftInTreeSlot(manager)
     return InTreeSlot(manager)
+
+
+def refuse_unverified_pool(server_args, pool: str, mode: str, line) -> None:
+    """A KV pool ``line`` does not verify, or a hybrid-linear pool with a mamba strategy never run, is refused.
+    The strategy is read (through 0.5.23's resolved view) for a ``HybridLinearKVPool`` only: a line reusing
+    this one (0.5.17) has no such view and no such pool verified."""
+    from ...config import FLAG_MODE, CanaryConfigError
+
+    if line.verified_pools is not None and pool not in line.verified_pools:
+        raise CanaryConfigError(f"{FLAG_MODE} {mode}: the KV pool {pool} is not verified on sglang {line.name} yet "
+                                f"(verified: {', '.join(line.verified_pools)}); use sglang 0.5.12 or {FLAG_MODE} none")
+    strategy = mamba_strategy(server_args) if pool == "HybridLinearKVPool" else "no_buffer"
+    if strategy != "no_buffer":
+        raise CanaryConfigError(f"{FLAG_MODE} {mode}: --mamba-radix-cache-strategy {strategy} is not verified on "
+                                f"sglang {line.name} yet (no_buffer only: extra_buffer snapshots need a GPU platform, "
+                                "where 0.5.23 never ran); pass --mamba-radix-cache-strategy no_buffer "
+                                "--disable-overlap-schedule")
 
 
 def mamba_strategy(server_args) -> str:
