@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 try:  # registration markers for sglang's CI collector (AST-parsed; no-ops at run time)
     from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
@@ -172,6 +172,24 @@ class CanaryLog:
             if not any(f >= int(p["forward"]) for f in forwards):
                 missing.append(p)
         return missing
+
+    @staticmethod
+    def explains(injection: Dict[str, str], violation: Dict[str, str]) -> bool:
+        """A violation naming the injection's (group, slot) at or after the injection's forward."""
+        return ((violation["group"], violation["slot"]) == (injection["group"], injection["slot"])
+                and int(violation["forward"]) >= int(injection["forward"]))
+
+    def injections_by_mode(self, key: Optional[Callable[[Dict[str, str]], Any]] = None
+                           ) -> Tuple[Dict[Any, List[int]], List[Dict[str, str]]]:
+        """({key(injection), default its mode: [injected, detected]}, the violations no injection explains)."""
+        key = key or (lambda p: p["kv_canary_perturb"])
+        by_mode: Dict[Any, List[int]] = {}
+        for p in self.perturbations:
+            counts = by_mode.setdefault(key(p), [0, 0])
+            counts[0] += 1
+            counts[1] += any(self.explains(p, v) for v in self.violations)
+        unexplained = [v for v in self.violations if not any(self.explains(p, v) for p in self.perturbations)]
+        return by_mode, unexplained
 
     def detection_latencies(self) -> List[int]:
         """Forwards from each injection to the first violation on its slot."""

@@ -27,6 +27,7 @@ stand in: the Gated DeltaNet layers need sglang's own ``RadixLinearAttention`` m
 
 import pytest
 
+from kv_canary_testing import hybrid_linear_checks as checks
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cuda_ci
 from kv_canary_testing.model_dir import write_qwen3_next_model_dir
 from kv_canary_testing.workload import build_workload, run_requests
@@ -61,14 +62,7 @@ def hybrid_run(tmp_path_factory):
                               abort_mode="mixed", timeout=300)
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
-    explained = lambda p, v: ((v["group"], v["slot"]) == (p["group"], p["slot"])  # noqa: E731
-                              and int(v["forward"]) >= int(p["forward"]))
-    by_mode = {}
-    for p in log.perturbations:
-        counts = by_mode.setdefault(p["kv_canary_perturb"], [0, 0])
-        counts[0] += 1
-        counts[1] += any(explained(p, v) for v in log.violations)
-    unexplained = [v for v in log.violations if not any(explained(p, v) for p in log.perturbations)]
+    by_mode, unexplained = log.injections_by_mode()
     print(f"kv_canary_e2e_hybrid_linear device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"graph_forwards={log.last_stat('graph_forwards')} sweeps={log.last_stat('sweeps')} "
@@ -90,25 +84,17 @@ def test_hybrid_linear_pool_serves_with_the_full_group(hybrid_run):
 
 @pytest.mark.e2e
 def test_hybrid_linear_no_false_alarm(hybrid_run):
-    assert hybrid_run["unexplained"] == [], hybrid_run["unexplained"][:3]
+    checks.assert_no_false_alarm(hybrid_run)
 
 
 @pytest.mark.e2e
 def test_hybrid_linear_injections_caught(hybrid_run):
-    injected, detected = hybrid_run["by_mode"].get("real_kv_used", (0, 0))
-    assert injected > 0 and detected == injected, hybrid_run["by_mode"]
-    injected, detected = hybrid_run["by_mode"].get("real_kv_post_forward", (0, 0))
-    assert injected > 0 and detected > 0, hybrid_run["by_mode"]
+    checks.assert_injections_caught(hybrid_run)
 
 
 @pytest.mark.e2e
 def test_hybrid_linear_sweep_finds_unused_cache_flips(hybrid_run):
-    log = hybrid_run["log"]
-    assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0
-    injected, detected = hybrid_run["by_mode"].get("real_kv_unused_cache", (0, 0))
-    assert injected > 0, f"no real_kv_unused_cache injection: {hybrid_run['by_mode']}"
-    assert detected > 0, f"real_kv_unused_cache: none of {injected} caught"
-    assert any(v["rid"] == "cache" and v["group"] == "full" for v in log.violations)  # rows of the sweep
+    checks.assert_sweep_finds_unused_cache_flips(hybrid_run)
 
 
 @pytest.mark.e2e

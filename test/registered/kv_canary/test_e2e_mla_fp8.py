@@ -50,14 +50,7 @@ def mla_run(tmp_path_factory):
                               abort_mode="mixed", timeout=300)
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
-    explained = lambda p, v: ((v["group"], v["slot"]) == (p["group"], p["slot"])  # noqa: E731
-                              and int(v["forward"]) >= int(p["forward"]))
-    by_mode = {}
-    for p in log.perturbations:
-        counts = by_mode.setdefault(p["kv_canary_perturb"], [0, 0])
-        counts[0] += 1
-        counts[1] += any(explained(p, v) for v in log.violations)
-    unexplained = [v for v in log.violations if not any(explained(p, v) for p in log.perturbations)]
+    by_mode, unexplained = log.injections_by_mode()
     print(f"kv_canary_e2e_mla_fp8 device={e2e_device()} wide={int(WIDE)} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"violations={len(log.violations)} unexplained={len(unexplained)} "

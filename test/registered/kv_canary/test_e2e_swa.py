@@ -93,14 +93,7 @@ def swa_run(tmp_path_factory):
         result.errors += tail.errors
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
-    explained = lambda p, v: ((v["group"], v["slot"]) == (p["group"], p["slot"])  # noqa: E731
-                              and int(v["forward"]) >= int(p["forward"]))
-    by_mode = {}
-    for p in log.perturbations:
-        hit = any(explained(p, v) for v in log.violations)
-        by_mode.setdefault((p["kv_canary_perturb"], p["group"]), [0, 0])[0] += 1
-        by_mode[(p["kv_canary_perturb"], p["group"])][1] += hit
-    unexplained = [v for v in log.violations if not any(explained(p, v) for p in log.perturbations)]
+    by_mode, unexplained = log.injections_by_mode(key=lambda p: (p["kv_canary_perturb"], p["group"]))
     div = SwaDivergenceLog.find_last(log.text)
     print(f"kv_canary_e2e_swa device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_verified_swa={log.last_stat('slots_verified_swa')} "
