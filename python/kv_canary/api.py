@@ -97,6 +97,10 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         device=facts.device,
         variant_tracker=tracker,
     )
+    if manager.perturb.write_redirect is not None:  # the write-path perturbations break the engine's own stores
+        from .adapter.kv_stores import wrap_kv_stores
+
+        wrap_kv_stores(facts.pool, manager.perturb.write_redirect)
     if facts.pd_mode in ("prefill", "decode"):  # records travel with the KV (adapter/disagg)
         manager.attach_transfer(TransferBook(facts.pd_mode, new_origin(groups[0].num_slots, facts.device)))
     if facts.tree_verify:  # the tree verifies' deferred TAIL: at most num_steps + 1 kept nodes a request

@@ -31,6 +31,8 @@ class PoolLayout:
     # > 0: attention reads only the last ``window`` positions before a forward's new tokens
     # (sliding-window layers); HEAD verifies only those. 0: the whole prefix.
     window: int = 0
+    # the element type the K/V rows hold (an fp8 pool stores it as uint8); None: the buffers' own dtype
+    kv_dtype: Optional[torch.dtype] = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class CanaryBufferGroup:
     full_base: torch.Tensor
     slot_map: Optional[torch.Tensor] = None  # ``PoolLayout.slot_translation``
     window: int = 0  # ``PoolLayout.window``
+    # the write witness's stamp for this group's element type (``witness_stamp``; 0 with the witness off)
+    witness_stamp: int = 0
     # False: HEAD does not check chain links (the draft pool, ``draft_pool.DraftCanaryManager``: sglang splices
     # draft slots of different requests whose records differ; position, K/V hash and slot are still checked)
     check_chain: bool = True
@@ -173,7 +177,33 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
         name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
         source_table=source_table, base=base, full_table=full_table, full_base=full_base,
         slot_map=slot_map, window=int(layout.window),
+        witness_stamp=witness_stamp(layout) if config.write_witness else 0,
     )
+
+
+# The write witness's stamp (kernels/witness.py), one int32 word per element type: signaling NaNs where the
+# format has them (a correct K/V write stores no NaN; a NaN computed from a stamp that attention read comes out
+# quiet, so it never looks like one), and for fp8 e4m3fn, whose only NaN is S.1111.111, NaNs of alternating
+# sign (a computed NaN K row has one sign throughout).
+WITNESS_STAMPS = {
+    torch.bfloat16: 0x7F817F81,
+    torch.float16: 0x7C017C01,
+    torch.float32: 0x7F800001,
+    **({torch.float8_e5m2: 0x7D7D7D7D} if hasattr(torch, "float8_e5m2") else {}),
+    **({torch.float8_e4m3fn: 0x7FFF7FFF} if hasattr(torch, "float8_e4m3fn") else {}),
+}
+
+
+def witness_stamp(layout: PoolLayout) -> int:
+    """The stamp for the group's K/V element type; ``CanaryConfigError`` for a type without one."""
+    dtype = layout.kv_dtype or (layout.k_buffers[0].dtype if len(layout.k_buffers) else None)
+    stamp = WITNESS_STAMPS.get(dtype)
+    if stamp is None:
+        raise CanaryConfigError(
+            f"SGLANG_KV_CANARY_WRITE_WITNESS: no write-witness stamp for pool group '{layout.name}' of KV dtype "
+            f"{dtype} (known: {', '.join(str(d).replace('torch.', '') for d in WITNESS_STAMPS)}); "
+            "set SGLANG_KV_CANARY_WRITE_WITNESS=0 to run without it")
+    return stamp
 
 
 def _source_table(sources: Sequence[KVRow], fallback: torch.Tensor, device: torch.device):

@@ -139,6 +139,9 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "ENABLE_WRITE_INPUT_ASSERT": ("write_input_assert", _parse_bool,
                                   "TAIL: check the positions and (with the token oracle) tokens each forward is fed "
                                   "(default 1)"),
+    "WRITE_WITNESS": ("write_witness", _parse_bool,
+                      "stamp every K/V row of each slot a forward is meant to fill before it runs and report "
+                      "a row the forward left unwritten (kind unwritten) in its TAIL (default 1)"),
     "RING_CAPACITY": ("ring_capacity", _parse_int(16, 1 << 20),
                       "violation records kept on the device between host reads (default 4096)"),
     "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
@@ -175,6 +178,14 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_NEXT_TOKEN_SWAP_PROB": ("perturb_next_token_swap_prob", _parse_prob,
                                      "per-forward probability of feeding two requests of a decode forward each "
                                      "other's token (a future-token resolution bug)"),
+    "PERTURB_WRITE_DROPPED_PROB": ("perturb_write_dropped_prob", _parse_prob,
+                                   "per-forward probability of dropping one token's K/V store in every layer (it "
+                                   "goes to the padding slot; the token's slot keeps its old bytes)"),
+    "PERTURB_WRITE_DROPPED_LAYER_PROB": ("perturb_write_dropped_layer_prob", _parse_prob,
+                                         "per-forward probability of dropping one token's K/V store in one layer"),
+    "PERTURB_WRITE_MISDIRECTED_PROB": ("perturb_write_misdirected_prob", _parse_prob,
+                                       "per-forward probability of one token's K/V store landing in the "
+                                       "neighbouring slot, in every layer"),
     "PERTURB_KV_BYTES": ("perturb_kv_bytes", _parse_kv_bytes,
                          "where K/V flips land: anywhere (default: uniform over every byte of every layer's K "
                          "and V row), hashed (inside the hashed window only), or LAYER:HALF:BYTE, e.g. -1:k:mid"),
@@ -204,6 +215,7 @@ class CanaryConfig:
     token_oracle: bool = True
     verify_tokens: bool = True
     write_input_assert: bool = True
+    write_witness: bool = True
     ring_capacity: int = 4096
     d2h_delay_steps: int = 2
     kernel_backend: KernelBackend = KernelBackend.AUTO
@@ -217,6 +229,9 @@ class CanaryConfig:
     perturb_transfer_prob: float = 0.0
     perturb_position_shift_prob: float = 0.0
     perturb_next_token_swap_prob: float = 0.0
+    perturb_write_dropped_prob: float = 0.0
+    perturb_write_dropped_layer_prob: float = 0.0
+    perturb_write_misdirected_prob: float = 0.0
     perturb_kv_bytes: str = "anywhere"
     perturb_target_group: str = ""
     perturb_warmup_steps: int = 50
@@ -239,7 +254,8 @@ class CanaryConfig:
         return any(p > 0.0 for p in (self.perturb_real_kv_used_prob, self.perturb_req_to_token_prob,
                                      self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob,
                                      self.perturb_position_shift_prob, self.perturb_next_token_swap_prob,
-                                     self.perturb_transfer_prob))
+                                     self.perturb_transfer_prob, self.perturb_write_dropped_prob,
+                                     self.perturb_write_dropped_layer_prob, self.perturb_write_misdirected_prob))
 
     @classmethod
     def build(
@@ -321,7 +337,7 @@ class CanaryConfig:
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
             f"kernel_backend={self.kernel_backend.value} token_oracle={int(self.uses_token_oracle)} "
             f"verify_tokens={int(self.verify_tokens and self.uses_token_oracle)} "
-            f"write_input_assert={int(self.write_input_assert)} "
+            f"write_input_assert={int(self.write_input_assert)} write_witness={int(self.write_witness)} "
             f"perturb_real_kv_used_prob={self.perturb_real_kv_used_prob} "
             f"perturb_req_to_token_prob={self.perturb_req_to_token_prob} "
             f"perturb_real_kv_unused_cache_prob={self.perturb_real_kv_unused_cache_prob} "
@@ -330,6 +346,10 @@ class CanaryConfig:
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
             + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
             + (f" perturb_tp_rank={self.perturb_tp_rank}" if self.perturb_tp_rank >= 0 else "")
+            + "".join(f" perturb_{m}_prob={p}" for m, p in (
+                ("write_dropped", self.perturb_write_dropped_prob),
+                ("write_dropped_layer", self.perturb_write_dropped_layer_prob),
+                ("write_misdirected", self.perturb_write_misdirected_prob)) if p)
         )
 
     def for_tp_rank(self, tp_rank: int) -> "CanaryConfig":

@@ -37,6 +37,7 @@ R_CHAIN = 2  # chain link to the predecessor slot broken (foreign or reordered p
 R_KV_HASH = 4  # live K/V bytes no longer hash to the recorded value
 R_TOKEN = 8  # recorded token differs from the request's own token at that position
 R_SLOT = 16  # req_to_token points at the padding slot or outside the pool
+R_UNWRITTEN = 32  # the forward meant to fill the slot left a layer's K or V row unwritten (write witness)
 
 REASON_NAMES = {
     R_POSITION: "position",
@@ -44,6 +45,7 @@ REASON_NAMES = {
     R_KV_HASH: "kv_hash",
     R_TOKEN: "token",
     R_SLOT: "slot",
+    R_UNWRITTEN: "unwritten",
 }
 
 CHAIN_ANCHOR = 0x1B873593CC9E2D51  # < 2**63: the same value as int64 everywhere
@@ -74,7 +76,8 @@ C_SLOTS_SCRUBBED = 9  # slots whose every K/V byte the scrub checked
 C_SWA_VERIFIED = 10  # slots verified by windowed groups (the rest of C_SLOTS_VERIFIED: the full groups)
 C_SWA_DIVERGENCE = 11  # of those, entries whose group slot differs from the engine (full) slot
 C_SWA_OUT_OF_WINDOW = 12  # prefix positions a windowed group did not verify (outside its window)
-NUM_COUNTERS = 13
+C_SLOTS_WITNESSED = 13  # new slots whose every K/V row the write witness checked in TAIL
+NUM_COUNTERS = 14
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)

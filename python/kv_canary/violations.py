@@ -48,10 +48,14 @@ class Violation:
     # PD disaggregation: (key, value) pairs joining the line to the other side's log
     # (bootstrap_room, origin_room, origin_slot; see kv_canary.transfer); empty otherwise
     identity: Tuple[Tuple[str, object], ...] = ()
+    # kind unwritten: (layer, half, rows_unwritten) of the first K/V row the forward left unwritten
+    detail: Tuple[Tuple[str, object], ...] = ()
 
     def format(self) -> str:
         fields = asdict(self)
         fields.pop("identity")
+        fields.pop("detail")
+        fields.update(self.detail)
         fields.update(self.identity)
         return format_line(VIOLATION_PREFIX, self.seq, fields, skip=("seq",))
 
@@ -102,10 +106,11 @@ def parse_lines(text: str, prefix: str) -> List[Dict[str, str]]:
     return found
 
 
-def decode_rows(rows, first_seq: int, group_names, describe_forward) -> List[Violation]:
+def decode_rows(rows, first_seq: int, group_names, describe_forward, group_rows=None) -> List[Violation]:
     """rows: int64 host tensor [n, RING_WIDTH] in sequence order starting at ``first_seq``.
 
-    ``describe_forward(forward, batch_index) -> (rid, cuda_graph)`` supplies what the host remembers.
+    ``describe_forward(forward, batch_index) -> (rid, cuda_graph)`` supplies what the host remembers;
+    ``group_rows[g][k]``: (layer, half) of group g's k-th K/V row (names an ``unwritten`` row's layer and half).
     """
     out = []
     for k, r in enumerate(rows.tolist()):
@@ -127,9 +132,20 @@ def decode_rows(rows, first_seq: int, group_names, describe_forward) -> List[Vio
                 expected=r[fp.V_EXPECTED],
                 forward=forward,
                 cuda_graph=cuda_graph,
+                detail=_unwritten_detail(reason, group_index, r, group_rows),
             )
         )
     return out
+
+
+def _unwritten_detail(reason: int, group_index: int, r, group_rows) -> Tuple[Tuple[str, object], ...]:
+    """An ``unwritten`` row's first unwritten (layer, half) and how many rows it left unwritten."""
+    if not reason & fp.R_UNWRITTEN:
+        return ()
+    rows = group_rows[group_index] if group_rows is not None and 0 <= group_index < len(group_rows) else ()
+    k = r[fp.V_STORED]
+    layer, half = rows[k] if 0 <= k < len(rows) else (-1, "?")
+    return (("layer", layer), ("half", half), ("rows_unwritten", r[fp.V_EXPECTED]))
 
 
 def health_violation(what: str, device_value: int, host_value: int, forward: int) -> Violation:

@@ -35,10 +35,13 @@ class TinyAttentionModel(torch.nn.Module):
         super().__init__()
         self.k, self.v, self.events = k, v, events
         self.nested = False
+        self.drop_lane = None  # a lane whose K/V store goes to the padding slot 0 (a dropped write)
 
     def forward(self, input_ids, positions, forward_batch):
         self.events.append("forward")
-        loc = forward_batch.out_cache_loc
+        loc = forward_batch.out_cache_loc.clone()
+        if self.drop_lane is not None:
+            loc[self.drop_lane] = 0
         self.k[loc] = input_ids.float()[:, None, None] + positions.float()[:, None, None] / 100
         self.v[loc] = -self.k[loc]
         if self.nested:
@@ -66,7 +69,8 @@ class Harness:
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
                                 ref.launch_scrub, spy("sweep", ref.launch_index_sweep), record_accepted,
-                                build_accepted_drafts, graph_safe=False)
+                                build_accepted_drafts, spy("stamp", ref.launch_witness_stamp),
+                                spy("check", ref.launch_witness_check), graph_safe=False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
@@ -138,10 +142,34 @@ def test_per_forward_orchestrates_plan_head_forward_tail():
     h.manager.mark_init_finished()
     h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
     h.step(h.batch({1: [10], 2: [11]}, decode=True))
-    assert h.events == ["verify", "forward", "write"] * 2
+    assert h.events == ["verify", "stamp", "forward", "check", "write"] * 2
     c = h.manager.last_counters
     assert int(c[fp.C_SLOTS_WRITTEN]) == 7 and int(c[fp.C_SLOTS_VERIFIED]) == 5
     assert h.manager.forwards == 2 and int(c[fp.C_FORWARD_INDEX]) == 2
+
+
+def test_a_dropped_kv_store_is_reported_unwritten_by_the_tail_of_its_forward(caplog):
+    h = Harness(mode=CanaryMode.LOG)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
+    h.model.drop_lane = 1  # request r2's first decode token: its slot keeps the bytes it held before
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: [10], 2: [11]}, decode=True))
+        h.manager.poll(drain=True)
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [(v["kind"], v["rid"], v["slot"], v["position"], v["layer"], v["half"], v["rows_unwritten"], v["forward"])
+            for v in found] == [("unwritten", "r2", "7", "2", "0", "k", "2", "1")]
+    assert int(h.manager.last_counters[fp.C_SLOTS_WITNESSED]) == 7
+
+
+def test_the_write_witness_off_leaves_a_dropped_store_unseen():
+    h = Harness(write_witness=False)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6]}))
+    h.model.drop_lane = 0
+    h.step(h.batch({1: [7]}, decode=True))  # raise mode: nothing to report without the witness
+    h.manager.poll(drain=True)
+    assert "stamp" not in h.events and int(h.manager.last_counters[fp.C_SLOTS_WITNESSED]) == 0
 
 
 def test_nested_model_forward_shares_the_outer_bracket():
@@ -149,7 +177,7 @@ def test_nested_model_forward_shares_the_outer_bracket():
     h.manager.mark_init_finished()
     h.model.nested = True
     h.step(h.batch({1: [5, 6]}))
-    assert h.events == ["verify", "forward", "forward", "write"]
+    assert h.events == ["verify", "stamp", "forward", "forward", "check", "write"]
 
 
 def test_forward_without_active_manager_after_init_is_an_error():

@@ -19,6 +19,7 @@ COUNTERS = {
     "slots_verified": "KV slots verified by HEAD before a forward read them.",
     "slots_written": "KV slots fingerprinted by TAIL after a forward wrote them.",
     "slots_swept": "KV slots held by the radix cache verified by the sweep.",
+    "slots_witnessed": "KV slots whose every K/V row the write witness proved written by their forward.",
     "sweeps": "Radix-cache sweeps run.",
     "health_violations": "Times the canary found it did not run as launched (kind=health:*).",
     "perturbations": "Deliberate corruptions injected by SGLANG_KV_CANARY_PERTURB_*.",

@@ -20,13 +20,13 @@ from ..config import CanaryConfigError
 
 def _mha_layouts(pool, context: PoolContext) -> List[PoolLayout]:
     del context
-    return [PoolLayout(name="full", k_buffers=pool.k_buffer, v_buffers=pool.v_buffer)]
+    return [PoolLayout(name="full", k_buffers=pool.k_buffer, v_buffers=pool.v_buffer, kv_dtype=pool.dtype)]
 
 
 def _mla_layouts(pool, context: PoolContext) -> List[PoolLayout]:
     """``MLATokenToKVPool``: one latent row per layer (K = the row, V = its first kv_lora_rank values)."""
     del context
-    return [PoolLayout(name="full", k_buffers=pool.kv_buffer, v_buffers=None)]
+    return [PoolLayout(name="full", k_buffers=pool.kv_buffer, v_buffers=None, kv_dtype=pool.dtype)]
 
 
 def _swa_layouts(pool, context: PoolContext) -> List[PoolLayout]:
@@ -59,9 +59,9 @@ def _swa_layouts(pool, context: PoolContext) -> List[PoolLayout]:
         )
     full, swa = pool.full_kv_pool, pool.swa_kv_pool
     return [
-        PoolLayout(name="full", k_buffers=full.k_buffer, v_buffers=full.v_buffer),
+        PoolLayout(name="full", k_buffers=full.k_buffer, v_buffers=full.v_buffer, kv_dtype=full.dtype),
         PoolLayout(name="swa", k_buffers=swa.k_buffer, v_buffers=swa.v_buffer, slot_translation=mapping,
-                   window=int(window)),
+                   window=int(window), kv_dtype=swa.dtype),
     ]
 
 

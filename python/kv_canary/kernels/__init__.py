@@ -11,6 +11,8 @@ signature in both backends:
                     accept_lens=, batch_size=, n=)   (EAGLE's accepted drafts into the token oracle)
     accepted_drafts(out=, staged=, req_to_token=, rows=, committed=, kept_nodes=, kept=, batch_size=, n=,
                     fed_tokens=, fed_positions=, appended=)   (spec v1: a tree verify's deferred TAIL inputs)
+    witness_stamp(group, view, group_index=)                    (the write witness: HEAD's stamp, kernels/witness.py)
+    witness_check(group, view, counters, ring, group_index=)    (TAIL: every stamp gone, else ``unwritten``)
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class CanaryKernels:
     sweep_index: Callable[..., None]
     record_accepted: Callable[..., None]
     accepted_drafts: Callable[..., None]
+    witness_stamp: Callable[..., None]
+    witness_check: Callable[..., None]
     graph_safe: bool
 
 
@@ -49,14 +53,16 @@ def resolve_backend(requested: KernelBackend, device: torch.device) -> KernelBac
 def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKernels:
     backend = resolve_backend(requested, device)
     if backend is KernelBackend.TRITON:
-        from . import accept, index_sweep
+        from . import accept, index_sweep, witness
         from . import triton_kernels as tk
 
         return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_scrub,
                              index_sweep.launch_index_sweep, accept.launch_record_accepted,
-                             accept.launch_accepted_drafts, graph_safe=True)
+                             accept.launch_accepted_drafts, witness.launch_stamp, witness.launch_check,
+                             graph_safe=True)
     from ..speculative import build_accepted_drafts, record_accepted
     from . import reference as ref
 
     return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub, ref.launch_index_sweep,
-                         record_accepted, build_accepted_drafts, graph_safe=False)
+                         record_accepted, build_accepted_drafts, ref.launch_witness_stamp, ref.launch_witness_check,
+                         graph_safe=False)

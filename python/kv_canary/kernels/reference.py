@@ -266,3 +266,49 @@ def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> No
         return
     entries = SweepEntries(slots=slots, preds=preds, positions=positions, tokens=tokens)
     _sweep_entries(group, entries, counters, ring, group_index=group_index)
+
+
+def _witness_targets(group, view):
+    """(lane index, group slot) of every stamped lane of ``view.out_cache_loc`` (``witness`` module)."""
+    slots = translate(group, view.out_cache_loc)
+    lanes = ((slots > 0) & (slots < group.num_slots)).nonzero().flatten()
+    return lanes, slots[lanes]
+
+
+def launch_witness_stamp(group, view, group_index: int = 0) -> None:
+    """The write witness's HEAD stamp (``witness.launch_stamp``'s twin)."""
+    del group_index
+    _, slots = _witness_targets(group, view)
+    for r in group.rows:
+        r.view[slots, 0] = group.witness_stamp
+        r.view[slots, r.words - 1] = group.witness_stamp
+
+
+def launch_witness_check(group, view, counters, ring, group_index: int = 0) -> None:
+    """The write witness's TAIL check (``witness.launch_check``'s twin): one ``unwritten`` row per stamped slot."""
+    lanes, slots = _witness_targets(group, view)
+    if group.rows:
+        stamp = group.witness_stamp
+        stamped = torch.stack([(r.view[slots, 0] == stamp) | (r.view[slots, r.words - 1] == stamp)
+                               for r in group.rows], dim=1)
+    else:
+        stamped = torch.zeros((slots.numel(), 1), dtype=torch.bool, device=slots.device)
+    n_bad = stamped.sum(dim=1).to(torch.int64)
+    bad = n_bad > 0
+    first_bad = torch.where(bad, stamped.to(torch.int64).argmax(dim=1), 1 << 30)
+    bs = view.batch_size
+    which = torch.full_like(lanes, -1)
+    for i in range(bs if bool(bad.any()) else 0):  # the request whose new run holds each lane
+        s, n = int(view.new_starts[i]), int(view.new_lens[i])
+        which = torch.where((lanes >= s) & (lanes < s + n), i, which)
+    found = which >= 0
+    i_safe = which.clamp(min=0)
+    row = torch.where(found, view.req_pool_indices[i_safe].to(torch.int64), -1)
+    p0 = view.seq_lens[i_safe].to(torch.int64) - view.new_lens[i_safe].to(torch.int64)
+    pos = torch.where(found, p0 + lanes - view.new_starts[i_safe].to(torch.int64),
+                      view.positions[lanes].to(torch.int64))
+    _append_violations(counters, ring, bad, [
+        torch.full_like(slots, fp.R_UNWRITTEN | (group_index << fp.GROUP_SHIFT)), slots, pos, which, row,
+        first_bad, n_bad, counters[fp.C_CURRENT_FORWARD],
+    ])
+    counters[fp.C_SLOTS_WITNESSED] += slots.numel()

@@ -99,8 +99,19 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
             "req_to_token", "rows", "committed", "kept_nodes", "fed_tokens", "fed_positions", "appended"))))
         return kernels.accepted_drafts(**kw)
 
+    def witness_stamp(group, view, group_index=0):
+        tracker.note(("witness_stamp", group.name, group.slot_map is not None, *_dtypes(view, "out_cache_loc")))
+        return kernels.witness_stamp(group, view, group_index=group_index)
+
+    def witness_check(group, view, counters, ring, group_index=0):
+        tracker.note(("witness_check", group.name, group_index, group.slot_map is not None,
+                      *_dtypes(view, "out_cache_loc", "positions", "req_pool_indices", "seq_lens", "new_starts",
+                               "new_lens")))
+        return kernels.witness_check(group, view, counters, ring, group_index=group_index)
+
     return dataclasses.replace(kernels, verify=verify, write=write, scrub=scrub, sweep_index=sweep_index,
-                               record_accepted=record_accepted, accepted_drafts=accepted_drafts)
+                               record_accepted=record_accepted, accepted_drafts=accepted_drafts,
+                               witness_stamp=witness_stamp, witness_check=witness_check)
 
 
 def write_block_lengths(write_block: Callable[[int], int], max_new_len: int) -> Dict[int, int]:

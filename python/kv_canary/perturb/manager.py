@@ -19,6 +19,9 @@ Modes (env-var probabilities per forward, after a warmup gate):
 * ``next_token_swap`` (pre-forward, decode forwards): two requests are fed each
   other's next token (a future-token resolution bug; upstream swaps them at the
   sampler exit); TAIL catches both in that forward.
+* ``write_dropped`` / ``write_dropped_layer`` / ``write_misdirected`` (pre-forward, armed for one forward):
+  one token's K/V store dropped in every layer / in one layer, or landing in the neighbouring slot
+  (``write_paths``); the write witness catches each in that forward's TAIL.
 
 K/V flips land anywhere in the slot by default (``SGLANG_KV_CANARY_PERTURB_KV_BYTES``).
 
@@ -40,6 +43,7 @@ from ..buffer_groups import CanaryBufferGroup
 from ..violations import PERTURB_PREFIX, format_line
 from .real_kv import TRANSFER_FLIP_MASK, check_flip_spec, flip_kv_byte
 from .slot_picker import pick_read_slot
+from .write_paths import WriteRedirect, pick_write_lane
 
 logger = logging.getLogger("kv_canary")
 ANY_GROUP = "*"  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP: a random group per injection
@@ -72,6 +76,14 @@ class PerturbManager:
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
         self.injection_count = 0  # injections so far (SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS caps it)
         self.active = config.any_perturbation  # read on every forward's host path: computed once
+        # the write-path modes' device state; the adapter wraps the engine's KV store methods with it
+        self.write_redirect = (WriteRedirect(groups[0].num_slots, groups[0].records.device)
+                               if any(p > 0 for p in self._write_probs()) else None)
+        self._armed = False
+
+    def _write_probs(self):
+        c = self._config
+        return (c.perturb_write_dropped_prob, c.perturb_write_dropped_layer_prob, c.perturb_write_misdirected_prob)
 
     @staticmethod
     def _target_group(groups: Sequence[CanaryBufferGroup], name: str) -> CanaryBufferGroup:
@@ -122,6 +134,30 @@ class PerturbManager:
                 self._real_kv_used(batch, forward_index)
         if self._draw(c.perturb_real_kv_unused_cache_prob) and self._prefix_cache is not None:
             self._real_kv_unused_cache(forward_index)
+        if self.write_redirect is not None and self.write_redirect.installed:
+            for mode, prob in zip(("write_dropped", "write_dropped_layer", "write_misdirected"), self._write_probs()):
+                if not self._armed and self._draw(prob):
+                    batch = batch or host_batch()
+                    if batch is not None:
+                        self._write_path(mode, batch, view(), forward_index)
+
+    def _write_path(self, mode: str, batch: HostBatch, view: ForwardView, forward_index: int) -> None:
+        """Arm one write-path perturbation for this forward (``write_paths``)."""
+        picked = pick_write_lane(batch, self._rng)
+        redirect = self.write_redirect
+        if picked is None or picked.lane >= int(view.out_cache_loc.shape[0]):
+            return
+        slot = int(view.out_cache_loc[picked.lane].item())
+        layers = sorted(redirect.layers_seen)
+        if slot <= 0 or (mode == "write_dropped_layer" and not layers):
+            return
+        layer = self._rng.choice(layers) if mode == "write_dropped_layer" else -1
+        target = -1 if mode == "write_misdirected" else 0
+        redirect.arm(picked.lane, layer, target)
+        self._armed = True
+        landed = (slot + 1 if slot + 1 < redirect.num_slots else slot - 1) if target < 0 else 0
+        self._log(mode, slot=slot, rid=picked.rid, position=picked.position, forward=forward_index,
+                  layer_id=layer, landed_in=landed)
 
     def _req_to_token_mode(self, batch: HostBatch, forward_index: int) -> None:
         entry = pick_read_slot(batch, self._req_to_token, self._rng)
@@ -231,6 +267,9 @@ class PerturbManager:
         """Undo transient pre-forward corruption; run the post-forward mode for forward ``forward_index``."""
         while self._restore:
             self._restore.pop()()
+        if self._armed:  # a write-path perturbation lasts one forward
+            self.write_redirect.disarm()
+            self._armed = False
         if (not self._gate.is_open(forward_index) or self._exhausted()
                 or not self._draw(self._config.perturb_real_kv_post_forward_prob)):
             return

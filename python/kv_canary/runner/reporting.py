@@ -110,7 +110,8 @@ class Reporting:
             seqs.append(first + k)
         if fresh or lost:
             names = [g.name for g in self.groups]
-            violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward)[0]
+            rows_of = [[(kv.layer, kv.half) for kv in g.rows] for g in self.groups]
+            violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0]
                           for r, seq in zip(fresh, seqs)]
             self._report(violations, lost)
 
@@ -224,6 +225,7 @@ class Reporting:
             "slots_verified": int(c[fp.C_SLOTS_VERIFIED]),
             "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
             "slots_swept": int(c[fp.C_SLOTS_SWEPT]),
+            "slots_witnessed": int(c[fp.C_SLOTS_WITNESSED]),
             "sweeps": self.sweeps,
             "health_violations": self.health_violations,
             "perturbations": self.perturb.injection_count,
@@ -249,6 +251,7 @@ class Reporting:
                 "sweeps": self.sweeps,
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
                 "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
+                "slots_witnessed": values[fp.C_SLOTS_WITNESSED],
                 **({"slots_verified_swa": values[fp.C_SWA_VERIFIED]} if self._windowed else {}),
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,

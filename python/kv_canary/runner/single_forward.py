@@ -1,7 +1,9 @@
 """``SingleForwardManager``: the canary work of one model forward, safe inside a CUDA graph.
 
 HEAD (before the forward): one verify launch per buffer group over every slot
-attention will read. TAIL (after the forward): one write launch per group over
+attention will read, then (the write witness, ``kernels/witness.py``) one launch per group that stamps
+every K/V row of every slot the forward is meant to fill; TAIL first checks that every stamp is gone
+(``unwritten`` otherwise). TAIL (after the forward): one write launch per group over
 every slot the forward filled, recording the token and position the model was
 fed; the first group's launch also checks them (position = the slot's index in
 the sequence, token = the request's own token from the token oracle), the last
@@ -45,6 +47,7 @@ class SingleForwardManager:
         token_oracle: Optional[TokenOracle] = None,
         scrub_slots_per_forward: int = 0,
         check_fed: bool = True,
+        write_witness: bool = True,
     ):
         self.index = index
         self._groups = list(groups)
@@ -59,6 +62,7 @@ class SingleForwardManager:
         self._oracle = token_oracle
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
+        self._witness = write_witness  # stamp the slots to fill in HEAD, require every stamp gone in TAIL
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads."""
@@ -74,6 +78,9 @@ class SingleForwardManager:
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
                 group_index=group_index, token_oracle=self._oracle if group_index == 0 else None,
             )
+        if self._witness:  # last: the scrub and the verify above read the slots' old bytes
+            for group_index, group in enumerate(self._groups):
+                self._kernels.witness_stamp(group, view, group_index=group_index)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
@@ -82,6 +89,9 @@ class SingleForwardManager:
         if view.draft_tokens_per_request and self._oracle is not None:
             # drafts are checked by verification, not against the oracle (kv_canary.speculative)
             stage_verify_tokens(self._oracle.staged, view.input_ids, view.batch_size, view.draft_tokens_per_request)
+        if self._witness:  # before the writes: their last launch bumps the forward counter
+            for group_index, group in enumerate(self._groups):
+                self._kernels.witness_check(group, view, self._counters, self._ring, group_index=group_index)
         self._write(view, bump_forward=True)
         self._on_tail()
 

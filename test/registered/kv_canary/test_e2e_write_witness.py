@@ -1,0 +1,104 @@
+"""The write witness against a real sglang server: a K/V store that never landed is caught in its forward.
+
+Three write-path perturbations break the engine's own store call (the pool's ``set_kv_buffer``) for one
+token of one forward, as a backend bug would (``kv_canary/perturb/write_paths.py``):
+
+* write_dropped: the token's store goes to the padding slot in every layer (its slot keeps its old bytes);
+* write_dropped_layer: the same in one layer;
+* write_misdirected: the token's store lands in the neighbouring slot in every layer.
+
+Without the witness none of them is visible: TAIL fingerprints the bytes the slot kept, and every later
+read verifies them. With it, the TAIL of the very forward that skipped the store reports ``unwritten``
+(latency 0) naming the request, position, slot, layer and half. Every real-data setting (none, partial,
+all) must catch every injection with no unexplained violation; ``raise`` stops the server.
+"""
+
+import pytest
+
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.workload import build_workload, run_requests
+
+register_cpu_ci(est_time=300, suite="kv-canary-cpu")
+register_cuda_ci(est_time=240, suite="kv-canary-cuda")
+
+MODES = {
+    "write_dropped": "SGLANG_KV_CANARY_PERTURB_WRITE_DROPPED_PROB",
+    "write_dropped_layer": "SGLANG_KV_CANARY_PERTURB_WRITE_DROPPED_LAYER_PROB",
+    "write_misdirected": "SGLANG_KV_CANARY_PERTURB_WRITE_MISDIRECTED_PROB",
+}
+
+
+def _env(prob: str = "0.1"):
+    env = {var: prob for var in MODES.values()}  # all at once: each injection line names its mode
+    env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "24", "SGLANG_KV_CANARY_PERTURB_SEED": "5"})
+    return env
+
+
+def explains(injection, violation) -> bool:
+    """The skipped slot in that forward (unwritten), or any later violation of the slot a misdirected store
+    landed in (its bytes changed under its record)."""
+    if injection["kv_canary_perturb"] not in MODES:
+        return False
+    if (violation["kind"] == "unwritten" and violation["slot"] == injection["slot"]
+            and violation["forward"] == injection["forward"]):
+        return True
+    return (injection["kv_canary_perturb"] == "write_misdirected" and violation["slot"] == injection["landed_in"]
+            and int(violation["forward"]) >= int(injection["forward"]))
+
+
+def run(tmp_path, canary_mode, real_data, n_requests=20, prob="0.1"):
+    srv = canary_server(canary_mode, log_path=tmp_path / "server.log", env=_env(prob),
+                        extra_args=["--kv-canary-real-data", real_data])
+    srv.start(timeout=600)
+    try:
+        result = run_requests(srv.base_url, build_workload(n_requests, seed=23, n_aborts=0), concurrency=8,
+                              timeout=300)
+        log = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+        code = None if running else srv.wait_exit(timeout=60)
+    finally:
+        srv.stop()
+    return result, log, running, code
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("real_data", ["partial", "none", "all"])
+def test_log_mode_reports_every_store_that_never_landed(tmp_path, real_data):
+    result, log, running, _ = run(tmp_path, "log", real_data)
+    injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
+    for mode in MODES:
+        mine = [p for p in injections if p["kv_canary_perturb"] == mode]
+        caught = [p for p in mine if any(explains(p, v) and v["kind"] == "unwritten" for v in log.violations)]
+        print(f"kv_canary_e2e_mode mode={mode} real_data={real_data} injections={len(mine)} "
+              f"detected={len(caught)} latency_forwards=0 violations={len(log.violations)}")
+        assert mine, f"no {mode} injection happened"
+        assert caught == mine, [p for p in mine if p not in caught][:3]
+    unexplained = [v for v in log.violations if not any(explains(p, v) for p in injections)]
+    assert result.failed == 0 and running, "\n".join(result.errors[:5])
+    assert unexplained == [], unexplained[:3]
+    for v in log.violations:
+        if v["kind"] != "unwritten":
+            continue
+        p = next(p for p in injections if explains(p, v))
+        assert v["rid"] == p["rid"] and v["position"] == p["position"], (v, p)
+        if p["kv_canary_perturb"] == "write_dropped_layer":  # one layer, K and V
+            assert v["rows_unwritten"] == "2" and v["layer"] == p["layer_id"] and v["half"] == "k", (v, p)
+        else:  # every layer, K and V
+            assert v["layer"] == "0" and v["half"] == "k" and int(v["rows_unwritten"]) >= 4, (v, p)
+    assert log.last_stat("slots_witnessed") >= log.last_stat("slots_written") > 0
+
+
+@pytest.mark.e2e
+def test_raise_mode_stops_on_a_store_that_never_landed(tmp_path):
+    result, log, running, code = run(tmp_path, "raise", "partial", prob="0.2")
+    injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
+    assert injections, log.text[-3000:]
+    assert not running and code != 0
+    assert "CanaryViolationError" in log.text and "kind=unwritten" in log.text
+    assert log.violations and all(any(explains(p, v) for p in injections) for v in log.violations), \
+        log.violations[:3]
+    assert result.failed > 0  # in-flight requests failed instead of hanging
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
