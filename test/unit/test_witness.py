@@ -146,6 +146,23 @@ def test_a_complete_write_leaves_no_stamp_and_no_violation(kind):
     assert pool.rows() == [] and int(pool.counters[fp.C_SLOTS_WITNESSED]) == 2
 
 
+def test_a_strided_out_cache_loc_is_read_lane_by_lane():
+    # a spec v1 draft step's out_cache_loc is a column of the [bs * topk, steps] scratch table
+    table = torch.tensor([[41, 51, 61], [42, 52, 62], [43, 53, 63]], dtype=torch.int64, device=DEVICE)
+    view = _view([0, 0, 0], [(1, 9, 0)])
+    view = ForwardView(**{**view.__dict__, "out_cache_loc": table[:, 1], "positions": table[:, 2]})
+    out = {}
+    for backend in ("triton", "torch"):
+        pool = Pool("mha_bf16", backend)
+        pool.stamp(view)
+        pool.write(view, skip={(2, 0, "k")})
+        pool.check(view)
+        out[backend] = pool.rows()
+        for other in (41, 42, 43, 61, 62, 63):  # the other steps' slots are never touched
+            assert int(pool.k[0][other].view(torch.int16)[0, 0]) != 0x7F81
+    assert out["triton"] == out["torch"] == [(fp.R_UNWRITTEN | (1 << fp.GROUP_SHIFT), 53, 63, -1, -1, 0, 1, 5)]
+
+
 def test_the_stamp_is_a_nan_no_conversion_produces():
     for dtype, stamp in WITNESS_STAMPS.items():
         word = torch.tensor([stamp], dtype=torch.int32).view(dtype).float()

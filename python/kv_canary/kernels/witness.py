@@ -38,13 +38,13 @@ WITNESS_ROWS = 32  # K/V rows per gather step
 
 
 @triton.jit
-def _lane_rows(out_cache_loc, n_tokens, base, table, r0, num_rows, num_slots, slot_map, map_len,
+def _lane_rows(out_cache_loc, loc_stride, n_tokens, base, table, r0, num_rows, num_slots, slot_map, map_len,
                TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
     """(slot, lane mask, first-word pointers [BLOCK, RT], last-word offsets [RT], row indices, mask) of rows
-    [r0, r0 + RT) of this program's lanes."""
+    [r0, r0 + RT) of this program's lanes (``out_cache_loc`` may be strided: a draft step's column)."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = t < n_tokens
-    slot = tl.load(out_cache_loc + t, mask=m, other=0).to(tl.int64)
+    slot = tl.load(out_cache_loc + t * loc_stride, mask=m, other=0).to(tl.int64)
     slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
     wm = m & (slot > 0) & (slot < num_slots)
     r = r0 + tl.arange(0, RT)
@@ -56,28 +56,28 @@ def _lane_rows(out_cache_loc, n_tokens, base, table, r0, num_rows, num_slots, sl
     return t, slot, wm, first, words - 1, r, wm[:, None] & mr[None, :]
 
 
-@triton.jit(do_not_specialize=["n_tokens", "stamp_value"])
-def stamp_kernel(out_cache_loc, n_tokens, base, table, num_rows, num_slots, slot_map, map_len, stamp_value,
-                 TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
+@triton.jit(do_not_specialize=["loc_stride", "n_tokens", "stamp_value"])
+def stamp_kernel(out_cache_loc, loc_stride, n_tokens, base, table, num_rows, num_slots, slot_map, map_len,
+                 stamp_value,                 TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
     """HEAD: stamp the first and last word of every K/V row of each slot about to be written."""
     stamp = tl.zeros((BLOCK, RT), dtype=tl.int32) + stamp_value
     for r0 in range(0, num_rows, RT):
-        t, slot, wm, first, last, r, mm = _lane_rows(out_cache_loc, n_tokens, base, table, r0, num_rows,
-                                                     num_slots, slot_map, map_len, TRANSLATE, BLOCK, RT)
+        t, slot, wm, first, last, r, mm = _lane_rows(out_cache_loc, loc_stride, n_tokens, base, table, r0,
+                                                     num_rows, num_slots, slot_map, map_len, TRANSLATE, BLOCK, RT)
         tl.store(first, stamp, mask=mm)
         tl.store(first + last[None, :], stamp, mask=mm)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "batch_size", "stamp_value"])
-def check_kernel(out_cache_loc, positions, n_tokens, req_pool_indices, seq_lens, new_starts, new_lens, batch_size,
-                 base, table, num_rows, num_slots, slot_map, map_len, stamp_value, counters, ring, ring_capacity,
+@triton.jit(do_not_specialize=["loc_stride", "pos_stride", "n_tokens", "batch_size", "stamp_value"])
+def check_kernel(out_cache_loc, loc_stride, positions, pos_stride, n_tokens, req_pool_indices, seq_lens, new_starts,
+                 new_lens, batch_size, base, table, num_rows, num_slots, slot_map, map_len, stamp_value, counters, ring, ring_capacity,
                  GROUP_BITS: tl.constexpr, TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
     """TAIL: every stamp must be gone; one ``unwritten`` ring row per slot that kept one (see the module)."""
     first_bad = tl.full((BLOCK,), 1 << 30, tl.int64)
     n_bad = tl.zeros((BLOCK,), dtype=tl.int64)
     for r0 in range(0, num_rows, RT):
-        t, slot, wm, first, last, r, mm = _lane_rows(out_cache_loc, n_tokens, base, table, r0, num_rows,
-                                                     num_slots, slot_map, map_len, TRANSLATE, BLOCK, RT)
+        t, slot, wm, first, last, r, mm = _lane_rows(out_cache_loc, loc_stride, n_tokens, base, table, r0,
+                                                     num_rows, num_slots, slot_map, map_len, TRANSLATE, BLOCK, RT)
         w0 = tl.load(first, mask=mm, other=0)
         w1 = tl.load(first + last[None, :], mask=mm, other=0)
         bad = mm & ((w0 == stamp_value) | (w1 == stamp_value))
@@ -85,7 +85,7 @@ def check_kernel(out_cache_loc, positions, n_tokens, req_pool_indices, seq_lens,
         first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, r[None, :].to(tl.int64), 1 << 30), axis=1))
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = t < n_tokens
-    slot = tl.load(out_cache_loc + t, mask=m, other=0).to(tl.int64)
+    slot = tl.load(out_cache_loc + t * loc_stride, mask=m, other=0).to(tl.int64)
     slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
     wm = m & (slot > 0) & (slot < num_slots)
     lane_bad = n_bad > 0
@@ -102,7 +102,7 @@ def check_kernel(out_cache_loc, positions, n_tokens, req_pool_indices, seq_lens,
     p0 = tl.load(seq_lens + i_safe, mask=found, other=0).to(tl.int64) - tl.load(
         new_lens + i_safe, mask=found, other=0).to(tl.int64)
     start = tl.load(new_starts + i_safe, mask=found, other=0).to(tl.int64)
-    fed = tl.load(positions + t, mask=lane_bad, other=-1).to(tl.int64)
+    fed = tl.load(positions + t * pos_stride, mask=lane_bad, other=-1).to(tl.int64)
     pos = tl.where(found, p0 + t - start, fed)
     report = tl.load(counters + _C_REPORT_ENABLED)
     forward_index = tl.load(counters + _C_CURRENT_FORWARD)
@@ -126,7 +126,7 @@ def launch_stamp(group, view, group_index: int = 0) -> None:
     """HEAD: stamp the rows of every slot of ``view.out_cache_loc`` (graph-safe: grid from its length)."""
     del group_index
     stamp_kernel[_grid(view)](
-        view.out_cache_loc, int(view.out_cache_loc.shape[0]), group.full_base, group.full_table, len(group.rows),
+        view.out_cache_loc, view.out_cache_loc.stride(0), int(view.out_cache_loc.shape[0]), group.full_base, group.full_table, len(group.rows),
         group.num_slots, *_map_args(group), group.witness_stamp,
         TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK, RT=WITNESS_ROWS,
     )
@@ -135,7 +135,8 @@ def launch_stamp(group, view, group_index: int = 0) -> None:
 def launch_check(group, view, counters, ring, group_index: int = 0) -> None:
     """TAIL: report every slot of ``view.out_cache_loc`` with a row its forward left unwritten."""
     check_kernel[_grid(view)](
-        view.out_cache_loc, view.positions, int(view.out_cache_loc.shape[0]), view.req_pool_indices, view.seq_lens,
+        view.out_cache_loc, view.out_cache_loc.stride(0), view.positions, view.positions.stride(0),
+        int(view.out_cache_loc.shape[0]), view.req_pool_indices, view.seq_lens,
         view.new_starts, view.new_lens, view.batch_size, group.full_base, group.full_table, len(group.rows),
         group.num_slots, *_map_args(group), group.witness_stamp, counters, ring, ring.shape[0],
         GROUP_BITS=group_index << fp.GROUP_SHIFT, TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK,
