@@ -38,6 +38,7 @@ def test_mixed_workload_has_no_violation(server):
     log = CanaryLog.read_settled(server)
     print(f"kv_canary_e2e_baseline device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
+          f"slots_witnessed={log.last_stat('slots_witnessed')} "
           f"sweeps={log.last_stat('sweeps')} slots_swept={log.last_stat('slots_swept')} "
           f"violations={len(log.violations)} graph_forwards={log.last_stat('graph_forwards')} "
           f"forwards={log.last_stat('forwards_host')}")
@@ -55,6 +56,8 @@ def test_mixed_workload_has_no_violation(server):
     assert log.violations == [], log.violations[:5]
     assert log.last_stat("violations") == 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_written") > 0
+    # the write witness (on by default) proved every new slot of every forward written: none unwritten
+    assert log.last_stat("slots_witnessed") == log.last_stat("slots_written")
     assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0  # the cache sweep found nothing
     assert log.last_stat("health_violations") == 0
     # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).

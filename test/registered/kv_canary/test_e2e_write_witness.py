@@ -15,7 +15,7 @@ all) must catch every injection with no unexplained violation; ``raise`` stops t
 
 import pytest
 
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
@@ -61,9 +61,18 @@ def run(tmp_path, canary_mode, real_data, n_requests=20, prob="0.1"):
     return result, log, running, code
 
 
+def _installed_sglang() -> str:
+    import sglang
+
+    return sglang.__version__
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("real_data", ["partial", "none", "all"])
 def test_log_mode_reports_every_store_that_never_landed(tmp_path, real_data):
+    if real_data != "partial" and _installed_sglang() == "0.5.12" and e2e_device() == "cpu":
+        pytest.skip("CI time: the witness does not depend on the real-data setting (core, the same on every line); "
+                    "none and all run on CPU on 0.5.23, 0.5.12's store path is driven by partial and raise")
     result, log, running, _ = run(tmp_path, "log", real_data)
     injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
     for mode in MODES:
