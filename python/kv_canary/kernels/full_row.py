@@ -99,7 +99,9 @@ def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state
 def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_slots, counters, per_forward,
                     work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr):
-    """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``."""
+    """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
+
+    TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``)."""
     c = tl.program_id(1)
     r0 = c * rows_per_program
     r1 = tl.minimum(r0 + rows_per_program, num_rows)
@@ -108,7 +110,7 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
         i = tl.program_id(0)
         start = tl.load(new_starts + i).to(tl.int64)
         n = tl.load(new_lens + i).to(tl.int64)
-        for k0 in range(0, n, SB):
+        for k0 in range(tl.program_id(2) * SB, n, tl.num_programs(2) * SB):  # token splits of a long run
             k = k0 + lanes
             m = k < n
             slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
@@ -197,7 +199,10 @@ def tiles(group):
 
 def _rows_per_program(num_rows: int, lanes: int) -> int:
     """Rows per program: one (most parallel) for a few lanes, up to 8 for many (fewer atomics per slot)."""
-    return 1 if lanes <= 256 else min(8, num_rows)
+    return 1 if lanes <= 256 else 2 if lanes <= 4096 else min(8, num_rows)
+
+
+TARGET_PROGRAMS = 4096  # a TAIL over a long run splits its tokens until about this many programs
 
 
 def _map_args(group):
@@ -211,7 +216,11 @@ def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, pe
     rpp = _rows_per_program(num_rows, lanes)
     sb, wt = tiles(group)
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
-    row_hash_kernel[(grid0, triton.cdiv(num_rows, rpp))](
+    chunks = triton.cdiv(num_rows, rpp)
+    splits = 1
+    if mode == TAIL:  # host-known: the batch size and the longest new run
+        splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), TARGET_PROGRAMS // (grid0 * chunks)))
+    row_hash_kernel[(grid0, chunks, splits)](
         state.acc, group.full_base, group.full_table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt)
@@ -229,7 +238,6 @@ def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, pe
 def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> None:
     """FULL_HASH of every slot the forward wrote (after the write kernel's records; clears first-read tags)."""
     if view.batch_size:
-        sb, _ = tiles(group)
         _launch(group, group.full_row, TAIL, counters, ring, group_index, grid0=view.batch_size,
                 lanes=view.batch_size * max(1, view.max_new_len), view=view)
 
