@@ -254,7 +254,7 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         slot, tok, fed_pos, chain = slot[wm], tok[wm], fed_pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
         group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
-        if full_hash:
+        if full_hash or group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all)
             group.records[slot, fp.F_FULL_HASH] = _full_hash(group, slot)
             if group.full_row is not None:  # unverified again (``all``'s first read)
                 group.full_row.tags[slot] = 0

@@ -377,7 +377,7 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
         TRANSLATE=group.slot_map is not None, NSRC=few_sources(group),
     )
-    if full_hash and group.full_row is not None:  # FULL_HASH split over (slot block, row) programs
+    if group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all): split over (slot block, row)
         full_row.launch_tail_full_hash(group, view, counters, ring, group_index)
 
 
