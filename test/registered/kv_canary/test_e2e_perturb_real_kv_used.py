@@ -23,11 +23,15 @@ PERTURB_ENV = {
     "SGLANG_KV_CANARY_PERTURB_SEED": "7",
 }
 ALL = ["--kv-canary-real-data", "all"]
+# all's scrub over the whole (default, small) pool every forward: a flip into a slot already verified is found by
+# the HEAD of the forward it precedes. At a slower pace a slot the small pool evicts and rewrites before the
+# scrub reaches it takes its flip with it unreported (docs/design.md: where all differs from upstream's).
+ALL_SCRUB_ENV = {"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "8192"}
 
 
 @pytest.mark.e2e
 def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
-    srv = canary_server("log", log_path=tmp_path / "server.log", env=PERTURB_ENV, extra_args=ALL)
+    srv = canary_server("log", log_path=tmp_path / "server.log", env={**PERTURB_ENV, **ALL_SCRUB_ENV}, extra_args=ALL)
     with srv:
         result = run_requests(srv.base_url, build_workload(60, seed=11, n_aborts=2), concurrency=8, timeout=300)
         assert result.failed == 0, "\n".join(result.errors[:10]) + "\n" + srv.log_tail()
@@ -43,8 +47,8 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
     assert all(v["kind"] == "kv_hash" for v in log.violations)
     injected = {(p["group"], p["slot"]) for p in log.perturbations}
     assert {(v["group"], v["slot"]) for v in log.violations} <= injected  # no false positives
-    # caught by the first read after the write (latency 0), or the scrub within its bound
-    assert 0 < log.scrub_bound() and max(log.detection_latencies()) <= log.scrub_bound()
+    # caught by the first read after the write or the scrub, in the HEAD of the forward the flip precedes
+    assert log.scrub_bound() == 1 and max(log.detection_latencies()) == 0
     assert log.last_stat("violations") >= len(log.perturbations)
     if e2e_device() == "cuda":  # caught by HEAD inside a replayed decode graph
         assert any(v["cuda_graph"] == "True" for v in log.violations), log.violations[:5]
