@@ -29,6 +29,12 @@ hit rate is checked from sglang's cached-token counts) and
 ``decode_bs64_sweep16`` (the decode bs64 shape on the sweep servers, compared
 with the off server's decode bs64).
 
+Issue 22 (full-byte verification): ``ours_all_rows`` / ``upstream_all`` (``--kv-canary-real-data all``, rows
+``decode_bs1_all``, ``decode_bs64_all``, ``prefill_bs8_all``) and ``ours_scrub_rows`` (``decode_bs64_scrub``,
+``SCRUB_ROW_SLOTS`` slots per forward), each against its own stack's off server: ``--configs`` from
+``ALL_CONFIGS`` with ``--rows decode_bs1_all,decode_bs64_all,prefill_bs8_all,decode_bs64_scrub``. The older
+``ours_all`` / ``ours_scrub`` variants (issue 7) keep their meaning (plain rows, role variant).
+
 Outputs (``--out`` and ``--results-dir``, rewritten after every server so an
 interrupted run keeps what it measured): the full report, ``overhead.json``
 (the per-row summary in the shape docs/performance.md is generated from by
@@ -140,11 +146,22 @@ ROWS: Dict[str, Row] = {
         Row("shared_prefix", batch=64, input_len=SHARED_PREFIX_LEN + SHARED_OWN_LEN, output_len=256,
             shared_prefix_len=SHARED_PREFIX_LEN),
         Row("decode_bs64_sweep16", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
+        # issue 22: --kv-canary-real-data all (ours and upstream's) and the scrub, each against its stack's off
+        Row("decode_bs1_all", batch=1, input_len=1024, output_len=512, baseline_row="decode_bs1"),
+        Row("decode_bs64_all", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
+        Row("prefill_bs8_all", batch=8, input_len=8192, output_len=1, baseline_row="prefill_bs8"),
+        Row("decode_bs64_scrub", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
     )
 }
 BASE_ROWS = ("decode_bs1", "decode_bs32", "decode_bs64", "prefill_bs8", "shared_prefix")
 SWEEP_ROWS = ("decode_bs64_sweep16",)
 SWEEP_INTERVAL = 16
+ALL_ROWS = ("decode_bs1_all", "decode_bs64_all", "prefill_bs8_all")
+SCRUB_ROWS = ("decode_bs64_scrub",)
+DEFAULT_ROWS = tuple(r for r in ROWS if r not in ALL_ROWS + SCRUB_ROWS)  # issue 22's rows: --rows, ALL_CONFIGS
+SCRUB_ROW_SLOTS = 512  # the decode_bs64_scrub row's slots per forward (every slot of 131,072 within 256 forwards)
+# issue 22's side-by-side run: off / ours all / scrub / upstream off / upstream all / off
+ALL_CONFIGS = ("off", "ours_all_rows", "ours_scrub_rows", "upstream_off", "upstream_all", "off")
 
 # ---------------------------------------------------------------- server configs
 
@@ -226,6 +243,13 @@ CONFIGS: Dict[str, ServerConfig] = {
                      VARIANT_ROWS),
         ServerConfig("ours_scrub", OURS, ("--kv-canary", "raise"), "variant", VARIANT_ROWS,
                      env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_SLOTS)),)),
+        # issue 22: the same in the summary table (role ours / upstream), each against its own stack's off server
+        ServerConfig("ours_all_rows", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "ours",
+                     ALL_ROWS),
+        ServerConfig("upstream_all", UPSTREAM, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "upstream",
+                     ALL_ROWS, env=UPSTREAM_CANARY_ENV),
+        ServerConfig("ours_scrub_rows", OURS, ("--kv-canary", "raise"), "ours", SCRUB_ROWS,
+                     env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_ROW_SLOTS)),)),
         # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own
         # (--configs EAGLE_CONFIGS --rows EAGLE_ROWS --results-dir docs/results/eagle): the summary's roles
         # then compare EAGLE servers with EAGLE servers only
@@ -746,8 +770,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cuda: Llama-3-8B-shaped dummy model; cpu: tiny model smoke run (default cuda)")
-    p.add_argument("--rows", default=",".join(ROWS),
-                   help=f"comma-separated rows to run (default all: {','.join(ROWS)})")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                   help=f"comma-separated rows to run (default: {','.join(DEFAULT_ROWS)}; all: {','.join(ROWS)})")
     p.add_argument("--configs", default=None,
                    help=f"comma-separated servers in order, from {', '.join(CONFIGS)} ('on' = ours); default "
                         f"{','.join(DEFAULT_CONFIGS)} (cpu: {','.join(CPU_DEFAULT_CONFIGS)})")

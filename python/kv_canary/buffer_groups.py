@@ -85,6 +85,8 @@ class CanaryBufferGroup:
     # False: HEAD does not check chain links (the draft pool, ``draft_pool.DraftCanaryManager``: sglang splices
     # draft slots of different requests whose records differ; position, K/V hash and slot are still checked)
     check_chain: bool = True
+    # FULL_HASH state (the scrub or ``--kv-canary-real-data all``; None: no whole-row hashing)
+    full_row: Optional["FullRowState"] = None
 
     @property
     def num_slots(self) -> int:
@@ -103,6 +105,38 @@ class CanaryBufferGroup:
         if not self.sources:
             return torch.zeros((int(slots.shape[0]), 0), dtype=torch.int32, device=self.records.device)
         return torch.cat([s.view[slots, : s.words] for s in self.sources], dim=1)
+
+
+FIRST_READ_CAPACITY = 4096  # most read slots per forward and group whose full row HEAD verifies (the rest wait)
+
+
+@dataclass(frozen=True)
+class FullRowState:
+    """Device state of the split whole-row hash (``kernels.full_row``), per group.
+
+    acc: int64[num_slots], partial FULL_HASH sums (zero between launches)
+    tags: int64[num_slots], the FULL_HASH a first read last verified (TAIL zeroes it; a record whose
+        FULL_HASH differs from its tag is unverified)
+    work: int64[capacity, 3], the first-read work list (slot, batch index, req_to_token row)
+    work_state: int64[2], (entries listed this forward, finalize tickets)
+    first_read: HEAD lists unverified read slots (``--kv-canary-real-data all``)
+    """
+
+    acc: torch.Tensor
+    tags: torch.Tensor
+    work: torch.Tensor
+    work_state: torch.Tensor
+    first_read: bool
+
+    @staticmethod
+    def build(num_slots: int, first_read: bool, device: torch.device, capacity: int) -> "FullRowState":
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
+        return FullRowState(acc=zeros(num_slots), tags=zeros(num_slots), work=zeros(capacity if first_read else 1, 3),
+                            work_state=zeros(2), first_read=first_read)
+
+    @staticmethod
+    def bytes(num_slots: int, first_read: bool, capacity: int) -> int:
+        return 8 * (2 * num_slots + 3 * (capacity if first_read else 1) + 2)
 
 
 @dataclass(frozen=True)
@@ -146,9 +180,7 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
         for half, buf in halves:
             view = int32_row_view(buf)
             rows.append(KVRow(layer=layer, half=half, view=view, words=int(view.shape[1])))
-    if config.real_data is RealData.ALL:
-        sources = list(rows)
-    elif config.real_data is RealData.PARTIAL:
+    if config.real_data in (RealData.PARTIAL, RealData.ALL):  # all: the window at every read, FULL_HASH besides
         for layer in config.kv_hash_layers:
             if layer >= num_layers:
                 raise CanaryConfigError(
@@ -173,10 +205,13 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
     if slot_map is not None and (slot_map.dim() != 1 or slot_map.dtype not in (torch.int32, torch.int64)):
         raise CanaryConfigError(f"kv-canary: pool group '{layout.name}': the slot translation must be a 1-D "
                                 f"int32/int64 tensor, not {tuple(slot_map.shape)} {slot_map.dtype}")
+    full_row = None
+    if config.full_row_hash:
+        full_row = FullRowState.build(num_slots, config.real_data is RealData.ALL, device, FIRST_READ_CAPACITY)
     return CanaryBufferGroup(
         name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
         source_table=source_table, base=base, full_table=full_table, full_base=full_base,
-        slot_map=slot_map, window=int(layout.window),
+        slot_map=slot_map, window=int(layout.window), full_row=full_row,
         witness_stamp=witness_stamp(layout) if config.write_witness else 0,
     )
 

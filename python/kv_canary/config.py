@@ -38,7 +38,10 @@ class RealData(str, enum.Enum):
 
     NONE = "none"  # no K/V bytes: the fingerprint is token, position, chain
     PARTIAL = "partial"  # SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS
-    ALL = "all"  # every byte of K and V of every layer
+    ALL = "all"  # every byte of K and V of every layer: at a slot's first read, then by the scrub (design.md)
+
+
+ALL_SCRUB_SLOTS_PER_FORWARD = 256  # the scrub's default with --kv-canary-real-data all
 
 
 class KernelBackend(str, enum.Enum):
@@ -153,7 +156,7 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                               "violation lines logged per host read; the rest are counted (default 64)"),
     "SCRUB_SLOTS_PER_FORWARD": ("scrub_slots_per_forward", _parse_int(0, 1 << 24),
                                 "slots per forward whose every K/V byte the scrub checks, cycling through the "
-                                "pool (0 = off, the default); with --kv-canary-real-data partial or none"),
+                                "pool (0 = off, the default; with --kv-canary-real-data all the default is 256)"),
     "SWA_DIVERGENCE_STATS_INTERVAL": ("swa_divergence_stats_interval", _parse_int(0),
                                       "hybrid sliding-window pools: forwards between kv_canary_swa_divergence= "
                                       "lines (verify entries of the full and swa groups, swa/full slot "
@@ -245,6 +248,11 @@ class CanaryConfig:
         return self.mode.enabled
 
     @property
+    def full_row_hash(self) -> bool:
+        """TAIL stores every new slot's FULL_HASH (the scrub, or ``all``'s first-read verification)."""
+        return self.scrub_slots_per_forward > 0 or self.real_data is RealData.ALL
+
+    @property
     def uses_token_oracle(self) -> bool:
         """The oracle is kept when on and some check reads it."""
         return self.token_oracle and (self.verify_tokens or self.write_input_assert)
@@ -298,12 +306,9 @@ class CanaryConfig:
             seen.append((name, environ[name]))
         config = cls(mode=parsed_mode, sweep_interval=sweep, real_data=parsed_real_data, env_overrides=tuple(seen),
                      **values)
-        if config.scrub_slots_per_forward and parsed_real_data is RealData.ALL:
-            raise CanaryConfigError(
-                f"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD={config.scrub_slots_per_forward} is redundant with "
-                f"{FLAG_REAL_DATA} all (every read already checks every byte): unset it or pass "
-                f"{FLAG_REAL_DATA} partial"
-            )
+        if parsed_real_data is RealData.ALL and "scrub_slots_per_forward" not in values:
+            # all = the window at every read + every byte at a slot's first read + the scrub (design.md)
+            config = replace(config, scrub_slots_per_forward=ALL_SCRUB_SLOTS_PER_FORWARD)
         window_vars = [n for n, _ in seen if n[len(ENV_PREFIX):] in ("KV_HASH_BYTES", "KV_HASH_LAYERS")]
         if window_vars and parsed_real_data is not RealData.PARTIAL:
             raise CanaryConfigError(

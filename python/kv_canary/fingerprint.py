@@ -9,9 +9,9 @@ A record is ``int64[RECORD_WIDTH]`` per KV slot and buffer group:
   differ anywhere before p therefore differ at p (unless a 2^-64 collision), a
   slot's link to its predecessor is checked locally (verify is parallel over
   slots), and writing a chunk is a prefix sum (parallel over tokens).
-* ``KV_HASH`` mixes the K/V bytes ``--kv-canary-real-data`` selects (none, a
-  window, every byte), read from the live pool; HEAD checks it on every read.
-* ``FULL_HASH`` (only with the scrub, ``SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD``)
+* ``KV_HASH`` mixes the K/V bytes ``--kv-canary-real-data`` selects (none or a
+  window; ``all``: the window), read from the live pool; HEAD checks it on every read.
+* ``FULL_HASH`` (the scrub, ``SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD``, and ``all``)
   mixes every byte of every layer's K and V row; the scrub checks a bounded
   number of slots per forward against it.
 * ``TOKEN`` / ``POSITION`` are the token and position the model was fed (TAIL

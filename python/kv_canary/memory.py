@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fingerprint as fp
+from .buffer_groups import FIRST_READ_CAPACITY, FullRowState
 from .cache_index import BYTES_PER_SLOT as INDEX_BYTES_PER_SLOT
 
 INT64 = 8
@@ -46,10 +47,11 @@ class CanaryMemory:
     ring: int  # [ring_capacity, RING_WIDTH]
     token_table: int  # the token oracle (``token_oracle_bytes``; 0 when off)
     sweep_index: int = 0  # CachedSlotIndex: int8 + 3 x int32 per slot (0 without the sweep)
+    full_row: int = 0  # [num_groups] FullRowState (the scrub or real data all: 16 bytes per slot + the work list)
 
     @property
     def total(self) -> int:
-        return self.records + self.counters + self.ring + self.token_table + self.sweep_index
+        return self.records + self.counters + self.ring + self.token_table + self.sweep_index + self.full_row
 
     def pct_of(self, kv_pool_bytes: int) -> float:
         """Total as a percentage of the KV pool's bytes (0 when unknown)."""
@@ -58,7 +60,8 @@ class CanaryMemory:
 
 def canary_memory_bytes(*, num_slots: int, num_groups: int, req_rows: int, context_len: int,
                         ring_capacity: int, token_oracle: bool, max_batch_size: int,
-                        sweep: bool = False, max_tokens_per_forward: int = 0) -> CanaryMemory:
+                        sweep: bool = False, max_tokens_per_forward: int = 0, full_row: bool = False,
+                        first_read: bool = False) -> CanaryMemory:
     """Device bytes of the canary for a pool of ``num_slots`` slots per group and ``req_rows`` x ``context_len``
     req_to_token; ``max_tokens_per_forward`` 0: ``tokens_per_forward_bound`` of the context length."""
     tokens = max_tokens_per_forward or tokens_per_forward_bound(context_len=context_len,
@@ -70,6 +73,7 @@ def canary_memory_bytes(*, num_slots: int, num_groups: int, req_rows: int, conte
         token_table=(token_oracle_bytes(req_rows=req_rows, max_batch_size=max_batch_size,
                                         max_tokens_per_forward=tokens) if token_oracle else 0),
         sweep_index=num_slots * INDEX_BYTES_PER_SLOT if sweep else 0,
+        full_row=num_groups * FullRowState.bytes(num_slots, first_read, FIRST_READ_CAPACITY) if full_row else 0,
     )
 
 

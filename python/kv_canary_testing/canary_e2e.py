@@ -191,6 +191,13 @@ class CanaryLog:
         unexplained = [v for v in self.violations if not any(self.explains(p, v) for p in self.perturbations)]
         return by_mode, unexplained
 
+    def scrub_bound(self) -> int:
+        """The startup line's ``every_slot_within_forwards=`` (the scrub's bound; 0 when the scrub is off)."""
+        import re
+
+        found = re.search(r"every_slot_within_forwards=(\d+)", self.text)
+        return int(found.group(1)) if found else 0
+
     def detection_latencies(self) -> List[int]:
         """Forwards from each injection to the first violation on its slot."""
         out = []

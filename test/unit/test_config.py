@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_canary.config import ENV_VARS, CanaryConfig, CanaryConfigError, CanaryMode, KernelBackend
+from kv_canary.config import ALL_SCRUB_SLOTS_PER_FORWARD, ENV_VARS, CanaryConfig, CanaryConfigError, CanaryMode, KernelBackend
 
 
 def build(mode="raise", env=None, **kw):
@@ -94,8 +94,9 @@ def test_real_data_flag_and_its_conflicts():
         build(real_data="most")
     with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_KV_HASH_BYTES tunes the hashed window"):
         build(real_data="none", env={"SGLANG_KV_CANARY_KV_HASH_BYTES": "32"})
-    with pytest.raises(CanaryConfigError, match="SCRUB_SLOTS_PER_FORWARD=64 is redundant"):
-        build(real_data="all", env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"})
+    assert build(real_data="all", env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"}).scrub_slots_per_forward == 64
+    assert build(real_data="all", env={}).scrub_slots_per_forward == ALL_SCRUB_SLOTS_PER_FORWARD  # all's default
+    assert build(real_data="all", env={}).full_row_hash and not build(env={}).full_row_hash
     assert build(env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"}).scrub_slots_per_forward == 64
 
 

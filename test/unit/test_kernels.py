@@ -39,12 +39,14 @@ class Sim:
     def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL,
                  full_hash=False, check_fed=True):
         self.check_fed = check_fed
-        self.full_hash = full_hash  # TAIL also records every slot's whole-row hash (the scrub's)
+        # TAIL also records every slot's whole-row hash (the scrub's; all's first-read verification)
+        self.full_hash = full_hash or real_data is RealData.ALL
         g = torch.Generator().manual_seed(seed)
         self.backend = backend
         self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)]
         self.v = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)] if with_v else None
-        config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes, real_data=real_data)
+        config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes, real_data=real_data,
+                              scrub_slots_per_forward=64 if full_hash else 0)
         self.group = build_group(PoolLayout("full", self.k, self.v), config, DEVICE)
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
         self.oracle = TokenOracle(rows=8, max_batch_size=8, max_tokens_per_forward=2 * CTX, device=DEVICE,
@@ -219,7 +221,8 @@ def test_few_sources_picks_the_straight_line_hash_only_for_few_short_sources():
     assert tk.few_sources(group((1,), 12, with_v=False)) == 1 and tk.hash_word_tile(group((1,), 12, False)) == 4
     assert tk.few_sources(group((0, 2), 32)) == 0  # 4 sources x 8 words: the loops
     assert tk.few_sources(group((1,), 64, with_v=False)) == 0  # 16 words
-    assert tk.few_sources(group(real_data=RealData.ALL)) == 0 and tk.verify_warps(group(real_data=RealData.ALL), 256) == 4
+    # all: every read checks the window the straight-line way; every byte goes through kernels/full_row.py
+    assert tk.few_sources(group(real_data=RealData.ALL)) == 2 and tk.verify_warps(group(real_data=RealData.ALL), 256) == 8
     assert tk.few_sources(group(real_data=RealData.NONE)) == 0  # nothing hashed
     assert tk.verify_warps(group(), 16) == 4
 
@@ -326,21 +329,36 @@ def test_long_chunk_written_by_several_blocks_matches_reference():
 
 @pytest.mark.parametrize("with_v", [True, False])
 def test_real_data_all_matches_reference_and_catches_a_flip_anywhere(with_v):
-    """Whole-row hashing: a byte in the middle of the last layer's K row is caught; partial misses it."""
+    """all: a byte in the middle of the last layer's K row, flipped between the write and the first read, is
+    caught by that first read (every byte); a flip after it by the scrub within its bound; partial misses both."""
     sims = [Sim(tk, with_v=with_v, real_data=RealData.ALL), Sim(ref, with_v=with_v, real_data=RealData.ALL),
             Sim(tk, with_v=with_v)]
     lengths = [_scenario(s) for s in sims][0]
     assert torch.equal(sims[0].group.records, sims[1].group.records)
     everyone = list(lengths.items())
-    assert [s.verify_all(everyone) for s in sims] == [[], [], []]
-    for s in sims:
+    for s in sims:  # row 3 was never read yet (a one-chunk prompt): its slots are unverified
         last_k = [r for r in s.group.rows if r.half == "k"][-1]
         assert last_k.layer == LAYERS - 1
-        last_k.view[int(s.r2t[2, 10]), last_k.row_words // 2] ^= 1 << 12
+        last_k.view[int(s.r2t[3, 10]), last_k.row_words // 2] ^= 1 << 12
     found = [s.verify_all(everyone) for s in sims]
     assert found[0] == found[1]
-    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(2, 10, fp.R_KV_HASH)]
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON]) for r in found[0]] == [(3, 10, fp.R_KV_HASH)]
     assert found[2] == []  # partial: the flip is outside layer 0's first 16 bytes (documented miss)
+    assert [s.verify_all(everyone) for s in sims] == [[], [], []]  # verified once: later reads check the window
+    for s in sims:  # a flip in a slot already verified: the scrub's round-robin finds it
+        last_v = [r for r in s.group.rows][-1]
+        last_v.view[int(s.r2t[2, 20]), 1] ^= 1 << 3
+    assert [s.verify_all(everyone) for s in sims] == [[], [], []]
+    bound = -(-(NUM_SLOTS - 1) // 64)
+    for s in sims[:2]:
+        found = []
+        for _ in range(bound):
+            before = int(s.counters[fp.C_VIOLATIONS])
+            s.backend.launch_scrub(s.group, s.counters, s.ring, 64)
+            s.counters[fp.C_FORWARD_INDEX] += 1
+            found += s.new_violations(before)
+        assert sorted((r[fp.V_SLOT], r[fp.V_BATCH_INDEX]) for r in found) == sorted(
+            [(int(s.r2t[2, 20]), -2), (int(s.r2t[3, 10]), -2)])
 
 
 def test_real_data_none_hashes_nothing_but_checks_the_rest():

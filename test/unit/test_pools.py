@@ -54,8 +54,12 @@ def _one_forward(group, slots, write_kv):
                          batch_size=1, max_new_len=1)
 
     def verify():
+        """HEAD of a decode forward; with real data all, then a scrub pass over the whole pool (a flip after a
+        slot's first read is the scrub's to find: docs/design.md)."""
         before = int(counters[fp.C_VIOLATIONS])
         ref.launch_verify(group, decode, r2t, counters, ring)
+        if group.full_row is not None:
+            ref.launch_scrub(group, counters, ring, group.num_slots - 1)
         return [ring[i].tolist() for i in range(before, int(counters[fp.C_VIOLATIONS]))]
 
     return verify

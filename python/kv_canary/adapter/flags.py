@@ -35,7 +35,8 @@ def after_add_cli_args(_result, parser) -> None:
         choices=[r.value for r in RealData],
         help="How much of each slot's real K/V bytes the canary hashes: 'none' (token, position and chain "
         "only), 'partial' (default: SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS), "
-        "'all' (every byte of K and V of every layer of every slot written or read; costly).",
+        "'all' (the partial window at every read, plus every byte of K and V of every layer at a slot's first read "
+        "after its write and by a scrub within a bound logged at startup; docs/design.md).",
     )
     group.add_argument(
         "--kv-canary-sweep-interval",

@@ -123,12 +123,43 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
             counters[fp.C_FORWARD_INDEX],
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
+        if group.full_row is not None and group.full_row.first_read:
+            _verify_first_reads(group, counters, ring, raw_slot, m, rows, group_index)
         if group.slot_map is not None:
             counters[fp.C_SWA_VERIFIED] += m.sum()
             counters[fp.C_SWA_DIVERGENCE] += (m & (raw_slot != full_slot)).sum()
             counters[fp.C_SWA_OUT_OF_WINDOW] += lo.sum()
     counters[fp.C_VERIFY_LAUNCHES] += 1
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
+
+
+def _verify_first_reads(group, counters, ring, raw_slot, m, rows, group_index) -> None:
+    """``all``: the full row of each read slot not verified since its write (``full_row``'s twin; no list
+    capacity: every such slot now, where the Triton kernels may leave some to the next forward)."""
+    st = group.full_row
+    ok = m & (raw_slot > 0) & (raw_slot < group.num_slots)
+    bs_index = torch.arange(raw_slot.shape[0], device=raw_slot.device)[:, None].expand_as(raw_slot)
+    slot, bi, row = raw_slot[ok], bs_index[ok], rows[:, None].expand_as(raw_slot)[ok]
+    need = st.tags[slot] != group.records[slot, fp.F_FULL_HASH]
+    slot, bi, row = slot[need], bi[need], row[need]
+    uniq, first = _first_of_each(slot)
+    slot, bi, row = uniq, bi[first], row[first]
+    rec = group.records[slot]
+    live = _full_hash(group, slot)
+    st.tags[slot] = rec[:, fp.F_FULL_HASH]
+    bad = live != rec[:, fp.F_FULL_HASH]
+    _append_violations(counters, ring, bad, [
+        bad.to(torch.int64) * fp.R_KV_HASH | (group_index << fp.GROUP_SHIFT), slot, rec[:, fp.F_POSITION],
+        bi.to(torch.int64), row, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
+    ])
+
+
+def _first_of_each(values: torch.Tensor):
+    """(unique values, index of each one's first occurrence)."""
+    uniq, inverse = torch.unique(values, return_inverse=True)
+    first = torch.full_like(uniq, values.numel()).scatter_reduce_(
+        0, inverse, torch.arange(values.numel(), device=values.device), "amin")
+    return uniq, first
 
 
 def _sweep_entries(group, entries, counters, ring, group_index: int = 0, pred_known=None) -> None:
@@ -223,8 +254,10 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         slot, tok, fed_pos, chain = slot[wm], tok[wm], fed_pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
         group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
-        if full_hash:
+        if full_hash or group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all)
             group.records[slot, fp.F_FULL_HASH] = _full_hash(group, slot)
+            if group.full_row is not None:  # unverified again (``all``'s first read)
+                group.full_row.tags[slot] = 0
         counters[fp.C_SLOTS_WRITTEN] += wm.sum()
     counters[fp.C_WRITE_LAUNCHES] += 1
     if bump_forward:
@@ -234,6 +267,7 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
 def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 0) -> None:
     del block
     span = group.num_slots - 1
+    per_forward = min(per_forward, span) if group.full_row is not None else per_forward
     start = int(counters[fp.C_FORWARD_INDEX]) * per_forward % span
     slots = 1 + (start + torch.arange(per_forward, device=group.records.device)) % span
     slots = slots[group.records[slots, fp.F_CHAIN] != 0]

@@ -13,19 +13,22 @@ import triton
 import triton.language as tl
 
 from .. import fingerprint as fp
+from . import full_row
 from .slot_checks import (  # noqa: F401 - the kernels below read these as Triton globals
     _ANCHOR, _C_CURRENT_FORWARD, _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_SCRUBBED, _C_SLOTS_VERIFIED,
     _C_SLOTS_WRITTEN, _C_SWA_DIVERGENCE, _C_SWA_OUT_OF_WINDOW, _C_SWA_VERIFIED, _C_VERIFY_LAUNCHES,
     _C_WRITE_LAUNCHES, _RW, _R_CHAIN, _R_KV_HASH, _R_POSITION, _R_SLOT, _R_TOKEN, _append_violations, _chain_term,
     _check_slots, _kv_hash, _live_hash, _source_tuple, _translate,
 )
+from .full_row import _list_first_reads
 
 
 @triton.jit
 def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
                   counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
                   CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
-                  TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr, NSRC: tl.constexpr):
+                  TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr, NSRC: tl.constexpr, first_read,
+                  FIRST_READ: tl.constexpr):
     """HEAD for block ``b`` of request ``i``'s read positions [lo, prefix) (see ``verify_kernel``): append a
     ring row per failing slot; returns (verified, diverged) per lane (0 past ``prefix``: a block past the
     end does nothing)."""
@@ -57,6 +60,9 @@ def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_strid
     bad = (reason != 0) & (report != 0)
     _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
                        i, row, stored, expected, forward_index)
+    if FIRST_READ:
+        _list_first_reads(records, raw_slot, m & (raw_slot > 0) & (raw_slot < num_slots), i, row, first_read[0],
+                          first_read[1], first_read[2], first_read[3])
     return m.to(tl.int64), (m & (raw_slot != full_slot)).to(tl.int64)
 
 
@@ -66,9 +72,10 @@ def verify_kernel(
     base, sources, num_sources,
     counters, ring, ring_capacity, num_slots, programs_per_req,
     row_chain, next_token, next_rows, sampled, pending,
-    slot_map, map_len, window,
+    slot_map, map_len, window, tags, work, work_state, work_capacity,
     CHECK_TOKENS: tl.constexpr, SCATTER: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr,
     BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr = True, NSRC: tl.constexpr = 0,
+    FIRST_READ: tl.constexpr = False,
 ):
     """HEAD: verify slots [0, seq_len - new_len) of request ``program_id(0)``.
 
@@ -88,8 +95,10 @@ def verify_kernel(
     only this forward's TAIL announces new ones; nothing here reads ``next_token``, so its
     first BLOCK entries are loaded up front and stored after the checks, off the critical path).
     NSRC > 0: the group's few single-tile sources (``few_sources``), their table loaded once here.
+    FIRST_READ (``all``): read slots whose full row is unverified go to the group's work list (``full_row``).
     """
     i = tl.program_id(0)
+    first_read = (tags, work, work_state, work_capacity)
     j = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
     table = _source_tuple(sources, NSRC)
@@ -113,7 +122,7 @@ def verify_kernel(
         verified, diverged = _verify_block(
             j, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
             counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC)
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC, first_read, FIRST_READ)
         first_in_loop = j + programs_per_req
     else:  # the looping hash: one copy of the block (a second would only add register spills)
         verified = tl.zeros((BLOCK,), dtype=tl.int64)
@@ -123,7 +132,7 @@ def verify_kernel(
         more_verified, more_diverged = _verify_block(
             b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
             counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC)
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC, first_read, FIRST_READ)
         verified += more_verified
         diverged += more_diverged
     if SCATTER:  # the pending samples: the first BLOCK loaded above, the rest (count > BLOCK) here
@@ -324,12 +333,25 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     verify_kernel[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, programs_per_req,
-        row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window,
+        row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window, *_first_read_args(group),
         CHECK_TOKENS=token_oracle is not None and token_oracle.verify_reads, SCATTER=token_oracle is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=block,
         TRANSLATE=group.slot_map is not None, CHECK_CHAIN=group.check_chain, NSRC=few_sources(group),
-        num_warps=verify_warps(group, block),
+        num_warps=verify_warps(group, block), FIRST_READ=_first_read(group),
     )
+    if _first_read(group):  # the listed slots' every byte, in parallel over (slot block, row)
+        full_row.launch_first_read(group, counters, ring, group_index)
+
+
+def _first_read(group) -> bool:
+    return group.full_row is not None and group.full_row.first_read
+
+
+def _first_read_args(group):
+    st = group.full_row
+    if not _first_read(group):
+        return [group.records, group.records, group.records, 0]
+    return [st.tags, st.work, st.work_state, int(st.work.shape[0])]
 
 
 def verify_warps(group, block: int) -> int:
@@ -351,14 +373,18 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         *_oracle_args(token_oracle, counters), *_map_args(group),
         BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, ORACLE=token_oracle is not None,
         STAGED=token_oracle is not None and view.staged,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash and group.full_row is None,
         WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
         TRANSLATE=group.slot_map is not None, NSRC=few_sources(group),
     )
+    if group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all): split over (slot block, row)
+        full_row.launch_tail_full_hash(group, view, counters, ring, group_index)
 
 
 def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 128) -> None:
     """Check ``per_forward`` slots' every K/V byte (grid fixed by ``per_forward``: graph-safe)."""
+    if group.full_row is not None:
+        return full_row.launch_scrub(group, counters, ring, per_forward, group_index)
     scrub_kernel[(triton.cdiv(per_forward, block),)](
         group.records, *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, per_forward,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT_FULL=hash_word_tile(group, full=True), BLOCK=block,

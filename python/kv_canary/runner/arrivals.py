@@ -64,7 +64,7 @@ class Arrivals:
             for group_index, group in enumerate(self.groups):
                 self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
                                    group_index=group_index, check_fed=False, token_oracle=None,
-                                   full_hash=self.config.scrub_slots_per_forward > 0)
+                                   full_hash=self.config.full_row_hash)
         if self.transfer is not None:
             self.transfer.fake_requests += 1
 

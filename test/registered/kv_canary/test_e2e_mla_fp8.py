@@ -5,7 +5,7 @@ One server (module-scoped; one CPU server start): the MLA tiny model
 = 32 + 16 values per layer and slot on CPU, 512 + 64 on the GPU host, no V half;
 ``kv_canary_testing.tiny_model.kvc_tiny_mla``) with ``--kv-cache-dtype fp8_e4m3``
 (the pool stores uint8; one byte per value: 48-byte rows on CPU) and ``--kv-canary-real-data all`` (every stored
-byte of every layer hashed), in ``log`` mode under the mixed workload (shared
+byte of every layer hashed at a slot's first read, and by the scrub), in ``log`` mode under the mixed workload (shared
 prefixes, chunked prefill, aborts, eviction), with K/V flips anywhere in a slot
 before forwards (``real_kv_used``) and after them (``real_kv_post_forward``).
 Asserted: the pool is ``MLATokenToKVPool`` with fp8 storage, no request fails,
@@ -37,6 +37,9 @@ ENV = {
     "SGLANG_KV_CANARY_PERTURB_REAL_KV_POST_FORWARD_PROB": "0.05",
     "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
     "SGLANG_KV_CANARY_PERTURB_SEED": "5",
+    # all: a flip in a slot already read is its scrub's; the whole pool each forward, so none waits past the
+    # workload's end (the default 256 slots per forward covers this pool in ceil(pool / 256) forwards)
+    "SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "8192",
 }
 
 

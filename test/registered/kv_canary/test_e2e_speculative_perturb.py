@@ -64,7 +64,9 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
     if target_group:
         env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = target_group
     env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "5", "SGLANG_KV_CANARY_PERTURB_SEED": str(perturb_seed),
-                "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
+                "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu",
+                # all: a flip in a slot already read is the scrub's: every slot within 4 forwards of this pool
+                "SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "4096"})
     extra = [
         "--model-path", str(target), "--attention-backend", "triton",
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),

@@ -1,0 +1,259 @@
+"""Whole-row (FULL_HASH) hashing split over (slot block, row chunk) programs: TAIL's store, the scrub, and
+``--kv-canary-real-data all``'s first-read verification.
+
+The FULL_HASH of a slot is ``mix64(SUM_w mix64(word_w + (w + 1) * WORD_MUL) ^ HASH_SEED)`` over every
+int32 word ``w`` of every layer's K and V row in canonical order (``fingerprint.kv_hash_from_words`` of
+``CanaryBufferGroup.all_words``). The sum is additive, so each program hashes a tile of
+``SB`` slots x one chunk of rows (``WT`` words at a time) and adds its partial sums into ``acc[slot]``
+(int64, one per slot, zero between launches) with an atomic add; a finalize launch then mixes
+``acc[slot]``, stores or compares it, and zeroes ``acc[slot]`` again. Wrapping int64 addition is
+associative and commutative, so the result is bit-equal to the torch reference whatever the split.
+
+Lanes (which slots a launch hashes), by the ``MODE`` constexpr:
+
+* ``TAIL``: the new tokens of a forward, ``out_cache_loc[new_starts[i] + k]`` for ``k < new_lens[i]``
+  (translated through the group's slot map), as the write kernel maps them; grid ``(batch, chunks)``.
+* ``SCRUB``: ``per_forward`` slots of a round-robin window ``1 + (forward index * per_forward + l) mod
+  (num_slots - 1)``, skipping slots never written (chain 0); persistent grid ``(P, chunks)``.
+* ``LIST``: the first-read work list (``FullRowState.work``, filled by HEAD's verify kernel with the read
+  slots whose FULL_HASH was not verified since their record was written); persistent grid ``(P, chunks)``.
+
+Every grid is fixed by host-known values (batch size, ``max_new_len``, capacities): graph-capturable,
+no allocation per launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import fingerprint as fp
+from .slot_checks import (  # noqa: F401 - read as Triton globals
+    _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_SCRUBBED, _HASH_SEED, _MASK32, _R_KV_HASH, _RW, _WORD_MUL,
+    _append_violations, _mix64, _translate,
+)
+
+TAIL, SCRUB, LIST = 0, 1, 2
+PERSISTENT_PROGRAMS = 64  # slot-block programs of a SCRUB/LIST launch (each loops over blocks)
+WORD_TILE_MAX = 256  # most words of one row a program loads per step
+TILE_ELEMENTS = 2048  # SB x WT
+
+
+@triton.jit
+def _lane_slots(l, MODE: tl.constexpr, bound, records, work, num_slots, start_or_row):
+    """(slot, valid) of lanes ``l`` in SCRUB or LIST mode (``bound``: lanes in use)."""
+    m = l < bound
+    if MODE == 1:  # SCRUB: never-written slots (chain 0) are skipped
+        slot = 1 + (start_or_row + l) % (num_slots - 1)
+        chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
+        m = m & (chain != 0)
+    else:
+        slot = tl.load(work + l * 3, mask=m, other=0)
+        m = m & (slot > 0) & (slot < num_slots)
+    return tl.where(m, slot, 0).to(tl.int64), m
+
+
+@triton.jit
+def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.constexpr):
+    """acc[slot] += the partial word sums of rows [r0, r1) of lanes ``m`` (int64, wrapping)."""
+    part = tl.zeros((SB,), dtype=tl.int64)
+    cols = tl.arange(0, WT)
+    for r in range(r0, r1):
+        offset = tl.load(table + r * 4 + 0)
+        stride = tl.load(table + r * 4 + 1)
+        words = tl.load(table + r * 4 + 2)
+        first = tl.load(table + r * 4 + 3)
+        row = base + offset + slot[:, None] * stride
+        for w0 in range(0, words, WT):
+            w = w0 + cols
+            m2 = m[:, None] & (w < words)[None, :]
+            word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.int64) & _MASK32
+            index = (first + w + 1).to(tl.int64) * _WORD_MUL  # [WT], shared by the SB slots
+            part += tl.sum(tl.where(m2, _mix64(word + index[None, :]), 0), axis=1)
+    tl.atomic_add(acc + slot, part, mask=m & (r1 > r0), sem="relaxed")
+
+
+@triton.jit
+def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state, work_capacity):
+    """HEAD (``all``): append read lanes ``m`` whose record's FULL_HASH differs from the slot's tag (not verified
+    since written) to the work list, claiming each slot once (the tag is swapped in atomically); a slot past
+    the list's capacity gets its old tag back and is listed by a later forward."""
+    slot = tl.where(m, slot, 0)
+    rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
+    tag = tl.load(tags + slot, mask=m, other=0)
+    need = m & (tag != rec_full)
+    if tl.sum(need.to(tl.int32), axis=0) > 0:
+        old = tl.atomic_xchg(tags + slot, rec_full, mask=need, sem="relaxed")
+        claim = need & (old != rec_full)
+        ci = claim.to(tl.int64)
+        first = tl.atomic_add(work_state, tl.sum(ci, axis=0), sem="relaxed")
+        at = first + tl.cumsum(ci, axis=0) - 1
+        fits = claim & (at < work_capacity)
+        tl.store(work + at * 3 + 0, slot, mask=fits)
+        tl.store(work + at * 3 + 1, tl.zeros_like(at) + batch_index, mask=fits)
+        tl.store(work + at * 3 + 2, tl.zeros_like(at) + row, mask=fits)
+        tl.store(tags + slot, old, mask=claim & ~fits)
+
+
+@triton.jit(do_not_specialize=["num_rows", "rows_per_program", "per_forward", "num_slots"])
+def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_slots, counters, per_forward,
+                    work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
+                    MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr):
+    """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
+
+    TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``)."""
+    c = tl.program_id(1)
+    r0 = c * rows_per_program
+    r1 = tl.minimum(r0 + rows_per_program, num_rows)
+    lanes = tl.arange(0, SB)
+    if MODE == 0:
+        i = tl.program_id(0)
+        start = tl.load(new_starts + i).to(tl.int64)
+        n = tl.load(new_lens + i).to(tl.int64)
+        for k0 in range(tl.program_id(2) * SB, n, tl.num_programs(2) * SB):  # token splits of a long run
+            k = k0 + lanes
+            m = k < n
+            slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+            slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
+            m = m & (slot > 0) & (slot < num_slots)
+            _add_rows(acc, tl.where(m, slot, 0), m, base, table, r0, r1, SB, WT)
+    else:
+        if MODE == 1:
+            bound = per_forward
+            start = (tl.load(counters + _C_FORWARD_INDEX) * per_forward) % (num_slots - 1)
+        else:
+            bound = tl.minimum(tl.load(work_state), work_capacity)
+            start = 0
+        for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
+            slot, m = _lane_slots(b * SB + lanes, MODE, bound, records, work, num_slots, start)
+            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT)
+
+
+@triton.jit(do_not_specialize=["per_forward", "num_slots"])
+def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, per_forward, tags,
+                        work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
+                        MODE: tl.constexpr, TRANSLATE: tl.constexpr, GROUP_BITS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Mix ``acc[slot]`` into the FULL_HASH and zero it. TAIL: store it in the record (and clear the slot's
+    first-read tag: its full row is unverified again); SCRUB / LIST: compare it with the record's and append
+    a ``kv_hash`` ring row per mismatch (SCRUB rows: batch index = row = -2; LIST rows: the reader's)."""
+    lanes = tl.arange(0, BLOCK)
+    if MODE == 0:
+        i = tl.program_id(0)
+        start = tl.load(new_starts + i).to(tl.int64)
+        n = tl.load(new_lens + i).to(tl.int64)
+        k = tl.program_id(1) * BLOCK + lanes
+        m = k < n
+        slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+        slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
+        m = m & (slot > 0) & (slot < num_slots)
+        slot = tl.where(m, slot, 0)
+        total = tl.load(acc + slot, mask=m, other=0)
+        tl.store(records + slot * _RW + 4, _mix64(total ^ _HASH_SEED), mask=m)
+        tl.store(acc + slot, tl.zeros_like(total), mask=m)
+        tl.store(tags + slot, tl.zeros_like(total), mask=m)
+    else:
+        forward_index = tl.load(counters + _C_FORWARD_INDEX)
+        if MODE == 1:
+            bound = per_forward
+            start = (forward_index * per_forward) % (num_slots - 1)
+        else:
+            bound = tl.minimum(tl.load(work_state), work_capacity)
+            start = 0
+        report = tl.load(counters + _C_REPORT_ENABLED)
+        checked = tl.zeros((BLOCK,), dtype=tl.int64)
+        for b in range(tl.program_id(0), tl.cdiv(bound, BLOCK), tl.num_programs(0)):
+            l = b * BLOCK + lanes
+            slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
+            total = tl.load(acc + slot, mask=m, other=0)
+            tl.store(acc + slot, tl.zeros_like(total), mask=m)
+            live = _mix64(total ^ _HASH_SEED)
+            rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
+            rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
+            bad = m & (live != rec_full)
+            if MODE == 1:
+                batch_index = tl.full((BLOCK,), -2, tl.int64)
+                row = batch_index
+            else:
+                batch_index = tl.load(work + l * 3 + 1, mask=m, other=-2)
+                row = tl.load(work + l * 3 + 2, mask=m, other=-2)
+            _append_violations(counters, ring, ring_capacity, bad & (report != 0),
+                               tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot, rec_pos, batch_index,
+                               row, rec_full, live, forward_index)
+            checked += m.to(tl.int64)
+        if MODE == 1:
+            tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
+        else:  # the last program to finish empties the list (every program has read its length by then)
+            ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
+            if ticket == tl.num_programs(0) - 1:
+                tl.store(work_state, 0)
+                tl.store(work_state + 1, 0)
+
+
+def tiles(group):
+    """(SB, WT): slots x words per load of a group's rows (a power-of-two tile of TILE_ELEMENTS words)."""
+    longest = max(r.words for r in group.rows)
+    wt = min(WORD_TILE_MAX, triton.next_power_of_2(max(1, longest)))
+    return max(1, TILE_ELEMENTS // wt), wt
+
+
+def _rows_per_program(num_rows: int, lanes: int) -> int:
+    """Rows per program: one (most parallel) for a few lanes, up to 8 for many (fewer atomics per slot)."""
+    return 1 if lanes <= 256 else 2 if lanes <= 4096 else min(8, num_rows)
+
+
+TARGET_PROGRAMS = 4096  # a TAIL over a long run splits its tokens until about this many programs
+
+
+def _map_args(group):
+    if group.slot_map is None:
+        return [group.records, 0]
+    return [group.slot_map, int(group.slot_map.shape[0])]
+
+
+def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, per_forward=0, view=None):
+    num_rows = len(group.rows)
+    rpp = _rows_per_program(num_rows, lanes)
+    sb, wt = tiles(group)
+    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
+    chunks = triton.cdiv(num_rows, rpp)
+    splits = 1
+    if mode == TAIL:  # host-known: the batch size and the longest new run
+        splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), TARGET_PROGRAMS // (grid0 * chunks)))
+    row_hash_kernel[(grid0, chunks, splits)](
+        state.acc, group.full_base, group.full_table, num_rows, rpp, group.records, group.num_slots, counters,
+        per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
+        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt)
+    block = 128
+    if mode == TAIL:
+        grid = (view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))
+    else:
+        grid = (min(PERSISTENT_PROGRAMS, triton.cdiv(max(1, lanes), block)),)
+    row_finalize_kernel[grid](
+        state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], per_forward, state.tags,
+        state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
+        MODE=mode, TRANSLATE=group.slot_map is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=block)
+
+
+def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> None:
+    """FULL_HASH of every slot the forward wrote (after the write kernel's records; clears first-read tags)."""
+    if view.batch_size:
+        _launch(group, group.full_row, TAIL, counters, ring, group_index, grid0=view.batch_size,
+                lanes=view.batch_size * max(1, view.max_new_len), view=view)
+
+
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) -> None:
+    """Check ``per_forward`` slots' every K/V byte against their FULL_HASH (round-robin window)."""
+    per_forward = min(per_forward, group.num_slots - 1)
+    sb, _ = tiles(group)
+    _launch(group, group.full_row, SCRUB, counters, ring, group_index,
+            grid0=min(PERSISTENT_PROGRAMS, triton.cdiv(per_forward, sb)), lanes=per_forward, per_forward=per_forward)
+
+
+def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
+    """Hash the full rows of the slots HEAD's verify listed (first reads since their write) and compare."""
+    state = group.full_row
+    sb, _ = tiles(group)
+    cap = int(state.work.shape[0])
+    _launch(group, state, LIST, counters, ring, group_index,
+            grid0=min(PERSISTENT_PROGRAMS, triton.cdiv(cap, sb)), lanes=cap)
