@@ -189,7 +189,8 @@ STORM_ENV = (  # one corruption of a slot a forward reads, never repeated: read 
 # system prompt is in the radix cache and every request reads the cached copy (in the first batch, the
 # few requests prefilled together compute private copies; a flip there would be read by one request only).
 STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
-UPSTREAM_CANARY_ENV = (("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1"),)
+# upstream 0.5.14 ships its own kv_canary; the plugin (installed in the same site) refuses 0.5.14 unless handed over
+UPSTREAM_CANARY_ENV = (("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1"), ("SGLANG_KV_CANARY_IMPL", "in-tree"))
 
 
 @dataclass(frozen=True)
