@@ -48,6 +48,11 @@ class ForwardView:
     draft_tokens_per_request: int = 0
     staged: bool = False
 
+    @property
+    def store_lanes(self) -> int:
+        """The K/V stores the forward makes: one per token it runs (``positions``), at ``out_cache_loc``."""
+        return min(int(self.out_cache_loc.shape[0]), int(self.positions.shape[0]))
+
 
 @dataclass(frozen=True)
 class LaunchCapacities:

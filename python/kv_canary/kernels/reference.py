@@ -304,7 +304,7 @@ def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> No
 
 def _witness_targets(group, view):
     """(lane index, group slot) of every stamped lane of ``view.out_cache_loc`` (``witness`` module)."""
-    slots = translate(group, view.out_cache_loc)
+    slots = translate(group, view.out_cache_loc[: view.store_lanes])
     lanes = ((slots > 0) & (slots < group.num_slots)).nonzero().flatten()
     return lanes, slots[lanes]
 
@@ -332,6 +332,7 @@ def launch_witness_check(group, view, counters, ring, group_index: int = 0) -> N
     first_bad = torch.where(bad, stamped.to(torch.int64).argmax(dim=1), 1 << 30)
     bs = view.batch_size
     which = torch.full_like(lanes, -1)
+    bs = min(bs, int(view.new_starts.shape[0]), int(view.new_lens.shape[0]))
     for i in range(bs if bool(bad.any()) else 0):  # the request whose new run holds each lane
         s, n = int(view.new_starts[i]), int(view.new_lens[i])
         which = torch.where((lanes >= s) & (lanes < s + n), i, which)

@@ -113,7 +113,7 @@ def check_kernel(out_cache_loc, loc_stride, positions, pos_stride, n_tokens, req
 
 
 def _grid(view):
-    return (max(1, triton.cdiv(int(view.out_cache_loc.shape[0]), WITNESS_BLOCK)),)
+    return (max(1, triton.cdiv(view.store_lanes, WITNESS_BLOCK)),)
 
 
 def _map_args(group):
@@ -126,8 +126,8 @@ def launch_stamp(group, view, group_index: int = 0) -> None:
     """HEAD: stamp the rows of every slot of ``view.out_cache_loc`` (graph-safe: grid from its length)."""
     del group_index
     stamp_kernel[_grid(view)](
-        view.out_cache_loc, view.out_cache_loc.stride(0), int(view.out_cache_loc.shape[0]), group.full_base, group.full_table, len(group.rows),
-        group.num_slots, *_map_args(group), group.witness_stamp,
+        view.out_cache_loc, view.out_cache_loc.stride(0), view.store_lanes, group.full_base, group.full_table,
+        len(group.rows), group.num_slots, *_map_args(group), group.witness_stamp,
         TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK, RT=WITNESS_ROWS,
     )
 
@@ -136,8 +136,9 @@ def launch_check(group, view, counters, ring, group_index: int = 0) -> None:
     """TAIL: report every slot of ``view.out_cache_loc`` with a row its forward left unwritten."""
     check_kernel[_grid(view)](
         view.out_cache_loc, view.out_cache_loc.stride(0), view.positions, view.positions.stride(0),
-        int(view.out_cache_loc.shape[0]), view.req_pool_indices, view.seq_lens,
-        view.new_starts, view.new_lens, view.batch_size, group.full_base, group.full_table, len(group.rows),
+        view.store_lanes, view.req_pool_indices, view.seq_lens, view.new_starts, view.new_lens,
+        min(view.batch_size, int(view.new_starts.shape[0]), int(view.new_lens.shape[0])),
+        group.full_base, group.full_table, len(group.rows),
         group.num_slots, *_map_args(group), group.witness_stamp, counters, ring, ring.shape[0],
         GROUP_BITS=group_index << fp.GROUP_SHIFT, TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK,
         RT=WITNESS_ROWS,
