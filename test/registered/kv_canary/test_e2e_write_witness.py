@@ -13,6 +13,8 @@ read verifies them. With it, the TAIL of the very forward that skipped the store
 all) must catch every injection with no unexplained violation; ``raise`` stops the server.
 """
 
+import os
+
 import pytest
 
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
@@ -61,18 +63,13 @@ def run(tmp_path, canary_mode, real_data, n_requests=20, prob="0.1"):
     return result, log, running, code
 
 
-def _installed_sglang() -> str:
-    import sglang
-
-    return sglang.__version__
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize("real_data", ["partial", "none", "all"])
 def test_log_mode_reports_every_store_that_never_landed(tmp_path, real_data):
-    if real_data != "partial" and _installed_sglang() == "0.5.12" and e2e_device() == "cpu":
+    if real_data != "partial" and e2e_device() == "cpu" and not os.environ.get("KVC_WITNESS_ALL_SETTINGS"):
         pytest.skip("CI time: the witness does not depend on the real-data setting (core, the same on every line); "
-                    "none and all run on CPU on 0.5.23, 0.5.12's store path is driven by partial and raise")
+                    "none and all run on the GPU host (docs/results/gpu-h200-2026-11-25), and on CPU by hand with "
+                    "KVC_WITNESS_ALL_SETTINGS=1")
     result, log, running, _ = run(tmp_path, "log", real_data)
     injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
     for mode in MODES:
