@@ -38,22 +38,27 @@ WITNESS_ROWS = 32  # K/V rows per gather step
 
 
 @triton.jit
-def _lane_rows(out_cache_loc, loc_stride, n_tokens, base, table, r0, num_rows, num_slots, slot_map, map_len,
-               TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
-    """(slot, lane mask, first-word pointers [BLOCK, RT], last-word offsets [RT], row indices, mask) of rows
-    [r0, r0 + RT) of this program's lanes (``out_cache_loc`` may be strided: a draft step's column)."""
+def _lane_slots(out_cache_loc, loc_stride, n_tokens, num_slots, slot_map, map_len, TRANSLATE: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """(lane index, group slot, stamped-lane mask) of this program's lanes, loaded once per program
+    (``out_cache_loc`` may be strided: a draft step's column)."""
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = t < n_tokens
     slot = tl.load(out_cache_loc + t * loc_stride, mask=m, other=0).to(tl.int64)
     slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
-    wm = m & (slot > 0) & (slot < num_slots)
+    return t, slot, m & (slot > 0) & (slot < num_slots)
+
+
+@triton.jit
+def _row_words(slot, wm, base, table, r0, num_rows, RT: tl.constexpr):
+    """(first-word pointers [BLOCK, RT], last-word offsets [RT], row indices, mask) of rows [r0, r0 + RT)."""
     r = r0 + tl.arange(0, RT)
     mr = r < num_rows
     off = tl.load(table + r * 4 + 0, mask=mr, other=0)
     stride = tl.load(table + r * 4 + 1, mask=mr, other=0)
     words = tl.load(table + r * 4 + 2, mask=mr, other=1)
     first = base + off[None, :] + slot[:, None] * stride[None, :]
-    return t, slot, wm, first, words - 1, r, wm[:, None] & mr[None, :]
+    return first, words - 1, r, wm[:, None] & mr[None, :]
 
 
 @triton.jit(do_not_specialize=["loc_stride", "n_tokens", "stamp_value"])
@@ -61,33 +66,28 @@ def stamp_kernel(out_cache_loc, loc_stride, n_tokens, base, table, num_rows, num
                  stamp_value,                 TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
     """HEAD: stamp the first and last word of every K/V row of each slot about to be written."""
     stamp = tl.zeros((BLOCK, RT), dtype=tl.int32) + stamp_value
+    t, slot, wm = _lane_slots(out_cache_loc, loc_stride, n_tokens, num_slots, slot_map, map_len, TRANSLATE, BLOCK)
     for r0 in range(0, num_rows, RT):
-        t, slot, wm, first, last, r, mm = _lane_rows(out_cache_loc, loc_stride, n_tokens, base, table, r0,
-                                                     num_rows, num_slots, slot_map, map_len, TRANSLATE, BLOCK, RT)
+        first, last, r, mm = _row_words(slot, wm, base, table, r0, num_rows, RT)
         tl.store(first, stamp, mask=mm)
         tl.store(first + last[None, :], stamp, mask=mm)
 
 
 @triton.jit(do_not_specialize=["loc_stride", "pos_stride", "n_tokens", "batch_size", "stamp_value"])
 def check_kernel(out_cache_loc, loc_stride, positions, pos_stride, n_tokens, req_pool_indices, seq_lens, new_starts,
-                 new_lens, batch_size, base, table, num_rows, num_slots, slot_map, map_len, stamp_value, counters, ring, ring_capacity,
-                 GROUP_BITS: tl.constexpr, TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
+                 new_lens, batch_size, base, table, num_rows, num_slots, slot_map, map_len, stamp_value, counters, ring,
+                 ring_capacity,                 GROUP_BITS: tl.constexpr, TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
     """TAIL: every stamp must be gone; one ``unwritten`` ring row per slot that kept one (see the module)."""
     first_bad = tl.full((BLOCK,), 1 << 30, tl.int64)
     n_bad = tl.zeros((BLOCK,), dtype=tl.int64)
+    t, slot, wm = _lane_slots(out_cache_loc, loc_stride, n_tokens, num_slots, slot_map, map_len, TRANSLATE, BLOCK)
     for r0 in range(0, num_rows, RT):
-        t, slot, wm, first, last, r, mm = _lane_rows(out_cache_loc, loc_stride, n_tokens, base, table, r0,
-                                                     num_rows, num_slots, slot_map, map_len, TRANSLATE, BLOCK, RT)
+        first, last, r, mm = _row_words(slot, wm, base, table, r0, num_rows, RT)
         w0 = tl.load(first, mask=mm, other=0)
         w1 = tl.load(first + last[None, :], mask=mm, other=0)
         bad = mm & ((w0 == stamp_value) | (w1 == stamp_value))
         n_bad += tl.sum(bad.to(tl.int64), axis=1)
         first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, r[None, :].to(tl.int64), 1 << 30), axis=1))
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = t < n_tokens
-    slot = tl.load(out_cache_loc + t * loc_stride, mask=m, other=0).to(tl.int64)
-    slot = tl.where(m, _translate(slot_map, map_len, slot, m, TRANSLATE), 0)
-    wm = m & (slot > 0) & (slot < num_slots)
     lane_bad = n_bad > 0
     any_bad = tl.sum(lane_bad.to(tl.int32), axis=0) > 0
     # the request whose new run holds each lane: looked up only when a lane failed (the loop runs 0 times else)
