@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
-"""Microbenchmark of full-byte verification (issue 22): whole-row hashing old (one program per slot, rows
-walked serially) vs new (``kernels/full_row.py``: split over (slot block, row) programs), no server.
+"""Microbenchmark of full-byte verification (issue 22): the whole-row hash (``kernels/full_row.py``: split over
+(slot block, row) programs, 32-bit per-word mix), no server. The first version's numbers (int64 per-word mix,
+one slot tile for every launch) and the original one-program-per-slot kernels' are in
+docs/results/gpu-h200-2026-11-25/bench_full_row.json.
 
 Pool: the Llama-3-8B shape, every layer allocated (32 layers x K and V, 8 KV heads x 128 dims bf16: 128 KiB
 per slot), slots shuffled over the pool. Only torch + triton + this repo's python are needed.
 
 Rows printed (each a CUDA-graph replay after an L2 flush, median; see bench_kernels.Timer):
 
-* ``tail_full``: TAIL (write kernel + FULL_HASH of the new slots) for decode bs1, bs64 and prefill bs8 x 8k,
-  old path (FULL_HASH inside the write kernel) vs new (split hash + finalize).
+* ``tail_full``: TAIL (write kernel + FULL_HASH of the new slots) for decode bs1, bs64 and prefill bs8 x 8k:
+  ``write`` (the write kernel alone, partial records) vs ``new`` (write + split hash + finalize).
 * ``head_all``: HEAD of one decode step of ``--kv-canary-real-data all`` at bs1 x 1k and bs64 x 1k.
   old: every byte of every read slot (the previous ``all``); new: the window + metadata of every read slot,
   plus every byte of the one slot per request the previous step wrote (its first read; the graph re-marks
   those slots unverified before each replay, so every replay does a steady-state step's work).
-* ``scrub``: N slots per forward, old (one program per slot) vs new, N = 256, 1024, 4096.
+* ``scrub``: N slots per forward, N = 132 (every slot of a 131,072-slot pool within 993 forwards), 256, 1024, 4096.
 
 Bytes verified per step counts the K/V bytes hashed; GB/s is that over the time (and % of nominal HBM).
 
@@ -42,8 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU interpreter, a tiny pool: proves it runs")
     p.add_argument("--pool-slots", type=int, default=0, help="pool slots (default: 70,000; smoke 400)")
     p.add_argument("--iters", type=int, default=0, help="timed replays (default 30; smoke 1)")
-    p.add_argument("--skip-old-prefill", action="store_true", help="skip the old TAIL at prefill (slow: seconds)")
-    p.add_argument("--scrub-slots", default="256,1024,4096")
+    p.add_argument("--scrub-slots", default="132,256,1024,4096")
     p.add_argument("--out", default="bench_full_row.json")
     return p.parse_args(argv)
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     k, v = [buf() for _ in range(layers)], [buf() for _ in range(layers)]
     layout = PoolLayout("full", k, v)
     new = build_group(layout, CanaryConfig(real_data=RealData.ALL, scrub_slots_per_forward=256), device)
-    old_tail = build_group(layout, CanaryConfig(), device)  # partial, no full_row state: the old FULL_HASH path
+    partial = build_group(layout, CanaryConfig(), device)  # partial: the write kernel alone
     old_all = build_group(layout, CanaryConfig(kv_hash_layers=tuple(range(layers)), kv_hash_bytes=1 << 20), device)
     counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
     counters[fp.C_REPORT_ENABLED] = 1
@@ -111,17 +112,14 @@ def main(argv=None) -> int:
             new_starts=torch.arange(bs, dtype=torch.int64, device=device) * new_len,
             new_lens=torch.full((bs,), new_len, dtype=torch.int64, device=device), batch_size=bs, max_new_len=new_len)
 
-    # TAIL: FULL_HASH of the new slots, old vs new
+    # TAIL: FULL_HASH of the new slots (write kernel alone vs with the whole-row hash)
     for name, (bs, ctx) in shapes.items():
         new_len = ctx if name.startswith("prefill") else 1
         slots = perm[: bs * new_len]
         r2t = torch.zeros(bs, ctx + 1, dtype=torch.int32, device=device)
         tv = view(bs, new_len, new_len, slots)
-        for path, group in (("old", old_tail), ("new", new)):
-            if path == "old" and name.startswith("prefill") and args.skip_old_prefill:
-                continue
-            fn = lambda g=group: tk.launch_write(g, tv, r2t, counters, ring, False, check_fed=False,  # noqa: E731
-                                                 full_hash=True)
+        for path, group in (("write", partial), ("new", new)):
+            fn = lambda g=group: tk.launch_write(g, tv, r2t, counters, ring, False, check_fed=False)  # noqa: E731
             row("tail_full", f"{name}", path, timer.cold_us(fn), bs * new_len * slot_bytes)
 
     # HEAD of `all`, one decode step
@@ -130,9 +128,8 @@ def main(argv=None) -> int:
         slots = perm[: bs * (ctx + 1)].view(bs, ctx + 1)
         r2t = slots.to(torch.int32).contiguous()
         prefill = view(bs, ctx, ctx, slots[:, :ctx].reshape(-1))
-        tk.launch_write(new, prefill, r2t, counters, ring, False, check_fed=False, full_hash=True)
-        old_all.records.copy_(new.records)
-        old_all.records[:, fp.F_KV_HASH] = new.records[:, fp.F_FULL_HASH]  # the same hash over the same words
+        tk.launch_write(new, prefill, r2t, counters, ring, False, check_fed=False)
+        tk.launch_write(old_all, prefill, r2t, counters, ring, False, check_fed=False)  # KV_HASH of every byte
         step = view(bs, 1, ctx + 1, slots[:, ctx])
         last_read = slots[:, ctx - 1].contiguous()
         programs = max(1, min(-(-ctx // 256), 2 * (info.get("sms") or 1) // bs))
@@ -153,11 +150,8 @@ def main(argv=None) -> int:
     # the scrub, N slots per forward
     for per_forward in (int(x) for x in args.scrub_slots.split(",")):
         per_forward = min(per_forward, n - 1)
-        for path, group in (("old", old_tail), ("new", new)):
-            group.records[:, fp.F_FULL_HASH] = new.records[:, fp.F_FULL_HASH]
-            group.records[:, fp.F_CHAIN] = new.records[:, fp.F_CHAIN]
-            fn = lambda g=group, p=per_forward: tk.launch_scrub(g, counters, ring, p)  # noqa: E731
-            row("scrub", f"{per_forward} slots", path, timer.cold_us(fn), per_forward * slot_bytes)
+        fn = lambda p=per_forward: tk.launch_scrub(new, counters, ring, p)  # noqa: E731
+        row("scrub", f"{per_forward} slots", "new", timer.cold_us(fn), per_forward * slot_bytes)
 
     report = {"benchmark": "kv_canary full-row hashing (issue 22)", "date": dt.datetime.now(dt.timezone.utc)
               .isoformat(timespec="seconds"), "command": " ".join([sys.executable, *sys.argv]), "device": info,

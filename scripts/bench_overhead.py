@@ -159,7 +159,7 @@ SWEEP_INTERVAL = 16
 ALL_ROWS = ("decode_bs1_all", "decode_bs64_all", "prefill_bs8_all")
 SCRUB_ROWS = ("decode_bs64_scrub",)
 DEFAULT_ROWS = tuple(r for r in ROWS if r not in ALL_ROWS + SCRUB_ROWS)  # issue 22's rows: --rows, ALL_CONFIGS
-SCRUB_ROW_SLOTS = 512  # the decode_bs64_scrub row's slots per forward (every slot of 131,072 within 256 forwards)
+SCRUB_ROW_SLOTS = 132  # the decode_bs64_scrub row's slots per forward (every slot of 131,072 within 993 forwards)
 # issue 22's side-by-side run: off / ours all / scrub / upstream off / upstream all / off
 ALL_CONFIGS = ("off", "ours_all_rows", "ours_scrub_rows", "upstream_off", "upstream_all", "off")
 

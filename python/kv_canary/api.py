@@ -141,7 +141,7 @@ def _track_variants(kernels):
     from .kernels.variants import VariantTracker, track
 
     tracker = VariantTracker()
-    return track(kernels, tracker, tk.write_block), tracker
+    return track(kernels, tracker, tk.tail_variant), tracker
 
 
 def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[CanaryManager]:
@@ -300,7 +300,7 @@ def _precompile(manager: CanaryManager, capacities: LaunchCapacities, facts: Sgl
 
     # the longest new run is bounded by the context length (chunking only makes it shorter); speculative
     # decoding adds the verify forwards' variant (int64 lengths, staged drafts)
-    lengths = sorted(write_block_lengths(tk.write_block, capacities.max_context_len).values())
+    lengths = sorted(write_block_lengths(tk.tail_variant, capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
     manager.precompile(lengths, sizes, verify_staged=facts.spec is not None)

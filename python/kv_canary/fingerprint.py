@@ -12,8 +12,12 @@ A record is ``int64[RECORD_WIDTH]`` per KV slot and buffer group:
 * ``KV_HASH`` mixes the K/V bytes ``--kv-canary-real-data`` selects (none or a
   window; ``all``: the window), read from the live pool; HEAD checks it on every read.
 * ``FULL_HASH`` (the scrub, ``SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD``, and ``all``)
-  mixes every byte of every layer's K and V row; the scrub checks a bounded
-  number of slots per forward against it.
+  covers every byte of every layer's K and V row; the scrub checks a bounded
+  number of slots per forward against it. Its per-word term is a 32-bit mix
+  (``full_hash_from_words``: a third of ``KV_HASH``'s int64 work per word, since
+  it reads ~100x more words): a change of one word always changes it (the term
+  is a bijection of the word and the sum of terms < 2^32 cannot wrap to the old
+  value); a random change of several words escapes with probability ~2^-32.
 * ``TOKEN`` / ``POSITION`` are the token and position the model was fed (TAIL
   checks both against the request's own before recording them).
 
@@ -56,6 +60,9 @@ MIX_M1 = 0x62A9D9ED799705F5
 MIX_M2 = 0x4BE98134A5976FD3
 WORD_MUL = 0x5851F42D4C957F2D
 HASH_SEED = 0x14057B7EF767814F
+FULL_WORD_KEY = 0x9E3779B1  # FULL_HASH: word w is keyed with ((w + 1) * FULL_WORD_KEY) mod 2^32
+MIX32_M1 = 0x7FEB352D
+MIX32_M2 = 0x846CA68B
 
 MASK_31 = (1 << 31) - 1
 MASK_32 = (1 << 32) - 1
@@ -105,6 +112,27 @@ def kv_hash_from_words(words: torch.Tensor) -> torch.Tensor:
     n, width = words.shape
     idx = torch.arange(width, device=words.device, dtype=torch.int64)
     terms = mix64((words.to(torch.int64) & MASK_32) + (idx + 1) * WORD_MUL)
+    return mix64(terms.sum(dim=1) ^ HASH_SEED)
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """Bijective uint32 -> uint32 finaliser on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * MIX32_M1) & MASK_32
+    x = x ^ (x >> 15)
+    x = (x * MIX32_M2) & MASK_32
+    return x ^ (x >> 16)
+
+
+def full_hash_from_words(words: torch.Tensor) -> torch.Tensor:
+    """FULL_HASH. words: int32[n, W] (every word of n slots' rows, canonical order) -> int64[n].
+
+    ``mix64(SUM_w mix32(word_w ^ key_w) ^ HASH_SEED)``, ``key_w = (w + 1) * FULL_WORD_KEY mod 2^32``; the
+    sum is over terms in [0, 2^32) in int64 (additive: any split of the words gives the same sum)."""
+    n, width = words.shape
+    idx = torch.arange(width, device=words.device, dtype=torch.int64)
+    key = ((idx + 1) * FULL_WORD_KEY) & MASK_32
+    terms = mix32((words.to(torch.int64) & MASK_32) ^ key)
     return mix64(terms.sum(dim=1) ^ HASH_SEED)
 
 

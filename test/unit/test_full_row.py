@@ -99,7 +99,7 @@ def _write(groups, lens, slots, r2t):
     states = [_state() for _ in groups]
     view = _view(lens, slots)
     for backend, group, (counters, ring) in zip((tk, ref), groups, states):
-        backend.launch_write(group, view, r2t, counters, ring, True, block=16, check_fed=False, full_hash=True)
+        backend.launch_write(group, view, r2t, counters, ring, True, block=16, check_fed=False)
     return states
 
 
@@ -113,7 +113,7 @@ def test_tail_full_hash_is_bit_equal_to_the_reference(layout, translate):
     _write(groups, lens, slots, r2t)
     assert torch.equal(groups[0].records, groups[1].records)
     written = ref.translate(groups[1], slots.to(DEVICE))
-    want = fp.kv_hash_from_words(groups[1].all_words(written))
+    want = fp.full_hash_from_words(groups[1].all_words(written))
     assert torch.equal(groups[0].records[written, fp.F_FULL_HASH], want)
     assert int((groups[0].records[:, fp.F_FULL_HASH] != 0).sum()) == sum(lens)
     assert int(groups[0].full_row.acc.abs().sum()) == 0  # the accumulator is left zeroed
@@ -201,7 +201,7 @@ def test_all_head_and_tail_replay_from_a_cuda_graph():
 
     def head_tail():
         tk.launch_verify(group, static, r2t, counters, ring, 2, 16)
-        tk.launch_write(group, static, r2t, counters, ring, True, block=16, check_fed=False, full_hash=True)
+        tk.launch_write(group, static, r2t, counters, ring, True, block=16, check_fed=False)
 
     counters[fp.C_REPORT_ENABLED] = 0
     head_tail()
@@ -225,7 +225,7 @@ def test_all_head_and_tail_replay_from_a_cuda_graph():
         eager_view = _read_view([(0, 20 + step), (1, 20 + step)])
         eager_view.out_cache_loc.copy_(new)
         ref.launch_verify(eager, eager_view, r2t, ec, er, 2, 16)
-        ref.launch_write(eager, eager_view, r2t, ec, er, True, check_fed=False, full_hash=True)
+        ref.launch_write(eager, eager_view, r2t, ec, er, True, check_fed=False)
     torch.cuda.synchronize()
     assert torch.equal(group.records, eager.records)
     found = _rows(counters, ring, before)

@@ -39,14 +39,12 @@ class Sim:
     def __init__(self, backend, seed=0, hash_layers=(0,), hash_bytes=16, with_v=True, real_data=RealData.PARTIAL,
                  full_hash=False, check_fed=True):
         self.check_fed = check_fed
-        # TAIL also records every slot's whole-row hash (the scrub's; all's first-read verification)
-        self.full_hash = full_hash or real_data is RealData.ALL
         g = torch.Generator().manual_seed(seed)
         self.backend = backend
         self.k = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)]
         self.v = [torch.randn(NUM_SLOTS, 2, 8, generator=g).to(DEVICE) for _ in range(LAYERS)] if with_v else None
         config = CanaryConfig(kv_hash_layers=hash_layers, kv_hash_bytes=hash_bytes, real_data=real_data,
-                              scrub_slots_per_forward=64 if full_hash else 0)
+                              scrub_slots_per_forward=64 if full_hash else 0)  # full_hash: TAIL keeps FULL_HASH
         self.group = build_group(PoolLayout("full", self.k, self.v), config, DEVICE)
         self.r2t = torch.zeros(8, CTX, dtype=torch.int32, device=DEVICE)
         self.oracle = TokenOracle(rows=8, max_batch_size=8, max_tokens_per_forward=2 * CTX, device=DEVICE,
@@ -125,7 +123,7 @@ class Sim:
             if self.v is not None:
                 self.v[layer][loc] = torch.randn(len(loc), 2, 8, generator=self.rng).to(DEVICE)
         self.backend.launch_write(self.group, view, self.r2t, self.counters, self.ring, True, block=16,
-                                  check_fed=self.check_fed, token_oracle=self.oracle, full_hash=self.full_hash)
+                                  check_fed=self.check_fed, token_oracle=self.oracle)
         for row in unfinished:
             self.own[row].pop()
         return view

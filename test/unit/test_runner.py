@@ -363,16 +363,17 @@ def test_precompile_covers_every_variant_a_workload_launches(caplog):
     """After install-time precompile + seal, real extend and decode forwards of any length launch no new variant."""
     from kv_canary.kernels.variants import VariantTracker, programs_classes, track, write_block_lengths
 
-    h = Harness(mode=CanaryMode.LOG)
+    h = Harness(mode=CanaryMode.LOG, scrub_slots_per_forward=4)  # FULL_HASH kept: the whole-row TAIL's tiles too
     m = h.manager
     tracker = VariantTracker()
-    from kv_canary.kernels.triton_kernels import write_block
-    m.kernels = track(m.kernels, tracker, write_block)
+    from kv_canary.kernels.triton_kernels import tail_variant
+    m.kernels = track(m.kernels, tracker, tail_variant)
     for sfm in m.single_forward_managers:
         sfm._kernels = m.kernels
     m.variant_tracker = tracker
-    lengths = sorted(write_block_lengths(write_block, CTX).values())
-    assert [write_block(n) for n in lengths] == [16, 32, 64]  # CTX = 64: blocks up to 64
+    lengths = sorted(write_block_lengths(tail_variant, CTX).values())
+    # CTX = 64: write blocks 16..64, whole-row slot tiles 1..64
+    assert [tail_variant(n) for n in lengths] == [(16, 1), (16, 2), (16, 4), (16, 8), (16, 16), (32, 32), (64, 64)]
     sizes = sorted(programs_classes(lambda bs: m.capacities.verify_programs_per_request(bs, 256), 9).values())
     m.precompile(lengths, sizes)
     precompiled = set(tracker.seen)
@@ -389,7 +390,7 @@ def test_precompile_covers_every_variant_a_workload_launches(caplog):
     assert tracker.seen == precompiled
     # A variant precompile did not launch (here: a decode-dtype batch of a block never precompiled) is reported.
     tracker.seen.clear()
-    tracker.seen.update(k for k in precompiled if not (k[0] == "write" and k[-8] == 64))
+    tracker.seen.update(k for k in precompiled if not (k[0] == "write" and k[-8][0] == 64))
     with caplog.at_level(logging.WARNING, logger="kv_canary"):
         h.step(h.batch({4: list(range(5, 45))}))
     assert tracker.after_startup and "kv_canary_jit_after_startup=1 kernel=write" in caplog.text

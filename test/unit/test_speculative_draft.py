@@ -782,12 +782,12 @@ def test_the_draft_views_under_graphs_use_only_variants_precompiled_at_install()
 
     h = DraftHarness(steps=3, kernels="triton", graph_bs=(1, 2, 4))
     tracker = VariantTracker()
-    tracked = track(h.manager.kernels, tracker, tk.write_block)
+    tracked = track(h.manager.kernels, tracker, tk.tail_variant)
     h.manager.kernels = tracked
     for sfm in h.manager.single_forward_managers:
         sfm._kernels = tracked
     caps = h.manager.capacities
-    h.manager.precompile(sorted(write_block_lengths(tk.write_block, caps.max_context_len).values()),
+    h.manager.precompile(sorted(write_block_lengths(tk.tail_variant, caps.max_context_len).values()),
                          sorted(programs_classes(lambda bs: caps.verify_programs_per_request(bs, VERIFY_BLOCK),
                                                  caps.max_batch_size).values()), verify_staged=True)
     tracker.seal()

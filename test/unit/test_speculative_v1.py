@@ -411,10 +411,10 @@ def test_the_install_time_precompile_covers_the_deferred_tail():
     m = h.manager
     tracker = VariantTracker()
     for sfm in m.single_forward_managers:
-        sfm._kernels = track(sfm._kernels, tracker, tk.write_block)
+        sfm._kernels = track(sfm._kernels, tracker, tk.tail_variant)
     m.kernels, m.variant_tracker = m.single_forward_managers[0]._kernels, tracker
     caps = m.capacities
-    lengths = sorted(write_block_lengths(tk.write_block, caps.max_context_len).values())
+    lengths = sorted(write_block_lengths(tk.tail_variant, caps.max_context_len).values())
     sizes = sorted(programs_classes(lambda bs: caps.verify_programs_per_request(bs, VERIFY_BLOCK),
                                     caps.max_batch_size).values())
     m.precompile(lengths, sizes, verify_staged=True)  # the harness enabled the deferred TAIL (spec v1)

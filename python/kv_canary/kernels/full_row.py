@@ -1,9 +1,10 @@
 """Whole-row (FULL_HASH) hashing split over (slot block, row chunk) programs: TAIL's store, the scrub, and
 ``--kv-canary-real-data all``'s first-read verification.
 
-The FULL_HASH of a slot is ``mix64(SUM_w mix64(word_w + (w + 1) * WORD_MUL) ^ HASH_SEED)`` over every
-int32 word ``w`` of every layer's K and V row in canonical order (``fingerprint.kv_hash_from_words`` of
-``CanaryBufferGroup.all_words``). The sum is additive, so each program hashes a tile of
+The FULL_HASH of a slot is ``mix64(SUM_w mix32(word_w ^ key_w) ^ HASH_SEED)`` over every int32 word ``w``
+of every layer's K and V row in canonical order (``fingerprint.full_hash_from_words`` of
+``CanaryBufferGroup.all_words``; the 32-bit term keeps the per-word work small enough for the loads to set
+the pace). The sum is additive, so each program hashes a tile of
 ``SB`` slots x one chunk of rows (``WT`` words at a time) and adds its partial sums into ``acc[slot]``
 (int64, one per slot, zero between launches) with an atomic add; a finalize launch then mixes
 ``acc[slot]``, stores or compares it, and zeroes ``acc[slot]`` again. Wrapping int64 addition is
@@ -29,14 +30,28 @@ import triton.language as tl
 
 from .. import fingerprint as fp
 from .slot_checks import (  # noqa: F401 - read as Triton globals
-    _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_SCRUBBED, _HASH_SEED, _MASK32, _R_KV_HASH, _RW, _WORD_MUL,
+    _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_SCRUBBED, _HASH_SEED, _R_KV_HASH, _RW,
     _append_violations, _mix64, _translate,
 )
+
+_KEY = tl.constexpr(fp.FULL_WORD_KEY)
+_M32_1 = tl.constexpr(fp.MIX32_M1)
+_M32_2 = tl.constexpr(fp.MIX32_M2)
 
 TAIL, SCRUB, LIST = 0, 1, 2
 PERSISTENT_PROGRAMS = 64  # slot-block programs of a SCRUB/LIST launch (each loops over blocks)
 WORD_TILE_MAX = 256  # most words of one row a program loads per step
 TILE_ELEMENTS = 2048  # SB x WT
+
+
+@triton.jit
+def _mix32(x):
+    """``fingerprint.mix32`` on uint32 (wrapping multiplies, logical shifts)."""
+    x = x ^ (x >> 16)
+    x = x * _M32_1
+    x = x ^ (x >> 15)
+    x = x * _M32_2
+    return x ^ (x >> 16)
 
 
 @triton.jit
@@ -67,9 +82,10 @@ def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.conste
         for w0 in range(0, words, WT):
             w = w0 + cols
             m2 = m[:, None] & (w < words)[None, :]
-            word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.int64) & _MASK32
-            index = (first + w + 1).to(tl.int64) * _WORD_MUL  # [WT], shared by the SB slots
-            part += tl.sum(tl.where(m2, _mix64(word + index[None, :]), 0), axis=1)
+            word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.uint32, bitcast=True)
+            key = (first + w + 1).to(tl.uint32) * _KEY  # [WT], shared by the SB slots
+            term = _mix32(word ^ key[None, :]).to(tl.int64)  # zero-extended: in [0, 2^32)
+            part += tl.sum(tl.where(m2, term, 0), axis=1)
     tl.atomic_add(acc + slot, part, mask=m & (r1 > r0), sem="relaxed")
 
 
@@ -190,11 +206,21 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
                 tl.store(work_state + 1, 0)
 
 
-def tiles(group):
-    """(SB, WT): slots x words per load of a group's rows (a power-of-two tile of TILE_ELEMENTS words)."""
-    longest = max(r.words for r in group.rows)
-    wt = min(WORD_TILE_MAX, triton.next_power_of_2(max(1, longest)))
-    return max(1, TILE_ELEMENTS // wt), wt
+def tiles(group, run: int = 0):
+    """(SB, WT): slots x words per load of a group's rows, SB x WT <= TILE_ELEMENTS (powers of two).
+
+    ``run``: a TAIL's longest new run; its SB is at most the run's next power of two (a decode TAIL, one
+    new token per request, loads whole rows of one slot instead of masking 7 of 8 lanes)."""
+    longest = triton.next_power_of_2(max(1, max(r.words for r in group.rows)))
+    sb = max(1, TILE_ELEMENTS // min(WORD_TILE_MAX, longest))
+    if run:
+        sb = min(sb, triton.next_power_of_2(run))
+    return sb, min(longest, TILE_ELEMENTS // sb)
+
+
+def tail_tile(max_new_len: int) -> int:
+    """The TAIL's SB cap for a longest new run (a step function of it: one compiled variant per step)."""
+    return min(TILE_ELEMENTS, triton.next_power_of_2(max(1, max_new_len)))
 
 
 def _rows_per_program(num_rows: int, lanes: int) -> int:
@@ -213,8 +239,10 @@ def _map_args(group):
 
 def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, per_forward=0, view=None):
     num_rows = len(group.rows)
-    rpp = _rows_per_program(num_rows, lanes)
-    sb, wt = tiles(group)
+    # LIST: the list's length is on the device (up to its capacity): one row per program keeps a short list
+    # (a decode step's first reads) spread over the GPU
+    rpp = 1 if mode == LIST else _rows_per_program(num_rows, lanes)
+    sb, wt = tiles(group, tail_tile(view.max_new_len) if mode == TAIL else 0)
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1

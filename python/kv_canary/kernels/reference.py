@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import fingerprint as fp
-from ..fingerprint import chain_term, kv_hash_from_words
+from ..fingerprint import chain_term, full_hash_from_words, kv_hash_from_words
 
 
 def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
@@ -19,7 +19,7 @@ def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _full_hash(group, slots: torch.Tensor) -> torch.Tensor:
-    return kv_hash_from_words(group.all_words(slots))
+    return full_hash_from_words(group.all_words(slots))
 
 
 def translate(group, full_slots: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ def _sweep_entries(group, entries, counters, ring, group_index: int = 0, pred_kn
 
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
-                 group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
+                 group_index: int = 0, check_fed: bool = True, token_oracle=None) -> None:
     del block  # grid shape is a Triton concern
     bs = view.batch_size
     device = group.records.device
@@ -254,10 +254,9 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         slot, tok, fed_pos, chain = slot[wm], tok[wm], fed_pos[wm], chain[wm]
         live_hash = _live_hash(group, slot)
         group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
-        if full_hash or group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all)
+        if group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all)
             group.records[slot, fp.F_FULL_HASH] = _full_hash(group, slot)
-            if group.full_row is not None:  # unverified again (``all``'s first read)
-                group.full_row.tags[slot] = 0
+            group.full_row.tags[slot] = 0  # unverified again (``all``'s first read)
         counters[fp.C_SLOTS_WRITTEN] += wm.sum()
     counters[fp.C_WRITE_LAUNCHES] += 1
     if bump_forward:

@@ -155,38 +155,6 @@ def verify_kernel(
 
 
 @triton.jit
-def scrub_kernel(
-    records, full_base, full_sources, num_full_sources, counters, ring, ring_capacity, num_slots, per_forward,
-    GROUP_BITS: tl.constexpr, WT_FULL: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """SCRUB: check every K/V byte of ``per_forward`` slots against their FULL_HASH.
-
-    The window starts at ``(forward index * per_forward) mod (num_slots - 1)``
-    (slot 0, the padding slot, never), so consecutive forwards cover the pool
-    round-robin: every slot within ceil((num_slots - 1) / per_forward) forwards.
-    Slots never written (chain 0) are skipped. Ring rows get batch_index = row = -2.
-    """
-    pid = tl.program_id(0)
-    idx = pid * BLOCK + tl.arange(0, BLOCK)
-    forward_index = tl.load(counters + _C_FORWARD_INDEX)
-    span = num_slots - 1
-    start = (forward_index * per_forward) % span
-    slot = 1 + (start + idx) % span
-    m = idx < per_forward
-    rec_chain = tl.load(records + slot * _RW + 2, mask=m, other=0)
-    m = m & (rec_chain != 0)
-    rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
-    rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
-    live = _kv_hash(slot, m, full_base, full_sources, num_full_sources, WT_FULL)
-    bad = m & (live != rec_full)
-    report = tl.load(counters + _C_REPORT_ENABLED)
-    _append_violations(counters, ring, ring_capacity, bad & (report != 0),
-                       tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot.to(tl.int64), rec_pos, -2, -2,
-                       rec_full, live, forward_index)
-    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(m.to(tl.int64), axis=0), sem="relaxed")
-
-
-@triton.jit
 def _own_tokens(staged, nt, start, i, k, m, STAGED: tl.constexpr):
     """The request's own tokens at new-token indices k (token oracle): staged by the host for an extend
     forward (-1 where its record had none yet: then, like a decode forward, ``nt`` = ``next_token[row]``)."""
@@ -202,12 +170,12 @@ def _own_tokens(staged, nt, start, i, k, m, STAGED: tl.constexpr):
 def write_kernel(
     records, req_to_token, r2t_stride, req_pool_indices, seq_lens, new_lens, new_starts,
     input_ids, positions, out_cache_loc,
-    base, sources, num_sources, full_base, full_sources, num_full_sources,
+    base, sources, num_sources,
     counters, ring, ring_capacity, num_slots,
     staged, next_token, next_rows, sampled, pending, row_chain,
     slot_map, map_len,
     BUMP_FORWARD: tl.constexpr, CHECK_FED: tl.constexpr, ORACLE: tl.constexpr, STAGED: tl.constexpr,
-    GROUP_BITS: tl.constexpr, FULL_HASH: tl.constexpr, WT: tl.constexpr, WT_FULL: tl.constexpr,
+    GROUP_BITS: tl.constexpr, WT: tl.constexpr,
     BLOCK: tl.constexpr, TRANSLATE: tl.constexpr, NSRC: tl.constexpr = 0,
 ):
     """TAIL: fingerprint the new tokens of request ``program_id(0)``, block ``program_id(1)``.
@@ -227,7 +195,7 @@ def write_kernel(
     size), and the program holding the last new token advances ``row_chain[row]``
     to the chain written there (CHECK_FED: every fed token was checked) or, without
     CHECK_FED, to the chain of the request's own tokens.
-    With FULL_HASH (the scrub is on) the record also gets the hash of every byte.
+    The FULL_HASH of every byte (the scrub, ``all``) is ``full_row``'s launch right after this one.
     With TRANSLATE the group's slots (new ones and the predecessor) are ``slot_map[engine slot]``.
     NSRC > 0: the group's few single-tile sources (``few_sources``). Loads are issued in dependency
     rounds (request -> its slots and tokens -> records and K/V words), each before any use.
@@ -272,9 +240,6 @@ def write_kernel(
     tl.store(records + slot * _RW + 1, fed_pos, mask=wm)
     tl.store(records + slot * _RW + 2, chain, mask=wm)
     tl.store(records + slot * _RW + 3, live_hash, mask=wm)
-    if FULL_HASH:
-        full_hash = _kv_hash(slot, wm, full_base, full_sources, num_full_sources, WT_FULL)
-        tl.store(records + slot * _RW + 4, full_hash, mask=wm)
     if ORACLE:
         if b == 0:  # where request i's next sampled token goes (the next HEAD scatters it)
             keep = tl.sum(tl.where((k == 0) & wm, 1, 0), axis=0) > 0
@@ -362,33 +327,30 @@ def verify_warps(group, block: int) -> int:
 
 
 def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, block: int = 0,
-                 group_index: int = 0, check_fed: bool = True, token_oracle=None, full_hash: bool = False) -> None:
+                 group_index: int = 0, check_fed: bool = True, token_oracle=None) -> None:
     """check_fed: check the fed positions (and tokens, given a ``TokenOracle``); once per forward, as is
     ``token_oracle`` (it also announces each request's next sampled token and advances the row chains)."""
     block = block or write_block(view.max_new_len)
     write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
-        *_hash_args(group), *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
+        *_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
         *_oracle_args(token_oracle, counters), *_map_args(group),
         BUMP_FORWARD=bump_forward, CHECK_FED=check_fed, ORACLE=token_oracle is not None,
         STAGED=token_oracle is not None and view.staged,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, FULL_HASH=full_hash and group.full_row is None,
-        WT=hash_word_tile(group), WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT,
+        WT=hash_word_tile(group), BLOCK=block,
         TRANSLATE=group.slot_map is not None, NSRC=few_sources(group),
     )
     if group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all): split over (slot block, row)
         full_row.launch_tail_full_hash(group, view, counters, ring, group_index)
 
 
-def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, block: int = 128) -> None:
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) -> None:
     """Check ``per_forward`` slots' every K/V byte (grid fixed by ``per_forward``: graph-safe)."""
-    if group.full_row is not None:
-        return full_row.launch_scrub(group, counters, ring, per_forward, group_index)
-    scrub_kernel[(triton.cdiv(per_forward, block),)](
-        group.records, *_full_hash_args(group), counters, ring, ring.shape[0], group.num_slots, per_forward,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, WT_FULL=hash_word_tile(group, full=True), BLOCK=block,
-    )
+    if group.full_row is None:
+        raise ValueError(f"kv-canary: group '{group.name}' keeps no FULL_HASH (built without the scrub or all)")
+    full_row.launch_scrub(group, counters, ring, per_forward, group_index)
 
 
 def write_block(max_new_len: int) -> int:
@@ -396,12 +358,18 @@ def write_block(max_new_len: int) -> int:
     return min(1024, max(16, triton.next_power_of_2(max(1, max_new_len))))
 
 
+def tail_variant(max_new_len: int):
+    """What a TAIL's compiled variants depend on in its longest new run: the write kernel's block and the
+    whole-row hash's slot tile (both step at powers of two)."""
+    return write_block(max_new_len), full_row.tail_tile(max_new_len)
+
+
 HASH_WORD_TILE = 16  # most words of one row a kernel loads per step (whole-row hashing loops over tiles)
 
 
-def hash_word_tile(group, full: bool = False) -> int:
+def hash_word_tile(group) -> int:
     """Words per hash tile: the next power of two of the longest hashed run, at most HASH_WORD_TILE."""
-    longest = max((s.words for s in (group.rows if full else group.sources)), default=1)
+    longest = max((s.words for s in group.sources), default=1)
     return min(HASH_WORD_TILE, triton.next_power_of_2(max(1, longest)))
 
 
@@ -430,8 +398,3 @@ def _map_args(group):
     if group.slot_map is None:
         return [group.records, 0]
     return [group.slot_map, int(group.slot_map.shape[0])]
-
-
-def _full_hash_args(group):
-    """The same over every row (FULL_HASH)."""
-    return [group.full_base, group.full_table, len(group.rows)]

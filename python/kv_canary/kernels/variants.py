@@ -59,8 +59,9 @@ def _dtypes(view, *names) -> Tuple:
     return tuple(str(getattr(view, n).dtype).replace("torch.", "") for n in names)
 
 
-def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
-    """A copy of ``kernels`` whose launches record their variant keys in ``tracker``."""
+def track(kernels, tracker: VariantTracker, write_block: Callable[[int], object]):
+    """A copy of ``kernels`` whose launches record their variant keys in ``tracker`` (``write_block``: the
+    TAIL's variant for a longest new run, ``triton_kernels.tail_variant``)."""
 
     def verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=0,
                token_oracle=None, **kw):
@@ -71,15 +72,14 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
                               group_index=group_index, token_oracle=token_oracle, **kw)
 
     def write(group, view, req_to_token, counters, ring, bump_forward, block=0, group_index=0, check_fed=True,
-              token_oracle=None, full_hash=False):
+              token_oracle=None):
         tracker.note(("write", *_group_key(group), group_index, bool(bump_forward), bool(check_fed),
-                      token_oracle is not None, token_oracle is not None and view.staged, bool(full_hash),
-                      block or write_block(view.max_new_len),
+                      token_oracle is not None, token_oracle is not None and view.staged, group.full_row is not None,
+                      block, write_block(view.max_new_len),
                       *_dtypes(view, "input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
                                "new_starts", "new_lens")))
         return kernels.write(group, view, req_to_token, counters, ring, bump_forward, block=block,
-                             group_index=group_index, check_fed=check_fed, token_oracle=token_oracle,
-                             full_hash=full_hash)
+                             group_index=group_index, check_fed=check_fed, token_oracle=token_oracle)
 
     def scrub(group, counters, ring, per_forward, group_index=0):
         tracker.note(("scrub", *_group_key(group), group_index, _spec(per_forward)))
@@ -114,13 +114,13 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], int]):
                                witness_stamp=witness_stamp, witness_check=witness_check)
 
 
-def write_block_lengths(write_block: Callable[[int], int], max_new_len: int) -> Dict[int, int]:
+def write_block_lengths(write_block: Callable[[int], object], max_new_len: int) -> Dict[object, int]:
     """{block: the shortest new run that selects it} for every block ``write_block`` picks up to ``max_new_len``.
 
     ``write_block`` is a non-decreasing step function with steps at powers of two, so probing 1 and
     every 2**k + 1 finds each block's first length.
     """
-    out: Dict[int, int] = {}
+    out: Dict[object, int] = {}
     for n in [1] + [(1 << k) + 1 for k in range(max(1, max_new_len).bit_length())]:
         if n <= max(1, max_new_len):
             out.setdefault(write_block(n), n)

@@ -63,8 +63,7 @@ class Arrivals:
             scratch = torch.zeros_like(self.counters)  # report disabled: nothing reaches the ring
             for group_index, group in enumerate(self.groups):
                 self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
-                                   group_index=group_index, check_fed=False, token_oracle=None,
-                                   full_hash=self.config.full_row_hash)
+                                   group_index=group_index, check_fed=False, token_oracle=None)
         if self.transfer is not None:
             self.transfer.fake_requests += 1
 

@@ -108,5 +108,4 @@ class SingleForwardManager:
                 group, view, self._req_to_token, self._counters, self._ring, bump_forward and group_index == last,
                 group_index=group_index, check_fed=self._check_fed and group_index == 0,
                 token_oracle=self._oracle if group_index == 0 else None,
-                full_hash=self._scrub > 0 or group.full_row is not None,
             )
