@@ -39,9 +39,13 @@ _M32_1 = tl.constexpr(fp.MIX32_M1)
 _M32_2 = tl.constexpr(fp.MIX32_M2)
 
 TAIL, SCRUB, LIST = 0, 1, 2
-PERSISTENT_PROGRAMS = 64  # slot-block programs of a SCRUB/LIST launch (each loops over blocks)
-WORD_TILE_MAX = 256  # most words of one row a program loads per step
-TILE_ELEMENTS = 2048  # SB x WT
+# Launch shape, from a sweep on an H100 (docs/performance.md, issue 22): [SB, WT] tiles of TILE_ELEMENTS
+# words, SB at most SLOT_TILE[mode] unless the rows are short, 8 warps, ROWS_PER_PROGRAM[mode] rows a program.
+TILE_ELEMENTS = 1024
+SLOT_TILE = (4, 8, 8)  # TAIL (a run's next power of two, down to 1 at decode), SCRUB, LIST
+ROWS_PER_PROGRAM = (4, 4, 2)  # LIST: 2 keeps a short list (a decode step's first reads) spread over the GPU
+PERSISTENT_PROGRAMS = (0, 128, 64)  # slot-block programs of a SCRUB / LIST launch (each loops over blocks)
+HASH_WARPS = 8
 
 
 @triton.jit
@@ -70,8 +74,11 @@ def _lane_slots(l, MODE: tl.constexpr, bound, records, work, num_slots, start_or
 
 @triton.jit
 def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.constexpr):
-    """acc[slot] += the partial word sums of rows [r0, r1) of lanes ``m`` (int64, wrapping)."""
-    part = tl.zeros((SB,), dtype=tl.int64)
+    """acc[slot] += the partial word sums of rows [r0, r1) of lanes ``m`` (int64, wrapping).
+
+    The terms add into a [SB, WT] int64 tile reduced once at the end: no reduction per loaded tile
+    (reducing each step kept too few loads in flight: ~3x slower on an H100)."""
+    tile = tl.zeros((SB, WT), dtype=tl.int64)
     cols = tl.arange(0, WT)
     for r in range(r0, r1):
         offset = tl.load(table + r * 4 + 0)
@@ -84,9 +91,8 @@ def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.conste
             m2 = m[:, None] & (w < words)[None, :]
             word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.uint32, bitcast=True)
             key = (first + w + 1).to(tl.uint32) * _KEY  # [WT], shared by the SB slots
-            term = _mix32(word ^ key[None, :]).to(tl.int64)  # zero-extended: in [0, 2^32)
-            part += tl.sum(tl.where(m2, term, 0), axis=1)
-    tl.atomic_add(acc + slot, part, mask=m & (r1 > r0), sem="relaxed")
+            tile += tl.where(m2, _mix32(word ^ key[None, :]).to(tl.int64), 0)  # zero-extended: in [0, 2^32)
+    tl.atomic_add(acc + slot, tl.sum(tile, axis=1), mask=m & (r1 > r0), sem="relaxed")
 
 
 @triton.jit
@@ -206,15 +212,15 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
                 tl.store(work_state + 1, 0)
 
 
-def tiles(group, run: int = 0):
+def tiles(group, mode: int, run: int = 0):
     """(SB, WT): slots x words per load of a group's rows, SB x WT <= TILE_ELEMENTS (powers of two).
 
     ``run``: a TAIL's longest new run; its SB is at most the run's next power of two (a decode TAIL, one
-    new token per request, loads whole rows of one slot instead of masking 7 of 8 lanes)."""
+    new token per request, loads whole rows of one slot instead of masking all lanes but one)."""
     longest = triton.next_power_of_2(max(1, max(r.words for r in group.rows)))
-    sb = max(1, TILE_ELEMENTS // min(WORD_TILE_MAX, longest))
-    if run:
-        sb = min(sb, triton.next_power_of_2(run))
+    sb = max(SLOT_TILE[mode], TILE_ELEMENTS // longest)
+    if mode == TAIL:
+        sb = min(sb, tail_tile(run))
     return sb, min(longest, TILE_ELEMENTS // sb)
 
 
@@ -223,9 +229,10 @@ def tail_tile(max_new_len: int) -> int:
     return min(TILE_ELEMENTS, triton.next_power_of_2(max(1, max_new_len)))
 
 
-def _rows_per_program(num_rows: int, lanes: int) -> int:
-    """Rows per program: one (most parallel) for a few lanes, up to 8 for many (fewer atomics per slot)."""
-    return 1 if lanes <= 256 else 2 if lanes <= 4096 else min(8, num_rows)
+def _rows_per_program(mode: int, lanes: int) -> int:
+    """Rows per program: ROWS_PER_PROGRAM, but one for a TAIL of a few slots (decode at a small batch: a
+    handful of programs would each walk several rows)."""
+    return 1 if mode == TAIL and lanes <= 16 else ROWS_PER_PROGRAM[mode]
 
 
 TARGET_PROGRAMS = 4096  # a TAIL over a long run splits its tokens until about this many programs
@@ -239,10 +246,8 @@ def _map_args(group):
 
 def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, per_forward=0, view=None):
     num_rows = len(group.rows)
-    # LIST: the list's length is on the device (up to its capacity): one row per program keeps a short list
-    # (a decode step's first reads) spread over the GPU
-    rpp = 1 if mode == LIST else _rows_per_program(num_rows, lanes)
-    sb, wt = tiles(group, tail_tile(view.max_new_len) if mode == TAIL else 0)
+    rpp = min(num_rows, _rows_per_program(mode, lanes))
+    sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1
@@ -251,12 +256,12 @@ def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, pe
     row_hash_kernel[(grid0, chunks, splits)](
         state.acc, group.full_base, group.full_table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt)
+        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, num_warps=HASH_WARPS)
     block = 128
     if mode == TAIL:
         grid = (view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))
     else:
-        grid = (min(PERSISTENT_PROGRAMS, triton.cdiv(max(1, lanes), block)),)
+        grid = (min(64, triton.cdiv(max(1, lanes), block)),)
     row_finalize_kernel[grid](
         state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], per_forward, state.tags,
         state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
@@ -273,15 +278,16 @@ def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> 
 def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) -> None:
     """Check ``per_forward`` slots' every K/V byte against their FULL_HASH (round-robin window)."""
     per_forward = min(per_forward, group.num_slots - 1)
-    sb, _ = tiles(group)
+    sb, _ = tiles(group, SCRUB)
     _launch(group, group.full_row, SCRUB, counters, ring, group_index,
-            grid0=min(PERSISTENT_PROGRAMS, triton.cdiv(per_forward, sb)), lanes=per_forward, per_forward=per_forward)
+            grid0=min(PERSISTENT_PROGRAMS[SCRUB], triton.cdiv(per_forward, sb)), lanes=per_forward,
+            per_forward=per_forward)
 
 
 def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
     """Hash the full rows of the slots HEAD's verify listed (first reads since their write) and compare."""
     state = group.full_row
-    sb, _ = tiles(group)
+    sb, _ = tiles(group, LIST)
     cap = int(state.work.shape[0])
     _launch(group, state, LIST, counters, ring, group_index,
-            grid0=min(PERSISTENT_PROGRAMS, triton.cdiv(cap, sb)), lanes=cap)
+            grid0=min(PERSISTENT_PROGRAMS[LIST], triton.cdiv(cap, sb)), lanes=cap)
