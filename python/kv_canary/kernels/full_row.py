@@ -43,7 +43,7 @@ TAIL, SCRUB, LIST = 0, 1, 2
 # words, SB at most SLOT_TILE[mode] unless the rows are short, 8 warps, ROWS_PER_PROGRAM[mode] rows a program.
 TILE_ELEMENTS = 1024
 SLOT_TILE = (4, 8, 8)  # TAIL (a run's next power of two, down to 1 at decode), SCRUB, LIST
-ROWS_PER_PROGRAM = (4, 4, 2)  # LIST: 2 keeps a short list (a decode step's first reads) spread over the GPU
+ROWS_PER_PROGRAM = (4, 4, 1)  # LIST: one row keeps a short list (a decode step's first reads) spread over the GPU
 PERSISTENT_PROGRAMS = (0, 128, 64)  # slot-block programs of a SCRUB / LIST launch (each loops over blocks)
 HASH_WARPS = 8
 
