@@ -18,8 +18,8 @@ matrix in docs/detection.md) and still insists on no false positive.
 
 import pytest
 
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
-from kv_canary_testing.workload import build_workload, run_requests
+from kv_canary_testing.canary_e2e import canary_server, register_cpu_ci, register_cuda_ci, serve_requests
+from kv_canary_testing.workload import build_workload
 
 register_cpu_ci(est_time=240, suite="kv-canary-cpu")
 register_cuda_ci(est_time=240, suite="kv-canary-cuda")
@@ -66,18 +66,9 @@ def run_modes(tmp_path, canary_mode, n_requests=40, real_data="all"):
                         extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL),
                                     "--kv-canary-real-data", real_data],
                         max_total_tokens=ROOMY_POOL_TOKENS)
-    srv.start(timeout=600)
-    try:
-        # no aborts: an aborted request's freshly written slots are freed unread, so a
-        # post-forward flip there is harmless and (by design) never reported
-        result = run_requests(srv.base_url, build_workload(n_requests, seed=21, n_aborts=0), concurrency=8,
-                              timeout=300)
-        log = CanaryLog.read_settled(srv)
-        running = srv.is_running()
-        code = None if running else srv.wait_exit(timeout=60)
-    finally:
-        srv.stop()
-    return result, log, running, code
+    # no aborts: an aborted request's freshly written slots are freed unread, so a
+    # post-forward flip there is harmless and (by design) never reported
+    return serve_requests(srv, build_workload(n_requests, seed=21, n_aborts=0))
 
 
 @pytest.mark.e2e

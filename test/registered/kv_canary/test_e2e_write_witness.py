@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
-from kv_canary_testing.workload import build_workload, run_requests
+from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cpu_ci, register_cuda_ci, serve_requests
+from kv_canary_testing.workload import build_workload
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
 register_cuda_ci(est_time=240, suite="kv-canary-cuda")
@@ -51,16 +51,7 @@ def explains(injection, violation) -> bool:
 def run(tmp_path, canary_mode, real_data, n_requests=20, prob="0.1"):
     srv = canary_server(canary_mode, log_path=tmp_path / "server.log", env=_env(prob),
                         extra_args=["--kv-canary-real-data", real_data])
-    srv.start(timeout=600)
-    try:
-        result = run_requests(srv.base_url, build_workload(n_requests, seed=23, n_aborts=0), concurrency=8,
-                              timeout=300)
-        log = CanaryLog.read_settled(srv)
-        running = srv.is_running()
-        code = None if running else srv.wait_exit(timeout=60)
-    finally:
-        srv.stop()
-    return result, log, running, code
+    return serve_requests(srv, build_workload(n_requests, seed=23, n_aborts=0))
 
 
 @pytest.mark.e2e
