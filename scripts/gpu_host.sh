@@ -16,6 +16,24 @@
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
+#   bash scripts/gpu_host.sh bundle-pd              # HERE: .bundle/pd-{1,2,3} (scripts/build_pd_bundle.sh: CUDA
+#                                                   # mooncake split in 45 MiB pieces, sglang-router, Ubuntu debs)
+#   bash scripts/gpu_host.sh install-pd-part N      # copy .bundle/pd-N into /tmp/pd-parts (carry .bundle/pd-N)
+#   bash scripts/gpu_host.sh install-pd             # join + sha256 + pip into /tmp/site, debs into /tmp/pd-libs
+#   bash scripts/gpu_host.sh pd-check               # mooncake TCP transfer GPU -> GPU in one process (no sglang)
+#   bash scripts/gpu_host.sh pd-e2e [pytest args]   # test_e2e_pd.py on the GPU; server logs into $OUT
+#
+# The PD e2e on the GPU (issue 25; both servers on one GPU, mooncake over TCP on 127.0.0.1), all calls back to back:
+#   1. install-a                                      carry [.bundle/part-a]                      timeout 300
+#   2. install-b                                      carry [.bundle/part-b, .bundle/kvc]         timeout 300
+#   3. install-pd-part 1                              carry [.bundle/pd-1]                        timeout 120
+#   4. install-pd-part 2                              carry [.bundle/pd-2]                        timeout 120
+#   5. install-pd-part 3 && install-pd && { pd-check; pd-e2e -k TestPDClean; }   carry [.bundle/pd-3]
+#                                                     (each step as `bash scripts/gpu_host.sh STEP`)  timeout 600
+#   6. pd-e2e -k TestPDPerturbed                      (no carry)                                  timeout 600
+# (one install-pd-part per part that bundle-pd printed; pd-e2e finds /tmp/pd-libs/lib by itself, skips with the
+# reason when mooncake's CUDA build does not load, stops pytest with SIGINT after KVC_PD_E2E_TIMEOUT s (480) so
+# that its logs come back, and leaves gpu-pd-e2e.log and pd-logs.tgz (server and router logs) in $OUT)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
@@ -53,6 +71,38 @@ case "$step" in
       t=$((b + tree)); echo "upload [$call] + tree: $((t / 1048576)) MiB of 64"
       [ "$t" -lt $((64 * 1048576)) ] || { echo "too large for one call: [$call]" >&2; exit 1; }
     done ;;
+  bundle-pd)  # runs on the development machine: the PD extras in parts, each checked to fit one call
+    bash scripts/build_pd_bundle.sh .bundle
+    tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    for d in .bundle/pd-[0-9]*; do
+      t=$(($(du -sb "$d" | cut -f1) + tree)); echo "upload [${d#.bundle/}] + tree: $((t / 1048576)) MiB of 64"
+      [ "$t" -lt $((64 * 1048576)) ] || { echo "too large for one call: [$d]" >&2; exit 1; }
+    done ;;
+  install-pd-part)
+    n="${1:?install-pd-part N}"; [ -d ".bundle/pd-$n" ] || { echo "no .bundle/pd-$n (carry it)" >&2; exit 1; }
+    mkdir -p /tmp/pd-parts; cp -r ".bundle/pd-$n/." /tmp/pd-parts/
+    echo "pd part $n of $(cat /tmp/pd-parts/N_PARTS) in /tmp/pd-parts"; du -sh /tmp/pd-parts ;;
+  install-pd)  # after install-a/-b and every install-pd-part (same warm host)
+    bash /tmp/pd-parts/install.sh
+    export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    python3 - <<'PY'
+import torch, mooncake.engine, sglang_router.launch_router  # noqa: F401  (torch first: it loads libcudart)
+from importlib.metadata import distributions
+names = sorted({f"{d.metadata['Name']} {d.version}" for d in distributions()
+                if d.metadata["Name"].lower().replace("_", "-").startswith(("mooncake", "sglang-router"))})
+print("install-pd: mooncake.engine and sglang_router.launch_router import:", ", ".join(names))
+PY
+    ;;
+  pd-check)
+    export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    python3 scripts/pd_transfer_check.py --device cuda 2>&1 | grep -v "^I[0-9]" ;;
+  pd-e2e)
+    rm -rf /tmp/kvc-pd; rc=0
+    KVC_TEST_DEVICE=cuda timeout -s INT -k 60 "${KVC_PD_E2E_TIMEOUT:-480}" \
+      python3 -m pytest -q -rs -s -p no:cacheprovider --basetemp=/tmp/kvc-pd \
+      test/registered/kv_canary/test_e2e_pd.py "$@" 2>&1 | tee "$out/gpu-pd-e2e.log" || rc=$?
+    [ ! -d /tmp/kvc-pd ] || tar czf "$out/pd-logs.tgz" -C /tmp kvc-pd
+    exit "$rc" ;;
   install-upstream)
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;

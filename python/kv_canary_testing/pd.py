@@ -10,6 +10,7 @@ address) and ``MC_TCP_ENABLE_CONNECTION_POOL=true`` (as sglang's own PD fixture)
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -25,33 +26,64 @@ from kv_canary_testing.server import ServerError, SglangServer, free_port
 
 PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "MC_TCP_ENABLE_CONNECTION_POOL": "true"}
 TRANSFER_BACKEND = "mooncake"
+# GPU host: the folder of the libraries mooncake's CUDA build links and the host lacks (scripts/gpu_host.sh
+# install-pd links them there from Ubuntu debs)
+PD_LIBS = os.environ.get("KVC_PD_LIBS", "/tmp/pd-libs/lib")
+GPU_PD_HINT = ("on the GPU host: scripts/gpu_host.sh bundle-pd here, then install-pd-part 1..N and install-pd "
+               "there (its header lists the calls)")
 
 
+def pd_env(device: str = "cpu") -> dict:
+    """Both servers' env: mooncake on loopback; on GPU also TCP only (no RDMA NIC) and the PD libraries."""
+    env = dict(PD_ENV)
+    if device == "cuda":
+        env["MC_FORCE_TCP"] = "true"
+        if os.path.isdir(PD_LIBS):
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (PD_LIBS, os.environ.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+@functools.lru_cache(maxsize=None)
 def pd_skip_reason(device: str = "cpu") -> Optional[str]:
-    """Why a PD deployment cannot start here (None when it can): the PD extras are missing."""
+    """Why a PD deployment cannot start here (None when it can): the PD extras are missing or do not load."""
     missing = [m for m in ("mooncake", "sglang_router") if importlib.util.find_spec(m) is None]
     if missing:
-        return (f"PD extras not installed ({', '.join(missing)}): scripts/setup_env.sh installs "
-                "mooncake-transfer-engine-non-cuda and sglang-router")
+        return (f"PD extras not installed ({', '.join(missing)}): "
+                + (GPU_PD_HINT if device == "cuda" else "scripts/setup_env.sh installs "
+                   "mooncake-transfer-engine-non-cuda and sglang-router"))
     if device == "cuda":
         from importlib import metadata
 
         try:
             metadata.distribution("mooncake-transfer-engine-non-cuda")
         except metadata.PackageNotFoundError:
-            return None
-        return ("the installed mooncake is the non-CUDA build (mooncake-transfer-engine-non-cuda), which cannot "
-                "transfer GPU memory: install mooncake-transfer-engine (CUDA build) on the GPU host")
+            pass
+        else:
+            return ("the installed mooncake is the non-CUDA build (mooncake-transfer-engine-non-cuda), which cannot "
+                    "transfer GPU memory: install the CUDA build " + GPU_PD_HINT)
+        # the servers' own environment (torch first: it loads the CUDA runtime engine.so links)
+        r = subprocess.run([sys.executable, "-c", "import torch, mooncake.engine"],
+                           env={**os.environ, **pd_env(device)}, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=300)
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["?"])[-1]
+            return f"mooncake's CUDA build does not load ({last}; libraries from {PD_LIBS}): {GPU_PD_HINT}"
     return None
 
 
-def device_args(device: str, mode: str) -> list:
-    """Both servers share one host: on GPU each takes a modest share of memory, the decode the second GPU if any."""
+def device_args(device: str, mode: str, drop_default_args: Sequence[str] = ()) -> list:
+    """Both servers share one host: on GPU each takes a modest share of memory, the decode the second GPU if any.
+
+    On GPU also ``--skip-server-warmup`` (the CPU flags have it) unless the test drops it: the perturbation
+    runs count forwards and arrivals from the start, and sglang's warmup request would be one outside the workload.
+    """
     if device != "cuda":
         return []
     import torch
 
     args = ["--mem-fraction-static", "0.35"]
+    if "--skip-server-warmup" not in drop_default_args:
+        args.append("--skip-server-warmup")
     if mode == "decode" and torch.cuda.device_count() > 1:
         args += ["--base-gpu-id", "1"]
     return args
@@ -79,10 +111,11 @@ class PDCluster:
         self.python = python or sys.executable
 
         def side(mode: str, args: Sequence[str], env: Optional[Mapping[str, str]]) -> SglangServer:
-            flags = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", TRANSFER_BACKEND,
-                     "--disaggregation-bootstrap-port", str(self.bootstrap_port), *device_args(device, mode), *args]
             drop = decode_drop_default_args if mode == "decode" else ()
-            return SglangServer(flags, env={**PD_ENV, **(env or {})}, log_path=self.log_dir / f"{mode}.log",
+            flags = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", TRANSFER_BACKEND,
+                     "--disaggregation-bootstrap-port", str(self.bootstrap_port), *device_args(device, mode, drop),
+                     *args]
+            return SglangServer(flags, env={**pd_env(device), **(env or {})}, log_path=self.log_dir / f"{mode}.log",
                                 device=device, max_total_tokens=max_total_tokens, python=self.python,
                                 drop_default_args=drop)
 
