@@ -2,7 +2,7 @@
 """Launch-shape sweep of the whole-row hash kernel (issue 22; GPU only): slot tile SB, word tile WT, rows per
 program and warps for the scrub (256 / 4,096 slots), a decode bs64 TAIL and a prefill 8 x 8k TAIL, on a
 70,000-slot Llama-3-8B pool; each the hash launch alone (no finalize), a CUDA-graph replay after an L2 flush.
-``kernels/full_row.py``'s SLOT_TILE / ROWS_PER_PROGRAM / HASH_WARPS come from its result
+``kernels/full_row.py``'s GPU_SHAPE comes from its result
 (docs/results/gpu-h100-2026-11-25-issue22/sweep_full_row_tiles.json: that run also swept a per-step reduction
 against the tile accumulation now built in, the ``acc2`` field).
 

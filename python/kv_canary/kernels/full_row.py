@@ -25,6 +25,10 @@ no allocation per launch.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Tuple
+
 import triton
 import triton.language as tl
 
@@ -39,13 +43,31 @@ _M32_1 = tl.constexpr(fp.MIX32_M1)
 _M32_2 = tl.constexpr(fp.MIX32_M2)
 
 TAIL, SCRUB, LIST = 0, 1, 2
-# Launch shape, from a sweep on an H100 (docs/performance.md, issue 22): [SB, WT] tiles of TILE_ELEMENTS
-# words, SB at most SLOT_TILE[mode] unless the rows are short, 8 warps, ROWS_PER_PROGRAM[mode] rows a program.
-TILE_ELEMENTS = 1024
-SLOT_TILE = (4, 8, 8)  # TAIL (a run's next power of two, down to 1 at decode), SCRUB, LIST
-ROWS_PER_PROGRAM = (4, 4, 1)  # LIST: one row keeps a short list (a decode step's first reads) spread over the GPU
-PERSISTENT_PROGRAMS = (0, 128, 64)  # slot-block programs of a SCRUB / LIST launch (each loops over blocks)
-HASH_WARPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    """How the whole-row hash is cut into programs (any cut gives the same hash); per-mode tuples are
+    indexed by TAIL, SCRUB, LIST."""
+
+    tile_elements: int  # SB x WT words a program loads per step
+    slot_tile: Tuple[int, int, int]  # SB floor (unless rows are short); a TAIL's SB is capped by its run
+    rows_per_program: Tuple[int, int, int]  # a TAIL of <= 16 slots: one
+    persistent_programs: Tuple[int, int, int]  # slot-block programs of a SCRUB / LIST launch (each loops)
+    target_programs: int  # a TAIL over a long run splits its tokens until about this many programs
+    warps: int
+    finalize_block: int  # slots a finalize program mixes
+    finalize_programs: int  # most finalize programs of a SCRUB / LIST launch (each loops)
+
+
+# GPU: the best of a sweep on an H100 (scripts/sweep_full_row_tiles.py, docs/performance.md issue 22); LIST's
+# one row a program keeps a short list (a decode step's first reads) spread over the GPU.
+GPU_SHAPE = LaunchShape(1024, (4, 8, 8), (4, 4, 1), (0, 128, 64), 4096, 8, 128, 64)
+# The Triton interpreter (CPU servers and tests) runs programs one after another, each step a numpy op: the
+# fewest, largest programs (every row in one program; a tile still smaller than a wide row, so the word loop
+# is exercised).
+INTERPRETER_SHAPE = LaunchShape(8192, (64, 64, 64), (64, 64, 64), (0, 4, 4), 16, 4, 1024, 4)
+SHAPE = INTERPRETER_SHAPE if os.environ.get("TRITON_INTERPRET") == "1" else GPU_SHAPE
 
 
 @triton.jit
@@ -218,24 +240,25 @@ def tiles(group, mode: int, run: int = 0):
     ``run``: a TAIL's longest new run; its SB is at most the run's next power of two (a decode TAIL, one
     new token per request, loads whole rows of one slot instead of masking all lanes but one)."""
     longest = triton.next_power_of_2(max(1, max(r.words for r in group.rows)))
-    sb = max(SLOT_TILE[mode], TILE_ELEMENTS // longest)
+    sb = max(SHAPE.slot_tile[mode], SHAPE.tile_elements // longest)
     if mode == TAIL:
         sb = min(sb, tail_tile(run))
-    return sb, min(longest, TILE_ELEMENTS // sb)
+    return sb, min(longest, SHAPE.tile_elements // sb)
+
+
+TAIL_TILE_MAX = 1024  # the TAIL's SB cap stops growing here, where the write kernel's block does
 
 
 def tail_tile(max_new_len: int) -> int:
-    """The TAIL's SB cap for a longest new run (a step function of it: one compiled variant per step)."""
-    return min(TILE_ELEMENTS, triton.next_power_of_2(max(1, max_new_len)))
+    """The TAIL's SB cap for a longest new run (a step function of it: one compiled variant per step, and
+    one precompile launch with a run that long: in the interpreter a run of thousands of tokens costs minutes)."""
+    return min(TAIL_TILE_MAX, triton.next_power_of_2(max(1, max_new_len)))
 
 
 def _rows_per_program(mode: int, lanes: int) -> int:
-    """Rows per program: ROWS_PER_PROGRAM, but one for a TAIL of a few slots (decode at a small batch: a
+    """Rows per program: the shape's, but one for a TAIL of a few slots (decode at a small batch: a
     handful of programs would each walk several rows)."""
-    return 1 if mode == TAIL and lanes <= 16 else ROWS_PER_PROGRAM[mode]
-
-
-TARGET_PROGRAMS = 4096  # a TAIL over a long run splits its tokens until about this many programs
+    return 1 if mode == TAIL and lanes <= 16 else SHAPE.rows_per_program[mode]
 
 
 def _map_args(group):
@@ -252,16 +275,16 @@ def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, pe
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1
     if mode == TAIL:  # host-known: the batch size and the longest new run
-        splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), TARGET_PROGRAMS // (grid0 * chunks)))
+        splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
     row_hash_kernel[(grid0, chunks, splits)](
         state.acc, group.full_base, group.full_table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, num_warps=HASH_WARPS)
-    block = 128
+        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, num_warps=SHAPE.warps)
+    block = SHAPE.finalize_block
     if mode == TAIL:
         grid = (view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))
     else:
-        grid = (min(64, triton.cdiv(max(1, lanes), block)),)
+        grid = (min(SHAPE.finalize_programs, triton.cdiv(max(1, lanes), block)),)
     row_finalize_kernel[grid](
         state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], per_forward, state.tags,
         state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
@@ -280,7 +303,7 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) 
     per_forward = min(per_forward, group.num_slots - 1)
     sb, _ = tiles(group, SCRUB)
     _launch(group, group.full_row, SCRUB, counters, ring, group_index,
-            grid0=min(PERSISTENT_PROGRAMS[SCRUB], triton.cdiv(per_forward, sb)), lanes=per_forward,
+            grid0=min(SHAPE.persistent_programs[SCRUB], triton.cdiv(per_forward, sb)), lanes=per_forward,
             per_forward=per_forward)
 
 
@@ -290,4 +313,4 @@ def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
     sb, _ = tiles(group, LIST)
     cap = int(state.work.shape[0])
     _launch(group, state, LIST, counters, ring, group_index,
-            grid0=min(PERSISTENT_PROGRAMS[LIST], triton.cdiv(cap, sb)), lanes=cap)
+            grid0=min(SHAPE.persistent_programs[LIST], triton.cdiv(cap, sb)), lanes=cap)
