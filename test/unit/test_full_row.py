@@ -103,9 +103,15 @@ def _write(groups, lens, slots, r2t):
     return states
 
 
+SHAPES = {"gpu": full_row.GPU_SHAPE, "interpreter": full_row.INTERPRETER_SHAPE}
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("translate", [False, True])
-def test_tail_full_hash_is_bit_equal_to_the_reference(layout, translate):
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_tail_full_hash_is_bit_equal_to_the_reference(layout, translate, shape, monkeypatch):
+    """Whatever the launch shape (how the rows are cut into programs), the records are the reference's."""
+    monkeypatch.setattr(full_row, "SHAPE", SHAPES[shape])
     groups = _groups(layout, translate)
     lens = [1, 37, 5]
     slots = _page_slots(sum(lens), seed=3)
@@ -132,9 +138,11 @@ def _read_view(rows_lens):
         new_lens=torch.ones(bs, dtype=torch.int64, device=DEVICE), batch_size=bs, max_new_len=1)
 
 
-@pytest.mark.parametrize("layout,translate", [("odd_words", False), ("mla", True), ("fp8_like", False),
-                                              ("two_tiles", True)])
-def test_first_read_verifies_every_byte_once_and_the_scrub_finds_a_later_flip(layout, translate):
+@pytest.mark.parametrize("layout,translate,shape", [("odd_words", False, "interpreter"), ("mla", True, "gpu"),
+                                                    ("fp8_like", False, "interpreter"), ("two_tiles", True, "gpu"),
+                                                    ("two_tiles", False, "interpreter")])
+def test_first_read_verifies_every_byte_once_and_the_scrub_finds_a_later_flip(layout, translate, shape, monkeypatch):
+    monkeypatch.setattr(full_row, "SHAPE", SHAPES[shape])
     groups = _groups(layout, translate, seed=5)
     lens = [40, 23]
     slots = _page_slots(sum(lens), seed=9)
