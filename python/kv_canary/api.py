@@ -85,7 +85,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "SGLANG_KV_CANARY_KERNEL_BACKEND=torch cannot run inside CUDA graphs: "
             "use the triton backend or pass --disable-cuda-graph"
         )
-    kernels, tracker = _track_variants(kernels)
+    kernels, tracker = _track_variants(kernels, config)
     manager = CanaryManager(
         config=config,
         groups=groups,
@@ -133,15 +133,23 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     return manager
 
 
-def _track_variants(kernels):
+def _tail_variant(config: CanaryConfig):
+    """What a TAIL's compiled variants depend on in its longest new run: the write kernel's block and, when
+    the groups keep FULL_HASH (the scrub, ``all``), the whole-row hash's slot tile (more precompile launches:
+    only when they can be needed)."""
+    from .kernels import triton_kernels as tk
+
+    return tk.tail_variant if config.full_row_hash else tk.write_block
+
+
+def _track_variants(kernels, config: CanaryConfig):
     """(kernels, tracker): the Triton kernels note every variant they launch (precompile, then no JIT)."""
     if kernels.name != "triton":
         return kernels, None
-    from .kernels import triton_kernels as tk
     from .kernels.variants import VariantTracker, track
 
     tracker = VariantTracker()
-    return track(kernels, tracker, tk.tail_variant), tracker
+    return track(kernels, tracker, _tail_variant(config)), tracker
 
 
 def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[CanaryManager]:
@@ -177,7 +185,7 @@ def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[C
     groups = [dataclasses.replace(groups[0], name=DRAFT_GROUP)]
     pool.kv_canary_groups = groups
     capacities = compute_capacities(facts)
-    kernels, tracker = _track_variants(select_kernels(config.kernel_backend, facts.device))
+    kernels, tracker = _track_variants(select_kernels(config.kernel_backend, facts.device), config)
     steps = spec.num_steps
     manager = DraftCanaryManager(
         config=config, groups=groups, kernels=kernels, req_to_token=facts.req_to_token, capacities=capacities,
@@ -295,12 +303,11 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:  # or
 def _precompile(manager: CanaryManager, capacities: LaunchCapacities, facts: SglangFacts) -> None:
     """Every TAIL block size a forward can pick and every verify-grid specialization a batch size gives."""
     from .kernels import VERIFY_BLOCK
-    from .kernels import triton_kernels as tk
     from .kernels.variants import programs_classes, write_block_lengths
 
     # the longest new run is bounded by the context length (chunking only makes it shorter); speculative
     # decoding adds the verify forwards' variant (int64 lengths, staged drafts)
-    lengths = sorted(write_block_lengths(tk.tail_variant, capacities.max_context_len).values())
+    lengths = sorted(write_block_lengths(_tail_variant(manager.config), capacities.max_context_len).values())
     sizes = sorted(programs_classes(
         lambda bs: capacities.verify_programs_per_request(bs, VERIFY_BLOCK), capacities.max_batch_size).values())
     manager.precompile(lengths, sizes, verify_staged=facts.spec is not None)
