@@ -235,7 +235,7 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
 
 
 def tiles(group, mode: int, run: int = 0):
-    """(SB, WT): slots x words per load of a group's rows, SB x WT <= TILE_ELEMENTS (powers of two).
+    """(SB, WT): slots x words per load of a group's rows, SB x WT <= ``SHAPE.tile_elements`` (powers of two).
 
     ``run``: a TAIL's longest new run; its SB is at most the run's next power of two (a decode TAIL, one
     new token per request, loads whole rows of one slot instead of masking all lanes but one)."""
@@ -267,10 +267,13 @@ def _map_args(group):
     return [group.slot_map, int(group.slot_map.shape[0])]
 
 
-def _launch(group, state, mode, counters, ring, group_index, *, grid0, lanes, per_forward=0, view=None):
+def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_forward=0, view=None):
+    """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``)."""
     num_rows = len(group.rows)
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
+    if mode != TAIL:  # persistent slot-block programs, each looping over blocks
+        grid0 = min(SHAPE.persistent_programs[mode], triton.cdiv(max(1, lanes), sb))
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1
@@ -301,16 +304,10 @@ def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> 
 def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) -> None:
     """Check ``per_forward`` slots' every K/V byte against their FULL_HASH (round-robin window)."""
     per_forward = min(per_forward, group.num_slots - 1)
-    sb, _ = tiles(group, SCRUB)
-    _launch(group, group.full_row, SCRUB, counters, ring, group_index,
-            grid0=min(SHAPE.persistent_programs[SCRUB], triton.cdiv(per_forward, sb)), lanes=per_forward,
-            per_forward=per_forward)
+    _launch(group, group.full_row, SCRUB, counters, ring, group_index, lanes=per_forward, per_forward=per_forward)
 
 
 def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
     """Hash the full rows of the slots HEAD's verify listed (first reads since their write) and compare."""
     state = group.full_row
-    sb, _ = tiles(group, LIST)
-    cap = int(state.work.shape[0])
-    _launch(group, state, LIST, counters, ring, group_index,
-            grid0=min(SHAPE.persistent_programs[LIST], triton.cdiv(cap, sb)), lanes=cap)
+    _launch(group, state, LIST, counters, ring, group_index, lanes=int(state.work.shape[0]))
