@@ -119,7 +119,9 @@ class FullRowState:
         FULL_HASH differs from its tag is unverified)
     work: int64[capacity, 3], the first-read work list (slot, batch index, req_to_token row)
     work_state: int64[2], (entries listed this forward, finalize tickets)
-    first_read: HEAD lists unverified read slots (``--kv-canary-real-data all``)
+    first_read: HEAD lists unverified read slots (``--kv-canary-real-data all``, HiCache)
+    clear_tags: TAIL zeroes a new slot's tag (``all``: listed at its first read); else TAIL sets it to the new
+        FULL_HASH (HiCache outside ``all``: only slots a load-back filled, tag zeroed there, are listed)
     """
 
     acc: torch.Tensor
@@ -127,12 +129,14 @@ class FullRowState:
     work: torch.Tensor
     work_state: torch.Tensor
     first_read: bool
+    clear_tags: bool = True
 
     @staticmethod
-    def build(num_slots: int, first_read: bool, device: torch.device, capacity: int) -> "FullRowState":
+    def build(num_slots: int, first_read: bool, device: torch.device, capacity: int,
+              clear_tags: bool = True) -> "FullRowState":
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
         return FullRowState(acc=zeros(num_slots), tags=zeros(num_slots), work=zeros(capacity if first_read else 1, 3),
-                            work_state=zeros(2), first_read=first_read)
+                            work_state=zeros(2), first_read=first_read, clear_tags=clear_tags)
 
     @staticmethod
     def bytes(num_slots: int, first_read: bool, capacity: int) -> int:
@@ -207,7 +211,8 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
                                 f"int32/int64 tensor, not {tuple(slot_map.shape)} {slot_map.dtype}")
     full_row = None
     if config.full_row_hash:
-        full_row = FullRowState.build(num_slots, config.real_data is RealData.ALL, device, FIRST_READ_CAPACITY)
+        full_row = FullRowState.build(num_slots, config.first_read, device, FIRST_READ_CAPACITY,
+                                      clear_tags=config.clear_tags)
     return CanaryBufferGroup(
         name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
         source_table=source_table, base=base, full_table=full_table, full_base=full_base,

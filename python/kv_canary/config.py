@@ -241,6 +241,9 @@ class CanaryConfig:
     perturb_seed: int = 0
     perturb_max_injections: int = 0
     perturb_tp_rank: int = -1
+    # --enable-hierarchical-cache: slots come back from host copies (docs/hicache.md); their every byte is
+    # checked at the first read after the load-back against the FULL_HASH TAIL stored when they were written
+    hicache: bool = False
     env_overrides: Tuple[Tuple[str, str], ...] = field(default=(), compare=False)
 
     @property
@@ -250,7 +253,19 @@ class CanaryConfig:
     @property
     def full_row_hash(self) -> bool:
         """TAIL stores every new slot's FULL_HASH (the scrub, or ``all``'s first-read verification)."""
-        return self.scrub_slots_per_forward > 0 or self.real_data is RealData.ALL
+        return self.scrub_slots_per_forward > 0 or self.real_data is RealData.ALL or self.hicache
+
+    @property
+    def first_read(self) -> bool:
+        """HEAD lists read slots whose full row is unverified (``all``: every slot once after its write;
+        HiCache: the slots a load-back filled)."""
+        return self.real_data is RealData.ALL or self.hicache
+
+    @property
+    def clear_tags(self) -> bool:
+        """TAIL marks each new slot's full row unverified (``all``); else verified (HiCache outside ``all``:
+        only loaded slots, whose tag the load-back zeroes, are listed)."""
+        return self.real_data is RealData.ALL
 
     @property
     def uses_token_oracle(self) -> bool:
@@ -274,6 +289,7 @@ class CanaryConfig:
         real_data: Any = RealData.PARTIAL.value,
         environ: Mapping[str, str],
         disable_piecewise_cuda_graph: bool = True,
+        hicache: bool = False,
     ) -> "CanaryConfig":
         """Validate the flags and env vars; raise ``CanaryConfigError`` naming the bad one."""
         try:
@@ -305,7 +321,7 @@ class CanaryConfig:
             values[field_name] = parse(name, environ[name])
             seen.append((name, environ[name]))
         config = cls(mode=parsed_mode, sweep_interval=sweep, real_data=parsed_real_data, env_overrides=tuple(seen),
-                     **values)
+                     hicache=bool(hicache) and parsed_mode.enabled, **values)
         if parsed_real_data is RealData.ALL and "scrub_slots_per_forward" not in values:
             # all = the window at every read + every byte at a slot's first read + the scrub (design.md)
             config = replace(config, scrub_slots_per_forward=ALL_SCRUB_SLOTS_PER_FORWARD)
@@ -349,6 +365,7 @@ class CanaryConfig:
             f"perturb_real_kv_post_forward_prob={self.perturb_real_kv_post_forward_prob} "
             f"perturb_position_shift_prob={self.perturb_position_shift_prob} "
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
+            + (" hicache=1" if self.hicache else "")
             + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
             + (f" perturb_tp_rank={self.perturb_tp_rank}" if self.perturb_tp_rank >= 0 else "")
             + "".join(f" perturb_{m}_prob={p}" for m, p in (

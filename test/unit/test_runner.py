@@ -70,7 +70,7 @@ class Harness:
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
                                 ref.launch_scrub, spy("sweep", ref.launch_index_sweep), record_accepted,
                                 build_accepted_drafts, spy("stamp", ref.launch_witness_stamp),
-                                spy("check", ref.launch_witness_check), graph_safe=False)
+                                spy("check", ref.launch_witness_check), ref.launch_first_read, graph_safe=False)
         self.manager = CanaryManager(
             config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),

@@ -52,7 +52,7 @@ def _draft_manager(steps: int = 3) -> DraftCanaryManager:
         config=config, groups=[group],
         kernels=CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub, ref.launch_index_sweep,
                               record_accepted, build_accepted_drafts, ref.launch_witness_stamp,
-                              ref.launch_witness_check, graph_safe=False),
+                              ref.launch_witness_check, ref.launch_first_read, graph_safe=False),
         req_to_token=torch.zeros(4, 32, dtype=torch.int32),
         capacities=LaunchCapacities(max_batch_size=5, max_context_len=32, verify_programs_target=1),
         batch_adapter=DraftBatchAdapter(max_batch_size=5, device=torch.device("cpu"), draft_tokens_per_request=steps + 1,

@@ -102,7 +102,7 @@ class DraftHarness:
             config=config, groups=[group],
             kernels=CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub,
                                   ref.launch_index_sweep, record_accepted, build_accepted_drafts, ref.launch_witness_stamp,
-                              ref.launch_witness_check, graph_safe=False),
+                              ref.launch_witness_check, ref.launch_first_read, graph_safe=False),
             req_to_token=self.r2t,
             capacities=LaunchCapacities(max_batch_size=ROWS + 1, max_context_len=CTX, verify_programs_target=1),
             batch_adapter=adapter(max_batch_size=ROWS + 1, device=torch.device("cpu"),

@@ -3,7 +3,9 @@
 ``select_kernels`` returns a ``CanaryKernels`` whose functions have the same
 signature in both backends:
 
-    verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, token_oracle=)
+    verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, token_oracle=,
+           defer_first_read=)
+    first_read(group, counters, ring, group_index=)   (the deferred first-read LIST: after a HiCache load-back forward)
     write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
     scrub(group, counters, ring, per_forward, group_index=)
     sweep_index(group, cached_slot_index, counters, ring, group_index=)
@@ -39,6 +41,7 @@ class CanaryKernels:
     accepted_drafts: Callable[..., None]
     witness_stamp: Callable[..., None]
     witness_check: Callable[..., None]
+    first_read: Callable[..., None]
     graph_safe: bool
 
 
@@ -59,10 +62,10 @@ def select_kernels(requested: KernelBackend, device: torch.device) -> CanaryKern
         return CanaryKernels("triton", tk.launch_verify, tk.launch_write, tk.launch_scrub,
                              index_sweep.launch_index_sweep, accept.launch_record_accepted,
                              accept.launch_accepted_drafts, witness.launch_stamp, witness.launch_check,
-                             graph_safe=True)
+                             tk.launch_first_read, graph_safe=True)
     from ..speculative import build_accepted_drafts, record_accepted
     from . import reference as ref
 
     return CanaryKernels("torch", ref.launch_verify, ref.launch_write, ref.launch_scrub, ref.launch_index_sweep,
                          record_accepted, build_accepted_drafts, ref.launch_witness_stamp, ref.launch_witness_check,
-                         graph_safe=False)
+                         ref.launch_first_read, graph_safe=False)

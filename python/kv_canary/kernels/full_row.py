@@ -177,9 +177,10 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
 def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, per_forward, tags,
                         work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
                         MODE: tl.constexpr, TRANSLATE: tl.constexpr, GROUP_BITS: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Mix ``acc[slot]`` into the FULL_HASH and zero it. TAIL: store it in the record (and clear the slot's
-    first-read tag: its full row is unverified again); SCRUB / LIST: compare it with the record's and append
+                        BLOCK: tl.constexpr, CLEAR_TAGS: tl.constexpr):
+    """Mix ``acc[slot]`` into the FULL_HASH and zero it. TAIL: store it in the record and set the slot's
+    first-read tag (``CLEAR_TAGS``: 0, its full row is unverified again, ``all``; else the new FULL_HASH, so only
+    a load-back, which zeroes the tag, lists it: HiCache); SCRUB / LIST: compare it with the record's and append
     a ``kv_hash`` ring row per mismatch (SCRUB rows: batch index = row = -2; LIST rows: the reader's)."""
     lanes = tl.arange(0, BLOCK)
     if MODE == 0:
@@ -193,9 +194,13 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
         m = m & (slot > 0) & (slot < num_slots)
         slot = tl.where(m, slot, 0)
         total = tl.load(acc + slot, mask=m, other=0)
-        tl.store(records + slot * _RW + 4, _mix64(total ^ _HASH_SEED), mask=m)
+        full = _mix64(total ^ _HASH_SEED)
+        tl.store(records + slot * _RW + 4, full, mask=m)
         tl.store(acc + slot, tl.zeros_like(total), mask=m)
-        tl.store(tags + slot, tl.zeros_like(total), mask=m)
+        if CLEAR_TAGS:
+            tl.store(tags + slot, tl.zeros_like(total), mask=m)
+        else:
+            tl.store(tags + slot, full, mask=m)
     else:
         forward_index = tl.load(counters + _C_FORWARD_INDEX)
         if MODE == 1:
@@ -291,11 +296,12 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
     row_finalize_kernel[grid](
         state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], per_forward, state.tags,
         state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        MODE=mode, TRANSLATE=group.slot_map is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=block)
+        MODE=mode, TRANSLATE=group.slot_map is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=block,
+        CLEAR_TAGS=state.clear_tags)
 
 
 def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> None:
-    """FULL_HASH of every slot the forward wrote (after the write kernel's records; clears first-read tags)."""
+    """FULL_HASH of every slot the forward wrote (after the write kernel's records; sets first-read tags)."""
     if view.batch_size:
         _launch(group, group.full_row, TAIL, counters, ring, group_index, grid0=view.batch_size,
                 lanes=view.batch_size * max(1, view.max_new_len), view=view)

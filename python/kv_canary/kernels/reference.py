@@ -86,7 +86,7 @@ def _scatter_pending(o) -> None:
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int = 1, block: int = 0,
-                  group_index: int = 0, token_oracle=None) -> None:
+                  group_index: int = 0, token_oracle=None, defer_first_read: bool = False) -> None:
     del programs_per_req, block  # grid shape is a Triton concern
     if token_oracle is not None:
         _scatter_pending(token_oracle)
@@ -124,7 +124,9 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
         if group.full_row is not None and group.full_row.first_read:
-            _verify_first_reads(group, counters, ring, raw_slot, m, rows, group_index)
+            _list_first_reads(group, raw_slot, m, rows)
+            if not defer_first_read:
+                launch_first_read(group, counters, ring, group_index)
         if group.slot_map is not None:
             counters[fp.C_SWA_VERIFIED] += m.sum()
             counters[fp.C_SWA_DIVERGENCE] += (m & (raw_slot != full_slot)).sum()
@@ -133,9 +135,10 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     counters[fp.C_CURRENT_FORWARD] = counters[fp.C_FORWARD_INDEX]
 
 
-def _verify_first_reads(group, counters, ring, raw_slot, m, rows, group_index) -> None:
-    """``all``: the full row of each read slot not verified since its write (``full_row``'s twin; no list
-    capacity: every such slot now, where the Triton kernels may leave some to the next forward)."""
+def _list_first_reads(group, raw_slot, m, rows) -> None:
+    """``all`` / HiCache: append each read slot not verified since its write (tag != FULL_HASH) to the work list
+    once, tag it verified (``full_row._list_first_reads``' twin; a slot past the capacity keeps its old tag and is
+    listed by a later forward)."""
     st = group.full_row
     ok = m & (raw_slot > 0) & (raw_slot < group.num_slots)
     bs_index = torch.arange(raw_slot.shape[0], device=raw_slot.device)[:, None].expand_as(raw_slot)
@@ -143,14 +146,31 @@ def _verify_first_reads(group, counters, ring, raw_slot, m, rows, group_index) -
     need = st.tags[slot] != group.records[slot, fp.F_FULL_HASH]
     slot, bi, row = slot[need], bi[need], row[need]
     uniq, first = _first_of_each(slot)
-    slot, bi, row = uniq, bi[first], row[first]
+    listed = int(st.work_state[0])
+    room = max(0, int(st.work.shape[0]) - listed)
+    uniq, first = uniq[:room], first[:room]
+    n = int(uniq.numel())
+    st.work[listed:listed + n] = torch.stack([uniq, bi[first].to(torch.int64), row[first]], dim=1)
+    st.work_state[0] += n
+    st.tags[uniq] = group.records[uniq, fp.F_FULL_HASH]
+
+
+def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
+    """Hash the full rows of the listed slots, compare with their FULL_HASH, empty the list."""
+    st = group.full_row
+    if st is None or not st.first_read:
+        return
+    n = int(st.work_state[0])
+    st.work_state.zero_()
+    if n == 0:
+        return
+    slot, bi, row = st.work[:n].unbind(1)
     rec = group.records[slot]
     live = _full_hash(group, slot)
-    st.tags[slot] = rec[:, fp.F_FULL_HASH]
     bad = live != rec[:, fp.F_FULL_HASH]
     _append_violations(counters, ring, bad, [
         bad.to(torch.int64) * fp.R_KV_HASH | (group_index << fp.GROUP_SHIFT), slot, rec[:, fp.F_POSITION],
-        bi.to(torch.int64), row, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
+        bi, row, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
     ])
 
 
@@ -256,7 +276,8 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         group.records[slot, : fp.F_FULL_HASH] = torch.stack([tok, fed_pos, chain, live_hash], dim=1)
         if group.full_row is not None:  # the group keeps FULL_HASH (the scrub, all)
             group.records[slot, fp.F_FULL_HASH] = _full_hash(group, slot)
-            group.full_row.tags[slot] = 0  # unverified again (``all``'s first read)
+            # ``all``: unverified again (listed at its next read); else verified (HiCache: only loaded slots)
+            group.full_row.tags[slot] = 0 if group.full_row.clear_tags else group.records[slot, fp.F_FULL_HASH]
         counters[fp.C_SLOTS_WRITTEN] += wm.sum()
     counters[fp.C_WRITE_LAUNCHES] += 1
     if bump_forward:

@@ -291,8 +291,10 @@ def _oracle_args(token_oracle, fallback):
 
 
 def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: int, block: int = 256,
-                  group_index: int = 0, token_oracle=None) -> None:
-    """token_oracle: the first group's launch only (the read tokens' chain, the pending samples)."""
+                  group_index: int = 0, token_oracle=None, defer_first_read: bool = False) -> None:
+    """token_oracle: the first group's launch only (the read tokens' chain, the pending samples).
+    defer_first_read: list the first reads but leave their hashing to ``launch_first_read`` after the forward (a
+    HiCache load-back forward: every loaded layer has landed by then)."""
     staged, next_token, next_rows, sampled, pending, row_chain = _oracle_args(token_oracle, counters)
     del staged
     verify_kernel[(view.batch_size, programs_per_req)](
@@ -304,7 +306,13 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         TRANSLATE=group.slot_map is not None, CHECK_CHAIN=group.check_chain, NSRC=few_sources(group),
         num_warps=verify_warps(group, block), FIRST_READ=_first_read(group),
     )
-    if _first_read(group):  # the listed slots' every byte, in parallel over (slot block, row)
+    if _first_read(group) and not defer_first_read:  # the listed slots' every byte, over (slot block, row)
+        full_row.launch_first_read(group, counters, ring, group_index)
+
+
+def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
+    """A deferred first-read LIST launch (``launch_verify(defer_first_read=True)`` listed the slots)."""
+    if _first_read(group):
         full_row.launch_first_read(group, counters, ring, group_index)
 
 

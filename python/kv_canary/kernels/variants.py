@@ -85,6 +85,10 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], object]
         tracker.note(("scrub", *_group_key(group), group_index, _spec(per_forward)))
         return kernels.scrub(group, counters, ring, per_forward, group_index=group_index)
 
+    def first_read(group, counters, ring, group_index=0):
+        tracker.note(("first_read", *_group_key(group), group_index))
+        return kernels.first_read(group, counters, ring, group_index=group_index)
+
     def sweep_index(group, index, counters, ring, group_index=0):
         tracker.note(("sweep_index", *_group_key(group), group_index))
         return kernels.sweep_index(group, index, counters, ring, group_index=group_index)
@@ -111,7 +115,8 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], object]
 
     return dataclasses.replace(kernels, verify=verify, write=write, scrub=scrub, sweep_index=sweep_index,
                                record_accepted=record_accepted, accepted_drafts=accepted_drafts,
-                               witness_stamp=witness_stamp, witness_check=witness_check)
+                               witness_stamp=witness_stamp, witness_check=witness_check,
+                               first_read=first_read)
 
 
 def write_block_lengths(write_block: Callable[[int], object], max_new_len: int) -> Dict[object, int]:

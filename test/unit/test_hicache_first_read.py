@@ -1,0 +1,137 @@
+"""HiCache's first-read verification of loaded slots (docs/hicache.md 3.4), Triton (interpreter on CPU) and the
+torch reference side by side: TAIL tags new slots verified (outside ``all``), a load-back copies the host
+records into new device slots and zeroes their tags, HEAD lists only those (deferred: hashed after the forward),
+and a byte of a loaded slot flipped outside the hashed window is caught by the deferred LIST, once."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
+import pytest  # noqa: E402
+
+from kv_canary import fingerprint as fp  # noqa: E402
+from kv_canary.buffer_groups import PoolLayout, build_group  # noqa: E402
+from kv_canary.config import CanaryConfig, CanaryMode, RealData  # noqa: E402
+from kv_canary.host_records import HostRecordStore  # noqa: E402
+from kv_canary.kernels import reference as ref  # noqa: E402
+from kv_canary.kernels import triton_kernels as tk  # noqa: E402
+from kv_canary.views import ForwardView  # noqa: E402
+
+SLOTS, LAYERS, N = 96, 3, 24
+BACKENDS = (tk, ref)
+
+
+def _config(real_data=RealData.PARTIAL):
+    return CanaryConfig.build(mode="raise", real_data=real_data.value, environ={}, hicache=True)
+
+
+def _group(config, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(SLOTS, 2, 8, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(LAYERS)]
+    v = [torch.randn(SLOTS, 2, 8, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(LAYERS)]
+    return build_group(PoolLayout("full", k, v), config, DEVICE)
+
+
+def _state():
+    counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=DEVICE)
+    counters[fp.C_REPORT_ENABLED] = 1
+    return counters, torch.zeros(64, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
+
+
+def _extend(slots, prefix=0):
+    n = int(slots.numel())
+    return ForwardView(
+        input_ids=torch.ones(n, dtype=torch.int64, device=DEVICE),
+        positions=torch.arange(prefix, prefix + n, device=DEVICE),
+        out_cache_loc=slots.to(DEVICE), req_pool_indices=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.tensor([prefix + n], device=DEVICE),
+        new_starts=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        new_lens=torch.tensor([n], dtype=torch.int32, device=DEVICE), batch_size=1, max_new_len=n)
+
+
+def _rows(counters, ring):
+    return sorted(tuple(ring[i].tolist()) for i in range(int(counters[fp.C_VIOLATIONS])))
+
+
+def _load_back(group, store, host_idx, new_slots, old_slots):
+    """What the adapter's load-back does (the KV bytes: what sglang's H2D copy does)."""
+    for row in group.rows:
+        row.view[new_slots] = row.view[old_slots]
+    group.records[new_slots] = store.read(host_idx).to(DEVICE)
+    group.full_row.tags[new_slots] = 0
+
+
+def test_config_turns_on_full_rows_and_first_reads_without_clearing_tags():
+    config = _config()
+    assert config.full_row_hash and config.first_read and not config.clear_tags
+    assert config.scrub_slots_per_forward == 0  # HiCache alone adds no scrub
+    assert _config(RealData.ALL).clear_tags
+    assert not CanaryConfig.build(mode="none", environ={}, hicache=True).hicache  # canary off: nothing
+    group = _group(config)
+    assert group.full_row.first_read and not group.full_row.clear_tags
+    assert "hicache=1" in config.describe()
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip):
+    config = _config()
+    groups = [_group(config, seed=1) for _ in BACKENDS]
+    states = [_state() for _ in BACKENDS]
+    old = torch.arange(1, N + 1)
+    r2t = torch.zeros(2, 64, dtype=torch.int32, device=DEVICE)
+    r2t[0, :N] = old.to(torch.int32).to(DEVICE)
+    for backend, group, (counters, ring) in zip(BACKENDS, groups, states):
+        backend.launch_write(group, _extend(old), r2t, counters, ring, True, check_fed=False)
+        assert torch.equal(group.full_row.tags[old.to(DEVICE)], group.records[old.to(DEVICE), fp.F_FULL_HASH])
+        # a read of resident slots lists nothing (TAIL tagged them verified)
+        backend.launch_verify(group, _extend(torch.tensor([N + 1]), prefix=N), r2t, counters, ring, 2, 16,
+                              defer_first_read=True)
+        assert int(group.full_row.work_state[0]) == 0
+    assert torch.equal(groups[0].records, groups[1].records)
+    # back up the first 16 slots, then load them back into other device slots; the rest stay resident
+    host_idx, loaded = torch.arange(100, 116), torch.arange(60, 76)
+    for group in groups:
+        store = HostRecordStore(128)
+        store.add_pending(host_idx, group.records[old[:16].to(DEVICE)].cpu(), None)
+        _load_back(group, store, host_idx, loaded.to(DEVICE), old[:16].to(DEVICE))
+    r2t[1, :N] = torch.cat([loaded, old[16:]]).to(torch.int32).to(DEVICE)
+    bad = int(loaded[5])
+    if flip:  # the last layer's V: outside the hashed window (layer 0's first 16 bytes)
+        for group in groups:
+            group.rows[-1].view[bad, 3] ^= 1 << 9
+    reader = _extend(torch.tensor([N + 2]), prefix=N)
+    reader.req_pool_indices.fill_(1)
+    for backend, group, (counters, ring) in zip(BACKENDS, groups, states):
+        before = int(counters[fp.C_VIOLATIONS])
+        backend.launch_verify(group, reader, r2t, counters, ring, 2, 16, defer_first_read=True)
+        assert int(counters[fp.C_VIOLATIONS]) == before  # HEAD's checks pass: nothing hashed yet
+        assert int(group.full_row.work_state[0]) == 16  # only the loaded slots
+        assert sorted(group.full_row.work[:16, 0].tolist()) == loaded.tolist()
+        backend.launch_first_read(group, counters, ring)
+        assert int(group.full_row.work_state[0]) == 0
+        got = _rows(counters, ring)
+        assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in got] == ([(bad, fp.R_KV_HASH)] if flip else [])
+        # read again: nothing listed (each loaded slot is verified once)
+        backend.launch_verify(group, reader, r2t, counters, ring, 2, 16, defer_first_read=True)
+        assert int(group.full_row.work_state[0]) == 0
+    assert _rows(*states[0]) == _rows(*states[1])
+
+
+def test_undeferred_first_read_hashes_in_head():
+    config = _config()
+    group = _group(config, seed=2)
+    counters, ring = _state()
+    slots = torch.arange(1, 9)
+    r2t = torch.zeros(1, 64, dtype=torch.int32, device=DEVICE)
+    r2t[0, :8] = slots.to(torch.int32).to(DEVICE)
+    tk.launch_write(group, _extend(slots), r2t, counters, ring, True, check_fed=False)
+    group.full_row.tags[slots[2:4].to(DEVICE)] = 0
+    group.rows[-1].view[int(slots[3]), 0] ^= 1
+    tk.launch_verify(group, _extend(torch.tensor([9]), prefix=8), r2t, counters, ring, 2, 16)
+    assert [r[fp.V_SLOT] for r in _rows(counters, ring)] == [int(slots[3])]
