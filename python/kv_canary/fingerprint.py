@@ -84,7 +84,8 @@ C_SWA_VERIFIED = 10  # slots verified by windowed groups (the rest of C_SLOTS_VE
 C_SWA_DIVERGENCE = 11  # of those, entries whose group slot differs from the engine (full) slot
 C_SWA_OUT_OF_WINDOW = 12  # prefix positions a windowed group did not verify (outside its window)
 C_SLOTS_WITNESSED = 13  # new slots whose every K/V row the write witness checked in TAIL
-NUM_COUNTERS = 14
+C_SLOTS_FIRST_READ = 14  # read slots whose every K/V byte a first read checked (all; HiCache: loaded slots)
+NUM_COUNTERS = 15
 
 # Violation ring rows (int64[capacity, RING_WIDTH]).
 V_REASON, V_SLOT, V_POSITION, V_BATCH_INDEX, V_ROW, V_STORED, V_EXPECTED, V_FORWARD = range(8)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from .. import fingerprint as fp
 from .slot_checks import (  # noqa: F401 - read as Triton globals
-    _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_SCRUBBED, _HASH_SEED, _R_KV_HASH, _RW,
+    _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_FIRST_READ, _C_SLOTS_SCRUBBED, _HASH_SEED, _R_KV_HASH, _RW,
     _append_violations, _mix64, _translate,
 )
 
@@ -233,6 +233,7 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
         if MODE == 1:
             tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
         else:  # the last program to finish empties the list (every program has read its length by then)
+            tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
             ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
             if ticket == tl.num_programs(0) - 1:
                 tl.store(work_state, 0)

@@ -172,6 +172,7 @@ def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
         bad.to(torch.int64) * fp.R_KV_HASH | (group_index << fp.GROUP_SHIFT), slot, rec[:, fp.F_POSITION],
         bi, row, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
     ])
+    counters[fp.C_SLOTS_FIRST_READ] += n
 
 
 def _first_of_each(values: torch.Tensor):

@@ -50,6 +50,7 @@ from ..violations import READY_PREFIX, format_line
 from .arrivals import Arrivals
 from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
 from .deferred_writes import DeferredWrites
+from .host_copies import HostCopies
 from .reporting import RID_HISTORY, Reporting
 from .single_forward import SingleForwardManager
 
@@ -77,13 +78,13 @@ class BatchAdapter(Protocol):
     def host_batch(self, forward_batch: object) -> Optional[HostBatch]: ...
 
 
-class CanaryManager(Arrivals, DeferredWrites, Reporting):
+class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     """The canary's outer step: brackets each forward, counts it, polls the device's counter copies.
 
     Device state: ``counters`` int64[NUM_COUNTERS] and ``ring`` int64[ring_capacity, RING_WIDTH] (violation rows),
     shared with every ``SingleForwardManager``; ``req_to_token`` is the engine's int[rows, max_context_len] table.
-    Mixins: ``Arrivals`` (PD transfer), ``DeferredWrites`` (speculative verifies), ``Reporting`` (violations,
-    health check, stats).
+    Mixins: ``Arrivals`` (PD transfer), ``DeferredWrites`` (speculative verifies), ``HostCopies`` (HiCache's
+    backups and load-backs), ``Reporting`` (violations, health check, stats).
     """
 
     def __init__(
@@ -140,6 +141,7 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
         self._init_arrivals()
         self._init_deferred_writes()
+        self._init_host_copies()
         self._init_reporting()
         self._reset_host_state()
 
@@ -277,6 +279,9 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
                     out=self._accepted, staged=self._accepted_staged, req_to_token=self._req_to_token,
                     rows=z64[:1], committed=z64[:1], kept_nodes=z32[:1], kept=1, batch_size=1, n=2,
                     fed_tokens=z64, fed_positions=z64, appended=z32[:1])
+            for group_index, group in enumerate(self.groups):  # a load-back forward's deferred first reads
+                if group.full_row is not None and group.full_row.first_read:
+                    self.kernels.first_read(group, self.counters, self.ring, group_index=group_index)
             if self.cache_index is not None:  # empty: nothing held, nothing checked
                 for group_index, group in enumerate(self.groups):
                     self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
@@ -333,6 +338,8 @@ class CanaryManager(Arrivals, DeferredWrites, Reporting):
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
             return
+        if self.host_records is not None:
+            self._check_load_consumed()
         if self.perturb.active:
             self.perturb.perturb_post_forward(forward_index=self.forwards,
                                               written=lambda: self._adapter.written_slots(fb))

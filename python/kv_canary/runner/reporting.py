@@ -252,6 +252,7 @@ class Reporting:
                 "slots_swept": values[fp.C_SLOTS_SWEPT],
                 "slots_scrubbed": values[fp.C_SLOTS_SCRUBBED],
                 "slots_witnessed": values[fp.C_SLOTS_WITNESSED],
+                **({"slots_first_read": values[fp.C_SLOTS_FIRST_READ]} if self.config.first_read else {}),
                 **({"slots_verified_swa": values[fp.C_SWA_VERIFIED]} if self._windowed else {}),
                 "violations": values[fp.C_VIOLATIONS],
                 "violations_repeated": self.violations_repeated,
@@ -259,5 +260,6 @@ class Reporting:
                 "perturbations": self.perturb.injection_count,
                 "contained_requests": self.contained_requests,
                 **(self.transfer.stats() if self.transfer is not None else {}),
+                **(self.host_copies_stats() if self.host_records is not None else {}),
             },
         )

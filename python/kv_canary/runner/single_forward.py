@@ -63,13 +63,28 @@ class SingleForwardManager:
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
         self._witness = write_witness  # stamp the slots to fill in HEAD, require every stamp gone in TAIL
+        self._load_wait: Optional[Callable[[], None]] = None  # a HiCache load the next forward consumes
+        self._defer_full_rows = False  # this forward's scrub and first-read hashing run after its TAIL
+
+    def expect_load(self, wait: Optional[Callable[[], None]]) -> None:
+        """The next forward consumes a HiCache load: HEAD calls ``wait`` first (the forward stream waits for the
+        loaded records and hashed layers), and the whole-row hashing (scrub, first reads) moves after TAIL."""
+        self._load_wait = wait
+
+    @property
+    def load_pending(self) -> bool:
+        return self._load_wait is not None
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads."""
         if view.batch_size == 0:
             return
         self._capacities.check(view)
-        if self._scrub:
+        wait, self._load_wait = self._load_wait, None
+        if wait is not None:
+            wait()
+        self._defer_full_rows = wait is not None
+        if self._scrub and not self._defer_full_rows:
             for group_index, group in enumerate(self._groups):
                 self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
@@ -77,6 +92,7 @@ class SingleForwardManager:
             self._kernels.verify(
                 group, view, self._req_to_token, self._counters, self._ring, programs, VERIFY_BLOCK,
                 group_index=group_index, token_oracle=self._oracle if group_index == 0 else None,
+                defer_first_read=self._defer_full_rows,
             )
         if self._witness:  # last: the scrub and the verify above read the slots' old bytes
             for group_index, group in enumerate(self._groups):
@@ -93,7 +109,16 @@ class SingleForwardManager:
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_check(group, view, self._counters, self._ring, group_index=group_index)
         self._write(view, bump_forward=True)
+        if self._defer_full_rows:  # a load-back forward: every loaded layer has landed now
+            self._defer_full_rows = False
+            self._full_rows_after_forward()
         self._on_tail()
+
+    def _full_rows_after_forward(self) -> None:
+        for group_index, group in enumerate(self._groups):
+            if self._scrub:
+                self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
+            self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
 
     def deferred_post_ops(self, view: ForwardView) -> None:
         """A TAIL deferred past its forward (a speculative tree verify's kept drafts): the same write launches,

@@ -1,0 +1,111 @@
+"""HiCache: the records of slots a hierarchical cache copies to host memory and loads back (docs/hicache.md 3.2-3.3).
+
+The engine wiring tells the manager three things, with plain tensors:
+
+* ``backup_records(device_idx, host_idx, stream)``: the engine is about to copy these device slots' K/V to those
+  host slots on ``stream``; their records follow on the same stream, ahead of the K/V copy, so the engine's own
+  completion event covers them (``HostRecordStore.add_pending``; settled after the engine's write ack);
+* ``load_records(host_idx, device_idx)``: the engine loads those host copies into *new* device slots; their host
+  records are written at the new indices and their first-read tag is zeroed, so the next read lists them and
+  hashes every byte once (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written;
+* ``load_in_flight(wait_until_layer)``: the next forward consumes a load; its HEAD first waits for the records and
+  for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one layer), and its
+  first-read hashing moves after the forward (every layer has landed by then).
+
+One buffer group (the gate refuses more). Loads arrive with extend batches only, which run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ..host_records import HostRecordStore
+from .brackets import CanaryBracketError
+
+
+class HostCopies:
+    """``CanaryManager`` mixin: the host record store and the load-back hand-over to the next forward."""
+
+    def _init_host_copies(self) -> None:
+        self.host_records: Optional[HostRecordStore] = None
+        self._load_stream = None  # CUDA: the side stream the records of a load are copied on
+        self._load_event = None  # CUDA: marks the last load's records landed
+
+    def attach_host_records(self, store: HostRecordStore) -> None:
+        if len(self.groups) != 1:
+            raise ValueError("kv-canary: host copies of more than one buffer group are not verified")
+        self.host_records = store
+        if self.counters.device.type == "cuda":
+            self._load_stream = torch.cuda.Stream(device=self.counters.device)
+
+    def backup_records(self, device_idx: torch.Tensor, host_idx: torch.Tensor, stream=None) -> None:
+        """Stage the records of ``device_idx`` (int[n], device) for ``host_idx`` (int[n]) on ``stream`` (the
+        engine's device->host copy stream; None: the current one), before the engine's K/V copy is queued there."""
+        store = self.host_records
+        if store is None or device_idx.numel() == 0:
+            return
+        records = self.groups[0].records
+        if records.device.type != "cuda":
+            store.add_pending(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)), None)
+            return
+        stream = stream or torch.cuda.current_stream(records.device)
+        stream.wait_stream(torch.cuda.current_stream(records.device))  # after the TAIL that wrote them
+        with torch.cuda.stream(stream):
+            rows = records.index_select(0, device_idx.to(records.device, torch.int64))
+            stage = store.new_stage(int(device_idx.numel()))
+            stage.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        store.add_pending(host_idx, stage, event)
+
+    def settle_host_records(self) -> None:
+        """After the engine's write ack: land the staged records whose copies are done (no wait)."""
+        if self.host_records is not None:
+            self.host_records.settle_ready()
+
+    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
+        """The engine loads host copies ``host_idx`` into new device slots ``device_idx`` (int[n] each)."""
+        store = self.host_records
+        if store is None or device_idx.numel() == 0:
+            return
+        group = self.groups[0]
+        rows = store.read(host_idx)  # settles them first (normally done at the write ack)
+        dev = device_idx.to(group.records.device, torch.int64)
+        if self._load_stream is None:
+            group.records.index_copy_(0, dev, rows.to(group.records.device))
+            group.full_row.tags[dev] = 0
+            return
+        self._load_stream.wait_stream(torch.cuda.current_stream(group.records.device))
+        with torch.cuda.stream(self._load_stream):
+            group.records.index_copy_(0, dev, rows.to(group.records.device, non_blocking=True))
+            group.full_row.tags[dev] = 0
+            dev.record_stream(self._load_stream)
+        self._load_event = torch.cuda.Event()
+        self._load_event.record(self._load_stream)
+
+    def load_in_flight(self, wait_until_layer: Callable[[int], None]) -> None:
+        """The next forward consumes a load: its HEAD waits for it, its full-row hashing runs after it."""
+        layer = max(self.config.kv_hash_layers)
+        event, self._load_event = self._load_event, None
+
+        def wait() -> None:
+            if event is not None:
+                torch.cuda.current_stream(self.counters.device).wait_event(event)
+            wait_until_layer(layer)
+
+        self.single_forward_managers[0].expect_load(wait)
+
+    def _check_load_consumed(self) -> None:
+        """After a forward: a load handed over but not consumed ran in a replayed graph (never expected)."""
+        for sfm in self.single_forward_managers:
+            if sfm.load_pending:
+                sfm.expect_load(None)
+                raise CanaryBracketError("kv-canary: a HiCache load-back was consumed by a forward that did not "
+                                         "run the canary's HEAD (a CUDA-graph replay?): its slots went unverified")
+
+    def host_copies_stats(self) -> Dict[str, int]:
+        s = self.host_records.stats
+        return {"hicache_backups": s.backups, "hicache_slots_backed_up": s.slots_backed_up,
+                "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded}

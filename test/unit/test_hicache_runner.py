@@ -1,0 +1,115 @@
+"""The runner's HiCache hand-over (runner/host_copies.py + SingleForwardManager): records backed up with the
+slots' K/V, loaded back into new device slots with their tags zeroed; the forward that consumes the load waits
+first (HEAD, before any launch) and hashes the loaded slots' full rows after its TAIL; a load no HEAD consumed
+is an error. Torch reference kernels on CPU, a fake wait callable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_canary import fingerprint as fp
+from kv_canary.buffer_groups import PoolLayout, build_group
+from kv_canary.config import CanaryConfig
+from kv_canary.host_records import HostRecordStore
+from kv_canary.kernels import select_kernels
+from kv_canary.config import KernelBackend
+from kv_canary.runner.brackets import CanaryBracketError
+from kv_canary.runner.host_copies import HostCopies
+from kv_canary.runner.single_forward import SingleForwardManager
+from kv_canary.views import ForwardView, LaunchCapacities
+
+SLOTS, CTX = 64, 48
+
+
+class Manager(HostCopies):
+    """What ``HostCopies`` reads of a ``CanaryManager``, around one single-forward manager."""
+
+    def __init__(self, events):
+        self.config = CanaryConfig.build(mode="raise", environ={}, hicache=True)
+        g = torch.Generator().manual_seed(0)
+        self.k = [torch.randn(SLOTS, 2, 4, generator=g) for _ in range(2)]
+        self.v = [torch.randn(SLOTS, 2, 4, generator=g) for _ in range(2)]
+        self.groups = [build_group(PoolLayout("full", self.k, self.v), self.config, torch.device("cpu"))]
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64)
+        self.counters[fp.C_REPORT_ENABLED] = 1
+        self.ring = torch.zeros(16, fp.RING_WIDTH, dtype=torch.int64)
+        ref = select_kernels(KernelBackend.TORCH, torch.device("cpu"))
+
+        def spy(name, fn):
+            def wrapped(*a, **kw):
+                events.append((name, kw.get("defer_first_read")) if name == "verify" else name)
+                return fn(*a, **kw)
+            return wrapped
+
+        import dataclasses
+        kernels = dataclasses.replace(ref, verify=spy("verify", ref.verify), write=spy("write", ref.write),
+                                      first_read=spy("first_read", ref.first_read))
+        self.r2t = torch.zeros(4, CTX, dtype=torch.int32)
+        self.single_forward_managers = [SingleForwardManager(
+            index=0, groups=self.groups, kernels=kernels, req_to_token=self.r2t, counters=self.counters,
+            ring=self.ring, capacities=LaunchCapacities(max_batch_size=4, max_context_len=CTX, verify_programs_target=1),
+            on_tail=lambda: None, check_fed=False, write_witness=False)]
+        self._init_host_copies()
+        self.attach_host_records(HostRecordStore(128))
+
+    def forward(self, row, slots, prefix):
+        """One extend forward of request ``row``: reads [0, prefix), writes ``slots`` at prefix..."""
+        n = int(slots.numel())
+        self.r2t[row, prefix:prefix + n] = slots.to(torch.int32)
+        view = ForwardView(
+            input_ids=torch.ones(n, dtype=torch.int64), positions=torch.arange(prefix, prefix + n),
+            out_cache_loc=slots, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([prefix + n]),
+            new_starts=torch.zeros(1, dtype=torch.int32), new_lens=torch.tensor([n], dtype=torch.int32),
+            batch_size=1, max_new_len=n)
+        sfm = self.single_forward_managers[0]
+        sfm.pre_ops_maybe_inside_graph(view)
+        for layer in range(2):  # "attention" writes the new slots' K/V
+            self.k[layer][slots] = float(prefix + 1)
+            self.v[layer][slots] = -float(prefix + 1)
+        sfm.post_ops_maybe_inside_graph(view)
+
+    def violations(self):
+        return [tuple(self.ring[i].tolist()) for i in range(int(self.counters[fp.C_VIOLATIONS]))]
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_tail(flip):
+    events = []
+    m = Manager(events)
+    old = torch.arange(1, 17)
+    m.forward(0, old, 0)
+    assert events == [("verify", False), "write"]  # no load: nothing deferred, no first-read launch
+    m.backup_records(old, torch.arange(32, 48))
+    m.settle_host_records()
+    new = torch.arange(40, 56)  # the engine evicts the device copy and loads it back into other slots
+    for buf in (*m.k, *m.v):
+        buf[new] = buf[old]
+    m.load_records(torch.arange(32, 48), new)
+    assert torch.equal(m.groups[0].records[new], m.groups[0].records[old])
+    assert m.groups[0].full_row.tags[new].abs().sum() == 0
+    if flip:
+        m.v[1][int(new[9]), 1, 3] += 1.0  # outside the hashed window (layer 0's first 16 bytes of K and V)
+    waited = []
+    m.load_in_flight(lambda layer: (waited.append(layer), events.append("wait")))
+    events.clear()
+    m.r2t[1, :16] = new.to(torch.int32)
+    m.forward(1, torch.tensor([60]), 16)
+    assert waited == [0]
+    assert events == ["wait", ("verify", True), "write", "first_read"]
+    assert int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
+    assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in m.violations()] == (
+        [(int(new[9]), fp.R_KV_HASH)] if flip else [])
+    assert m.host_copies_stats() == {"hicache_backups": 1, "hicache_slots_backed_up": 16, "hicache_loads": 1,
+                                     "hicache_slots_loaded": 16}
+    events.clear()
+    m.forward(1, torch.tensor([61]), 17)  # the next forward: no wait, nothing deferred, nothing listed
+    assert events == [("verify", False), "write"] and int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
+
+
+def test_a_load_no_head_consumed_is_an_error():
+    m = Manager([])
+    m.load_in_flight(lambda layer: None)
+    with pytest.raises(CanaryBracketError, match="load-back"):
+        m._check_load_consumed()
+    m._check_load_consumed()  # reported once
