@@ -19,6 +19,7 @@ import torch
 
 from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.disagg import check_disaggregation
+from .adapter.hicache import check_hicache
 from .adapter.lines import current_line
 from .adapter.facts import SglangFacts, SpecFacts, max_prefill_tokens, read_facts
 from .adapter.pools import register_sglang_pools
@@ -47,6 +48,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
         hicache=bool(getattr(server_args, "enable_hierarchical_cache", False)),
     )
     check_disaggregation(server_args, config, environ)  # PD: what the canary verifies, the rest refused
+    check_hicache(server_args, config)  # HiCache: likewise
     return config
 
 

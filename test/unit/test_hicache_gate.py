@@ -1,0 +1,65 @@
+"""The HiCache startup gate (adapter/hicache.check_hicache): the verified combination passes, every other one
+is refused naming the flag and its value."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kv_canary.adapter.hicache import check_hicache, check_hicache_pool
+from kv_canary.config import CanaryConfig, CanaryConfigError
+
+
+def _args(**kw):
+    base = dict(enable_hierarchical_cache=True, hicache_storage_backend=None, device="cpu", page_size=1,
+                hicache_write_policy="write_through", hicache_mem_layout="layer_first", tp_size=1,
+                speculative_algorithm=None, disaggregation_mode="null", kv_canary_sweep_interval=0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def _config(mode="raise", real_data="partial", sweep=0):
+    return CanaryConfig.build(mode=mode, real_data=real_data, sweep_interval=sweep, environ={}, hicache=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
+                                {"hicache_write_policy": "write_through_selective"}, {"page_size": None}])
+def test_verified_combinations_pass(kw):
+    check_hicache(_args(**kw), _config(), line="0.5.12")
+    check_hicache(_args(**kw), _config("log"), line="0.5.12")
+
+
+@pytest.mark.parametrize("kw,line,config,needle", [
+    ({}, "0.5.23", {}, "sglang 0.5.23"),
+    ({"hicache_storage_backend": "file"}, "0.5.12", {}, "--hicache-storage-backend file"),
+    ({"device": "cuda"}, "0.5.12", {}, "--device cuda"),
+    ({"page_size": 64}, "0.5.12", {}, "--page-size 64"),
+    ({"hicache_mem_layout": "page_first"}, "0.5.12", {}, "--hicache-mem-layout page_first"),
+    ({"tp_size": 2}, "0.5.12", {}, "--tp-size 2"),
+    ({"speculative_algorithm": "EAGLE"}, "0.5.12", {}, "--speculative-algorithm EAGLE"),
+    ({"disaggregation_mode": "decode"}, "0.5.12", {}, "--disaggregation-mode decode"),
+    ({"kv_canary_sweep_interval": 8}, "0.5.12", {"sweep": 8}, "--kv-canary-sweep-interval 8"),
+    ({}, "0.5.12", {"mode": "contain"}, "--kv-canary contain"),
+    ({}, "0.5.12", {"real_data": "all"}, "--kv-canary-real-data all"),
+])
+def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, needle):
+    with pytest.raises(CanaryConfigError) as e:
+        check_hicache(_args(**kw), _config(**config), line=line)
+    msg = str(e.value)
+    assert needle in msg and "--enable-hierarchical-cache" in msg and "--kv-canary none" in msg
+
+
+def test_storage_without_hicache_is_refused_and_canary_off_is_never_checked():
+    with pytest.raises(CanaryConfigError, match="--hicache-storage-backend file"):
+        check_hicache(_args(enable_hierarchical_cache=False, hicache_storage_backend="file"), _config(),
+                      line="0.5.12")
+    check_hicache(_args(enable_hierarchical_cache=False), _config(), line="0.5.12")
+    check_hicache(_args(device="cuda", tp_size=4), CanaryConfig.build(mode="none", environ={}), line="0.5.23")
+
+
+def test_pool_gate():
+    check_hicache_pool("MHATokenToKVPool", ["full"])
+    for pool, groups in (("MLATokenToKVPool", ["full"]), ("SWAKVPool", ["full", "swa"])):
+        with pytest.raises(CanaryConfigError, match=pool):
+            check_hicache_pool(pool, groups)
