@@ -38,6 +38,13 @@ ONLY_ON_LINE = {
             "registered/kv_canary/test_e2e_speculative_v1.py", "registered/kv_canary/test_refused_configs.py",
         ),
     },
+    "0.5.12 (HiCache)": {
+        "why": "HiCache is verified on sglang 0.5.12 only (adapter/hicache.VERIFIED_LINES; other lines refuse "
+               "--enable-hierarchical-cache at startup): 0.5.23's UnifiedRadixCache / HybridCacheController hooks "
+               "and its CPU shim are not written yet (docs/hicache.md)",
+        "line": "0.5.12",
+        "files": ("registered/kv_canary/test_e2e_hicache.py",),
+    },
     "0.5.23": {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
         "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py"),

@@ -1,0 +1,83 @@
+"""HiCache (``--enable-hierarchical-cache``, sglang 0.5.12): prefixes evicted from the device to the host tier
+and loaded back into new device slots are verified by the canary, every byte once at their first read.
+
+On CPU sglang's host pool and transfer ops run through the test shim (``kv_canary_testing.hicache_cpu``,
+``KVC_TEST_HICACHE_CPU=1``); everything else is sglang's own code. Workload: 12 conversations, each a
+distinct ~300-token system prompt and 3 turns, sent one request at a time round-robin, so each prefix leaves
+the device pool (12 x 300 > 1024 tokens) but stays on the host (ratio 8), and the next turn loads it back.
+Load-backs are proven by sglang's own counters (``sglang:load_back_tokens_total``, ``sglang:evicted_tokens_total``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import requests
+
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
+from kv_canary_testing.model_dir import NUM_WORDS
+from kv_canary_testing.workload import RequestSpec, run_requests
+
+register_cpu_ci(est_time=300, suite="kv-canary-cpu")
+register_cuda_ci(est_time=300, suite="kv-canary-cuda")
+
+CONVERSATIONS, TURNS, SYSTEM_WORDS, TURN_WORDS = 12, 3, 300, 12
+MAX_TOTAL_TOKENS = 1024
+
+
+def hicache_args(page_size: int = 1, policy: str = "write_through"):
+    return ["--enable-hierarchical-cache", "--hicache-ratio", "8", "--hicache-write-policy", policy,
+            "--page-size", str(page_size), "--enable-metrics"]
+
+
+def conversations(seed: int = 24):
+    """Turn t of every conversation, then turn t + 1 of every one: each prefix is evicted before its next turn."""
+    rng = random.Random(seed)
+    systems = [tuple(rng.randrange(NUM_WORDS) for _ in range(SYSTEM_WORDS)) for _ in range(CONVERSATIONS)]
+    turns = [[tuple(rng.randrange(NUM_WORDS) for _ in range(TURN_WORDS)) for _ in range(TURNS)]
+             for _ in range(CONVERSATIONS)]
+    specs = []
+    for t in range(TURNS):
+        for c in range(CONVERSATIONS):
+            words = systems[c] + sum(turns[c][: t + 1], ())
+            specs.append(RequestSpec(len(specs), "shared", words, 4))
+    return specs
+
+
+def sglang_counter(base_url: str, name: str) -> float:
+    """The sum of a Prometheus counter over its labels, from sglang's /metrics."""
+    session = requests.Session()
+    session.trust_env = False
+    text = session.get(f"{base_url}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def serve(mode: str, tmp_path, *, extra_args=(), env=None):
+    """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log."""
+    srv = canary_server(mode, log_path=tmp_path / "server.log", extra_args=[*hicache_args(), *extra_args],
+                        env={SHIM_ENV: "1", **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
+    srv.start(timeout=600)
+    try:
+        result = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        counters = {name: sglang_counter(srv.base_url, name)
+                    for name in ("sglang:load_back_tokens_total", "sglang:evicted_tokens_total")}
+        log = CanaryLog.read_settled(srv) if mode != "none" else CanaryLog.read(srv)
+        running = srv.is_running()
+    finally:
+        srv.stop()
+    return result, counters, log, running, srv
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
+def test_hicache_serves_on_cpu_with_the_canary_off(tmp_path):
+    """The shim's proof: sglang evicts to the host and loads back, the canary off."""
+    result, counters, log, running, srv = serve("none", tmp_path)
+    print(f"kv_canary_e2e_hicache mode=none {result.summary()} {counters}")
+    assert running and result.failed == 0, "\n".join(result.errors[:5]) + srv.log_tail()
+    assert counters["sglang:evicted_tokens_total"] > 0, "nothing left the device"
+    assert counters["sglang:load_back_tokens_total"] > 0, "nothing was loaded back from the host"
+    assert "kv_canary_installed=1" not in log.text
