@@ -81,6 +81,10 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     register_sglang_pools()
     groups = attach_canary_buffers(facts.pool, config, facts.device, facts.pool_context)
     check_groups_supported(config, groups, facts.pool_name, facts.pd_mode)
+    if config.hicache:
+        from .adapter.hicache import check_hicache_pool
+
+        check_hicache_pool(facts.pool_name, [g.name for g in groups])
     capacities = compute_capacities(facts)
     kernels = select_kernels(config.kernel_backend, facts.device)
     if facts.device.type == "cuda" and not kernels.graph_safe and facts.cuda_graphs:

@@ -105,7 +105,8 @@ def check_hooks_applied(server_args=None) -> None:
     line = current_line()
     patched = getattr(HookRegistry, "_patched", None)
     required = line.required_hooks(pd=disaggregation_mode(server_args) in ("prefill", "decode"),
-                                   spec=bool(getattr(server_args, "speculative_algorithm", None)))
+                                   spec=bool(getattr(server_args, "speculative_algorithm", None)),
+                                   hicache=bool(getattr(server_args, "enable_hierarchical_cache", False)))
     missing = sorted(t for t in required if patched is None or t not in patched)
     if missing:
         raise CanaryConfigError(

@@ -83,3 +83,111 @@ def check_hicache_pool(pool_name: str, group_names: Sequence[str]) -> None:
         _refuse(f"the KV pool {pool_name} (groups: {', '.join(group_names)})",
                 f"host copies are verified for {', '.join(VERIFIED_POOLS)} (one buffer group) only",
                 f"drop {FLAG}")
+
+
+# ---------------------------------------------------------------- attach (scheduler init) and the hooks
+# Hook bodies read sglang by attribute; the core (host_records, runner/host_copies) sees tensors and callables.
+# The manager is kept on the objects whose methods are hooked: the cache controller, its host pool, the tree.
+
+
+def attach_hicache(scheduler, manager) -> None:
+    """After ``Scheduler.__init__``: a host record store beside the tree's host pool; the install log line."""
+    import logging
+
+    import torch
+
+    from ..host_records import HostRecordStore
+    from ..memory import host_record_bytes
+    from ..violations import format_line
+
+    tree = getattr(scheduler, "tree_cache", None)
+    controller = getattr(tree, "cache_controller", None)
+    host = getattr(controller, "mem_pool_host", None)
+    if host is None:
+        raise CanaryConfigError(f"{FLAG} is on but the prefix cache {type(tree).__name__} has no host pool; run "
+                                f"this server with {FLAG_MODE} none")
+    if type(host).__name__ != "MHATokenToKVPoolHost" or getattr(controller, "has_draft", False):
+        _refuse(f"the host pool {type(host).__name__}", "host copies are verified for MHATokenToKVPoolHost "
+                "(no draft pool) only", f"drop {FLAG}")
+    if host.layout not in VERIFIED_LAYOUTS:
+        _refuse(f"--hicache-mem-layout {host.layout}", "only the layer_first host layout was run",
+                "use --hicache-mem-layout layer_first")
+    store = HostRecordStore(int(host.size), pin=manager.counters.device.type == "cuda")
+    manager.attach_host_records(store)
+    for obj in (controller, host, tree):
+        obj.kv_canary_manager = manager
+    host_bytes = int(host.kv_buffer.numel() * host.kv_buffer.element_size())
+    record_bytes = host_record_bytes(int(host.size))
+    args = scheduler.server_args
+    logging.getLogger("kv_canary").info(format_line("kv_canary_hicache", 1, {
+        "host_slots": int(host.size), "host_pool_bytes": host_bytes, "host_record_bytes": record_bytes,
+        "host_record_pct_of_host_pool": f"{100.0 * record_bytes / max(1, host_bytes):.3f}", "layout": host.layout,
+        "write_policy": getattr(args, "hicache_write_policy", "?"), "storage": "none",
+        "pinned": int(store.records.is_pinned()) if torch.cuda.is_available() else 0}))
+
+
+def _manager(obj):
+    return getattr(obj, "kv_canary_manager", None)
+
+
+def _queued(queue):
+    """(host indices, device indices) of a controller's queued ``CacheOperation``s, concatenated (None if empty)."""
+    import torch
+
+    if not queue:
+        return None
+    host = torch.cat([op.host_indices.reshape(-1) for op in queue])
+    device = torch.cat([op.device_indices.reshape(-1) for op in queue])
+    return host, device
+
+
+def around_start_writing(original, controller, *args, **kwargs):
+    """Backup: the records of the queued device slots go to their host slots on sglang's D2H stream, queued there
+    before sglang's K/V copy, so sglang's finish event covers both."""
+    manager = _manager(controller)
+    ops = _queued(controller.write_queue) if manager is not None else None
+    if ops is not None:
+        host_idx, device_idx = ops
+        stream = controller.write_stream if device_idx.is_cuda else None
+        manager.backup_records(device_idx, host_idx, stream)
+    return original(controller, *args, **kwargs)
+
+
+def around_start_loading(original, controller, *args, **kwargs):
+    """Load-back: after sglang queued the K/V copy into new device slots, their records follow from the host
+    store and their first-read tags are zeroed (the consumer forward hashes every byte once)."""
+    manager = _manager(controller)
+    ops = _queued(controller.load_queue) if manager is not None else None
+    producer_id = original(controller, *args, **kwargs)
+    if ops is not None and producer_id is not None and producer_id >= 0:
+        host_idx, device_idx = ops
+        manager.load_records(host_idx, device_idx)
+    return producer_id
+
+
+def after_writing_check(_result, tree, *args, **kwargs) -> None:
+    """sglang processed its write acks: land the backed-up records whose copies are done."""
+    manager = _manager(tree)
+    if manager is not None:
+        manager.settle_host_records()
+
+
+def after_host_alloc(result, host_pool, *args, **kwargs) -> None:
+    manager = _manager(host_pool)
+    if manager is not None and result is not None:
+        manager.host_records.alloc(result)
+
+
+def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:
+    manager = _manager(host_pool)
+    if manager is not None:
+        manager.host_records.free(indices)
+
+
+def note_load_consumer(manager, model_runner) -> None:
+    """Before a forward: if it consumes a HiCache load (sglang set the layer counter's consumer), hand the load
+    over (its HEAD waits for the hashed layers; its full-row hashing runs after it)."""
+    pool = getattr(model_runner, "token_to_kv_pool", None)
+    counter = getattr(pool, "layer_transfer_counter", None)
+    if counter is not None and counter.consumer_index >= 0:
+        manager.load_in_flight(counter.wait_until)

@@ -90,6 +90,10 @@ def around_forward(original, model_runner, forward_batch, *args, **kwargs):
 
             return route_draft_runner_forward(original, model_runner, forward_batch, *args, **kwargs)
         return original(model_runner, forward_batch, *args, **kwargs)
+    if manager.host_records is not None:  # HiCache: does this forward consume a load-back?
+        from .hicache import note_load_consumer
+
+        note_load_consumer(manager, model_runner)
     with manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=forward_batch):
         with manager.with_active_single_forward_manager(0):
             return original(model_runner, forward_batch, *args, **kwargs)
@@ -136,6 +140,10 @@ def attach_to_scheduler(scheduler, manager, *, metrics_enabled: bool) -> None:
     if manager.config.mode is CanaryMode.CONTAIN:
         scheduler.kv_canary_containment = current_line().containment(scheduler, manager)
         manager.attach_containment(scheduler.kv_canary_containment)
+    if manager.config.hicache:  # records follow the KV to the host tier (adapter/hicache)
+        from .hicache import attach_hicache
+
+        attach_hicache(scheduler, manager)
     tree = getattr(scheduler, "tree_cache", None)
     view = current_line().prefix_cache_view(tree, manager)
     if view is not None:

@@ -42,7 +42,8 @@ class SglangLine:
     """One sglang release line.
 
     ``hooks`` are required whenever the canary is on; ``pd_hooks`` with
-    ``--disaggregation-mode prefill|decode``; ``spec_hooks`` with ``--speculative-algorithm``.
+    ``--disaggregation-mode prefill|decode``; ``spec_hooks`` with ``--speculative-algorithm``; ``hicache_hooks``
+    with ``--enable-hierarchical-cache`` (adapter/hicache).
     ``unported(server_args)`` names the first setting this line's adapter does not verify yet
     ('' if none): refused at startup, naming the flag. ``in_tree_canary``: the release ships
     sglang's own kv_canary (the plugin takes its place, ``SGLANG_KV_CANARY_IMPL`` chooses).
@@ -54,6 +55,7 @@ class SglangLine:
     hooks: HookTable
     pd_hooks: HookTable = field(default_factory=dict)
     spec_hooks: HookTable = field(default_factory=dict)
+    hicache_hooks: HookTable = field(default_factory=dict)
     in_tree_canary: bool = False
     flags_declared_by_sglang: bool = False
     policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
@@ -72,8 +74,9 @@ class SglangLine:
     # kept drafts: 0.5.12's EAGLEWorker); False where the line has no spec v1 (0.5.23: EAGLEWorkerV2 only)
     spec_v1: Callable[[Any], bool] = _no_spec_v1
 
-    def required_hooks(self, *, pd: bool, spec: bool) -> HookTable:
-        return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {})}
+    def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
+        return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),
+                **(self.hicache_hooks if hicache else {})}
 
     def all_hooks(self) -> HookTable:
-        return {**self.hooks, **self.pd_hooks, **self.spec_hooks}
+        return {**self.hooks, **self.pd_hooks, **self.spec_hooks, **self.hicache_hooks}

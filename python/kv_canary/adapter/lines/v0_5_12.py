@@ -3,7 +3,7 @@
 ``ModelRunner.forward`` gets the outside bracket, ``CudaGraphRunner.capture_one_batch_size``
 records HEAD/TAIL into the graphs, ``ModelRunner.init_memory_pool`` installs the canary, and
 the radix-cache flavours (``RadixCache``, ``SWARadixCache``, ``MambaRadixCache``) report their
-changes to the sweep's index. PD (mooncake) and speculative decoding (EAGLE spec v1/v2) have
+changes to the sweep's index. PD (mooncake), speculative decoding (EAGLE spec v1/v2) and HiCache have
 their own tables, required with their flags.
 """
 
@@ -91,6 +91,18 @@ SPEC_HOOKS: HookTable = {
         "draft.around_draft_extend_graph_replay", "around"),
 }
 
+# HiCache (adapter/hicache): records follow the KV to the host pool and back; required with
+# --enable-hierarchical-cache only
+HICACHE_HOOKS: HookTable = {
+    "sglang.srt.managers.cache_controller.HiCacheController.start_writing": ("hicache.around_start_writing",
+                                                                            "around"),
+    "sglang.srt.managers.cache_controller.HiCacheController.start_loading": ("hicache.around_start_loading",
+                                                                            "around"),
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check": ("hicache.after_writing_check", "after"),
+    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc": ("hicache.after_host_alloc", "after"),
+    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free": ("hicache.after_host_free", "after"),
+}
+
 
 def spec_v1(server_args) -> bool:
     """EAGLE with the overlap scheduler off runs spec v1 (``EAGLEWorker``: tree verifies, their TAIL deferred); sglang
@@ -99,5 +111,5 @@ def spec_v1(server_args) -> bool:
 
 
 LINE = SglangLine(name="0.5.12", versions=("0.5.12",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
-                    policy=POLICY_0_5_12, prefix_cache_view=radix_view_for, spec_v1=spec_v1,
-                    prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")
+                  hicache_hooks=HICACHE_HOOKS, policy=POLICY_0_5_12, prefix_cache_view=radix_view_for,
+                  spec_v1=spec_v1, prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")
