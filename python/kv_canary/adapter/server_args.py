@@ -73,6 +73,10 @@ def _spec_allowed(value, args) -> bool:
     return value in _SPEC_ALGORITHMS and not _spec_offender(value, args)
 
 
+# HiCache: verified on 0.5.12 by adapter/hicache.check_hicache (CHECKED_ELSEWHERE below); the later lines keep
+# refusing it with these rules (policy_0_5_23, and 0.5.17 through it)
+HICACHE_RULES: Dict[str, "Rule"] = {}
+
 _TP = "pipeline/context parallelism splits a sequence's KV across processes; the canary verifies one process's pool"
 
 RULES: Dict[str, Rule] = {
@@ -81,11 +85,6 @@ RULES: Dict[str, Rule] = {
     "kv_cache_dtype": Rule(_only("auto", "fp8_e4m3", "fp8_e5m2"), "auto, fp8_e4m3 or fp8_e5m2",
                            "the canary hashes the stored bytes of an fp8 cache like any other; fp4 caches keep "
                            "separate scale buffers the canary does not hash yet"),
-    "enable_hierarchical_cache": Rule(
-        _OFF, "off", "HiCache moves KV between GPU, host and storage outside the forwards the canary brackets; "
-        "slots loaded back from the host tier carry no fingerprint"),
-    "hicache_storage_backend": Rule(_only(None), "unset",
-                                    "storage backends load KV into slots the canary has not fingerprinted"),
     "enable_lmcache": Rule(_OFF, "off", "LMCache loads KV into slots the canary has not fingerprinted"),
     "enable_hisparse": Rule(_OFF, "off", "HiSparse offloads KV outside the forwards the canary brackets"),
     "disaggregation_decode_enable_offload_kvcache": Rule(
@@ -123,8 +122,18 @@ RULES: Dict[str, Rule] = {
     "enable_mixed_chunk": Rule(_OFF, "off", "mixed prefill+decode batches are not verified yet"),
 }
 
+HICACHE_RULES.update({
+    "enable_hierarchical_cache": Rule(
+        _OFF, "off", "HiCache moves KV between GPU, host and storage outside the forwards the canary brackets; "
+        "slots loaded back from the host tier carry no fingerprint (verified on sglang 0.5.12 only)"),
+    "hicache_storage_backend": Rule(_only(None), "unset",
+                                    "storage backends load KV into slots the canary has not fingerprinted"),
+})
+
 # Owned by another startup check.
 CHECKED_ELSEWHERE: Dict[str, str] = {
+    "enable_hierarchical_cache": "adapter.hicache.check_hicache (what HiCache combinations are verified)",
+    "hicache_storage_backend": "adapter.hicache.check_hicache (no storage backend is verified yet)",
     "disable_piecewise_cuda_graph": "config.CanaryConfig.build (piecewise CUDA graphs must be off on GPU)",
     "disaggregation_mode": "adapter.disagg.check_disaggregation",
 }

@@ -55,9 +55,9 @@ def sglang_counter(base_url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def serve(mode: str, tmp_path, *, extra_args=(), env=None):
+def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", env=None):
     """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log."""
-    srv = canary_server(mode, log_path=tmp_path / "server.log", extra_args=[*hicache_args(), *extra_args],
+    srv = canary_server(mode, log_path=tmp_path / "server.log", extra_args=hicache_args(page_size, policy),
                         env={SHIM_ENV: "1", **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
     srv.start(timeout=600)
     try:
@@ -81,3 +81,30 @@ def test_hicache_serves_on_cpu_with_the_canary_off(tmp_path):
     assert counters["sglang:evicted_tokens_total"] > 0, "nothing left the device"
     assert counters["sglang:load_back_tokens_total"] > 0, "nothing was loaded back from the host"
     assert "kv_canary_installed=1" not in log.text
+
+
+HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+)")
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
+@pytest.mark.parametrize("page_size,policy", [(1, "write_through"), (16, "write_back"),
+                                              (1, "write_through_selective")])
+def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy):
+    result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy)
+    loaded = counters["sglang:load_back_tokens_total"]
+    stats = log.stats[-1] if log.stats else {}
+    print(f"kv_canary_e2e_hicache mode=raise page_size={page_size} policy={policy} {result.summary()} "
+          f"evicted={counters['sglang:evicted_tokens_total']:.0f} load_back_tokens={loaded:.0f} "
+          + " ".join(f"{k}={stats.get(k)}" for k in ("hicache_backups", "hicache_slots_backed_up", "hicache_loads",
+                                                      "hicache_slots_loaded", "slots_first_read", "slots_verified",
+                                                      "violations")))
+    assert log.installed and HICACHE_LINE.search(log.text), srv.log_tail()
+    assert running and result.failed == 0, "\n".join(result.errors[:5]) + srv.log_tail()
+    # sglang itself evicted prefixes to the host and loaded them back
+    assert counters["sglang:evicted_tokens_total"] > 0 and loaded > 0
+    # the canary loaded the records of exactly those slots, and hashed every byte of each at its first read
+    assert log.last_stat("hicache_slots_loaded") == loaded
+    assert log.last_stat("slots_first_read") == loaded
+    assert log.last_stat("hicache_slots_backed_up") > 0  # (a host copy may be loaded back more than once)
+    assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:5]

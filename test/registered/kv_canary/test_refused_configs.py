@@ -42,8 +42,16 @@ CASES = [
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm STANDALONE"),
     ("speculative-ngram", ["--speculative-algorithm", "NGRAM"], "cannot verify --speculative-algorithm NGRAM"),
-    ("hicache", ["--enable-hierarchical-cache"], "cannot verify --enable-hierarchical-cache"),
-    ("hicache-storage", ["--hicache-storage-backend", "file"], "cannot verify --hicache-storage-backend file"),
+    # HiCache is verified on CPU with pages of 1 and 16, layer_first, no storage (test_e2e_hicache); not these
+    ("hicache-storage", ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+     "cannot verify --enable-hierarchical-cache with --hicache-storage-backend file"),
+    ("hicache-storage-alone", ["--hicache-storage-backend", "file"], "cannot verify --hicache-storage-backend file"),
+    ("hicache-page-64", ["--enable-hierarchical-cache", "--page-size", "64"],
+     "cannot verify --enable-hierarchical-cache with --page-size 64"),
+    ("hicache-page-first", ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first"],
+     "cannot verify --enable-hierarchical-cache with --hicache-mem-layout page_first"),
+    ("hicache-sweep", ["--enable-hierarchical-cache", "--kv-canary-sweep-interval", "8"],
+     "cannot verify --enable-hierarchical-cache with --kv-canary-sweep-interval 8"),
     ("lmcache", ["--enable-lmcache"], "cannot verify --enable-lmcache"),
     ("dp-attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "cannot verify --"),
     ("dp-size", ["--dp-size", "2"], "cannot verify --dp-size 2"),
@@ -121,8 +129,9 @@ def test_fresh_sglang_serve_process_refuses_the_same_way():
     sglang_cli = Path(sys.executable).with_name("sglang")
     if not sglang_cli.exists():
         pytest.skip(f"no sglang console script next to {sys.executable}")
-    r = _fresh([str(sglang_cli), "serve"], ["--enable-hierarchical-cache"])
-    assert r.returncode != 0 and "cannot verify --enable-hierarchical-cache" in r.stderr, r.stderr[-3000:]
+    r = _fresh([str(sglang_cli), "serve"], ["--enable-hierarchical-cache", "--page-size", "64"])
+    assert r.returncode != 0 and "cannot verify --enable-hierarchical-cache with --page-size 64" in r.stderr, \
+        r.stderr[-3000:]
 
 
 if __name__ == "__main__":
