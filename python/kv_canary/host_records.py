@@ -92,14 +92,16 @@ class HostRecordStore:
         """Land the pending backups that overlap ``host_idx`` (all when None), waiting for their copies."""
         self._settle(host_idx, wait=True)
 
-    def settle_ready(self) -> None:
-        """Land the pending backups whose copies are done, without waiting (after the engine's write ack)."""
-        self._settle(None, wait=False)
+    def settle_ready(self) -> List[torch.Tensor]:
+        """Land the pending backups whose copies are done, without waiting (after the engine's write ack); their
+        host slots, one tensor per backup."""
+        return self._settle(None, wait=False)
 
-    def _settle(self, host_idx: Optional[torch.Tensor], *, wait: bool) -> None:
+    def _settle(self, host_idx: Optional[torch.Tensor], *, wait: bool) -> List[torch.Tensor]:
+        settled: List[torch.Tensor] = []
         with self._lock:
             if not self._pending:
-                return
+                return settled
             wanted = None
             if host_idx is not None:
                 wanted = torch.zeros(self.num_host_slots, dtype=torch.bool)
@@ -117,7 +119,9 @@ class HostRecordStore:
                     continue
                 self.records[p.host_idx] = p.stage
                 self.state[p.host_idx] = SETTLED
+                settled.append(p.host_idx)
             self._pending = keep
+        return settled
 
     def read(self, host_idx: torch.Tensor) -> torch.Tensor:
         """int64[n, RECORD_WIDTH]: the records of ``host_idx`` (CPU), settled first (a load-back reads them)."""

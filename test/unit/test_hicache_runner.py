@@ -27,6 +27,7 @@ class Manager(HostCopies):
 
     def __init__(self, events):
         self.config = CanaryConfig.build(mode="raise", environ={}, hicache=True)
+        self.forwards = 0
         g = torch.Generator().manual_seed(0)
         self.k = [torch.randn(SLOTS, 2, 4, generator=g) for _ in range(2)]
         self.v = [torch.randn(SLOTS, 2, 4, generator=g) for _ in range(2)]
@@ -96,7 +97,8 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_ta
     m.r2t[1, :16] = new.to(torch.int32)
     m.forward(1, torch.tensor([60]), 16)
     assert waited == [0]
-    assert events == ["wait", ("verify", True), "write", "first_read"]
+    assert events == ["wait", ("verify", True), "first_read", "write"]  # the LIST's rows name this forward
+    assert all(r[fp.V_FORWARD] == 1 for r in m.violations())
     assert int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
     assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in m.violations()] == (
         [(int(new[9]), fp.R_KV_HASH)] if flip else [])

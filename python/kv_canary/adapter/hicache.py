@@ -113,7 +113,11 @@ def attach_hicache(scheduler, manager) -> None:
         _refuse(f"--hicache-mem-layout {host.layout}", "only the layer_first host layout was run",
                 "use --hicache-mem-layout layer_first")
     store = HostRecordStore(int(host.size), pin=manager.counters.device.type == "cuda")
-    manager.attach_host_records(store)
+    rows = {}
+    for layer in range(int(host.layer_num)):  # layer_first: [2, layers, host slots, heads, dim]
+        for half, buf in (("k", host.k_buffer), ("v", host.v_buffer)):
+            rows[(layer, half)] = buf[layer].reshape(buf.shape[1], -1).view(torch.uint8)
+    manager.attach_host_records(store, rows)
     for obj in (controller, host, tree):
         obj.kv_canary_manager = manager
     host_bytes = int(host.kv_buffer.numel() * host.kv_buffer.element_size())
@@ -181,7 +185,7 @@ def after_host_alloc(result, host_pool, *args, **kwargs) -> None:
 def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:
     manager = _manager(host_pool)
     if manager is not None:
-        manager.host_records.free(indices)
+        manager.free_host_slots(indices)
 
 
 def note_load_consumer(manager, model_runner) -> None:

@@ -286,6 +286,24 @@ class PerturbManager:
                   half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
                   **self._translated_fields(engine_slot))
 
+    def perturb_host_copies(self, *, forward_index: int, backups, host_rows) -> list:
+        """HiCache: per settled backup (``backups``: int host-slot tensors), maybe flip a byte of one of its host
+        copies (``host_copy.flip_host_byte``); the host slots flipped."""
+        from .host_copy import flip_host_byte
+
+        flipped = []
+        if not self._gate.is_open(forward_index):
+            return flipped
+        for host_idx in backups:
+            if host_idx.numel() == 0 or not self._draw(self._config.perturb_host_copy_prob):
+                continue
+            host_slot = int(host_idx[self._rng.randrange(host_idx.numel())])
+            flip = flip_host_byte(self._group, host_rows, host_slot, self._rng, self._config.perturb_kv_bytes)
+            self._log("host_copy", host_slot=host_slot, slot=-1, forward=forward_index, half=flip.half,
+                      layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+            flipped.append(host_slot)
+        return flipped
+
     def _log(self, mode: str, **fields) -> None:
         line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})
         logger.warning(line)

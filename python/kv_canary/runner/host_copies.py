@@ -17,7 +17,8 @@ One buffer group (the gate refuses more). Loads arrive with extend batches only,
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+import dataclasses
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -32,11 +33,23 @@ class HostCopies:
         self.host_records: Optional[HostRecordStore] = None
         self._load_stream = None  # CUDA: the side stream the records of a load are copied on
         self._load_event = None  # CUDA: marks the last load's records landed
+        # the load book, for violation lines: device slot -> (host slot it was loaded from, the consuming forward)
+        self._loaded_from: Optional[torch.Tensor] = None
+        # SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB: the host copies' rows, and the flipped host slots (-> loaded yet)
+        self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
+        self._flipped: Dict[int, bool] = {}
 
-    def attach_host_records(self, store: HostRecordStore) -> None:
+    def attach_host_records(self, store: HostRecordStore,
+                            host_rows: Optional[Mapping[Tuple[int, str], torch.Tensor]] = None) -> None:
+        """``host_rows``: (layer, half) -> uint8[host_slots, row_bytes] views of the host copies (the host-copy
+        perturbation's target; needed only with it)."""
         if len(self.groups) != 1:
             raise ValueError("kv-canary: host copies of more than one buffer group are not verified")
+        if self.config.perturb_host_copy_prob > 0 and not host_rows:
+            raise ValueError("kv-canary: the host-copy perturbation needs the host copies' rows")
         self.host_records = store
+        self._host_rows = host_rows or {}
+        self._loaded_from = torch.full((self.groups[0].num_slots, 2), -1, dtype=torch.int64)
         if self.counters.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self.counters.device)
 
@@ -62,8 +75,20 @@ class HostCopies:
 
     def settle_host_records(self) -> None:
         """After the engine's write ack: land the staged records whose copies are done (no wait)."""
-        if self.host_records is not None:
-            self.host_records.settle_ready()
+        if self.host_records is None:
+            return
+        settled = self.host_records.settle_ready()
+        if settled and self.config.perturb_host_copy_prob > 0:
+            for host_slot in self.perturb.perturb_host_copies(forward_index=self.forwards, backups=settled,
+                                                              host_rows=self._host_rows):
+                self._flipped[host_slot] = False
+
+    def free_host_slots(self, host_idx: torch.Tensor) -> None:
+        """The engine freed host copies: their records go, and so does a flip of one (never loaded: never read)."""
+        self.host_records.free(host_idx)
+        if self._flipped:
+            for h in host_idx.tolist():
+                self._flipped.pop(h, None)
 
     def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
         """The engine loads host copies ``host_idx`` into new device slots ``device_idx`` (int[n] each)."""
@@ -73,6 +98,12 @@ class HostCopies:
         group = self.groups[0]
         rows = store.read(host_idx)  # settles them first (normally done at the write ack)
         dev = device_idx.to(group.records.device, torch.int64)
+        host_cpu = host_idx.to("cpu", torch.int64)
+        self._loaded_from[dev.cpu()] = torch.stack([host_cpu, torch.full_like(host_cpu, self.forwards)], dim=1)
+        if self._flipped:
+            for h in host_cpu.tolist():
+                if h in self._flipped:
+                    self._flipped[h] = True
         if self._load_stream is None:
             group.records.index_copy_(0, dev, rows.to(group.records.device))
             group.full_row.tags[dev] = 0
@@ -105,7 +136,21 @@ class HostCopies:
                 raise CanaryBracketError("kv-canary: a HiCache load-back was consumed by a forward that did not "
                                          "run the canary's HEAD (a CUDA-graph replay?): its slots went unverified")
 
+    def annotate_loads(self, violations: List) -> List:
+        """Violations on a slot loaded back for the forward that reports them name the host slot it came from."""
+        out = []
+        for v in violations:
+            if 0 < v.slot < self._loaded_from.shape[0]:
+                host_slot, forward = self._loaded_from[v.slot].tolist()
+                if host_slot >= 0 and forward == v.forward:
+                    v = dataclasses.replace(v, identity=v.identity + (("hicache", "load"), ("host_slot", host_slot)))
+            out.append(v)
+        return out
+
     def host_copies_stats(self) -> Dict[str, int]:
         s = self.host_records.stats
-        return {"hicache_backups": s.backups, "hicache_slots_backed_up": s.slots_backed_up,
-                "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded}
+        out = {"hicache_backups": s.backups, "hicache_slots_backed_up": s.slots_backed_up,
+               "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded}
+        if self.config.perturb_host_copy_prob > 0:  # flipped host copies loaded back: each must be reported
+            out["hicache_flipped_copies_loaded"] = sum(self._flipped.values())
+        return out

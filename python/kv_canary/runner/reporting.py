@@ -175,6 +175,8 @@ class Reporting:
                 dataclasses.replace(v, identity=tuple(self.transfer.identity(v.rid, v.slot, v.position).items()))
                 for v in violations
             ]
+        if self.host_records is not None:  # HiCache: a loaded slot's line names its host slot
+            violations = self.annotate_loads(violations)
         new = []
         for v in violations:
             key = self._violation_key(v)

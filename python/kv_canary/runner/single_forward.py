@@ -13,6 +13,10 @@ and TAIL records every new slot's whole-row hash. Both only launch kernels on
 preallocated buffers: no host sync, no allocation, grids fixed by the batch size
 (see ``LaunchCapacities``).
 
+A forward that consumes a HiCache load-back (``expect_load``) waits for the load in HEAD first, and hashes the
+loaded slots' full rows (the first-read LIST) after the forward, just before TAIL's write (its rows then name
+this forward); the scrub moves after the write.
+
 Everything runs on the forward's stream, in order: HEAD, the forward, TAIL. (HEAD on
 a side stream beside the forward was measured and dropped: at decode bs32 on an H200
 the verify ran 2.2x slower beside the forward's GEMMs and the step got longer, not
@@ -108,17 +112,15 @@ class SingleForwardManager:
         if self._witness:  # before the writes: their last launch bumps the forward counter
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_check(group, view, self._counters, self._ring, group_index=group_index)
+        deferred, self._defer_full_rows = self._defer_full_rows, False
+        if deferred:  # a load-back forward: every loaded layer has landed now (the forward waited for each)
+            for group_index, group in enumerate(self._groups):  # before the write: its rows name this forward
+                self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
         self._write(view, bump_forward=True)
-        if self._defer_full_rows:  # a load-back forward: every loaded layer has landed now
-            self._defer_full_rows = False
-            self._full_rows_after_forward()
-        self._on_tail()
-
-    def _full_rows_after_forward(self) -> None:
-        for group_index, group in enumerate(self._groups):
-            if self._scrub:
+        if deferred and self._scrub:  # after the write: the slots this forward filled have their records
+            for group_index, group in enumerate(self._groups):
                 self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
-            self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
+        self._on_tail()
 
     def deferred_post_ops(self, view: ForwardView) -> None:
         """A TAIL deferred past its forward (a speculative tree verify's kept drafts): the same write launches,

@@ -108,3 +108,27 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
     assert log.last_stat("slots_first_read") == loaded
     assert log.last_stat("hicache_slots_backed_up") > 0  # (a host copy may be loaded back more than once)
     assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:5]
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
+def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
+    """``log`` + ``SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB``: a byte of a settled host copy is flipped (anywhere in
+    the slot's K/V rows, mostly outside the hashed window); every flipped copy sglang loads back is reported at
+    that load-back forward, naming its host slot, and nothing else is reported."""
+    env = {"SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3", "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0",
+           "SGLANG_KV_CANARY_PERTURB_SEED": "7"}
+    result, counters, log, running, srv = serve("log", tmp_path, env=env)
+    flips = [p for p in log.perturbations if p["kv_canary_perturb"] == "host_copy"]
+    flipped = {p["host_slot"] for p in flips}
+    reported = {v.get("host_slot") for v in log.violations}
+    loaded_flips = log.last_stat("hicache_flipped_copies_loaded")
+    print(f"kv_canary_e2e_hicache mode=log host_copy_flips={len(flips)} flipped_copies_loaded={loaded_flips} "
+          f"violations={len(log.violations)} host_slots_reported={len(reported)} "
+          f"load_back_tokens={counters['sglang:load_back_tokens_total']:.0f} "
+          f"outside_window={sum(p['hashed'] == '0' for p in flips)}")
+    assert running and result.failed == 0, "\n".join(result.errors[:5]) + srv.log_tail()
+    assert flips and loaded_flips > 0, "no flipped host copy was loaded back"
+    assert all(v["kind"] == "kv_hash" and v.get("hicache") == "load" for v in log.violations), log.violations[:5]
+    assert reported <= flipped, "a violation no host flip explains (a false alarm)"
+    assert len(reported) == loaded_flips  # every flipped copy that was loaded back, reported
