@@ -24,8 +24,6 @@ import torch
 
 from .fingerprint import RECORD_WIDTH
 
-FREE, PENDING, SETTLED = 0, 1, 2
-
 
 class CopyEvent(Protocol):
     """What the store needs of a stream event (``torch.cuda.Event``, ``torch.cpu.Event``, or a test fake)."""
@@ -55,10 +53,8 @@ class HostStats:
 class HostRecordStore:
     """Records of one buffer group's host copies, indexed by host slot.
 
-    records: int64[num_host_slots, RECORD_WIDTH] (CPU; pinned when ``pin``)
-    state: int8[num_host_slots] (FREE, PENDING, SETTLED)
-    generation: int32[num_host_slots], bumped on every ``alloc`` (a reader that saw an older generation
-        read a copy that has been replaced since)
+    records: int64[num_host_slots, RECORD_WIDTH] (CPU; pinned when ``pin``); a slot's row is final once no
+        pending backup overlaps it (``pending_backups``)
     """
 
     def __init__(self, num_host_slots: int, *, pin: bool = False):
@@ -67,8 +63,6 @@ class HostRecordStore:
         self.num_host_slots = int(num_host_slots)
         self._pin = pin
         self.records = torch.zeros((self.num_host_slots, RECORD_WIDTH), dtype=torch.int64, pin_memory=pin)
-        self.state = torch.zeros(self.num_host_slots, dtype=torch.int8)
-        self.generation = torch.zeros(self.num_host_slots, dtype=torch.int32)
         self.stats = HostStats()
         self._pending: List[_Pending] = []
         self._lock = threading.Lock()
@@ -83,7 +77,6 @@ class HostRecordStore:
         if stage.shape != (host_idx.numel(), RECORD_WIDTH):
             raise ValueError(f"kv-canary: host stage of shape {tuple(stage.shape)} for {host_idx.numel()} host slots")
         with self._lock:
-            self.state[host_idx] = PENDING
             self._pending.append(_Pending(host_idx, stage, event))
         self.stats.backups += 1
         self.stats.slots_backed_up += host_idx.numel()
@@ -118,7 +111,6 @@ class HostRecordStore:
                     keep.append(p)
                     continue
                 self.records[p.host_idx] = p.stage
-                self.state[p.host_idx] = SETTLED
                 settled.append(p.host_idx)
             self._pending = keep
         return settled
@@ -132,25 +124,18 @@ class HostRecordStore:
         out = self.records[host_idx]
         return out.pin_memory() if self._pin else out
 
-    def alloc(self, host_idx: torch.Tensor) -> None:
-        """The engine gave out ``host_idx``: a new generation of copies there."""
-        with self._lock:
-            self.generation[host_idx.to(device="cpu", dtype=torch.int64)] += 1
-
     def free(self, host_idx: torch.Tensor) -> None:
         """The engine freed ``host_idx``: its records are gone (a pending backup there lands first, then is zeroed)."""
         host_idx = host_idx.to(device="cpu", dtype=torch.int64)
         self.settle(host_idx)
         with self._lock:
             self.records[host_idx] = 0
-            self.state[host_idx] = FREE
 
     def clear(self) -> None:
         """The engine dropped every host copy (a cache reset)."""
         self.settle()
         with self._lock:
             self.records.zero_()
-            self.state.zero_()
 
     @property
     def pending_backups(self) -> int:
@@ -158,4 +143,4 @@ class HostRecordStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.records, self.state, self.generation))
+        return self.records.numel() * self.records.element_size()

@@ -1,5 +1,5 @@
 """HostRecordStore (HiCache's host copies' records): pending backups land when settled, in issue order; reads
-settle what they read; free zeroes, alloc bumps the generation; the memory formula matches the tensors."""
+settle what they read; free zeroes; the memory formula matches the tensors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_canary import fingerprint as fp
-from kv_canary.host_records import FREE, PENDING, SETTLED, HostRecordStore
+from kv_canary.host_records import HostRecordStore
 from kv_canary.memory import host_record_bytes
 
 
@@ -37,13 +37,13 @@ def test_pending_backup_lands_only_when_settled():
     idx = torch.tensor([3, 4, 5])
     ev = FakeEvent()
     store.add_pending(idx, rows(3, 100), ev)
-    assert store.state[idx].tolist() == [PENDING] * 3
-    store.settle_ready()  # the copy is not done: nothing lands, nothing waits
+    assert store.settle_ready() == []  # the copy is not done: nothing lands, nothing waits
     assert store.records[idx].abs().sum() == 0 and ev.waits == 0 and store.pending_backups == 1
     ev.done = True
-    store.settle_ready()
+    settled = store.settle_ready()
+    assert len(settled) == 1 and torch.equal(settled[0], idx)
     assert torch.equal(store.records[idx], rows(3, 100))
-    assert store.state[idx].tolist() == [SETTLED] * 3 and store.pending_backups == 0
+    assert store.pending_backups == 0
     assert store.stats.backups == 1 and store.stats.slots_backed_up == 3
 
 
@@ -55,7 +55,7 @@ def test_read_settles_only_what_it_reads_and_waits_for_it():
     got = store.read(torch.tensor([2, 1]))
     assert ev_a.waits == 1 and ev_b.waits == 0  # the other backup is left pending
     assert torch.equal(got, rows(2, 10).flip(0))
-    assert store.pending_backups == 1 and store.state[8] == PENDING
+    assert store.pending_backups == 1 and store.records[8].abs().sum() == 0
     assert store.stats.loads == 1 and store.stats.slots_loaded == 2
 
 
@@ -68,16 +68,12 @@ def test_overlapping_backups_land_in_issue_order():
     assert torch.equal(store.records[2], rows(2, 0)[0])
 
 
-def test_free_zeroes_and_alloc_bumps_generation():
+def test_free_and_clear_zero():
     store = HostRecordStore(8)
     idx = torch.tensor([5, 6])
-    store.alloc(idx)
     store.add_pending(idx, rows(2, 7), FakeEvent())
     store.free(idx)  # a pending backup there lands first, then is dropped
-    assert store.records[idx].abs().sum() == 0 and store.state[idx].tolist() == [FREE] * 2
-    assert store.pending_backups == 0
-    store.alloc(idx)
-    assert store.generation[idx].tolist() == [2, 2] and store.generation[0] == 0
+    assert store.records[idx].abs().sum() == 0 and store.pending_backups == 0
     store.add_pending(torch.tensor([1]), rows(1, 3), None)
     store.clear()
     assert store.records.abs().sum() == 0 and store.pending_backups == 0
@@ -110,4 +106,4 @@ def test_concurrent_settles_land_every_backup_once():
 
 def test_memory_formula_matches_the_store():
     store = HostRecordStore(1000)
-    assert host_record_bytes(1000) == store.nbytes == 1000 * (8 * fp.RECORD_WIDTH + 1 + 4)
+    assert host_record_bytes(1000) == store.nbytes == 1000 * 8 * fp.RECORD_WIDTH

@@ -176,12 +176,6 @@ def after_writing_check(_result, tree, *args, **kwargs) -> None:
         manager.settle_host_records()
 
 
-def after_host_alloc(result, host_pool, *args, **kwargs) -> None:
-    manager = _manager(host_pool)
-    if manager is not None and result is not None:
-        manager.host_records.alloc(result)
-
-
 def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:
     manager = _manager(host_pool)
     if manager is not None:

@@ -99,7 +99,6 @@ HICACHE_HOOKS: HookTable = {
     "sglang.srt.managers.cache_controller.HiCacheController.start_loading": ("hicache.around_start_loading",
                                                                             "around"),
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check": ("hicache.after_writing_check", "after"),
-    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.alloc": ("hicache.after_host_alloc", "after"),
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free": ("hicache.after_host_free", "after"),
 }
 
