@@ -24,8 +24,9 @@ SWEEP_INTERVAL = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # the Triton kernels even on CPU (interpreter): the default configuration's launches, precompile included
     srv = canary_server("raise", log_path=tmp_path_factory.mktemp("baseline") / "server.log",
-                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)])
+                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)], cpu_kernels="triton")
     srv.start(timeout=600)
     yield srv
     srv.stop()
