@@ -1,8 +1,11 @@
 """Shared pieces of the kv-canary e2e tests: server flags per device and log readers.
 
 A canary server is an ``SglangServer`` with ``--kv-canary MODE`` and the
-``SGLANG_KV_CANARY_*`` env vars; on CPU the Triton kernels run under
-``TRITON_INTERPRET=1``. Everything the tests assert on comes from the server log:
+``SGLANG_KV_CANARY_*`` env vars. On CPU a server runs the canary's torch kernels (the reference the Triton
+kernels are unit-tested bit-equal to; about 13x faster than the Triton interpreter on the tiny model), unless
+its test asks for the Triton kernels (``cpu_kernels="triton"``, under the interpreter) or
+``KVC_E2E_CPU_KERNELS=triton|torch`` sets every CPU server's. ``TRITON_INTERPRET=1`` either way (sglang's own
+Triton kernels). Everything the tests assert on comes from the server log:
 ``kv_canary_violation=`` / ``kv_canary_perturb=`` / ``kv_canary_stats=`` lines.
 """
 
@@ -27,6 +30,20 @@ from kv_canary_testing.server import SglangServer
 
 CHUNKED_PREFILL_SIZE = 128
 MAX_TOTAL_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+CPU_KERNELS = ("torch", "triton")
+
+
+def cpu_kernel_env(cpu_kernels: str) -> Dict[str, str]:
+    """The env of a CPU server's canary kernels: ``torch`` (the reference) or ``triton`` (the interpreter).
+
+    ``KVC_E2E_CPU_KERNELS`` (torch | triton), when set, overrides every test's choice."""
+    choice = os.environ.get("KVC_E2E_CPU_KERNELS") or cpu_kernels
+    if choice not in CPU_KERNELS:
+        raise ValueError(f"KVC_E2E_CPU_KERNELS / cpu_kernels={choice!r}: choose torch or triton")
+    # sglang's own Triton kernels (EAGLE's tree building, ...) run under the interpreter either way
+    return {"TRITON_INTERPRET": "1", "SGLANG_KV_CANARY_KERNEL_BACKEND": choice}
 
 
 def e2e_device() -> str:
@@ -55,12 +72,14 @@ def canary_server(
     stats_every: int = 20,
     max_total_tokens: Optional[int] = None,
     model_path=None,
+    cpu_kernels: str = "torch",
 ) -> SglangServer:
-    """``model_path``: another tiny model folder (e.g. ``write_swa_model_dir()``); default the tiny model."""
+    """``model_path``: another tiny model folder (e.g. ``write_swa_model_dir()``); default the tiny model.
+    ``cpu_kernels``: the canary's kernels on a CPU server (``cpu_kernel_env``); a GPU server runs Triton's."""
     device = device or e2e_device()
     full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
     if device == "cpu":
-        full_env["TRITON_INTERPRET"] = "1"
+        full_env.update(cpu_kernel_env(cpu_kernels))
     full_env.update(env or {})
     args = ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
     return SglangServer(args, env=full_env, log_path=log_path, device=device, model_path=model_path,
@@ -68,11 +87,11 @@ def canary_server(
 
 
 def canary_env_and_args(mode: str, env: Optional[Mapping[str, str]], extra_args: Sequence[str], device: str,
-                        stats_every: int):
-    """(env, args) of a canary server: stats cadence, the Triton interpreter on CPU, --kv-canary MODE."""
+                        stats_every: int, cpu_kernels: str = "torch"):
+    """(env, args) of a canary server: stats cadence, the CPU kernels (``cpu_kernel_env``), --kv-canary MODE."""
     full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
     if device == "cpu":
-        full_env["TRITON_INTERPRET"] = "1"
+        full_env.update(cpu_kernel_env(cpu_kernels))
     full_env.update(env or {})
     return full_env, ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
 
@@ -90,22 +109,25 @@ def canary_pd_cluster(
     stats_every: int = 20,
     max_total_tokens: Optional[int] = None,
     decode_drop_default_args: Sequence[str] = (),
+    cpu_kernels: str = "torch",
 ):
     """A prefill + decode + router deployment (``kv_canary_testing.pd.PDCluster``), canary flags on each side."""
     from kv_canary_testing.pd import PDCluster
 
     device = device or e2e_device()
-    p_env, p_args = canary_env_and_args(prefill_mode, prefill_env, prefill_args, device, stats_every)
-    d_env, d_args = canary_env_and_args(decode_mode, decode_env, decode_args, device, stats_every)
+    p_env, p_args = canary_env_and_args(prefill_mode, prefill_env, prefill_args, device, stats_every, cpu_kernels)
+    d_env, d_args = canary_env_and_args(decode_mode, decode_env, decode_args, device, stats_every, cpu_kernels)
     return PDCluster(log_dir=log_dir, prefill_args=p_args, decode_args=d_args, prefill_env=p_env, decode_env=d_env,
                      device=device, max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device],
                      decode_drop_default_args=decode_drop_default_args)
 
 
 def restart_canary_decode(cluster, decode_mode: str, *, decode_env: Optional[Mapping[str, str]] = None,
-                          decode_args: Sequence[str] = (), stats_every: int = 20, wait_generate: bool = True):
+                          decode_args: Sequence[str] = (), stats_every: int = 20, wait_generate: bool = True,
+                          cpu_kernels: str = "torch"):
     """Replace a ``canary_pd_cluster``'s decode server by one with another canary mode/env (same port)."""
-    env, args = canary_env_and_args(decode_mode, decode_env, decode_args, cluster.decode.device, stats_every)
+    env, args = canary_env_and_args(decode_mode, decode_env, decode_args, cluster.decode.device, stats_every,
+                                    cpu_kernels)
     return cluster.restart_decode(args, env, wait_generate=wait_generate)
 
 

@@ -57,7 +57,7 @@ def explains(injection, violation) -> bool:
 ALL_SCRUB_SLOTS = 4096  # all's scrub on the roomy pool: every slot within ceil(32768 / 4096) = 8 forwards
 
 
-def run_modes(tmp_path, canary_mode, n_requests=40, real_data="all"):
+def run_modes(tmp_path, canary_mode, n_requests=40, real_data="all", cpu_kernels="torch"):
     """One server with every mode of MODES injecting; the mixed workload without aborts."""
     env = _env()
     if real_data == "all":
@@ -65,7 +65,8 @@ def run_modes(tmp_path, canary_mode, n_requests=40, real_data="all"):
     srv = canary_server(canary_mode, log_path=tmp_path / "server.log", env=env,
                         extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL),
                                     "--kv-canary-real-data", real_data],
-                        max_total_tokens=ROOMY_POOL_TOKENS)
+                        max_total_tokens=ROOMY_POOL_TOKENS,
+                        cpu_kernels=cpu_kernels)
     # no aborts: an aborted request's freshly written slots are freed unread, so a
     # post-forward flip there is harmless and (by design) never reported
     return serve_requests(srv, build_workload(n_requests, seed=21, n_aborts=0))
@@ -75,7 +76,9 @@ def run_modes(tmp_path, canary_mode, n_requests=40, real_data="all"):
 @pytest.mark.parametrize("real_data", ["all", "partial"])
 def test_log_mode_detects_every_injection(tmp_path, real_data):
     # 24 requests: each mode still injects several times (CI time: all bytes hashed under the Triton interpreter)
-    result, log, running, _ = run_modes(tmp_path, "log", n_requests=24, real_data=real_data)
+    # all's whole-row kernels (TAIL, first reads, scrub) through Triton even on CPU (the interpreter)
+    result, log, running, _ = run_modes(tmp_path, "log", n_requests=24, real_data=real_data,
+                                        cpu_kernels="triton" if real_data == "all" else "torch")
     injections = [p for p in log.perturbations if p["kv_canary_perturb"] in MODES]
     unexplained = [v for v in log.violations if not any(explains(p, v) for p in injections)]
     missed_by_mode = {}
