@@ -101,7 +101,8 @@ ONLY_ON_LINE = {
         "cpu_only": True,
         "files": ("unit/test_config.py", "unit/test_d2h.py", "unit/test_full_row.py", "unit/test_kernels.py",
                   "unit/test_ring_reader.py", "unit/test_swa_host.py", "unit/test_swa_kernels.py",
-                  "unit/test_witness.py"),
+                  "unit/test_witness.py", "unit/test_hicache_host_records.py", "unit/test_hicache_runner.py",
+                  "unit/test_hicache_first_read.py"),
     },
 }
 
