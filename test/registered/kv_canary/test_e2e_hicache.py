@@ -136,3 +136,7 @@ def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
     assert all(v["kind"] == "kv_hash" and v.get("hicache") == "load" for v in log.violations), log.violations[:5]
     assert reported <= flipped, "a violation no host flip explains (a false alarm)"
     assert len(reported) == loaded_flips  # every flipped copy that was loaded back, reported
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
