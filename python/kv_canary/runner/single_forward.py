@@ -79,6 +79,11 @@ class SingleForwardManager:
     def load_pending(self) -> bool:
         return self._load_wait is not None
 
+    def _scrub_groups(self) -> None:
+        """The scrub's next window of every group (HEAD's, or after TAIL's write on a load-back forward)."""
+        for group_index, group in enumerate(self._groups):
+            self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
+
     def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """HEAD: verify every slot the forward's attention reads."""
         if view.batch_size == 0:
@@ -89,8 +94,7 @@ class SingleForwardManager:
             wait()
         self._defer_full_rows = wait is not None
         if self._scrub and not self._defer_full_rows:
-            for group_index, group in enumerate(self._groups):
-                self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
+            self._scrub_groups()
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
         for group_index, group in enumerate(self._groups):
             self._kernels.verify(
@@ -118,8 +122,7 @@ class SingleForwardManager:
                 self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
         self._write(view, bump_forward=True)
         if deferred and self._scrub:  # after the write: the slots this forward filled have their records
-            for group_index, group in enumerate(self._groups):
-                self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
+            self._scrub_groups()
         self._on_tail()
 
     def deferred_post_ops(self, view: ForwardView) -> None:
