@@ -4,6 +4,7 @@ address arithmetic, the mismatch guard, the arrival book, retraction, and the st
 from __future__ import annotations
 
 import ctypes
+import logging
 import subprocess
 import sys
 import textwrap
@@ -110,7 +111,7 @@ def test_book_counts_arrivals_verified_by_their_first_forward_and_names_the_orig
                             "pd_fake_requests": 0}
 
 
-def _decode_harness(mode=CanaryMode.LOG, **config_fields):
+def _decode_harness(mode=CanaryMode.LOG, init_finished=True, **config_fields):
     """test_runner's Harness (real ForwardBatch objects, reference kernels) as a PD decode side."""
     import importlib.util
     from pathlib import Path
@@ -121,7 +122,8 @@ def _decode_harness(mode=CanaryMode.LOG, **config_fields):
     h = mod.Harness(mode=mode, **config_fields)
     group = h.manager.groups[0]
     h.manager.attach_transfer(TransferBook("decode", new_origin(group.num_slots, torch.device("cpu"))))
-    h.manager.mark_init_finished()
+    if init_finished:
+        h.manager.mark_init_finished()
     return h, group
 
 
@@ -207,6 +209,33 @@ def test_a_fake_transfer_is_fingerprinted_in_place_without_touching_the_counters
         h.manager.poll(drain=True)
     assert h.manager.violations_reported == 0 and h.manager.health_violations == 0, caplog.text
     assert h.manager.transfer.fake_requests == 1
+
+
+def test_precompile_covers_the_fake_transfer_writes_of_any_length(caplog):
+    """sglang's PD warm-up and health checks arrive as fake transfers after startup; their TAIL write (no forward
+    bump, no fed-token check) is precompiled for every block, so none compiles while serving (the H100 PD run of
+    2026-11-25 logged kv_canary_jit_after_startup for it before)."""
+    from kv_canary.kernels.triton_kernels import tail_variant
+    from kv_canary.kernels.variants import VariantTracker, track, write_block_lengths
+
+    h, group = _decode_harness(init_finished=False)
+    m, tracker = h.manager, VariantTracker()
+    m.kernels = track(m.kernels, tracker, tail_variant)
+    for sfm in m.single_forward_managers:
+        sfm._kernels = m.kernels
+    m.variant_tracker = tracker
+    ctx = int(h.r2t.shape[1])
+    m.precompile(sorted(write_block_lengths(tail_variant, ctx).values()), [1])
+    assert any(k[0] == "write" and k[5:7] == (False, False) for k in tracker.seen)  # no bump, no fed check
+    assert int(m.counters[fp.C_SLOTS_WRITTEN]) == 0  # inert
+    tracker.seal()
+    m.mark_init_finished()
+    with caplog.at_level(logging.WARNING, logger="kv_canary"):
+        for row, n in ((3, 4), (4, 1), (5, ctx - 1)):
+            h.r2t[row, :n] = torch.arange(100, 100 + n, dtype=torch.int32)
+            m.note_fake_arrival(row, f"HEALTH_CHECK_{row}", list(range(n)), [7])
+    assert tracker.after_startup == {} and "kv_canary_jit_after_startup" not in caplog.text
+    assert m.transfer.fake_requests == 3
 
 
 def test_decode_retraction_carries_the_records_to_the_host_and_back(monkeypatch):

@@ -50,22 +50,35 @@ class Arrivals:
         """
         self.note_request_tokens(row, rid, prompt_ids, output_ids)
         tokens = (list(prompt_ids) + list(output_ids))[: len(prompt_ids) + max(0, len(output_ids) - 1)]
-        n = len(tokens)
-        if n > 0:
+        if tokens:
             dev = self.counters.device
-            one = torch.ones(1, dtype=torch.int64, device=dev)
-            view = ForwardView(
-                input_ids=torch.tensor(list(tokens), dtype=torch.int64, device=dev),
-                positions=torch.arange(n, dtype=torch.int64, device=dev),
-                out_cache_loc=self._req_to_token[row, :n].to(torch.int64), req_pool_indices=one * row,
-                seq_lens=one * n, new_starts=one * 0, new_lens=one * n, batch_size=1, max_new_len=n,
-            )
-            scratch = torch.zeros_like(self.counters)  # report disabled: nothing reaches the ring
-            for group_index, group in enumerate(self.groups):
-                self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
-                                   group_index=group_index, check_fed=False, token_oracle=None)
+            self._write_fake_arrival(torch.tensor(tokens, dtype=torch.int64, device=dev), row,
+                                     self._req_to_token[row, : len(tokens)].to(torch.int64))
         if self.transfer is not None:
             self.transfer.fake_requests += 1
+
+    def _write_fake_arrival(self, tokens: torch.Tensor, row: int, slots: torch.Tensor) -> None:
+        """TAIL's write of a fake arrival: tokens [n] int64 at positions 0..n-1 in ``slots`` [n] int64 of request
+        row ``row``, counted into a scratch tensor (nothing reaches the counters or the ring's report)."""
+        n, dev = int(tokens.numel()), self.counters.device
+        one = torch.ones(1, dtype=torch.int64, device=dev)
+        view = ForwardView(input_ids=tokens, positions=torch.arange(n, dtype=torch.int64, device=dev),
+                           out_cache_loc=slots, req_pool_indices=one * row, seq_lens=one * n, new_starts=one * 0,
+                           new_lens=one * n, batch_size=1, max_new_len=n)
+        scratch = torch.zeros_like(self.counters)
+        for group_index, group in enumerate(self.groups):
+            self.kernels.write(group, view, self._req_to_token, scratch, self.ring, False,
+                               group_index=group_index, check_fed=False, token_oracle=None)
+
+    def _precompile_fake_arrivals(self, block_lengths: Sequence[int]) -> None:
+        """PD decode side: one inert fake-arrival write per TAIL block (request row 0, the padding slot 0), so a
+        warm-up or health-check fake transfer compiles nothing while serving."""
+        if self.transfer is None or self.transfer.mode != "decode":
+            return
+        dev = self.counters.device
+        for n in block_lengths:
+            self._write_fake_arrival(torch.zeros(n, dtype=torch.int64, device=dev), 0,
+                                     torch.zeros(n, dtype=torch.int64, device=dev))
 
     def _perturb_arrivals(self) -> None:
         """The transfer perturbation draws for the arrivals since the last forward, before the first that reads them."""

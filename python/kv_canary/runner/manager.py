@@ -243,7 +243,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         batches too: int64 and staged drafts, and the verify hook's ``record_accepted``; its
         effect on the token oracle is cleared by ``mark_init_finished``; after ``enable_deferred_writes``, the
         deferred TAIL of speculative tree verifies: its inputs' launch and an extend-like write that bumps no
-        forward), plus the sweep.
+        forward), the PD decode side's fake-arrival writes, plus the sweep.
         """
         dev = self.counters.device
         deferred_writes = self._accepted is not None
@@ -269,6 +269,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
                             sfm.post_ops_maybe_inside_graph(view)
                         if deferred_writes and lens_dtype == torch.int32:  # write_accepted_drafts' launches
                             self.single_forward_managers[0].deferred_post_ops(view)
+            self._precompile_fake_arrivals(block_lengths)  # PD decode: warm-up / health-check fake transfers
             if verify_staged and self.token_oracle is not None:  # the verify hook's launch (sglang's dtypes)
                 z64, z32 = (torch.zeros(1, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
                 self.record_accepted(req_pool_indices=z64, committed=z64, next_token_ids=torch.zeros(
