@@ -27,9 +27,11 @@ UNKNOWN_RIDS = ("?", "cache", "")
 class ContainOrder:
     aborts: Dict[str, str]  # rid -> abort message
     slots: Tuple[int, ...]  # bad slots (sorted, unique) to evict from the prefix cache
+    # HiCache: the host slots the bad loaded slots came from (their host copies are bad too; sorted, unique)
+    host_slots: Tuple[int, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.aborts or self.slots)
+        return bool(self.aborts or self.slots or self.host_slots)
 
 
 class ContainmentTarget(Protocol):
@@ -45,14 +47,17 @@ def abort_message(v: Violation) -> str:
 
 def build_order(violations: Iterable[Violation], num_slots: int, already_aborted: Container[str] = ()) -> ContainOrder:
     """One abort per request id not ``already_aborted`` (its first violation names the message); every
-    in-range bad slot."""
+    in-range bad slot; every host slot a bad loaded slot came from (identity ``host_slot``, HiCache)."""
     aborts: Dict[str, str] = {}
-    slots = set()
+    slots, host_slots = set(), set()
     for v in violations:
         if v.kind.startswith("health:"):
             continue
         if 0 < v.slot < num_slots:
             slots.add(v.slot)
+        host_slot = dict(v.identity).get("host_slot")
+        if host_slot is not None:
+            host_slots.add(int(host_slot))
         if v.rid not in UNKNOWN_RIDS and v.rid not in aborts and v.rid not in already_aborted:
             aborts[v.rid] = abort_message(v)
-    return ContainOrder(aborts=aborts, slots=tuple(sorted(slots)))
+    return ContainOrder(aborts=aborts, slots=tuple(sorted(slots)), host_slots=tuple(sorted(host_slots)))

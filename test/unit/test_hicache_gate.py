@@ -28,6 +28,7 @@ def _config(mode="raise", real_data="partial", sweep=0):
 def test_verified_combinations_pass(kw):
     check_hicache(_args(**kw), _config(), line="0.5.12")
     check_hicache(_args(**kw), _config("log"), line="0.5.12")
+    check_hicache(_args(**kw), _config("contain"), line="0.5.12")  # evicts device and host copies
 
 
 @pytest.mark.parametrize("kw,line,config,needle", [
@@ -40,7 +41,7 @@ def test_verified_combinations_pass(kw):
     ({"speculative_algorithm": "EAGLE"}, "0.5.12", {}, "--speculative-algorithm EAGLE"),
     ({"disaggregation_mode": "decode"}, "0.5.12", {}, "--disaggregation-mode decode"),
     ({"kv_canary_sweep_interval": 8}, "0.5.12", {"sweep": 8}, "--kv-canary-sweep-interval 8"),
-    ({}, "0.5.12", {"mode": "contain"}, "--kv-canary contain"),
+    ({}, "0.5.23", {"mode": "contain"}, "sglang 0.5.23"),
     ({}, "0.5.12", {"real_data": "all"}, "--kv-canary-real-data all"),
 ])
 def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, needle):

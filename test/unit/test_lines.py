@@ -6,6 +6,7 @@ real forwards, the install line builder), not from hand-written samples.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -109,5 +110,9 @@ def test_contain_order_names_each_reader_once_and_every_bad_slot():
     assert "kv-canary contain" in order.aborts["a"] and "kind=kv_hash" in order.aborts["a"] and "slot=5" in \
         order.aborts["a"]
     assert not build_order([health_violation("forwards", 3, 4, 7)], num_slots=64)
+    assert order.host_slots == ()
+    # HiCache: a loaded slot's violation names the host copy it came from; the order carries it to the host side
+    loaded = dataclasses.replace(v("c", 12), identity=(("hicache", "load"), ("host_slot", 301)))
+    assert build_order([loaded, v("c", 13)], num_slots=64).host_slots == (301,)
     line = "[x] kv_canary_contain=abort rid=a state=aborted"
     assert parse_line(line, "kv_canary_contain") == {"kv_canary_contain": "abort", "rid": "a", "state": "aborted"}

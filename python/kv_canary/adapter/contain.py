@@ -14,7 +14,8 @@ in the meantime is matched against a tree that no longer holds the bad slots.
   through sglang's own path); a queued one is removed and answered with
   ``AbortReq``. Aborted requests are marked ``skip_radix_cache_insert`` so their
   KV is freed, not inserted into the tree.
-* Evict: the radix node holding a bad slot and its whole subtree, children
+* Evict: the radix node holding a bad slot and its whole subtree (HiCache: from the host too,
+  ``contain_hicache``), children
   first, each freed once through the allocator and removed with the tree's own
   ``_delete_leaf`` (the same calls as ``RadixCache.evict``). A node still locked
   by a running request (lock_ref > 0; locks propagate to ancestors) is retried
@@ -39,6 +40,7 @@ from typing import Dict, List, Tuple
 
 from ..containment import ContainOrder
 from ..violations import CONTAIN_PREFIX, format_line
+from .contain_hicache import evict_hicache_subtree, host_slot_holders, is_hicache_tree, subtree_busy
 
 logger = logging.getLogger("kv_canary")
 
@@ -66,13 +68,15 @@ class SchedulerContainment:
                 self._new[0].setdefault(rid, message)
             self._new[1].extend(order.slots)
             return
-        self._queue(order.aborts, order.slots)
+        self._queue(order.aborts, order.slots, order.host_slots)
 
-    def _queue(self, aborts: Dict[str, str], slots) -> None:
+    def _queue(self, aborts: Dict[str, str], slots, host_slots=()) -> None:
         for rid, message in aborts.items():
             self._aborts.setdefault(rid, message)
         for slot in slots:
             self._slots[slot] = PENDING_TTL
+        for host_slot in host_slots:  # HiCache (TP is refused with it): keyed apart from device slots
+            self._slots[-1 - host_slot] = PENDING_TTL
 
     # ------------------------------------------------------------------ safe point
 
@@ -160,21 +164,31 @@ class SchedulerContainment:
     def _evict(self) -> None:
         tree = getattr(self._scheduler, "tree_cache", None)
         holders = _slot_holders(tree, set(self._slots)) if tree is not None and hasattr(tree, "root_node") else {}
+        hicache = tree is not None and is_hicache_tree(tree)  # device and host copies go (contain_hicache)
+        if hicache:  # a bad host copy (key -1 - host slot) is found by its node's host_value
+            holders.update(host_slot_holders(tree, {-1 - k for k in self._slots if k < 0}))
         removed = set()  # ids of nodes evicted in this pass (a slot may sit below an earlier slot's node)
         for slot in list(self._slots):
             node = holders.get(slot)
             if node is not None and id(node) in removed:
                 del self._slots[slot]  # already evicted with an ancestor's subtree: free nothing twice
                 continue
-            if node is None or node.lock_ref > 0:  # not cached (yet), or a running request still holds it
+            busy = node is not None and (subtree_busy(tree, node) if hicache else node.lock_ref > 0)
+            if node is None or busy:  # not cached (yet), or a running request (HiCache: or a copy) still holds it
                 self._slots[slot] -= 1
                 if self._slots[slot] <= 0:
                     del self._slots[slot]
                 continue
-            nodes, tokens = _evict_subtree(tree, node, removed)
+            fields = {"slot": slot} if slot >= 0 else {"host_slot": -1 - slot}
+            if hicache:
+                nodes, tokens, host_slots = evict_hicache_subtree(tree, node, removed)
+                fields.update(nodes=nodes, tokens=tokens, host_slots=host_slots)
+            else:
+                nodes, tokens = _evict_subtree(tree, node, removed)
+                fields.update(nodes=nodes, tokens=tokens)
             self.evicted_nodes += nodes
             self.evicted_tokens += tokens
-            logger.error(format_line(CONTAIN_PREFIX, "evict", {"slot": slot, "nodes": nodes, "tokens": tokens}))
+            logger.error(format_line(CONTAIN_PREFIX, "evict", fields))
             del self._slots[slot]
 
 

@@ -54,8 +54,7 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
         _refuse(f"--device {device}", "HiCache with the canary is verified on CPU (test shim) only; the GPU "
                 "transfers are not verified yet (docs/hicache.md step 12)", f"drop {FLAG}")
     checks = (
-        ("--kv-canary", config.mode.value, ("log", "raise"),
-         "contain does not evict host copies yet"),
+        ("--kv-canary", config.mode.value, ("log", "raise", "contain"), "only these modes were run"),
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
         ("--page-size", getattr(server_args, "page_size", None) or 1, VERIFIED_PAGE_SIZES,
          "only these page sizes were run"),

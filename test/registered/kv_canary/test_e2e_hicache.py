@@ -17,6 +17,7 @@ import re
 import pytest
 import requests
 
+from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
 from kv_canary_testing.model_dir import NUM_WORDS
@@ -26,6 +27,7 @@ register_cpu_ci(est_time=300, suite="kv-canary-cpu")
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 CONVERSATIONS, TURNS, SYSTEM_WORDS, TURN_WORDS = 12, 3, 300, 12
+FLIPS = 6  # host-copy flips of the contain run
 MAX_TOTAL_TOKENS = 1024
 
 
@@ -136,6 +138,49 @@ def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
     assert all(v["kind"] == "kv_hash" and v.get("hicache") == "load" for v in log.violations), log.violations[:5]
     assert reported <= flipped, "a violation no host flip explains (a false alarm)"
     assert len(reported) == loaded_flips  # every flipped copy that was loaded back, reported
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
+def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
+    """``contain`` + host-copy flips (at most ``FLIPS``, all in the first pass): each flipped copy loaded back is
+    reported, its readers are contained, and its node leaves the device *and* the host
+    (``kv_canary_contain=evict ... host_slots=``); a second pass of the same conversations (no flips left) loads
+    back no contained copy again, and the server keeps serving."""
+    env = {SHIM_ENV: "1", "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
+           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0", "SGLANG_KV_CANARY_PERTURB_SEED": "7",
+           "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
+    srv = canary_server("contain", log_path=tmp_path / "server.log", extra_args=hicache_args(), env=env,
+                        max_total_tokens=MAX_TOTAL_TOKENS)
+    srv.start(timeout=600)
+    try:
+        first = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        log1 = CanaryLog.read_settled(srv)
+        second = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        log2 = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+    finally:
+        srv.stop()
+    flips = [p for p in log2.perturbations if p["kv_canary_perturb"] == "host_copy"]
+    reported1 = {v["host_slot"] for v in log1.violations}
+    later = log2.violations[len(log1.violations):]
+    evictions = [c for c in parse_lines(log2.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "evict"]
+    contained = {c["rid"] for c in parse_lines(log2.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"}
+    print(f"kv_canary_e2e_hicache mode=contain host_copy_flips={len(flips)} violations={len(log1.violations)}+"
+          f"{len(later)} host_slots_reported={len(reported1)} evictions={len(evictions)} host_slots_evicted="
+          f"{sum(int(c['host_slots']) for c in evictions)} contained_requests={len(contained)} "
+          f"first: {first.summary()} second: {second.summary()}")
+    assert running, srv.log_tail()
+    assert len(flips) == FLIPS and len(log1.perturbations) == len(log2.perturbations), "flips after the first pass"
+    assert log1.violations, "no flipped host copy was loaded back"
+    assert all(v["kind"] == "kv_hash" and v.get("hicache") == "load" for v in log2.violations), log2.violations[:5]
+    assert {v["host_slot"] for v in log2.violations} <= {p["host_slot"] for p in flips}  # no false alarm
+    assert {v["rid"] for v in log2.violations} <= contained  # every reader contained
+    assert evictions and all(int(c["host_slots"]) > 0 for c in evictions), evictions[:5]
+    # a contained host copy is gone: the second pass never loads one back (a slot it reports was flipped but
+    # not loaded back in the first pass)
+    assert not {v["host_slot"] for v in later} & reported1, later[:5]
+    assert first.failed + second.failed <= len(contained)  # only contained requests fail
 
 
 if __name__ == "__main__":
