@@ -22,6 +22,8 @@
 #   bash scripts/gpu_host.sh install-pd             # join + sha256 + pip into /tmp/site, debs into /tmp/pd-libs
 #   bash scripts/gpu_host.sh pd-check               # mooncake TCP transfer GPU -> GPU in one process (no sglang)
 #   bash scripts/gpu_host.sh pd-e2e [pytest args]   # test_e2e_pd.py on the GPU; server logs into $OUT
+#   bash scripts/gpu_host.sh pd-bench-start [args]  # scripts/bench_pd_overhead.py in the background (after install-pd)
+#   bash scripts/gpu_host.sh pd-bench-wait [seconds] # as bench-wait: bench_overhead.json (the PD report) + logs
 #
 # The PD e2e on the GPU (issue 25; both servers on one GPU, mooncake over TCP on 127.0.0.1), all calls back to back:
 #   1. install-a                                      carry [.bundle/part-a]                      timeout 300
@@ -31,6 +33,8 @@
 #   5. install-pd-part 3 && install-pd && { pd-check; pd-e2e -k TestPDClean; }   carry [.bundle/pd-3]
 #                                                     (each step as `bash scripts/gpu_host.sh STEP`)  timeout 600
 #   6. pd-e2e -k TestPDPerturbed                      (no carry)                                  timeout 600
+#   The PD pair's overhead row (off / ours / off on both sides, ~10 min): after step 5's installs,
+#      pd-bench-start && pd-bench-wait 540, then pd-bench-wait until BENCH_DONE        timeout 600 each
 # (one install-pd-part per part that bundle-pd printed; pd-e2e finds /tmp/pd-libs/lib by itself, skips with the
 # reason when mooncake's CUDA build does not load, stops pytest with SIGINT after KVC_PD_E2E_TIMEOUT s (480) so
 # that its logs come back, and leaves gpu-pd-e2e.log and pd-logs.tgz (server and router logs) in $OUT)
@@ -106,15 +110,22 @@ PY
   install-upstream)
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;
-  bench-start)
+  bench-start|pd-bench-start)  # pd-bench-start: scripts/bench_pd_overhead.py (a PD pair; after install-pd)
+    script=scripts/bench_overhead.py
+    if [ "$step" = pd-bench-start ]; then
+      script=scripts/bench_pd_overhead.py; bench_dir=/tmp/kvc-pd-bench
+      export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
     [ ! -f "$bench_dir/pid" ] || ! kill -0 "$(cat "$bench_dir/pid")" 2>/dev/null || { echo "a bench is running" >&2; exit 1; }
     mkdir -p "$bench_dir"; rm -f "$bench_dir/rc"
     (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) | tee "$bench_dir/gpu-info.txt"
-    setsid bash -c 'python3 scripts/bench_overhead.py --out "$0/bench_overhead.json" --results-dir "$0" \
-      --log-dir "$0/logs" "$@" > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$bench_dir" "$@" < /dev/null > /dev/null 2>&1 &
+    extra=(--results-dir "$bench_dir"); [ "$step" = bench-start ] || extra=()
+    setsid bash -c 'script="$1"; shift; python3 "$script" --out "$0/bench_overhead.json" --log-dir "$0/logs" "$@" \
+      > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$bench_dir" "$script" "${extra[@]}" "$@" < /dev/null > /dev/null 2>&1 &
     echo $! > "$bench_dir/pid"
     sleep 5; echo "bench started in the background: $bench_dir/bench.log"; tail -5 "$bench_dir/bench.log" ;;
-  bench-wait)
+  bench-wait|pd-bench-wait)
+    [ "$step" = bench-wait ] || bench_dir=/tmp/kvc-pd-bench
     limit="${1:-570}"; t0=$SECONDS
     while [ ! -f "$bench_dir/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
     for f in overhead.json overhead_extra.json bench_overhead.json bench.log gpu-info.txt; do

@@ -104,8 +104,15 @@ class PDCluster:
         max_total_tokens: Optional[int] = None,
         python: Optional[str] = None,
         decode_drop_default_args: Sequence[str] = (),
+        model_path: Optional[os.PathLike] = None,
+        probe_payload: Optional[Mapping] = None,
     ):
+        """``model_path``: both servers' model (default: the tiny model); ``probe_payload``: the /generate body of
+        the startup request end to end (default: a short text prompt; pass ``input_ids`` with
+        ``--skip-tokenizer-init``)."""
         self.log_dir = Path(log_dir)
+        self.probe_payload = dict(probe_payload or {
+            "text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.bootstrap_port = free_port()
         self.python = python or sys.executable
@@ -117,7 +124,7 @@ class PDCluster:
                      *args]
             return SglangServer(flags, env={**pd_env(device), **(env or {})}, log_path=self.log_dir / f"{mode}.log",
                                 device=device, max_total_tokens=max_total_tokens, python=self.python,
-                                drop_default_args=drop)
+                                drop_default_args=drop, model_path=model_path)
 
         self._side = side
         self.prefill = side("prefill", prefill_args, prefill_env)
@@ -184,8 +191,7 @@ class PDCluster:
                 if not srv.is_running():
                     raise ServerError(f"{srv.log_path.name} exited during startup:\n{srv.log_tail()}")
             try:
-                r = session.post(self.base_url + "/generate", timeout=120, json={
-                    "text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}})
+                r = session.post(self.base_url + "/generate", timeout=120, json=self.probe_payload)
                 if r.status_code == 200:
                     return
                 last = f"HTTP {r.status_code}: {r.text[:300]}"

@@ -214,3 +214,21 @@ def test_eagle_configs_run_speculative_decoding_on_cuda_and_compare_eagle_with_e
             for i, (c, m) in enumerate(zip(eagle, (2.0, 2.01, 2.1, 2.12, 2.0)))]
     table, _ = bench.summarize(runs, [bench.ROWS["decode_bs1"]])
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 0.5, "upstream_pct": 0.95, "noise_pct": 0.0}
+
+
+def test_the_pd_pair_bench_sizes_both_sides_and_summarizes_against_its_first_off_pair():
+    """scripts/bench_pd_overhead.py (issue 25): the plan's flags without its own memory fraction (PDCluster and
+    the pair size the sides), one off pair as the base, the second as the noise; bad names refused."""
+    pd = _load("bench_pd_overhead")
+    plan = {"args": ["--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "64"]}
+    assert pd.pd_args(plan, "cpu") == ["--skip-tokenizer-init", "--cuda-graph-max-bs", "64"]
+    row = bench.ROWS["decode_bs1"]
+    runs = [{"label": "pd_off#1", "role": "off", "rows": {"decode_bs1": {"median_s": 2.0}}},
+            {"label": "pd_ours#1", "role": "ours", "rows": {"decode_bs1": {"median_s": 2.01}}},
+            {"label": "pd_off#2", "role": "off", "rows": {"decode_bs1": {"median_s": 1.99}}}]
+    got = pd.summarize(runs, [row])["decode_bs1"]
+    assert (got["off_s"], got["ours_pct"], got["noise_pct"]) == (2.0, 0.5, -0.5)
+    args = pd.parse_args(["--device", "cpu", "--rows", "decode_bs1"])
+    assert args.config_names == ["pd_off", "pd_ours", "pd_off"] and args.scale == bench.CPU_DEFAULT_SCALE
+    with pytest.raises(SystemExit):
+        pd.parse_args(["--configs", "pd_off,ours"])
