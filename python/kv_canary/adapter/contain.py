@@ -40,7 +40,8 @@ from typing import Dict, List, Tuple
 
 from ..containment import ContainOrder
 from ..violations import CONTAIN_PREFIX, format_line
-from .contain_hicache import evict_hicache_subtree, host_slot_holders, is_hicache_tree, subtree_busy
+from .contain_hicache import (evict_hicache_subtree, host_slot_holders, is_hicache_tree, subtree_busy,
+                              subtree_children_first)
 
 logger = logging.getLogger("kv_canary")
 
@@ -210,14 +211,9 @@ def _slot_holders(tree, slots) -> Dict[int, object]:
 def _evict_subtree(tree, node, removed: set):
     """Free and remove ``node`` and every descendant, children first (each a leaf when removed);
     their ids go into ``removed``."""
-    order: List[object] = []
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        stack.extend(n.children.values())
+    order = subtree_children_first(node)
     tokens = 0
-    for n in reversed(order):  # descendants before ancestors
+    for n in order:
         if n.value is not None:
             tree.token_to_kv_pool_allocator.free(n.value)
             tokens += len(n.value)

@@ -15,6 +15,17 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 
+def subtree_children_first(node) -> List[object]:
+    """``node`` and every descendant, each after all of its descendants (so each is a leaf when removed)."""
+    order: List[object] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(n.children.values())
+    return order[::-1]
+
+
 def is_hicache_tree(tree) -> bool:
     """A ``HiRadixCache`` (host tier beside the device tree): read by attribute, no sglang import."""
     return hasattr(tree, "evictable_host_leaves") and hasattr(tree, "cache_controller")
@@ -41,26 +52,16 @@ def subtree_busy(tree, node) -> bool:
     """Some node of ``node``'s subtree is held by a request, a load/prefetch or an in-flight copy."""
     writing = getattr(tree, "ongoing_write_through", {})
     loading = getattr(tree, "ongoing_load_back", {})
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        stack.extend(n.children.values())
-        if n.lock_ref > 0 or getattr(n, "host_ref_counter", 0) > 0 or n.id in writing or n.id in loading:
-            return True
-    return False
+    return any(n.lock_ref > 0 or getattr(n, "host_ref_counter", 0) > 0 or n.id in writing or n.id in loading
+               for n in subtree_children_first(node))
 
 
 def evict_hicache_subtree(tree, node, removed: set) -> Tuple[int, int, int]:
     """Free ``node`` and every descendant from the device and the host, children first; their ids go into
     ``removed``. Returns (nodes, device tokens freed, host slots freed)."""
-    order: List[object] = []
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        stack.extend(n.children.values())
+    order = subtree_children_first(node)
     tokens = host_slots = 0
-    for n in reversed(order):  # descendants before ancestors: each is a leaf when it goes
+    for n in order:
         if n.value is not None:
             tokens += len(n.value)
             if n.host_value is None:  # device only: the tree's own regular eviction frees it and unlinks it
