@@ -41,7 +41,8 @@ from kv_canary_testing.pd import PDCluster, pd_skip_reason  # noqa: E402
 CONFIGS: Dict[str, tuple] = {"pd_off": ("off", ("--kv-canary", "none")), "pd_ours": ("ours", ("--kv-canary", "raise"))}
 DEFAULT_CONFIGS = ("pd_off", "pd_ours", "pd_off")
 DEFAULT_ROWS = ("decode_bs1", "decode_bs32", "prefill_bs8")
-ONE_GPU_MEM_FRACTION = 0.42  # two 8B servers (16 GB of weights each) and their KV on one 80 GB card
+ONE_GPU_MEM_FRACTION = 0.8  # sglang sizes "rest" = free - total x (1 - this) after its weights, seeing the other
+# side's memory as used: 0.42 left the second side nothing; the pool itself is capped by --max-total-tokens
 STARTUP_TIMEOUT_S = 900
 
 

@@ -24,6 +24,10 @@
 #   bash scripts/gpu_host.sh pd-e2e [pytest args]   # test_e2e_pd.py on the GPU; server logs into $OUT
 #   bash scripts/gpu_host.sh pd-bench-start [args]  # scripts/bench_pd_overhead.py in the background (after install-pd)
 #   bash scripts/gpu_host.sh pd-bench-wait [seconds] # as bench-wait: bench_overhead.json (the PD report) + logs
+#   bash scripts/gpu_host.sh hicache-e2e [pytest args]  # test_e2e_hicache.py on the GPU (sglang's own HiCache
+#                                                   # transfers, CUDA graphs); server logs into $OUT
+#   bash scripts/gpu_host.sh hc-bench-start [args]  # scripts/bench_hicache_overhead.py in the background
+#   bash scripts/gpu_host.sh hc-bench-wait [seconds] # as bench-wait: bench_overhead.json (the HiCache report) + logs
 #
 # The PD e2e on the GPU (issue 25; both servers on one GPU, mooncake over TCP on 127.0.0.1), all calls back to back:
 #   1. install-a                                      carry [.bundle/part-a]                      timeout 300
@@ -107,14 +111,23 @@ PY
       test/registered/kv_canary/test_e2e_pd.py "$@" 2>&1 | tee "$out/gpu-pd-e2e.log" || rc=$?
     [ ! -d /tmp/kvc-pd ] || tar czf "$out/pd-logs.tgz" -C /tmp kvc-pd
     exit "$rc" ;;
+  hicache-e2e)
+    rm -rf /tmp/kvc-hc; rc=0
+    KVC_TEST_DEVICE=cuda timeout -s INT -k 60 "${KVC_HC_E2E_TIMEOUT:-480}" \
+      python3 -m pytest -q -rs -s -p no:cacheprovider --basetemp=/tmp/kvc-hc \
+      test/registered/kv_canary/test_e2e_hicache.py "$@" 2>&1 | tee "$out/gpu-hicache-e2e.log" || rc=$?
+    [ ! -d /tmp/kvc-hc ] || tar czf "$out/hicache-logs.tgz" -C /tmp kvc-hc
+    exit "$rc" ;;
   install-upstream)
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;
-  bench-start|pd-bench-start)  # pd-bench-start: scripts/bench_pd_overhead.py (a PD pair; after install-pd)
+  bench-start|pd-bench-start|hc-bench-start)  # pd-: bench_pd_overhead.py (after install-pd); hc-: HiCache
     script=scripts/bench_overhead.py
     if [ "$step" = pd-bench-start ]; then
       script=scripts/bench_pd_overhead.py; bench_dir=/tmp/kvc-pd-bench
       export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    elif [ "$step" = hc-bench-start ]; then
+      script=scripts/bench_hicache_overhead.py; bench_dir=/tmp/kvc-hc-bench
     fi
     [ ! -f "$bench_dir/pid" ] || ! kill -0 "$(cat "$bench_dir/pid")" 2>/dev/null || { echo "a bench is running" >&2; exit 1; }
     mkdir -p "$bench_dir"; rm -f "$bench_dir/rc"
@@ -124,8 +137,9 @@ PY
       > "$0/bench.log" 2>&1; echo $? > "$0/rc"' "$bench_dir" "$script" "${extra[@]}" "$@" < /dev/null > /dev/null 2>&1 &
     echo $! > "$bench_dir/pid"
     sleep 5; echo "bench started in the background: $bench_dir/bench.log"; tail -5 "$bench_dir/bench.log" ;;
-  bench-wait|pd-bench-wait)
-    [ "$step" = bench-wait ] || bench_dir=/tmp/kvc-pd-bench
+  bench-wait|pd-bench-wait|hc-bench-wait)
+    [ "$step" != pd-bench-wait ] || bench_dir=/tmp/kvc-pd-bench
+    [ "$step" != hc-bench-wait ] || bench_dir=/tmp/kvc-hc-bench
     limit="${1:-570}"; t0=$SECONDS
     while [ ! -f "$bench_dir/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
     for f in overhead.json overhead_extra.json bench_overhead.json bench.log gpu-info.txt; do

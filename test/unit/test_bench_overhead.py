@@ -232,3 +232,27 @@ def test_the_pd_pair_bench_sizes_both_sides_and_summarizes_against_its_first_off
     assert args.config_names == ["pd_off", "pd_ours", "pd_off"] and args.scale == bench.CPU_DEFAULT_SCALE
     with pytest.raises(SystemExit):
         pd.parse_args(["--configs", "pd_off,ours"])
+
+
+def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes_against_its_first_off_server():
+    """scripts/bench_hicache_overhead.py (issue 24): a repetition is turn by turn, ``group`` conversations a batch,
+    each prompt its conversation's system prompt and turns so far (fresh per repetition); the first off server is
+    the base, the second the noise; bad values refused."""
+    hc = _load("bench_hicache_overhead")
+    args = hc.parse_args(["--device", "cpu", "--conversations", "5", "--group", "2", "--turns", "2",
+                          "--system-len", "3", "--turn-len", "2"])
+    assert args.config_names == ["hc_off", "hc_ours", "hc_off"] and args.output_len == hc.SHAPES["cpu"][4]
+    batches = hc.repetition(args, (100, 200), 0)
+    assert [len(b) for b in batches] == [2, 2, 1, 2, 2, 1]
+    first, second = batches[0][0], batches[3][0]  # conversation 0, turns 1 and 2
+    assert len(first) == 3 + 2 and second[:5] == first and len(second) == 3 + 2 * 2
+    assert all(100 <= t < 200 for b in batches for p in b for t in p)
+    assert hc.repetition(args, (100, 200), 1)[0][0][:3] != first[:3]  # no cross-repetition hits
+    runs = [{"label": "hc_off#1", "role": "off", "median_s": 2.0, "reps": [{"load_back_tokens": 7}]},
+            {"label": "hc_ours#1", "role": "ours", "median_s": 2.02, "reps": [{"load_back_tokens": 7}]},
+            {"label": "hc_off#2", "role": "off", "median_s": 1.98, "reps": []}]
+    got = hc.summarize(runs)
+    assert (got["off_s"], got["ours_pct"], got["noise_pct"]) == (2.0, 1.0, -1.0)
+    for bad in (["--configs", "hc_off,ours"], ["--group", "0"], ["--reps", "0"]):
+        with pytest.raises(SystemExit):
+            hc.parse_args(bad)

@@ -13,7 +13,8 @@ from kv_canary.config import CanaryConfig, CanaryConfigError
 
 def _args(**kw):
     base = dict(enable_hierarchical_cache=True, hicache_storage_backend=None, device="cpu", page_size=1,
-                hicache_write_policy="write_through", hicache_mem_layout="layer_first", tp_size=1,
+                hicache_write_policy="write_through", hicache_mem_layout="layer_first", hicache_io_backend="kernel",
+                tp_size=1,
                 speculative_algorithm=None, disaggregation_mode="null", kv_canary_sweep_interval=0)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -24,7 +25,8 @@ def _config(mode="raise", real_data="partial", sweep=0):
 
 
 @pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
-                                {"hicache_write_policy": "write_through_selective"}, {"page_size": None}])
+                                {"hicache_write_policy": "write_through_selective"}, {"page_size": None},
+                                {"device": "cuda"}, {"device": "cuda", "hicache_io_backend": "direct"}])
 def test_verified_combinations_pass(kw):
     check_hicache(_args(**kw), _config(), line="0.5.12")
     check_hicache(_args(**kw), _config("log"), line="0.5.12")
@@ -34,7 +36,8 @@ def test_verified_combinations_pass(kw):
 @pytest.mark.parametrize("kw,line,config,needle", [
     ({}, "0.5.23", {}, "sglang 0.5.23"),
     ({"hicache_storage_backend": "file"}, "0.5.12", {}, "--hicache-storage-backend file"),
-    ({"device": "cuda"}, "0.5.12", {}, "--device cuda"),
+    ({"device": "npu"}, "0.5.12", {}, "--device npu"),
+    ({"hicache_io_backend": "kernel_ascend"}, "0.5.12", {}, "--hicache-io-backend kernel_ascend"),
     ({"page_size": 64}, "0.5.12", {}, "--page-size 64"),
     ({"hicache_mem_layout": "page_first"}, "0.5.12", {}, "--hicache-mem-layout page_first"),
     ({"tp_size": 2}, "0.5.12", {}, "--tp-size 2"),

@@ -19,8 +19,8 @@ class FakeManager:
     def backup_records(self, device_idx, host_idx, stream=None):
         self.calls.append(("backup", device_idx.tolist(), host_idx.tolist(), stream))
 
-    def load_records(self, host_idx, device_idx):
-        self.calls.append(("load", host_idx.tolist(), device_idx.tolist()))
+    def load_records(self, host_idx, device_idx, load_id=0):
+        self.calls.append(("load", host_idx.tolist(), device_idx.tolist(), load_id))
 
     def settle_host_records(self):
         self.calls.append(("settle",))
@@ -28,8 +28,8 @@ class FakeManager:
     def free_host_slots(self, host_idx):
         self.calls.append(("free", host_idx.tolist()))
 
-    def load_in_flight(self, wait_until_layer):
-        self.calls.append(("load_in_flight", wait_until_layer))
+    def load_in_flight(self, wait_until_layer, load_id=0):
+        self.calls.append(("load_in_flight", wait_until_layer, load_id))
 
 
 def _op(host, device):
@@ -58,7 +58,7 @@ def test_backup_and_load_follow_the_queued_operations():
         return 1
 
     assert hicache.around_start_loading(start_loading, c) == 1
-    assert m.calls[-1] == ("load", [8, 9], [20, 21])
+    assert m.calls[-1] == ("load", [8, 9], [20, 21], 1)  # named by sglang's producer index
 
 
 def test_no_load_issued_no_records_moved_and_no_manager_no_work():
@@ -82,4 +82,4 @@ def test_settle_free_and_consumer_hand_over():
     assert m.calls[-1][0] == "free"  # no load consumed: nothing handed over
     counter.consumer_index = 2
     hicache.note_load_consumer(m, runner)
-    assert m.calls[-1] == ("load_in_flight", counter.wait_until)
+    assert m.calls[-1] == ("load_in_flight", counter.wait_until, 2)

@@ -1,9 +1,11 @@
 """sglang's HiCache (``--enable-hierarchical-cache``) under the canary: the startup gate (docs/hicache.md 3.13).
 
-What is verified (the CPU e2e ``test_e2e_hicache.py``, sglang 0.5.12 through the test shim): an MHA pool (one
-buffer group), ``--page-size`` 1 or 16, the write policies in ``VERIFIED_WRITE_POLICIES``, the ``layer_first``
-host layout, no storage backend, one TP rank, ``--kv-canary log|raise`` with ``--kv-canary-real-data partial``.
-Everything else is refused at startup naming the flag and its value.
+What is verified (``test_e2e_hicache.py``, sglang 0.5.12: on CPU through the test shim, on a GPU with sglang's own
+pinned host pool, transfer kernels or direct copies, and layer-wise load overlap under CUDA graphs): an MHA pool
+(one buffer group), ``--page-size`` 1 or 16, the write policies in ``VERIFIED_WRITE_POLICIES``, both
+``--hicache-io-backend`` choices, the ``layer_first`` host layout, no storage backend, one TP rank,
+``--kv-canary log|raise|contain`` with ``--kv-canary-real-data partial``. Everything else is refused at startup
+naming the flag and its value.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ VERIFIED_LINES = ("0.5.12",)
 VERIFIED_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 VERIFIED_LAYOUTS = ("layer_first",)
 VERIFIED_PAGE_SIZES = (1, 16)
-VERIFIED_DEVICES = ("cpu",)
+VERIFIED_DEVICES = ("cpu", "cuda")
+VERIFIED_IO_BACKENDS = ("kernel", "direct")
 VERIFIED_POOLS = ("MHATokenToKVPool",)
 
 
@@ -51,8 +54,8 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
                 "drop --hicache-storage-backend")
     device = str(getattr(server_args, "device", None) or "cuda")
     if device not in VERIFIED_DEVICES:
-        _refuse(f"--device {device}", "HiCache with the canary is verified on CPU (test shim) only; the GPU "
-                "transfers are not verified yet (docs/hicache.md step 12)", f"drop {FLAG}")
+        _refuse(f"--device {device}", f"HiCache with the canary is verified on {', '.join(VERIFIED_DEVICES)} only",
+                f"drop {FLAG}")
     checks = (
         ("--kv-canary", config.mode.value, ("log", "raise", "contain"), "only these modes were run"),
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
@@ -62,6 +65,8 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
          VERIFIED_WRITE_POLICIES, "only these write policies were run"),
         ("--hicache-mem-layout", getattr(server_args, "hicache_mem_layout", "layer_first"), VERIFIED_LAYOUTS,
          "only the layer_first host layout was run"),
+        ("--hicache-io-backend", getattr(server_args, "hicache_io_backend", "kernel"), VERIFIED_IO_BACKENDS,
+         "only these transfer paths were run"),
         ("--tp-size", getattr(server_args, "tp_size", None) or 1, (1,), "host copies per TP rank are not verified"),
     )
     for flag, value, allowed, why in checks:
@@ -164,7 +169,7 @@ def around_start_loading(original, controller, *args, **kwargs):
     producer_id = original(controller, *args, **kwargs)
     if ops is not None and producer_id is not None and producer_id >= 0:
         host_idx, device_idx = ops
-        manager.load_records(host_idx, device_idx)
+        manager.load_records(host_idx, device_idx, load_id=producer_id)
     return producer_id
 
 
@@ -182,9 +187,11 @@ def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:
 
 
 def note_load_consumer(manager, model_runner) -> None:
-    """Before a forward: if it consumes a HiCache load (sglang set the layer counter's consumer), hand the load
-    over (its HEAD waits for the hashed layers; its full-row hashing runs after it)."""
+    """Before a forward: if it consumes a HiCache load (sglang set the layer counter's consumer to the load's
+    producer index), hand the load over (its HEAD waits for the hashed layers; its full-row hashing runs after
+    it). sglang sets the consumer from the batch's ``hicache_consumer_index``, which the decode batches that
+    follow a load-back prefill keep: the manager hands a load over to its first forward only."""
     pool = getattr(model_runner, "token_to_kv_pool", None)
     counter = getattr(pool, "layer_transfer_counter", None)
     if counter is not None and counter.consumer_index >= 0:
-        manager.load_in_flight(counter.wait_until)
+        manager.load_in_flight(counter.wait_until, load_id=counter.consumer_index)

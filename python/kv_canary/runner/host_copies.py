@@ -8,9 +8,11 @@ The engine wiring tells the manager three things, with plain tensors:
 * ``load_records(host_idx, device_idx)``: the engine loads those host copies into *new* device slots; their host
   records are written at the new indices and their first-read tag is zeroed, so the next read lists them and
   hashes every byte once (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written;
-* ``load_in_flight(wait_until_layer)``: the next forward consumes a load; its HEAD first waits for the records and
-  for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one layer), and its
-  first-read hashing moves after the forward (every layer has landed by then).
+* ``load_in_flight(wait_until_layer, load_id)``: the next forward consumes load ``load_id``; its HEAD first waits
+  for the records and for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one
+  layer), and its first-read hashing moves after the forward (every layer has landed by then). Only the first
+  forward that names a pending load consumes it: an engine may keep naming the load on later forwards of the
+  same batch (sglang's decode batches carry their prefill's consumer index), which read nothing new from it.
 
 One buffer group (the gate refuses more). Loads arrive with extend batches only, which run eagerly.
 """
@@ -33,6 +35,7 @@ class HostCopies:
         self.host_records: Optional[HostRecordStore] = None
         self._load_stream = None  # CUDA: the side stream the records of a load are copied on
         self._load_event = None  # CUDA: marks the last load's records landed
+        self._pending_load_id: Optional[int] = None  # the engine's name of the load no forward consumed yet
         # the load book, for violation lines: device slot -> (host slot it was loaded from, the consuming forward)
         self._loaded_from: Optional[torch.Tensor] = None
         # SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB: the host copies' rows, and the flipped host slots (-> loaded yet)
@@ -63,14 +66,18 @@ class HostCopies:
         if records.device.type != "cuda":
             store.add_pending(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)), None)
             return
-        stream = stream or torch.cuda.current_stream(records.device)
-        stream.wait_stream(torch.cuda.current_stream(records.device))  # after the TAIL that wrote them
+        current = torch.cuda.current_stream(records.device)
+        stream = stream or current
+        # the gather on the current stream: ``device_idx`` is the caller's, made and freed there (read on the copy
+        # stream, its memory could be reused before the read: a device-side index assert, found on the GPU host)
+        rows = records.index_select(0, device_idx.to(records.device, torch.int64))
+        stream.wait_stream(current)  # after the gather (and the TAIL that wrote the records)
         with torch.cuda.stream(stream):
-            rows = records.index_select(0, device_idx.to(records.device, torch.int64))
             stage = store.new_stage(int(device_idx.numel()))
             stage.copy_(rows, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        rows.record_stream(stream)  # freed here, read there
         store.add_pending(host_idx, stage, event)
 
     def settle_host_records(self) -> None:
@@ -90,11 +97,13 @@ class HostCopies:
             for h in host_idx.tolist():
                 self._flipped.pop(h, None)
 
-    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> None:
-        """The engine loads host copies ``host_idx`` into new device slots ``device_idx`` (int[n] each)."""
+    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, load_id: int = 0) -> None:
+        """The engine loads host copies ``host_idx`` into new device slots ``device_idx`` (int[n] each); ``load_id``:
+        the engine's name of this load, which the consuming forward names (``load_in_flight``)."""
         store = self.host_records
         if store is None or device_idx.numel() == 0:
             return
+        self._pending_load_id = int(load_id)
         group = self.groups[0]
         rows = store.read(host_idx)  # settles them first (normally done at the write ack)
         dev = device_idx.to(group.records.device, torch.int64)
@@ -116,8 +125,13 @@ class HostCopies:
         self._load_event = torch.cuda.Event()
         self._load_event.record(self._load_stream)
 
-    def load_in_flight(self, wait_until_layer: Callable[[int], None]) -> None:
-        """The next forward consumes a load: its HEAD waits for it, its full-row hashing runs after it."""
+    def load_in_flight(self, wait_until_layer: Callable[[int], None], load_id: int = 0) -> bool:
+        """The next forward names load ``load_id``: if that load is pending, this forward consumes it (its HEAD waits
+        for it, its full-row hashing runs after it) and True; a load already consumed (or never issued) is not
+        handed over again (False)."""
+        if self._pending_load_id is None or int(load_id) != self._pending_load_id:
+            return False
+        self._pending_load_id = None
         layer = max(self.config.kv_hash_layers)
         event, self._load_event = self._load_event, None
 
@@ -127,6 +141,7 @@ class HostCopies:
             wait_until_layer(layer)
 
         self.single_forward_managers[0].expect_load(wait)
+        return True
 
     def _check_load_consumed(self) -> None:
         """After a forward: a load handed over but not consumed ran in a replayed graph (never expected)."""

@@ -31,9 +31,15 @@ FLIPS = 6  # host-copy flips of the contain run
 MAX_TOTAL_TOKENS = 1024
 
 
-def hicache_args(page_size: int = 1, policy: str = "write_through"):
+def hicache_args(page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel"):
     return ["--enable-hierarchical-cache", "--hicache-ratio", "8", "--hicache-write-policy", policy,
-            "--page-size", str(page_size), "--enable-metrics"]
+            "--hicache-io-backend", io_backend, "--page-size", str(page_size), "--enable-metrics"]
+
+
+def shim_env():
+    """On CPU sglang's host pool and transfers run through the test shim; a GPU runs sglang's own (pinned host
+    memory, its transfer kernels on the load and write streams, the layer-wise load overlap)."""
+    return {SHIM_ENV: "1"} if e2e_device() == "cpu" else {}
 
 
 def conversations(seed: int = 24):
@@ -58,10 +64,12 @@ def sglang_counter(base_url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", env=None):
+def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel",
+          env=None):
     """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log."""
-    srv = canary_server(mode, log_path=tmp_path / "server.log", extra_args=hicache_args(page_size, policy),
-                        env={SHIM_ENV: "1", **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
+    srv = canary_server(mode, log_path=tmp_path / "server.log",
+                        extra_args=hicache_args(page_size, policy, io_backend),
+                        env={**shim_env(), **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
     srv.start(timeout=600)
     try:
         result = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
@@ -75,7 +83,7 @@ def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_throu
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
+@pytest.mark.skipif(e2e_device() != "cpu", reason="proves the CPU shim; a GPU runs sglang's own transfers")
 @pytest.mark.skipif(os.environ.get("KVC_HICACHE_SHIM_PROOF") != "1",
                     reason="CI time: the raise runs assert the same sglang counters with the canary on; by hand: "
                            "KVC_HICACHE_SHIM_PROOF=1 (passed on 2026-11-25: evicted 10,790, loaded back 7,632 tokens)")
@@ -93,14 +101,17 @@ HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+)")
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
-@pytest.mark.parametrize("page_size,policy", [(1, "write_through"), (16, "write_back"),
-                                              (1, "write_through_selective")])
-def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy):
-    result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy)
+@pytest.mark.parametrize("page_size,policy,io_backend", [(1, "write_through", "kernel"), (16, "write_back", "kernel"),
+                                                         (1, "write_through_selective", "direct")])
+def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend):
+    """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
+    its direct copies.)"""
+    result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
+                                                io_backend=io_backend)
     loaded = counters["sglang:load_back_tokens_total"]
     stats = log.stats[-1] if log.stats else {}
-    print(f"kv_canary_e2e_hicache mode=raise page_size={page_size} policy={policy} {result.summary()} "
+    print(f"kv_canary_e2e_hicache mode=raise device={e2e_device()} page_size={page_size} policy={policy} "
+          f"io_backend={io_backend} {result.summary()} "
           f"evicted={counters['sglang:evicted_tokens_total']:.0f} load_back_tokens={loaded:.0f} "
           + " ".join(f"{k}={stats.get(k)}" for k in ("hicache_backups", "hicache_slots_backed_up", "hicache_loads",
                                                       "hicache_slots_loaded", "slots_first_read", "slots_verified",
@@ -117,7 +128,6 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
 def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
     """``log`` + ``SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB``: a byte of a settled host copy is flipped (anywhere in
     the slot's K/V rows, mostly outside the hashed window); every flipped copy sglang loads back is reported at
@@ -141,13 +151,12 @@ def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(e2e_device() != "cpu", reason="the GPU flavour needs the 0.5.12 GPU host run (step 12)")
 def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
     """``contain`` + host-copy flips (at most ``FLIPS``, all in the first pass): each flipped copy loaded back is
     reported, its readers are contained, and its node leaves the device *and* the host
     (``kv_canary_contain=evict ... host_slots=``); a second pass of the same conversations (no flips left) loads
     back no contained copy again, and the server keeps serving."""
-    env = {SHIM_ENV: "1", "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
+    env = {**shim_env(), "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
            "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0", "SGLANG_KV_CANARY_PERTURB_SEED": "7",
            "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
     srv = canary_server("contain", log_path=tmp_path / "server.log", extra_args=hicache_args(), env=env,

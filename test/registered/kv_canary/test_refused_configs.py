@@ -42,7 +42,7 @@ CASES = [
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm STANDALONE"),
     ("speculative-ngram", ["--speculative-algorithm", "NGRAM"], "cannot verify --speculative-algorithm NGRAM"),
-    # HiCache is verified on CPU with pages of 1 and 16, layer_first, no storage (test_e2e_hicache); not these
+    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first, no storage (test_e2e_hicache); not these
     ("hicache-storage", ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
      "cannot verify --enable-hierarchical-cache with --hicache-storage-backend file"),
     ("hicache-storage-alone", ["--hicache-storage-backend", "file"], "cannot verify --hicache-storage-backend file"),

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Serving overhead of the kv-canary with HiCache (issue 24): multi-turn traffic served from the host tier.
+
+One run starts, per entry of ``--configs``, one sglang server with ``--enable-hierarchical-cache`` (write
+through, ``layer_first``, page 1) and times a multi-turn workload on it, then stops it. ``hc_off``:
+``--kv-canary none``; ``hc_ours``: ``--kv-canary raise`` (default settings; with HiCache every new slot's bytes
+are hashed at its write, records follow the KV to the host and back, and every loaded-back slot is hashed once
+at its first read). A second ``hc_off`` gives the off-vs-off noise.
+
+Workload (one repetition): ``--conversations`` conversations, each a fresh ``--system-len``-token system prompt
+and ``--turns`` turns of ``--turn-len`` new tokens and ``--output-len`` generated ones, sent turn by turn in
+batched ``/generate`` calls of ``--group`` conversations. The device pool (``--max-total-tokens``) holds a
+fraction of the conversations, so by its next turn a conversation's prefix has left the device and comes back
+from the host (``sglang:load_back_tokens_total``, read from sglang's /metrics per repetition, proves it). One
+untimed warmup repetition, then ``--reps`` timed ones (fresh conversations each); the row is the median wall
+time of a repetition.
+
+GPU (default): bench_overhead's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
+tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes; the timings only prove the
+script works.
+
+    export PYTHONPATH=/tmp/site:$PWD/python
+    python scripts/bench_hicache_overhead.py --out hicache_overhead.json        # GPU host
+    python scripts/bench_hicache_overhead.py --device cpu                        # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overhead import (  # noqa: E402
+    ROWS, SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, pct, probe_environment, run_batch, server_plan,
+    wait_settled,
+)
+from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
+from kv_canary_testing.server import SglangServer  # noqa: E402
+
+CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none")), "hc_ours": ("ours", ("--kv-canary", "raise"))}
+DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
+# (conversations, system_len, turns, turn_len, output_len, group, max_total_tokens, hicache_ratio) per device:
+# on the GPU 48 x ~1.3k tokens of prefixes against a 16k-token device pool and a 5x host pool
+SHAPES = {"cuda": (48, 1024, 3, 64, 32, 8, 16384, 5), "cpu": (12, 200, 3, 12, 4, 4, 1024, 8)}
+LOAD_BACK = "sglang:load_back_tokens_total"
+EVICTED = "sglang:evicted_tokens_total"
+
+
+def sglang_counter(base_url: str, name: str) -> float:
+    """The sum of a Prometheus counter over its labels, from sglang's /metrics."""
+    session = requests.Session()
+    session.trust_env = False  # loopback only
+    text = session.get(f"{base_url}/metrics", timeout=30).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def repetition(args, token_range, rep: int) -> List[List[List[int]]]:
+    """The batches of one repetition, in send order: turn by turn, ``args.group`` conversations a batch; each
+    prompt is its conversation's system prompt and turns so far (fresh ids per repetition: no cross-rep hits)."""
+    rng = random.Random(args.seed * 1000 + rep + 1)
+    lo, hi = token_range
+    draw = lambda n: [rng.randrange(lo, hi) for _ in range(n)]  # noqa: E731
+    systems = [draw(args.system_len) for _ in range(args.conversations)]
+    turns = [[draw(args.turn_len) for _ in range(args.turns)] for _ in range(args.conversations)]
+    batches = []
+    for t in range(args.turns):
+        for g in range(0, args.conversations, args.group):
+            batches.append([systems[c] + sum(turns[c][: t + 1], []) for c in range(g, min(g + args.group,
+                                                                                          args.conversations))])
+    return batches
+
+
+def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
+    """Start one HiCache server, time the repetitions, stop it; return its results (``error`` on failure)."""
+    role, canary = CONFIGS[name]
+    result = {"label": label, "config": name, "role": role, "describe": " ".join(canary), "reps": [], "error": None}
+    hicache = ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio), "--hicache-write-policy",
+               "write_through", "--enable-metrics"]
+    env = dict(plan["env"])
+    if args.device == "cpu":
+        env[HICACHE_SHIM_ENV] = "1"
+    server = SglangServer([*canary, *plan["args"], *hicache], env=env,
+                          log_path=log_dir / f"{label.replace('#', '')}.log", device=args.device,
+                          model_path=plan["model_path"], max_total_tokens=args.max_total_tokens)
+    result["command"] = server.command()
+    _progress(f"[{label}] starting a HiCache server ({result['describe']}) ...")
+    try:
+        server.start(timeout=plan["startup_timeout"])
+        result["startup_s"] = round(server.startup_seconds or 0.0, 1)
+        _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
+        for rep in range(-1, args.reps):  # -1: the untimed warmup
+            loaded0 = sglang_counter(server.base_url, LOAD_BACK)
+            t0, cached = time.perf_counter(), 0
+            for batch in repetition(args, plan["token_range"], rep):
+                cached += run_batch(server.base_url, batch, args.output_len)["cached_tokens"]
+            wall = time.perf_counter() - t0
+            loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
+            if rep >= 0:
+                result["reps"].append({"wall_s": round(wall, 4), "cached_tokens": cached,
+                                       "load_back_tokens": int(loaded)})
+            _progress(f"[{label}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
+                      f"load_back_tokens={loaded:.0f}")
+        result["evicted_tokens"] = int(sglang_counter(server.base_url, EVICTED))
+        if role == "ours":
+            wait_settled(server, SETTLE_TIMEOUT_S)
+    except Exception as exc:  # keep the other servers' results: record and go on
+        result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+        _progress(f"[{label}] FAILED: {result['error']}")
+    finally:
+        server.stop(grace=STOP_GRACE_S)
+    if result["reps"]:
+        result["median_s"] = round(statistics.median(r["wall_s"] for r in result["reps"]), 4)
+    result.update(log_facts(server.log_text()))
+    result["hicache_line"] = next((ln.strip() for ln in server.log_text().splitlines() if "kv_canary_hicache=1" in ln),
+                                  None)
+    return result
+
+
+def summarize(runs: Sequence[dict]) -> dict:
+    """off_s (first hc_off), ours_pct (first hc_ours), noise_pct (second hc_off vs first), host hits."""
+    offs = [r for r in runs if r["role"] == "off" and r.get("median_s") is not None]
+    ours = [r for r in runs if r["role"] == "ours" and r.get("median_s") is not None]
+    off_s = offs[0]["median_s"] if offs else None
+    return {"off_s": off_s, "ours_pct": pct(ours[0]["median_s"] if ours else None, off_s),
+            "noise_pct": pct(offs[1]["median_s"] if len(offs) > 1 else None, off_s),
+            "load_back_tokens_per_rep": {r["label"]: [x["load_back_tokens"] for x in r["reps"]] for r in runs}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"from {', '.join(CONFIGS)}")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=2025)
+    for flag in ("conversations", "system-len", "turns", "turn-len", "output-len", "group", "max-total-tokens",
+                 "hicache-ratio"):
+        p.add_argument(f"--{flag}", type=int, default=None, help="default: per device (SHAPES)")
+    p.add_argument("--out", default="hicache_overhead.json")
+    p.add_argument("--log-dir", default=None)
+    args = p.parse_args(argv)
+    names = ("conversations", "system_len", "turns", "turn_len", "output_len", "group", "max_total_tokens",
+             "hicache_ratio")
+    for name, default in zip(names, SHAPES[args.device]):
+        value = getattr(args, name)
+        if value is None:
+            setattr(args, name, default)
+        elif value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    args.config_names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in args.config_names if c not in CONFIGS]
+    if bad or not args.config_names:
+        p.error(f"--configs: unknown or empty {bad}; choose from {', '.join(CONFIGS)}")
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else out.with_name(out.stem + "_logs")
+    plan = server_plan(args.device, 1.0, [ROWS["decode_bs1"]])  # flags, model and token range (its pool: ours)
+    host = probe_environment(args.device)
+    shape = {k: getattr(args, k) for k in ("conversations", "system_len", "turns", "turn_len", "output_len", "group",
+                                            "max_total_tokens", "hicache_ratio")}
+    t0 = time.monotonic()
+    _progress(f"device={host.get('device_name')} sglang={host.get('sglang')} configs={','.join(args.config_names)} "
+              f"reps={args.reps} shape={shape}")
+    report = {"benchmark": "kv_canary serving overhead with HiCache (multi-turn, prefixes loaded back from the host)",
+              "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": shlex.join(["python3", *sys.argv]), "host": host, "device": args.device, "shape": shape,
+              "reps": args.reps, "timing": "wall time of one repetition (all turns, batched /generate calls); "
+                                           "median of the timed repetitions", "runs": []}
+    counts: Dict[str, int] = {}
+    for name in args.config_names:
+        counts[name] = counts.get(name, 0) + 1
+        report["runs"].append(run_server(f"{name}#{counts[name]}", name, plan, args, log_dir))
+        report["overhead"] = summarize(report["runs"])
+        report["elapsed_s"] = round(time.monotonic() - t0, 1)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    v = report["overhead"]
+    print(f"\n## kv-canary overhead with HiCache ({host.get('device_name')}, reps={args.reps}, shape={shape})")
+    print(f"  hicache_multiturn  off {v['off_s']}s  ours {v['ours_pct']}%  noise {v['noise_pct']}%")
+    for run in report["runs"]:
+        st = run.get("canary_stats_last") or {}
+        print(f"- {run['label']} ({run['describe']}): startup {run.get('startup_s', 'n/a')}s; median "
+              f"{run.get('median_s')}s; load_back_tokens/rep {[r['load_back_tokens'] for r in run['reps']]}; "
+              f"evicted {run.get('evicted_tokens')}; hicache_slots_loaded={st.get('hicache_slots_loaded')} "
+              f"slots_first_read={st.get('slots_first_read')} violations={st.get('violations')} "
+              f"violation_lines={run.get('violation_lines')}"
+              + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
+    print(f"\nresults: {out}  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")
+    return 1 if any(r.get("error") for r in report["runs"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
