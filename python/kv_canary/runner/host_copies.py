@@ -36,7 +36,8 @@ class HostCopies:
         self._load_stream = None  # CUDA: the side stream the records of a load are copied on
         self._load_event = None  # CUDA: marks the last load's records landed
         self._pending_load_id: Optional[int] = None  # the engine's name of the load no forward consumed yet
-        # the load book, for violation lines: device slot -> (host slot it was loaded from, the consuming forward)
+        # the load book, for violation lines: int64[device slots, 2] on the pool's device, device slot -> (host slot
+        # it was loaded from, the consuming forward); written on the load's stream, read only to report a violation
         self._loaded_from: Optional[torch.Tensor] = None
         # SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB: the host copies' rows, and the flipped host slots (-> loaded yet)
         self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
@@ -52,7 +53,8 @@ class HostCopies:
             raise ValueError("kv-canary: the host-copy perturbation needs the host copies' rows")
         self.host_records = store
         self._host_rows = host_rows or {}
-        self._loaded_from = torch.full((self.groups[0].num_slots, 2), -1, dtype=torch.int64)
+        self._loaded_from = torch.full((self.groups[0].num_slots, 2), -1, dtype=torch.int64,
+                                       device=self.groups[0].records.device)
         if self.counters.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self.counters.device)
 
@@ -106,9 +108,9 @@ class HostCopies:
         self._pending_load_id = int(load_id)
         group = self.groups[0]
         rows = store.read(host_idx)  # settles them first (normally done at the write ack)
-        dev = device_idx.to(group.records.device, torch.int64)
+        dev = device_idx.to(group.records.device, torch.int64)  # no host copy of it: that would wait for the device
         host_cpu = host_idx.to("cpu", torch.int64)
-        self._loaded_from[dev.cpu()] = torch.stack([host_cpu, torch.full_like(host_cpu, self.forwards)], dim=1)
+        book = torch.stack([host_cpu, torch.full_like(host_cpu, self.forwards)], dim=1)
         if self._flipped:
             for h in host_cpu.tolist():
                 if h in self._flipped:
@@ -116,11 +118,13 @@ class HostCopies:
         if self._load_stream is None:
             group.records.index_copy_(0, dev, rows.to(group.records.device))
             group.full_row.tags[dev] = 0
+            self._loaded_from.index_copy_(0, dev, book)
             return
         self._load_stream.wait_stream(torch.cuda.current_stream(group.records.device))
         with torch.cuda.stream(self._load_stream):
             group.records.index_copy_(0, dev, rows.to(group.records.device, non_blocking=True))
             group.full_row.tags[dev] = 0
+            self._loaded_from.index_copy_(0, dev, book.pin_memory().to(group.records.device, non_blocking=True))
             dev.record_stream(self._load_stream)
         self._load_event = torch.cuda.Event()
         self._load_event.record(self._load_stream)
@@ -153,12 +157,15 @@ class HostCopies:
 
     def annotate_loads(self, violations: List) -> List:
         """Violations on a slot loaded back for the forward that reports them name the host slot it came from."""
+        if not violations:
+            return violations
+        # one gather and one copy to the host for the batch (slot 0, the pool's padding slot, is never loaded into)
+        slots = [v.slot if 0 < v.slot < self._loaded_from.shape[0] else 0 for v in violations]
+        book = self._loaded_from[torch.tensor(slots, device=self._loaded_from.device)].tolist()
         out = []
-        for v in violations:
-            if 0 < v.slot < self._loaded_from.shape[0]:
-                host_slot, forward = self._loaded_from[v.slot].tolist()
-                if host_slot >= 0 and forward == v.forward:
-                    v = dataclasses.replace(v, identity=v.identity + (("hicache", "load"), ("host_slot", host_slot)))
+        for v, (host_slot, forward) in zip(violations, book):
+            if host_slot >= 0 and forward == v.forward:
+                v = dataclasses.replace(v, identity=v.identity + (("hicache", "load"), ("host_slot", host_slot)))
             out.append(v)
         return out
 
