@@ -59,6 +59,16 @@ out="${OUT:-gpu-out}"; mkdir -p "$out"
 export PYTHONPATH="/tmp/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?step}"; shift || true
 bench_dir=/tmp/kvc-bench
+
+gpu_e2e() {  # FILE SECONDS DIR LOG TGZ [pytest args]: one registered e2e file on the GPU, stopped with SIGINT after
+  # SECONDS so that its logs come back; its output in $out/LOG, its servers' logs (under /tmp/DIR) in $out/TGZ
+  local file="$1" limit="$2" dir="$3" log="$4" tgz="$5" rc=0; shift 5
+  rm -rf "/tmp/$dir"
+  KVC_TEST_DEVICE=cuda timeout -s INT -k 60 "$limit" python3 -m pytest -q -rs -s -p no:cacheprovider \
+    --basetemp="/tmp/$dir" "test/registered/kv_canary/$file" "$@" 2>&1 | tee "$out/$log" || rc=$?
+  [ ! -d "/tmp/$dir" ] || tar czf "$out/$tgz" -C /tmp "$dir"
+  return "$rc"
+}
 case "$step" in
   bundle)  # runs on the development machine: build every upload and check it fits one call
     rm -rf .bundle/kvc; mkdir -p .bundle
@@ -104,20 +114,9 @@ PY
   pd-check)
     export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     python3 scripts/pd_transfer_check.py --device cuda 2>&1 | grep -v "^I[0-9]" ;;
-  pd-e2e)
-    rm -rf /tmp/kvc-pd; rc=0
-    KVC_TEST_DEVICE=cuda timeout -s INT -k 60 "${KVC_PD_E2E_TIMEOUT:-480}" \
-      python3 -m pytest -q -rs -s -p no:cacheprovider --basetemp=/tmp/kvc-pd \
-      test/registered/kv_canary/test_e2e_pd.py "$@" 2>&1 | tee "$out/gpu-pd-e2e.log" || rc=$?
-    [ ! -d /tmp/kvc-pd ] || tar czf "$out/pd-logs.tgz" -C /tmp kvc-pd
-    exit "$rc" ;;
+  pd-e2e) gpu_e2e test_e2e_pd.py "${KVC_PD_E2E_TIMEOUT:-480}" kvc-pd gpu-pd-e2e.log pd-logs.tgz "$@" ;;
   hicache-e2e)
-    rm -rf /tmp/kvc-hc; rc=0
-    KVC_TEST_DEVICE=cuda timeout -s INT -k 60 "${KVC_HC_E2E_TIMEOUT:-480}" \
-      python3 -m pytest -q -rs -s -p no:cacheprovider --basetemp=/tmp/kvc-hc \
-      test/registered/kv_canary/test_e2e_hicache.py "$@" 2>&1 | tee "$out/gpu-hicache-e2e.log" || rc=$?
-    [ ! -d /tmp/kvc-hc ] || tar czf "$out/hicache-logs.tgz" -C /tmp kvc-hc
-    exit "$rc" ;;
+    gpu_e2e test_e2e_hicache.py "${KVC_HC_E2E_TIMEOUT:-480}" kvc-hc gpu-hicache-e2e.log hicache-logs.tgz "$@" ;;
   install-upstream)
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;
