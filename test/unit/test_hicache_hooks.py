@@ -28,6 +28,9 @@ class FakeManager:
     def free_host_slots(self, host_idx):
         self.calls.append(("free", host_idx.tolist()))
 
+    def clear_host_records(self):
+        self.calls.append(("clear",))
+
     def load_in_flight(self, wait_until_layer, load_id=0):
         self.calls.append(("load_in_flight", wait_until_layer, load_id))
 
@@ -83,3 +86,7 @@ def test_settle_free_and_consumer_hand_over():
     counter.consumer_index = 2
     hicache.note_load_consumer(m, runner)
     assert m.calls[-1] == ("load_in_flight", counter.wait_until, 2)
+    n = len(m.calls)
+    hicache.after_host_clear(None, SimpleNamespace())  # the host pool's own __init__ clears before attach
+    hicache.after_host_clear(None, SimpleNamespace(kv_canary_manager=m, size=8))  # HiRadixCache.reset (/flush_cache)
+    assert m.calls[n:] == [("clear",)]

@@ -121,3 +121,19 @@ def test_a_load_no_head_consumed_is_an_error():
     with pytest.raises(CanaryBracketError, match="load-back"):
         m._check_load_consumed()
     m._check_load_consumed()  # reported once
+
+
+def test_a_cache_reset_drops_the_host_records_and_a_named_load():
+    """``clear_host_records`` (sglang's tree reset): the host records are zeroed, a load named but never consumed
+    is forgotten (sglang restarts its producer indices), and the load book is emptied."""
+    m = Manager([])
+    old = torch.arange(1, 17)
+    m.forward(0, old, 0)
+    m.backup_records(old, torch.arange(32, 48))
+    m.settle_host_records()
+    assert bool((m.host_records.records[32:48] != 0).any())
+    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
+    m.clear_host_records()
+    assert not bool((m.host_records.records != 0).any())
+    assert not m.load_in_flight(lambda layer: None, load_id=0)  # the reset forgot it: nothing handed over
+    assert int(m._loaded_from.max()) == -1

@@ -186,6 +186,20 @@ def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:
         manager.free_host_slots(indices)
 
 
+def after_host_clear(_result, host_pool, *args, **kwargs) -> None:
+    """sglang reset the tree (``HiRadixCache.reset``: ``/flush_cache``): every host copy is gone. (The host pool's
+    own ``__init__`` calls ``clear`` too, before the manager is attached: nothing to do then.)"""
+    manager = _manager(host_pool)
+    if manager is not None:
+        import logging
+
+        from ..violations import format_line
+
+        manager.clear_host_records()
+        logging.getLogger("kv_canary").info(format_line("kv_canary_hicache_clear", 1,
+                                                        {"host_slots": int(host_pool.size)}))
+
+
 def note_load_consumer(manager, model_runner) -> None:
     """Before a forward: if it consumes a HiCache load (sglang set the layer counter's consumer to the load's
     producer index), hand the load over (its HEAD waits for the hashed layers; its full-row hashing runs after

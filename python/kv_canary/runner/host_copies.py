@@ -99,6 +99,16 @@ class HostCopies:
             for h in host_idx.tolist():
                 self._flipped.pop(h, None)
 
+    def clear_host_records(self) -> None:
+        """The engine dropped every host copy (a cache reset, idle): their records, flips and load book go; a load
+        named but never consumed is forgotten (the engine restarts its load names)."""
+        if self.host_records is None:
+            return
+        self.host_records.clear()
+        self._flipped.clear()
+        self._pending_load_id = None
+        self._loaded_from.fill_(-1)
+
     def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, load_id: int = 0) -> None:
         """The engine loads host copies ``host_idx`` into new device slots ``device_idx`` (int[n] each); ``load_id``:
         the engine's name of this load, which the consuming forward names (``load_in_flight``)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import time
 
 import pytest
 import requests
@@ -64,15 +65,36 @@ def sglang_counter(base_url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+def flush_cache(base_url: str, timeout: float = 60.0) -> None:
+    """sglang's ``/flush_cache`` (the tree, the device and the host pools reset; refused while busy: retried)."""
+    session = requests.Session()
+    session.trust_env = False
+    deadline = time.monotonic() + timeout
+    while True:
+        r = session.post(f"{base_url}/flush_cache", timeout=30)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert r.status_code == 200, f"/flush_cache: HTTP {r.status_code} {r.text[:200]}"
+
+
 def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel",
-          env=None):
-    """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log."""
+          env=None, flush_and_repeat: bool = False):
+    """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log.
+    ``flush_and_repeat``: then ``/flush_cache`` and the same conversations again (from an empty tree and host)."""
     srv = canary_server(mode, log_path=tmp_path / "server.log",
                         extra_args=hicache_args(page_size, policy, io_backend),
                         env={**shim_env(), **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
     srv.start(timeout=600)
     try:
         result = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        if flush_and_repeat:
+            first_loads = sglang_counter(srv.base_url, "sglang:load_back_tokens_total")
+            flush_cache(srv.base_url)
+            again = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+            assert again.failed == 0, "\n".join(again.errors[:5]) + srv.log_tail()
+            assert sglang_counter(srv.base_url, "sglang:load_back_tokens_total") > first_loads, \
+                "nothing was loaded back from the host after the flush"
         counters = {name: sglang_counter(srv.base_url, name)
                     for name in ("sglang:load_back_tokens_total", "sglang:evicted_tokens_total")}
         log = CanaryLog.read_settled(srv) if mode != "none" else CanaryLog.read(srv)
@@ -105,9 +127,10 @@ HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+)")
                                                          (1, "write_through_selective", "direct")])
 def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend):
     """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
-    its direct copies.)"""
+    its direct copies.) The write_back run then flushes the cache (device and host) and serves the same
+    conversations again: its host records go with the host copies, and the loads after it verify clean."""
     result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
-                                                io_backend=io_backend)
+                                                io_backend=io_backend, flush_and_repeat=policy == "write_back")
     loaded = counters["sglang:load_back_tokens_total"]
     stats = log.stats[-1] if log.stats else {}
     print(f"kv_canary_e2e_hicache mode=raise device={e2e_device()} page_size={page_size} policy={policy} "
@@ -117,6 +140,8 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
                                                       "hicache_slots_loaded", "slots_first_read", "slots_verified",
                                                       "violations")))
     assert log.installed and HICACHE_LINE.search(log.text), srv.log_tail()
+    # the write_back run's /flush_cache dropped the host records with the host copies (one clear, logged)
+    assert log.text.count("kv_canary_hicache_clear=1") == (policy == "write_back"), srv.log_tail()
     assert running and result.failed == 0, "\n".join(result.errors[:5]) + srv.log_tail()
     # sglang itself evicted prefixes to the host and loaded them back
     assert counters["sglang:evicted_tokens_total"] > 0 and loaded > 0

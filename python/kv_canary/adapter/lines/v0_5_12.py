@@ -100,6 +100,7 @@ HICACHE_HOOKS: HookTable = {
                                                                             "around"),
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check": ("hicache.after_writing_check", "after"),
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free": ("hicache.after_host_free", "after"),
+    "sglang.srt.mem_cache.memory_pool_host.HostKVCache.clear": ("hicache.after_host_clear", "after"),
 }
 
 
