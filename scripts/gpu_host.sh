@@ -43,6 +43,12 @@
 # reason when mooncake's CUDA build does not load, stops pytest with SIGINT after KVC_PD_E2E_TIMEOUT s (480) so
 # that its logs come back, and leaves gpu-pd-e2e.log and pd-logs.tgz (server and router logs) in $OUT)
 #
+# HiCache on the GPU (issue 24), back to back:
+#   1. install-a                                      carry [.bundle/part-a]                      timeout 300
+#   2. install-b && hicache-e2e && hc-bench-start     carry [.bundle/part-b, .bundle/kvc]         timeout 600
+#      (the e2e ~5 min; the bench runs in the background: off / ours / off, ~5 min)
+#   3. hc-bench-wait 540   (repeat until it prints BENCH_DONE)                                      timeout 600
+#
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
 #   2. install-b && unit -k "index_sweep or ring_reader or kernels"   carry [.bundle/part-b, .bundle/kvc]
