@@ -150,7 +150,7 @@ def test_a_locked_node_waits_for_its_request(cache):
     c_.submit(ContainOrder(aborts={}, slots=(sa[3],)))
     c_.apply()
     c_.apply()
-    assert c_.evicted_nodes == 0 and sa[3] in c_._slots and cache.hit(a) == 10
+    assert c_.evicted_nodes == 0 and ("slot", sa[3]) in c_._slots and cache.hit(a) == 10
     cache.tree.unlock(lock)  # the request finished
     c_.apply()
     assert c_.evicted_tokens == 10 and not c_._slots and cache.hit(a) == 0
@@ -162,7 +162,7 @@ def test_another_namespace_is_found_through_the_requests_seen(cache):
     c_ = cache.containment()
     c_.submit(ContainOrder(aborts={}, slots=(sl[2],)))
     c_.apply()  # no request of that namespace seen yet: not resolved, nothing dropped
-    assert c_.evicted_nodes == 0 and sl[2] in c_._slots and cache.hit(a, "lora-1") == 8
+    assert c_.evicted_nodes == 0 and ("slot", sl[2]) in c_._slots and cache.hit(a, "lora-1") == 8
     c_._note_namespace(SimpleNamespace(extra_key="lora-1", cache_salt=None))
     c_.apply()
     assert c_.evicted_tokens == 8 and cache.hit(a, "lora-1") == 0 and cache.hit(a) == 8
@@ -176,7 +176,7 @@ def test_a_slot_no_node_holds_stays_pending_then_expires(cache, monkeypatch):
     c_ = cache.containment()
     c_.submit(ContainOrder(aborts={}, slots=(KV_SIZE - 1,)))
     c_.apply()
-    assert c_._slots == {KV_SIZE - 1: 1}
+    assert c_._slots == {("slot", KV_SIZE - 1): 1}
     c_.apply()
     assert not c_._slots and c_.evicted_nodes == 0
 

@@ -56,7 +56,8 @@ class SchedulerContainment:
         self._new: Tuple[Dict[str, str], List[int]] = ({}, [])  # submitted here since the last agreement (TP)
         self.exchanges = 0  # safe points at which the TP ranks exchanged orders
         self._aborts: Dict[str, str] = {}
-        self._slots: Dict[int, int] = {}  # bad slot -> safe points left
+        # a bad copy -> safe points left; keyed (tier, slot): ("slot", device slot) or ("host_slot", HiCache host slot)
+        self._slots: Dict[Tuple[str, int], int] = {}
         self.aborted = 0
         self.evicted_nodes = 0
         self.evicted_tokens = 0
@@ -75,9 +76,9 @@ class SchedulerContainment:
         for rid, message in aborts.items():
             self._aborts.setdefault(rid, message)
         for slot in slots:
-            self._slots[slot] = PENDING_TTL
-        for host_slot in host_slots:  # HiCache (TP is refused with it): keyed apart from device slots
-            self._slots[-1 - host_slot] = PENDING_TTL
+            self._slots[("slot", slot)] = PENDING_TTL
+        for host_slot in host_slots:  # HiCache (TP is refused with it, so the TP exchange carries device slots only)
+            self._slots[("host_slot", host_slot)] = PENDING_TTL
 
     # ------------------------------------------------------------------ safe point
 
@@ -164,23 +165,26 @@ class SchedulerContainment:
 
     def _evict(self) -> None:
         tree = getattr(self._scheduler, "tree_cache", None)
-        holders = _slot_holders(tree, set(self._slots)) if tree is not None and hasattr(tree, "root_node") else {}
+        device = {slot for tier, slot in self._slots if tier == "slot"}
+        holders = {("slot", slot): node for slot, node in _slot_holders(tree, device).items()} \
+            if tree is not None and hasattr(tree, "root_node") else {}
         hicache = tree is not None and is_hicache_tree(tree)  # device and host copies go (contain_hicache)
-        if hicache:  # a bad host copy (key -1 - host slot) is found by its node's host_value
-            holders.update(host_slot_holders(tree, {-1 - k for k in self._slots if k < 0}))
+        if hicache:  # a bad host copy is found by its node's host_value
+            host = {slot for tier, slot in self._slots if tier == "host_slot"}
+            holders.update({("host_slot", h): node for h, node in host_slot_holders(tree, host).items()})
         removed = set()  # ids of nodes evicted in this pass (a slot may sit below an earlier slot's node)
-        for slot in list(self._slots):
-            node = holders.get(slot)
+        for key in list(self._slots):
+            node = holders.get(key)
             if node is not None and id(node) in removed:
-                del self._slots[slot]  # already evicted with an ancestor's subtree: free nothing twice
+                del self._slots[key]  # already evicted with an ancestor's subtree: free nothing twice
                 continue
             busy = node is not None and (subtree_busy(tree, node) if hicache else node.lock_ref > 0)
             if node is None or busy:  # not cached (yet), or a running request (HiCache: or a copy) still holds it
-                self._slots[slot] -= 1
-                if self._slots[slot] <= 0:
-                    del self._slots[slot]
+                self._slots[key] -= 1
+                if self._slots[key] <= 0:
+                    del self._slots[key]
                 continue
-            fields = {"slot": slot} if slot >= 0 else {"host_slot": -1 - slot}
+            fields = {key[0]: key[1]}
             if hicache:
                 nodes, tokens, host_slots = evict_hicache_subtree(tree, node, removed)
                 fields.update(nodes=nodes, tokens=tokens, host_slots=host_slots)
@@ -190,7 +194,7 @@ class SchedulerContainment:
             self.evicted_nodes += nodes
             self.evicted_tokens += tokens
             logger.error(format_line(CONTAIN_PREFIX, "evict", fields))
-            del self._slots[slot]
+            del self._slots[key]
 
 
 def _slot_holders(tree, slots) -> Dict[int, object]:

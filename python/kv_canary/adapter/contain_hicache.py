@@ -32,7 +32,7 @@ def is_hicache_tree(tree) -> bool:
 
 
 def host_slot_holders(tree, host_slots) -> Dict[int, object]:
-    """``-1 - host slot`` (contain's key of a bad host copy) -> the node whose ``host_value`` holds it (one walk)."""
+    """host slot -> the node whose ``host_value`` holds it (one walk of the tree)."""
     out: Dict[int, object] = {}
     if not host_slots:
         return out
@@ -44,7 +44,7 @@ def host_slot_holders(tree, host_slots) -> Dict[int, object]:
             continue
         for h in node.host_value.tolist():
             if h in host_slots:
-                out[-1 - h] = node
+                out[h] = node
     return out
 
 

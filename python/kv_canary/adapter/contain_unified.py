@@ -103,15 +103,16 @@ class UnifiedSchedulerContainment(SchedulerContainment):
         evictor = self._evictor
         snap = evictor.snapshot() if evictor is not None else None
         freed = set()  # slots freed in this pass (a slot may sit below an earlier slot's node)
-        for slot in list(self._slots):
+        for key in list(self._slots):  # ("slot", device slot): no HiCache host copies on this line
+            slot = key[1]
             if slot in freed:
-                del self._slots[slot]  # already evicted with an ancestor's subtree: free nothing twice
+                del self._slots[key]  # already evicted with an ancestor's subtree: free nothing twice
                 continue
             nodes = snap.subtree_nodes(slot, self._namespace_order()) if snap is not None else None
             if nodes is None:  # not cached (yet), a running request still holds it, or not resolved
-                self._slots[slot] -= 1
-                if self._slots[slot] <= 0:
-                    del self._slots[slot]
+                self._slots[key] -= 1
+                if self._slots[key] <= 0:
+                    del self._slots[key]
                 continue
             dropped, tokens, slots = evictor.drop(nodes)
             freed |= slots
@@ -119,11 +120,11 @@ class UnifiedSchedulerContainment(SchedulerContainment):
             self.evicted_tokens += tokens
             logger.error(format_line(CONTAIN_PREFIX, "evict", {"slot": slot, "nodes": dropped, "tokens": tokens}))
             if dropped == len(nodes):
-                del self._slots[slot]
+                del self._slots[key]
             else:  # stopped below the bad slot's node (see drop): the rest is retried
-                self._slots[slot] -= 1
-                if self._slots[slot] <= 0:
-                    del self._slots[slot]
+                self._slots[key] -= 1
+                if self._slots[key] <= 0:
+                    del self._slots[key]
             snap = evictor.snapshot()  # the tree changed
 
     def _namespace_order(self) -> List[Namespace]:
