@@ -30,7 +30,6 @@ import argparse
 import datetime as dt
 import json
 import random
-import re
 import shlex
 import statistics
 import sys
@@ -38,14 +37,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-import requests
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import (  # noqa: E402
     ROWS, SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, pct, probe_environment, run_batch, server_plan,
     wait_settled,
 )
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
+from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
 from kv_canary_testing.server import SglangServer  # noqa: E402
 
 CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none")), "hc_ours": ("ours", ("--kv-canary", "raise"))}
@@ -55,14 +53,6 @@ DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
 SHAPES = {"cuda": (48, 1024, 3, 64, 32, 8, 16384, 5), "cpu": (12, 200, 3, 12, 4, 4, 1024, 8)}
 LOAD_BACK = "sglang:load_back_tokens_total"
 EVICTED = "sglang:evicted_tokens_total"
-
-
-def sglang_counter(base_url: str, name: str) -> float:
-    """The sum of a Prometheus counter over its labels, from sglang's /metrics."""
-    session = requests.Session()
-    session.trust_env = False  # loopback only
-    text = session.get(f"{base_url}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def repetition(args, token_range, rep: int) -> List[List[List[int]]]:

@@ -35,7 +35,8 @@ def _rank(rank, port, queue):
             c.submit(ContainOrder(aborts={"r-b": "rank0 says b"}, slots=(3,)))
         queued_before = dict(c._aborts)
         c._agree()
-        queue.put((rank, idle_exchanges, queued_before, dict(c._aborts), sorted(slot for _tier, slot in c._slots), c.exchanges))
+        slots = sorted(slot for _tier, slot in c._slots)
+        queue.put((rank, idle_exchanges, queued_before, dict(c._aborts), slots, c.exchanges))
     finally:
         dist.destroy_process_group()
 

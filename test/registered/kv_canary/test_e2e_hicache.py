@@ -22,6 +22,7 @@ from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
 from kv_canary_testing.model_dir import NUM_WORDS
+from kv_canary_testing.prometheus import sglang_counter
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
@@ -55,14 +56,6 @@ def conversations(seed: int = 24):
             words = systems[c] + sum(turns[c][: t + 1], ())
             specs.append(RequestSpec(len(specs), "shared", words, 4))
     return specs
-
-
-def sglang_counter(base_url: str, name: str) -> float:
-    """The sum of a Prometheus counter over its labels, from sglang's /metrics."""
-    session = requests.Session()
-    session.trust_env = False
-    text = session.get(f"{base_url}/metrics", timeout=30).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def flush_cache(base_url: str, timeout: float = 60.0) -> None:
