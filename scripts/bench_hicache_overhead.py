@@ -37,11 +37,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import requests
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overhead import (  # noqa: E402
     ROWS, SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, pct, probe_environment, run_batch, server_plan,
     wait_settled,
 )
+from trace_summary import summarize as summarize_trace  # noqa: E402
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
 from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
 from kv_canary_testing.server import SglangServer  # noqa: E402
@@ -101,6 +104,13 @@ def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
                                        "load_back_tokens": int(loaded)})
             _progress(f"[{label}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
                       f"load_back_tokens={loaded:.0f}")
+        if args.profile_batches:
+            try:  # a profile that fails leaves the timings standing
+                result["profile"] = profile_batches(server.base_url, args, plan,
+                                                    log_dir / f"profile-{label.replace('#', '')}")
+            except Exception as exc:
+                result["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+                _progress(f"[{label}] profile FAILED: {result['profile']['error']}")
         result["evicted_tokens"] = int(sglang_counter(server.base_url, EVICTED))
         if role == "ours":
             wait_settled(server, SETTLE_TIMEOUT_S)
@@ -115,6 +125,27 @@ def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
     result["hicache_line"] = next((ln.strip() for ln in server.log_text().splitlines() if "kv_canary_hicache=1" in ln),
                                   None)
     return result
+
+
+def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
+    """One more (fresh, untimed) repetition with sglang's torch profiler on around ``--profile-batches`` batches of
+    its second turn (prefixes loaded back from the host); the trace's summary (``trace_summary``)."""
+    batches = repetition(args, plan["token_range"], args.reps)
+    first = args.conversations // args.group + (args.conversations % args.group > 0)  # the second turn's first batch
+    session = requests.Session()
+    session.trust_env = False  # loopback only
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, batch in enumerate(batches):
+        if i == first:
+            body = {"output_dir": str(out_dir), "activities": ["CPU", "GPU"], "with_stack": True}
+            session.post(base_url + "/start_profile", json=body, timeout=60).raise_for_status()
+        run_batch(base_url, batch, args.output_len)
+        if i == first + args.profile_batches - 1:
+            session.post(base_url + "/stop_profile", timeout=300).raise_for_status()
+    traces = sorted(out_dir.glob("*.trace.json*"), key=lambda f: f.stat().st_mtime)
+    if not traces:
+        return {"error": f"no trace written under {out_dir}"}
+    return summarize_trace(traces[-1])
 
 
 def summarize(runs: Sequence[dict]) -> dict:
@@ -136,6 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("conversations", "system-len", "turns", "turn-len", "output-len", "group", "max-total-tokens",
                  "hicache-ratio"):
         p.add_argument(f"--{flag}", type=int, default=None, help="default: per device (SHAPES)")
+    p.add_argument("--profile-batches", type=int, default=0,
+                   help="after the timed repetitions, profile this many load-back batches (sglang's /start_profile) "
+                        "and summarize the trace (scripts/trace_summary.py); 0: off")
     p.add_argument("--out", default="hicache_overhead.json")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
@@ -153,6 +187,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--configs: unknown or empty {bad}; choose from {', '.join(CONFIGS)}")
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.profile_batches < 0 or args.profile_batches > args.conversations // args.group * (args.turns - 1):
+        p.error(f"--profile-batches must be within 0..(the batches after the first turn), got {args.profile_batches}")
     return args
 
 

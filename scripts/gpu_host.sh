@@ -150,7 +150,7 @@ PY
     for f in overhead.json overhead_extra.json bench_overhead.json bench.log gpu-info.txt; do
       [ -f "$bench_dir/$f" ] && cp "$bench_dir/$f" "$out/"
     done
-    [ -d "$bench_dir/logs" ] && tar czf "$out/server-logs.tgz" -C "$bench_dir" logs
+    [ -d "$bench_dir/logs" ] && tar czf "$out/server-logs.tgz" --exclude="*.trace.json*" -C "$bench_dir" logs
     tail -40 "$bench_dir/bench.log"
     if [ -f "$bench_dir/rc" ]; then echo "BENCH_DONE rc=$(cat "$bench_dir/rc")"; else echo "BENCH_RUNNING"; fi ;;
   install-a) bash .bundle/part-a/install.sh; nvidia-smi -L; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' ;;

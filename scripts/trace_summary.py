@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Where the time of a profiled window goes: a summary of one torch-profiler chrome trace (sglang's
+``/start_profile`` writes ``*.trace.json.gz``), small enough to commit beside a benchmark's results.
+
+- GPU: kernel / memcpy / memset time per stream and the top kernels by total time; the canary's own kernels
+  (its Triton kernel names, ``CANARY_KERNELS``) summed apart.
+- CPU: per thread, the wall time inside python frames of the canary's code (``kv_canary/`` in the frame name,
+  outermost frames only, so nested frames are not counted twice) and the top canary frames; needs a trace
+  recorded ``with_stack`` (sglang's default).
+
+    python3 scripts/trace_summary.py TRACE.json.gz [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List
+
+# the canary's Triton kernels (python/kv_canary/kernels/*.py, the @triton.jit entry points)
+CANARY_KERNELS = ("verify_kernel", "write_kernel", "row_hash_kernel", "row_finalize_kernel", "stamp_kernel",
+                  "check_kernel", "index_sweep_kernel", "record_accepted_kernel", "accepted_drafts_kernel", "track")
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _is_canary_kernel(name: str) -> bool:
+    return any(name == k or name.startswith(k + "_") or name.startswith(k + "(") for k in CANARY_KERNELS)
+
+
+def _outermost(intervals: List[tuple]) -> List[tuple]:
+    """(start, end, name) intervals of one thread -> the ones not inside another (sorted by start)."""
+    out: List[tuple] = []
+    for start, end, name in sorted(intervals, key=lambda x: (x[0], -x[1])):
+        if out and start >= out[-1][0] and end <= out[-1][1]:
+            continue
+        out.append((start, end, name))
+    return out
+
+
+def summarize(path: Path, top: int = 25) -> Dict:
+    """The summary dict of one trace (times in microseconds, as the trace's)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    t_lo = min((e["ts"] for e in events), default=0.0)
+    t_hi = max((e["ts"] + e["dur"] for e in events), default=0.0)
+    gpu = [e for e in events if e.get("cat") in GPU_CATS]
+    per_stream: Dict[str, float] = defaultdict(float)
+    per_kernel: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+    canary_us = 0.0
+    for e in gpu:
+        per_stream[f"{e.get('cat')}:stream{(e.get('args') or {}).get('stream', e.get('tid'))}"] += e["dur"]
+        k = per_kernel[e["name"][:120]]
+        k[0] += e["dur"]
+        k[1] += 1
+        if _is_canary_kernel(e["name"]):
+            canary_us += e["dur"]
+    frames: Dict[tuple, List[tuple]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "python_function" and "kv_canary/" in e.get("name", ""):
+            frames[(e.get("pid"), e.get("tid"))].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    cpu_threads, top_frames = {}, defaultdict(lambda: [0.0, 0])
+    for key, intervals in frames.items():
+        outer = _outermost(intervals)
+        cpu_threads[f"{key[0]}/{key[1]}"] = round(sum(e - s for s, e, _ in outer), 1)
+        for s, e, name in outer:
+            top_frames[name[:160]][0] += e - s
+            top_frames[name[:160]][1] += 1
+    rank = lambda d: [{"name": n, "us": round(v[0], 1), "count": v[1]}  # noqa: E731
+                      for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {"trace": Path(path).name, "window_us": round(t_hi - t_lo, 1),
+            "gpu_us_per_stream": {k: round(v, 1) for k, v in sorted(per_stream.items())},
+            "gpu_canary_kernel_us": round(canary_us, 1),
+            "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if _is_canary_kernel(n)),
+            "gpu_top_kernels": rank(per_kernel),
+            "cpu_canary_us_per_thread": cpu_threads, "cpu_top_canary_frames": rank(top_frames)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    print(json.dumps(summarize(Path(args.trace), args.top), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
