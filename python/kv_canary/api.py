@@ -121,7 +121,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=req_rows, context_len=context_len,
         ring_capacity=config.ring_capacity, token_oracle=config.uses_token_oracle,
         max_batch_size=capacities.max_batch_size, sweep=config.sweep_interval > 0,
-        full_row=config.full_row_hash, first_read=config.first_read, hicache=config.hicache,
+        full_row=config.full_row_hash, first_read=config.first_read,
         max_tokens_per_forward=capacities.tokens_per_forward,
     )
     kv_bytes = kv_pool_bytes(facts.pool)
@@ -210,7 +210,7 @@ def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[C
         num_slots=groups[0].num_slots, num_groups=1, req_rows=0, context_len=0,
         ring_capacity=config.ring_capacity, token_oracle=False, max_batch_size=capacities.max_batch_size,
         sweep=False, max_tokens_per_forward=capacities.tokens_per_forward,
-        full_row=config.full_row_hash, first_read=config.first_read, hicache=config.hicache,
+        full_row=config.full_row_hash, first_read=config.first_read,
     )
     logger.info(format_line(DRAFT_INSTALLED_PREFIX, 1, {
         "algorithm": spec.algorithm, "draft_model": type(facts.model).__name__,
@@ -286,7 +286,7 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:  # or
     common = dict(num_groups=groups, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
                   token_oracle=config.uses_token_oracle, max_batch_size=max_bs, sweep=config.sweep_interval > 0,
                   max_tokens_per_forward=tokens, full_row=config.full_row_hash,
-                  first_read=config.first_read, hicache=config.hicache)
+                  first_read=config.first_read)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
     spec = SpecFacts.read(server_args, config.mode.value)

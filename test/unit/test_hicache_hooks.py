@@ -31,8 +31,8 @@ class FakeManager:
     def clear_host_records(self):
         self.calls.append(("clear",))
 
-    def load_in_flight(self, wait_until_layer, load_id=0, last_layer=None):
-        self.calls.append(("load_in_flight", wait_until_layer, load_id, last_layer))
+    def load_in_flight(self, wait_until_layer, load_id=0):
+        self.calls.append(("load_in_flight", wait_until_layer, load_id))
 
 
 def _op(host, device):
@@ -80,12 +80,12 @@ def test_settle_free_and_consumer_hand_over():
     hicache.after_host_free(2, SimpleNamespace(kv_canary_manager=m), torch.tensor([5, 6]))
     assert m.calls == [("settle",), ("free", [5, 6])]
     counter = SimpleNamespace(consumer_index=-1, wait_until=lambda layer: None)
-    runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter, layer_num=4))
+    runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter))
     hicache.note_load_consumer(m, runner)
     assert m.calls[-1][0] == "free"  # no load consumed: nothing handed over
     counter.consumer_index = 2
     hicache.note_load_consumer(m, runner)
-    assert m.calls[-1] == ("load_in_flight", counter.wait_until, 2, 3)  # the pool's last layer
+    assert m.calls[-1] == ("load_in_flight", counter.wait_until, 2)
     n = len(m.calls)
     hicache.after_host_clear(None, SimpleNamespace())  # the host pool's own __init__ clears before attach
     hicache.after_host_clear(None, SimpleNamespace(kv_canary_manager=m, size=8))  # HiRadixCache.reset (/flush_cache)

@@ -1,8 +1,7 @@
 """The runner's HiCache hand-over (runner/host_copies.py + SingleForwardManager): records backed up with the
 slots' K/V, loaded back into new device slots with their tags zeroed; the forward that consumes the load waits
 first (HEAD, before any launch) and hashes the loaded slots' full rows after its TAIL; a load no HEAD consumed
-is an error. Torch reference kernels on CPU, a fake wait callable; on a GPU (the GPU host's unit run) the loaded
-slots' LIST runs on the load's side stream beside the forward, joined before TAIL's write."""
+is an error. Torch reference kernels on CPU, a fake wait callable."""
 
 from __future__ import annotations
 
@@ -26,31 +25,28 @@ SLOTS, CTX = 64, 48
 class Manager(HostCopies):
     """What ``HostCopies`` reads of a ``CanaryManager``, around one single-forward manager."""
 
-    def __init__(self, events, device="cpu"):
+    def __init__(self, events):
         self.config = CanaryConfig.build(mode="raise", environ={}, hicache=True)
         self.forwards = 0
-        dev = torch.device(device)
         g = torch.Generator().manual_seed(0)
-        self.k = [torch.randn(SLOTS, 2, 4, generator=g).to(dev) for _ in range(2)]
-        self.v = [torch.randn(SLOTS, 2, 4, generator=g).to(dev) for _ in range(2)]
-        self.groups = [build_group(PoolLayout("full", self.k, self.v), self.config, dev)]
-        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=dev)
+        self.k = [torch.randn(SLOTS, 2, 4, generator=g) for _ in range(2)]
+        self.v = [torch.randn(SLOTS, 2, 4, generator=g) for _ in range(2)]
+        self.groups = [build_group(PoolLayout("full", self.k, self.v), self.config, torch.device("cpu"))]
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64)
         self.counters[fp.C_REPORT_ENABLED] = 1
-        self.ring = torch.zeros(16, fp.RING_WIDTH, dtype=torch.int64, device=dev)
-        ref = select_kernels(KernelBackend.TORCH, dev)
+        self.ring = torch.zeros(16, fp.RING_WIDTH, dtype=torch.int64)
+        ref = select_kernels(KernelBackend.TORCH, torch.device("cpu"))
 
         def spy(name, fn):
             def wrapped(*a, **kw):
-                side = dev.type == "cuda" and torch.cuda.current_stream(dev) != torch.cuda.default_stream(dev)
-                events.append((name, kw.get("defer_first_read")) if name == "verify" else
-                              (name, "beside") if side else name)
+                events.append((name, kw.get("defer_first_read")) if name == "verify" else name)
                 return fn(*a, **kw)
             return wrapped
 
         import dataclasses
         kernels = dataclasses.replace(ref, verify=spy("verify", ref.verify), write=spy("write", ref.write),
                                       first_read=spy("first_read", ref.first_read))
-        self.r2t = torch.zeros(4, CTX, dtype=torch.int32, device=dev)
+        self.r2t = torch.zeros(4, CTX, dtype=torch.int32)
         self.single_forward_managers = [SingleForwardManager(
             index=0, groups=self.groups, kernels=kernels, req_to_token=self.r2t, counters=self.counters,
             ring=self.ring, capacities=LaunchCapacities(max_batch_size=4, max_context_len=CTX, verify_programs_target=1),
@@ -60,15 +56,13 @@ class Manager(HostCopies):
 
     def forward(self, row, slots, prefix):
         """One extend forward of request ``row``: reads [0, prefix), writes ``slots`` at prefix..."""
-        n, dev = int(slots.numel()), self.counters.device
-        slots = slots.to(dev)
+        n = int(slots.numel())
         self.r2t[row, prefix:prefix + n] = slots.to(torch.int32)
         view = ForwardView(
-            input_ids=torch.ones(n, dtype=torch.int64, device=dev), positions=torch.arange(prefix, prefix + n,
-                                                                                         device=dev),
-            out_cache_loc=slots, req_pool_indices=torch.tensor([row], device=dev),
-            seq_lens=torch.tensor([prefix + n], device=dev), new_starts=torch.zeros(1, dtype=torch.int32, device=dev),
-            new_lens=torch.tensor([n], dtype=torch.int32, device=dev), batch_size=1, max_new_len=n)
+            input_ids=torch.ones(n, dtype=torch.int64), positions=torch.arange(prefix, prefix + n),
+            out_cache_loc=slots, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([prefix + n]),
+            new_starts=torch.zeros(1, dtype=torch.int32), new_lens=torch.tensor([n], dtype=torch.int32),
+            batch_size=1, max_new_len=n)
         sfm = self.single_forward_managers[0]
         sfm.pre_ops_maybe_inside_graph(view)
         for layer in range(2):  # "attention" writes the new slots' K/V
@@ -118,36 +112,6 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_ta
     m._check_load_consumed()
     m.forward(1, torch.tensor([61]), 17)  # the next forward: no wait, nothing deferred, nothing listed
     assert events == [("verify", False), "write"] and int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream LIST needs CUDA streams; runs on the GPU "
-                    "host (scripts/gpu_host.sh unit)")
-@pytest.mark.parametrize("flip", [False, True])
-def test_on_a_gpu_the_loaded_rows_are_hashed_beside_the_forward_once_every_layer_landed(flip):
-    events = []
-    m = Manager(events, "cuda")
-    dev = torch.device("cuda")
-    old, new, host = torch.arange(1, 17, device=dev), torch.arange(40, 56, device=dev), torch.arange(32, 48)
-    m.forward(0, old, 0)
-    m.backup_records(old, host)
-    torch.cuda.synchronize()
-    m.settle_host_records()
-    for buf in (*m.k, *m.v):
-        buf[new] = buf[old]
-    m.load_records(host, new, load_id=3)
-    if flip:
-        m.v[1][int(new[9]), 1, 3] += 1.0  # outside the hashed window: only the full-row LIST sees it
-    waited = []
-    assert m.load_in_flight(lambda layer: (waited.append(layer), events.append("wait")), load_id=3, last_layer=1)
-    events.clear()
-    m.r2t[1, :16] = new.to(torch.int32)
-    m.forward(1, torch.tensor([60]), 16)
-    torch.cuda.synchronize()
-    assert waited == [0, 1]  # HEAD: the hashed layer; the side stream: the last layer, before its LIST
-    assert events == ["wait", ("verify", True), "wait", ("first_read", "beside"), "write"]
-    assert int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
-    assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF, r[fp.V_FORWARD]) for r in m.violations()] == (
-        [(int(new[9]), fp.R_KV_HASH, 1)] if flip else [])  # named by the reading forward, as after it
 
 
 def test_a_load_no_head_consumed_is_an_error():

@@ -208,6 +208,4 @@ def note_load_consumer(manager, model_runner) -> None:
     pool = getattr(model_runner, "token_to_kv_pool", None)
     counter = getattr(pool, "layer_transfer_counter", None)
     if counter is not None and counter.consumer_index >= 0:
-        layers = getattr(pool, "layer_num", None)  # sglang's counter names layers from the pool's first
-        manager.load_in_flight(counter.wait_until, load_id=counter.consumer_index,
-                               last_layer=layers - 1 if layers else None)
+        manager.load_in_flight(counter.wait_until, load_id=counter.consumer_index)

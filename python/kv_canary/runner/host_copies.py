@@ -8,10 +8,9 @@ The engine wiring tells the manager three things, with plain tensors:
 * ``load_records(host_idx, device_idx)``: the engine loads those host copies into *new* device slots; their host
   records are written at the new indices and their first-read tag is zeroed, so the next read lists them and
   hashes every byte once (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written;
-* ``load_in_flight(wait_until_layer, load_id, last_layer)``: the next forward consumes load ``load_id``; its HEAD
-  first waits for the records and for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream
-  wait for one layer), and the first-read hashing of the loaded slots runs on a side stream once layer
-  ``last_layer`` landed, beside the forward (on a GPU; elsewhere after the forward). Only the first
+* ``load_in_flight(wait_until_layer, load_id)``: the next forward consumes load ``load_id``; its HEAD first waits
+  for the records and for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one
+  layer), and its first-read hashing moves after the forward (every layer has landed by then). Only the first
   forward that names a pending load consumes it: an engine may keep naming the load on later forwards of the
   same batch (sglang's decode batches carry their prefill's consumer index), which read nothing new from it.
 
@@ -27,7 +26,6 @@ import torch
 
 from ..host_records import HostRecordStore
 from .brackets import CanaryBracketError
-from .single_forward import LoadHandOver
 
 
 class HostCopies:
@@ -35,7 +33,7 @@ class HostCopies:
 
     def _init_host_copies(self) -> None:
         self.host_records: Optional[HostRecordStore] = None
-        self._load_stream = None  # CUDA: the side stream the records of a load are copied on, and hashed beside
+        self._load_stream = None  # CUDA: the side stream the records of a load are copied on
         self._load_event = None  # CUDA: marks the last load's records landed
         self._pending_load_id: Optional[int] = None  # the engine's name of the load no forward consumed yet
         # the load book, for violation lines: int64[device slots, 2] on the pool's device, device slot -> (host slot
@@ -141,26 +139,22 @@ class HostCopies:
         self._load_event = torch.cuda.Event()
         self._load_event.record(self._load_stream)
 
-    def load_in_flight(self, wait_until_layer: Callable[[int], None], load_id: int = 0,
-                       last_layer: Optional[int] = None) -> bool:
+    def load_in_flight(self, wait_until_layer: Callable[[int], None], load_id: int = 0) -> bool:
         """The next forward names load ``load_id``: if that load is pending, this forward consumes it (its HEAD waits
-        for it; its full-row hashing runs beside it once ``last_layer`` landed, on a GPU given ``last_layer``, else
-        after it) and True; a load already consumed (or never issued) is not handed over again (False)."""
+        for it, its full-row hashing runs after it) and True; a load already consumed (or never issued) is not
+        handed over again (False)."""
         if self._pending_load_id is None or int(load_id) != self._pending_load_id:
             return False
         self._pending_load_id = None
         layer = max(self.config.kv_hash_layers)
         event, self._load_event = self._load_event, None
 
-        def wait_hashed() -> None:
+        def wait() -> None:
             if event is not None:
                 torch.cuda.current_stream(self.counters.device).wait_event(event)
             wait_until_layer(layer)
 
-        beside = self._load_stream is not None and last_layer is not None
-        self.single_forward_managers[0].expect_load(LoadHandOver(
-            wait_hashed, (lambda: wait_until_layer(max(layer, last_layer))) if beside else None,
-            self._load_stream if beside else None))
+        self.single_forward_managers[0].expect_load(wait)
         return True
 
     def _check_load_consumed(self) -> None:

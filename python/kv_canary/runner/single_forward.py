@@ -14,10 +14,8 @@ preallocated buffers: no host sync, no allocation, grids fixed by the batch size
 (see ``LaunchCapacities``).
 
 A forward that consumes a HiCache load-back (``expect_load``) waits for the load in HEAD first, and hashes the
-loaded slots' full rows (the first-read LIST, listed by HEAD's verify): on a GPU on the load's side stream once
-every layer has landed, beside the forward (the hashing is memory-bound, an extend forward mostly compute-bound),
-joined back before TAIL's write; without a side stream after the forward, just before TAIL's write. Either way
-its rows name this forward; the scrub moves after the write.
+loaded slots' full rows (the first-read LIST) after the forward, just before TAIL's write (its rows then name
+this forward); the scrub moves after the write.
 
 Everything runs on the forward's stream, in order: HEAD, the forward, TAIL. (HEAD on
 a side stream beside the forward was measured and dropped: at decode bs32 on an H200
@@ -27,7 +25,6 @@ shorter; docs/performance.md.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -37,20 +34,6 @@ from ..speculative import stage_verify_tokens
 from ..token_oracle import TokenOracle
 from ..views import ForwardView, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
-
-
-@dataclass(frozen=True)
-class LoadHandOver:
-    """A HiCache load the next forward consumes (``runner/host_copies.py``).
-
-    wait_hashed: makes the current stream wait for the loaded records and the layers HEAD hashes
-    wait_all: makes the current stream wait for every layer of the load (None: no side stream)
-    stream: the side stream the first-read LIST of the loaded slots runs on, beside the forward (None: after it)
-    """
-
-    wait_hashed: Callable[[], None]
-    wait_all: Optional[Callable[[], None]] = None
-    stream: Optional["torch.cuda.Stream"] = None
 
 
 class SingleForwardManager:
@@ -84,18 +67,17 @@ class SingleForwardManager:
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
         self._witness = write_witness  # stamp the slots to fill in HEAD, require every stamp gone in TAIL
-        self._load: Optional[LoadHandOver] = None  # a HiCache load the next forward consumes
+        self._load_wait: Optional[Callable[[], None]] = None  # a HiCache load the next forward consumes
         self._defer_full_rows = False  # this forward's scrub and first-read hashing run after its TAIL
-        self._beside: Optional["torch.cuda.Event"] = None  # this forward's first-read LIST, running beside it
 
-    def expect_load(self, load: Optional[LoadHandOver]) -> None:
-        """The next forward consumes a HiCache load: HEAD calls ``load.wait_hashed`` first, and the whole-row
-        hashing of the loaded slots runs beside the forward (``load.stream``) or after it; the scrub after TAIL."""
-        self._load = load
+    def expect_load(self, wait: Optional[Callable[[], None]]) -> None:
+        """The next forward consumes a HiCache load: HEAD calls ``wait`` first (the forward stream waits for the
+        loaded records and hashed layers), and the whole-row hashing (scrub, first reads) moves after TAIL."""
+        self._load_wait = wait
 
     @property
     def load_pending(self) -> bool:
-        return self._load is not None
+        return self._load_wait is not None
 
     def _scrub_groups(self) -> None:
         """The scrub's next window of every group (HEAD's, or after TAIL's write on a load-back forward)."""
@@ -107,10 +89,10 @@ class SingleForwardManager:
         if view.batch_size == 0:
             return
         self._capacities.check(view)
-        load, self._load = self._load, None
-        if load is not None:
-            load.wait_hashed()
-        self._defer_full_rows = load is not None
+        wait, self._load_wait = self._load_wait, None
+        if wait is not None:
+            wait()
+        self._defer_full_rows = wait is not None
         if self._scrub and not self._defer_full_rows:
             self._scrub_groups()
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
@@ -120,22 +102,9 @@ class SingleForwardManager:
                 group_index=group_index, token_oracle=self._oracle if group_index == 0 else None,
                 defer_first_read=self._defer_full_rows,
             )
-        if load is not None and load.stream is not None:
-            self._first_reads_beside(load)
         if self._witness:  # last: the scrub and the verify above read the slots' old bytes
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_stamp(group, view, group_index=group_index)
-
-    def _first_reads_beside(self, load: LoadHandOver) -> None:
-        """The loaded slots HEAD's verify listed: their every byte hashed on ``load.stream`` once the whole load has
-        landed, beside the forward (which only reads them); TAIL joins it before its write."""
-        load.stream.wait_stream(torch.cuda.current_stream(load.stream.device))  # after the verify's listing
-        with torch.cuda.stream(load.stream):
-            load.wait_all()
-            for group_index, group in enumerate(self._groups):
-                self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
-            self._beside = torch.cuda.Event()
-            self._beside.record(load.stream)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
@@ -148,10 +117,7 @@ class SingleForwardManager:
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_check(group, view, self._counters, self._ring, group_index=group_index)
         deferred, self._defer_full_rows = self._defer_full_rows, False
-        beside, self._beside = self._beside, None
-        if beside is not None:  # before the write: the LIST's rows name this forward, as after it
-            torch.cuda.current_stream(self._counters.device).wait_event(beside)
-        elif deferred:  # a load-back forward: every loaded layer has landed now (the forward waited for each)
+        if deferred:  # a load-back forward: every loaded layer has landed now (the forward waited for each)
             for group_index, group in enumerate(self._groups):  # before the write: its rows name this forward
                 self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
         self._write(view, bump_forward=True)
