@@ -42,9 +42,10 @@ CASES = [
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm STANDALONE"),
     ("speculative-ngram", ["--speculative-algorithm", "NGRAM"], "cannot verify --speculative-algorithm NGRAM"),
-    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first, no storage (test_e2e_hicache); not these
-    ("hicache-storage", ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
-     "cannot verify --enable-hierarchical-cache with --hicache-storage-backend file"),
+    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first, no storage or file storage
+    # (test_e2e_hicache, test_e2e_hicache_storage); not these
+    ("hicache-storage-mooncake", ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"],
+     "cannot verify --enable-hierarchical-cache with --hicache-storage-backend mooncake"),
     ("hicache-storage-alone", ["--hicache-storage-backend", "file"], "cannot verify --hicache-storage-backend file"),
     ("hicache-page-64", ["--enable-hierarchical-cache", "--page-size", "64"],
      "cannot verify --enable-hierarchical-cache with --page-size 64"),
@@ -96,6 +97,15 @@ def test_refused_at_startup_naming_flag_and_value(forker, case, extra, message):
 def test_contain_mode_is_refused_the_same_way(forker):
     code, out = forker.run(_argv(["--enable-torch-compile"], mode="raise"))
     assert code != 0 and "--kv-canary raise cannot verify --enable-torch-compile" in out, out[-3000:]
+
+
+def test_contain_with_hicache_storage_is_refused(forker):
+    """Storage has no delete: contain cannot keep a bad page from coming back (poisoned keys are not built)."""
+    code, out = forker.run(_argv(["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+                                 mode="contain"))
+    assert code != 0 and REFUSED in out, out[-3000:]
+    assert "cannot verify --enable-hierarchical-cache with --hicache-storage-backend file and --kv-canary contain" \
+        in out, out[-3000:]
 
 
 def test_a_hook_sglang_failed_to_apply_refuses_startup(forker):
