@@ -248,9 +248,12 @@ def test_storage_flip_lands_in_the_stored_kv_and_is_tracked_to_the_load_back(tmp
     b = host.kv_buffer[1, 1, 2].view(torch.uint8).flatten()
     assert (a ^ b).nonzero().flatten().tolist() == [3] and int(a[3] ^ b[3]) == STORAGE_FLIP_MASK
     assert torch.equal(m.host_records.records[16:16 + PAGE], m.host_records.records[0:PAGE])  # trailer intact
-    assert m.storage_pages_stats()["hicache_flipped_storage_slots_loaded"] == 0
+    assert m.storage_pages_stats()["hicache_flipped_storage_pages_loaded"] == 0
+    m._storage_slots_loaded([17, 19])  # other slots of the page: their bytes are intact
+    assert m.storage_pages_stats()["hicache_flipped_storage_pages_loaded"] == 0
     m._storage_slots_loaded([18])
-    assert m.storage_pages_stats()["hicache_flipped_storage_slots_loaded"] == 1
+    m._storage_slots_freed([18])  # a count of pages loaded back, ever: not undone by the host copy's free
+    assert m.storage_pages_stats()["hicache_flipped_storage_pages_loaded"] == 1
 
 
 def test_perturb_manager_places_the_storage_flip(tmp_path):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 
@@ -47,7 +47,8 @@ class StoragePages:
         self._storage_lock = threading.Lock()
         self._storage_from: Dict[int, Tuple[str, int]] = {}  # host slot -> (key, page slot) it was read from
         self._storage_flipped_keys: Dict[str, int] = {}  # key -> the page slot a storage_page flip hit
-        self._storage_flipped_slots: Dict[int, bool] = {}  # host slot holding a flipped stored byte -> loaded back
+        self._storage_flipped_slots: Dict[int, str] = {}  # host slot holding a flipped stored byte -> its page key
+        self._storage_flipped_loaded: Set[str] = set()  # keys of flipped pages loaded back to the device (ever)
 
     def storage_page_objects(self, kv_pages: Sequence[torch.Tensor], host_idx: torch.Tensor,
                              page_size: int) -> List[torch.Tensor]:
@@ -82,7 +83,7 @@ class StoragePages:
                 self._storage_from[host_slot] = (key, page_slot)
             flipped = self._storage_flipped_keys.get(key)
             if flipped is not None:
-                self._storage_flipped_slots[slots[flipped]] = False
+                self._storage_flipped_slots[slots[flipped]] = key
 
     def storage_page_without_records(self, key: str, reason: str) -> None:
         with self._storage_lock:
@@ -99,7 +100,7 @@ class StoragePages:
             with self._storage_lock:
                 for h in host_slots:
                     if h in self._storage_flipped_slots:
-                        self._storage_flipped_slots[h] = True
+                        self._storage_flipped_loaded.add(self._storage_flipped_slots[h])
 
     def _storage_slots_freed(self, host_slots: Sequence[int]) -> None:
         if self._storage_from:
@@ -125,6 +126,6 @@ class StoragePages:
         out = {"hicache_storage_pages_set": s.pages_set, "hicache_storage_pages_existing": s.pages_existing,
                "hicache_storage_pages_got": s.pages_got,
                "hicache_storage_pages_without_records": s.pages_without_records}
-        if self.config.perturb_storage_page_prob > 0:  # host slots holding a flipped stored byte, loaded back
-            out["hicache_flipped_storage_slots_loaded"] = sum(self._storage_flipped_slots.values())
+        if self.config.perturb_storage_page_prob > 0:  # flipped pages read back and loaded to the device (ever)
+            out["hicache_flipped_storage_pages_loaded"] = len(self._storage_flipped_loaded)
         return out
