@@ -272,3 +272,32 @@ def test_perturb_manager_places_the_storage_flip(tmp_path):
         assert seen[-1] == (off, STORAGE_FLIP_MASK) and flip.hashed == (flip.layer == 0 and flip.half == "k"
                                                                         and flip.byte < 16)
     assert len({s[0] for s in seen}) > 25  # spread over the page
+
+
+def test_contain_poisons_keys_and_the_hit_query_stops_before_them():
+    """Storage has no delete: after contain evicted a bad host copy, a lookup of its pages is a miss."""
+    m = Manager()
+    c = SimpleNamespace(kv_canary_manager=m, page_size=PAGE)
+    hits = (["a", "b", "c"], 3 * PAGE)
+    assert hicache_storage.after_storage_hit_query(hits, c, object()) == hits
+    assert m.poison_storage_keys(["b", "x"]) == 2 and m.poison_storage_keys(["b"]) == 0
+    assert hicache_storage.after_storage_hit_query(hits, c, object()) == (["a"], PAGE)
+    assert hicache_storage.after_storage_hit_query((["x"], PAGE), c, object()) == ([], 0)
+    stats = m.storage_pages_stats()
+    assert stats["hicache_storage_keys_poisoned"] == 2 and stats["hicache_storage_hits_poisoned"] == 2
+    c.kv_canary_manager = None
+    assert hicache_storage.after_storage_hit_query(hits, c, object()) == hits
+
+
+def test_contain_eviction_returns_the_subtree_storage_keys():
+    from kv_canary.adapter.contain_hicache import evict_hicache_subtree
+
+    class Tree:
+        def _evict_regular(self, n):
+            n.value = None
+
+    child = SimpleNamespace(children={}, value=torch.arange(4), host_value=None, hash_value=["c0"])
+    node = SimpleNamespace(children={"k": child}, value=None, host_value=None, hash_value=["p0", "p1"])
+    removed = set()
+    nodes, tokens, host_slots, keys = evict_hicache_subtree(Tree(), node, removed)
+    assert (nodes, tokens, host_slots) == (2, 4, 0) and sorted(keys) == ["c0", "p0", "p1"]

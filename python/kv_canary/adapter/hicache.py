@@ -4,7 +4,8 @@ What is verified (``test_e2e_hicache.py``, sglang 0.5.12: on CPU through the tes
 pinned host pool, transfer kernels or direct copies, and layer-wise load overlap under CUDA graphs): an MHA pool
 (one buffer group), ``--page-size`` 1 or 16, the write policies in ``VERIFIED_WRITE_POLICIES``, both
 ``--hicache-io-backend`` choices, the ``layer_first`` host layout, no storage backend or ``file`` (the records ride
-inside each page object: ``hicache_storage``; not with ``contain``), one TP rank, ``--kv-canary log|raise|contain``
+inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
+rank, ``--kv-canary log|raise|contain``
 with ``--kv-canary-real-data partial``. Everything else is refused at startup
 naming the flag and its value.
 """
@@ -60,10 +61,6 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
                 f"page path, verified with {', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write "
                 "host memory directly and cannot carry them)", f"use --hicache-storage-backend "
                 f"{VERIFIED_STORAGE_BACKENDS[0]} or drop it")
-    if storage and config.mode.value == "contain":
-        _refuse(f"--hicache-storage-backend {storage} and {FLAG_MODE} contain", "storage has no delete: a bad page "
-                "would come back from storage after its eviction (poisoned storage keys are not built)",
-                f"use {FLAG_MODE} log or raise with storage, or drop --hicache-storage-backend")
     device = str(getattr(server_args, "device", None) or "cuda")
     if device not in VERIFIED_DEVICES:
         _refuse(f"--device {device}", f"HiCache with the canary is verified on {', '.join(VERIFIED_DEVICES)} only",

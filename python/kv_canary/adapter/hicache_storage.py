@@ -14,7 +14,10 @@ runs unchanged. With the canary, the bodies do what sglang's do, plus:
   records to the page's host slots, before the page counts as fetched (``operation.increment``). A page with
   no valid trailer (a short read: written without the canary; another magic; a mix that does not match) ends
   the prefetch there, as a missing page does in sglang: a miss, recomputed (``hicache_storage_pages_without_
-  records``). sglang's own ``get`` raises on a short read; here it is caught and counted.
+  records``). sglang's own ``get`` raises on a short read; here it is caught and counted;
+* hit query (``_storage_hit_query``, prefetch thread; AFTER): with ``--kv-canary contain``, the leading hits stop
+  before the first key whose host copy contain evicted as bad (``poison_storage_keys``), so a bad page is never
+  read back (the storage tier has no delete).
 """
 
 from __future__ import annotations
@@ -104,3 +107,15 @@ def around_generic_page_get(original, controller, operation, hash_values, host_i
         manager.storage_page_read(key, host_indices[i * page:(i + 1) * page], records)
         if not operation.increment(page):
             break  # terminated by the controller
+
+
+def after_storage_hit_query(result, controller, *args, **kwargs):
+    """``HiCacheController._storage_hit_query`` -> (keys, tokens) of the leading hits: cut before a poisoned key."""
+    manager = _manager(controller)
+    if manager is None or manager.host_records is None or not result:
+        return result
+    keys, tokens = result
+    hits = manager.storage_hits(keys)
+    if hits == len(keys):
+        return result
+    return keys[:hits], hits * controller.page_size

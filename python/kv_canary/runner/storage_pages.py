@@ -11,7 +11,11 @@ The engine wiring tells the manager, with plain tensors and strings, on the engi
   with its trailer's ``records``: they become those host slots' records, settled, before the engine counts the
   page as fetched; a later load-back carries them to the device like any host copy's;
 * ``storage_page_without_records(key, reason)``: a page with no valid trailer (written without the canary, torn,
-  or its trailer corrupt): the wiring ends the read there, a miss the engine recomputes.
+  or its trailer corrupt): the wiring ends the read there, a miss the engine recomputes;
+* ``poison_storage_keys(keys)`` / ``storage_hits(keys)``: ``--kv-canary contain`` evicted the host copies of these
+  pages; the storage tier has no delete, so from then on a storage lookup stops before the first poisoned key
+  (a miss, recomputed) instead of reading the bad page back (in this process: a restart forgets them, and a bad
+  page read back is then reported and contained again).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class StorageStats:
     pages_existing: int = 0
     pages_got: int = 0
     pages_without_records: int = 0
+    keys_poisoned: int = 0  # contain: storage keys of evicted bad host copies
+    hits_poisoned: int = 0  # storage lookups cut short at a poisoned key
 
 
 class StoragePages:
@@ -49,6 +55,7 @@ class StoragePages:
         self._storage_flipped_keys: Dict[str, int] = {}  # key -> the page slot a storage_page flip hit
         self._storage_flipped_slots: Dict[int, str] = {}  # host slot holding a flipped stored byte -> its page key
         self._storage_flipped_loaded: Set[str] = set()  # keys of flipped pages loaded back to the device (ever)
+        self._poisoned: Set[str] = set()  # contain: keys of pages whose host copies were evicted as bad
 
     def storage_page_objects(self, kv_pages: Sequence[torch.Tensor], host_idx: torch.Tensor,
                              page_size: int) -> List[torch.Tensor]:
@@ -93,6 +100,25 @@ class StoragePages:
             logger.warning(format_line("kv_canary_hicache_storage", "page_without_records",
                                        {"key": key, "reason": reason, "count": n}))
 
+    def poison_storage_keys(self, keys: Sequence[str]) -> int:
+        """Pages ``keys`` must never be read back from storage (contain evicted their host copies); how many new."""
+        with self._storage_lock:
+            new = [k for k in keys if k not in self._poisoned]
+            self._poisoned.update(new)
+            self.storage_stats.keys_poisoned += len(new)
+        return len(new)
+
+    def storage_hits(self, keys: Sequence[str]) -> int:
+        """Of the leading storage hits ``keys``, how many precede the first poisoned key (all when none is)."""
+        if not self._poisoned:
+            return len(keys)
+        with self._storage_lock:
+            for i, key in enumerate(keys):
+                if key in self._poisoned:
+                    self.storage_stats.hits_poisoned += 1
+                    return i
+        return len(keys)
+
     # ------------------------------------------------------------ HostCopies calls these
 
     def _storage_slots_loaded(self, host_slots: Sequence[int]) -> None:
@@ -125,7 +151,8 @@ class StoragePages:
         s = self.storage_stats
         out = {"hicache_storage_pages_set": s.pages_set, "hicache_storage_pages_existing": s.pages_existing,
                "hicache_storage_pages_got": s.pages_got,
-               "hicache_storage_pages_without_records": s.pages_without_records}
+               "hicache_storage_pages_without_records": s.pages_without_records,
+               "hicache_storage_keys_poisoned": s.keys_poisoned, "hicache_storage_hits_poisoned": s.hits_poisoned}
         if self.config.perturb_storage_page_prob > 0:  # flipped pages read back and loaded to the device (ever)
             out["hicache_flipped_storage_pages_loaded"] = len(self._storage_flipped_loaded)
         return out

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.prometheus import sglang_counter
 from kv_canary_testing.workload import run_requests
@@ -25,6 +26,7 @@ register_cpu_ci(est_time=240, suite="kv-canary-cpu")
 register_cuda_ci(est_time=240, suite="kv-canary-cuda")
 
 PAGE_SIZE, PASSES = 16, 2
+FLIPS = 6  # storage-page flips of the contain run
 COUNTERS = ("sglang:prefetched_tokens_total", "sglang:load_back_tokens_total", "sglang:evicted_tokens_total",
             "sglang:backuped_tokens_total")
 
@@ -35,9 +37,10 @@ def storage_args():
             "--hicache-storage-prefetch-policy", "wait_complete", "--enable-metrics"]
 
 
-def serve(mode: str, tmp_path, env=None):
-    """A HiCache server with file storage in ``tmp_path/storage``: the conversations ``PASSES`` times, one request
-    at a time; sglang's counters and the settled log."""
+def serve(mode: str, tmp_path, env=None, passes: int = PASSES):
+    """A HiCache server with file storage in ``tmp_path/storage``: the conversations ``passes`` times, one request
+    at a time; sglang's counters, the settled log, the server, the stored files, the wall time, and per pass its
+    result and (``contain``) its settled log."""
     storage = tmp_path / "storage"
     storage.mkdir()
     srv = canary_server(mode, log_path=tmp_path / "server.log", extra_args=storage_args(),
@@ -46,17 +49,22 @@ def serve(mode: str, tmp_path, env=None):
     started = time.monotonic()
     srv.start(timeout=600)
     try:
-        results = [run_requests(srv.base_url, conversations(), concurrency=1, timeout=300) for _ in range(PASSES)]
+        results, logs = [], []
+        for _ in range(passes):
+            results.append(run_requests(srv.base_url, conversations(), concurrency=1, timeout=300))
+            logs.append(CanaryLog.read_settled(srv) if mode == "contain" else None)
         counters = {name: sglang_counter(srv.base_url, name) for name in COUNTERS}
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
     finally:
         srv.stop()
-    for r in results:
-        assert r.failed == 0, "\n".join(r.errors[:5]) + srv.log_tail()
+    contained = {c["rid"] for c in parse_lines(log.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"}
+    for r in results:  # only requests contain aborted may fail
+        assert r.failed == 0 or mode == "contain", "\n".join(r.errors[:5]) + srv.log_tail()
+    assert sum(r.failed for r in results) <= len(contained), srv.log_tail()
     assert running, srv.log_tail()
     files = len(list(storage.iterdir()))
-    return counters, log, srv, files, time.monotonic() - started
+    return counters, log, srv, files, time.monotonic() - started, results, logs
 
 
 def _stats(log, *keys):
@@ -70,7 +78,7 @@ STORAGE_STATS = ("hicache_storage_pages_set", "hicache_storage_pages_existing", 
 
 @pytest.mark.e2e
 def test_prefixes_read_back_from_storage_are_verified_with_no_violation(tmp_path):
-    counters, log, srv, files, wall = serve("raise", tmp_path)
+    counters, log, srv, files, wall, _, _ = serve("raise", tmp_path)
     prefetched, loaded = counters["sglang:prefetched_tokens_total"], counters["sglang:load_back_tokens_total"]
     print(f"kv_canary_e2e_hicache_storage mode=raise device={e2e_device()} wall_s={wall:.0f} files={files} "
           + " ".join(f"{k.split(':')[1]}={v:.0f}" for k, v in counters.items()) + " " + _stats(log, *STORAGE_STATS))
@@ -94,7 +102,7 @@ def test_a_flipped_storage_page_is_caught_when_loaded_back(tmp_path):
     loaded to the device is reported at that load-back, naming the storage key and page slot, and nothing else."""
     env = {"SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB": "0.1", "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0",
            "SGLANG_KV_CANARY_PERTURB_SEED": "7"}
-    counters, log, srv, files, wall = serve("log", tmp_path, env=env)
+    counters, log, srv, files, wall, _, _ = serve("log", tmp_path, env=env)
     flips = {(p["key"], p["page_slot"]): p for p in log.perturbations if p["kv_canary_perturb"] == "storage_page"}
     reported = {(v.get("storage_key"), v.get("storage_page_slot")) for v in log.violations}
     reported_slots = {v["host_slot"] for v in log.violations}
@@ -112,3 +120,35 @@ def test_a_flipped_storage_page_is_caught_when_loaded_back(tmp_path):
     assert len(reported) == loaded_flips  # every flipped page that was loaded back, reported
     # the window hashes 16 bytes of layer 0's K: the rest was caught by the first read's full-row hash
     assert outside, "no flip outside the hashed window was loaded back"
+
+
+@pytest.mark.e2e
+def test_contain_poisons_a_bad_storage_page_so_it_never_comes_back(tmp_path):
+    """``contain`` + storage-page flips (at most ``FLIPS``): each flipped page loaded back is reported, its readers
+    are contained, its node leaves the device and the host, and its storage keys are poisoned
+    (``kv_canary_contain=evict ... storage_keys_poisoned=``): storage has no delete, so without them the next
+    lookup would read the bad page back. Three passes: a reported page is never loaded back again."""
+    env = {"SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB": "0.1", "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0",
+           "SGLANG_KV_CANARY_PERTURB_SEED": "7", "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
+    counters, log, srv, files, wall, results, logs = serve("contain", tmp_path, env=env, passes=3)
+    flips = {(p["key"], p["page_slot"]) for p in log.perturbations if p["kv_canary_perturb"] == "storage_page"}
+    evictions = [c for c in parse_lines(log.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "evict"]
+    contained = {c["rid"] for c in parse_lines(log.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"}
+    forwards = {}  # storage key -> the load-back forwards that reported it
+    for v in log.violations:
+        forwards.setdefault(v.get("storage_key"), set()).add(v["forward"])
+    print(f"kv_canary_e2e_hicache_storage mode=contain device={e2e_device()} wall_s={wall:.0f} storage_page_flips="
+          f"{len(flips)} violations={len(log.violations)} pages_reported={len(forwards)} evictions={len(evictions)} "
+          f"storage_keys_poisoned={sum(int(c.get('storage_keys_poisoned', 0)) for c in evictions)} "
+          f"contained_requests={len(contained)} failed={[r.failed for r in results]} "
+          + " ".join(f"{k.split(':')[1]}={v:.0f}" for k, v in counters.items()) + " "
+          + _stats(log, *STORAGE_STATS, "hicache_storage_keys_poisoned", "hicache_storage_hits_poisoned"))
+    assert len(flips) == FLIPS and len(logs[0].perturbations) == FLIPS, "flips after the first pass"
+    assert log.violations, "no flipped page was loaded back"
+    assert all(v["kind"] == "kv_hash" and v.get("hicache") == "load" for v in log.violations), log.violations[:5]
+    assert {(v.get("storage_key"), v.get("storage_page_slot")) for v in log.violations} <= flips  # no false alarm
+    assert {v["rid"] for v in log.violations} <= contained  # every reader contained
+    assert evictions and all(int(c.get("storage_keys_poisoned", 0)) > 0 for c in evictions), evictions[:5]
+    assert log.last_stat("hicache_storage_hits_poisoned") > 0  # a later lookup stopped before a poisoned page
+    # a contained page never comes back: each is reported at one load-back only
+    assert all(len(f) == 1 for f in forwards.values()), forwards

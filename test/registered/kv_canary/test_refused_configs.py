@@ -99,15 +99,6 @@ def test_contain_mode_is_refused_the_same_way(forker):
     assert code != 0 and "--kv-canary raise cannot verify --enable-torch-compile" in out, out[-3000:]
 
 
-def test_contain_with_hicache_storage_is_refused(forker):
-    """Storage has no delete: contain cannot keep a bad page from coming back (poisoned keys are not built)."""
-    code, out = forker.run(_argv(["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
-                                 mode="contain"))
-    assert code != 0 and REFUSED in out, out[-3000:]
-    assert "cannot verify --enable-hierarchical-cache with --hicache-storage-backend file and --kv-canary contain" \
-        in out, out[-3000:]
-
-
 def test_a_hook_sglang_failed_to_apply_refuses_startup(forker):
     """sglang's HookRegistry only logs a hook it could not apply; the canary refuses to run half-wired."""
     prelude = (

@@ -107,6 +107,9 @@ HICACHE_HOOKS: HookTable = {
         "hicache_storage.around_generic_page_set", "around"),
     "sglang.srt.managers.cache_controller.HiCacheController._generic_page_get": (
         "hicache_storage.around_generic_page_get", "around"),
+    # contain: a storage lookup stops before the pages of host copies evicted as bad (storage has no delete)
+    "sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query": (
+        "hicache_storage.after_storage_hit_query", "after"),
 }
 
 
