@@ -2,7 +2,9 @@
 
 A page object is ``kv bytes || trailer``; the trailer (``trailer_nbytes(page_size)`` bytes, little-endian) is
 
-* ``TRAILER_MAGIC`` (4 bytes), the record width (int32) and the page size (int64): 16 bytes;
+* ``TRAILER_MAGIC`` (4 bytes), the record width (int32), the page size (int64) and the records' tag (uint64:
+  ``records_tag`` of what the hashes in them cover; a reader whose hashes cover other bytes, e.g. another
+  ``SGLANG_KV_CANARY_KV_HASH_BYTES``, reads the page as having no records, never as corrupt): 24 bytes;
 * the page's records, int64[page_size, RECORD_WIDTH] (one row per token of the page, ``fingerprint`` layout);
 * a 64-bit mix of the header and record words (``_mix``): a flipped trailer byte reads as a page without records
   (a miss), never as corrupt K/V.
@@ -13,7 +15,7 @@ without a trailer reads short here (``BadTrailer``). Plain tensors and bytes onl
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 import torch
@@ -21,12 +23,12 @@ import torch
 from .fingerprint import RECORD_WIDTH
 
 TRAILER_MAGIC = b"KVC1"
-_HEADER = np.dtype([("magic", "S4"), ("width", "<i4"), ("page_size", "<i8")])  # 16 bytes
+_HEADER = np.dtype([("magic", "S4"), ("width", "<i4"), ("page_size", "<i8"), ("tag", "<u8")])  # 24 bytes
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 class BadTrailer(ValueError):
-    """A page object with no (valid) canary trailer; ``reason``: short, magic, shape or mix."""
+    """A page object with no (valid) canary trailer; ``reason``: short, magic, shape, tag or mix."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"kv-canary storage trailer: {reason}" + (f" ({detail})" if detail else ""))
@@ -34,7 +36,7 @@ class BadTrailer(ValueError):
 
 
 def trailer_nbytes(page_size: int) -> int:
-    """Bytes of a page's trailer: header 16 + page_size x RECORD_WIDTH x 8 + mix 8."""
+    """Bytes of a page's trailer: header 24 + page_size x RECORD_WIDTH x 8 + mix 8."""
     return _HEADER.itemsize + int(page_size) * RECORD_WIDTH * 8 + 8
 
 
@@ -48,13 +50,19 @@ def _mix(words: np.ndarray) -> np.uint64:
     return np.bitwise_xor.reduce(z) if z.size else np.uint64(0)
 
 
-def encode_trailer(records: torch.Tensor) -> torch.Tensor:
+def records_tag(parts: Sequence[int]) -> int:
+    """A 64-bit tag of the ints that fix what a record's hashes cover (the writer's and reader's must match)."""
+    return int(_mix(np.array([RECORD_WIDTH, *parts], dtype=np.int64).view(np.uint64)))
+
+
+def encode_trailer(records: torch.Tensor, tag: int = 0) -> torch.Tensor:
     """uint8[trailer_nbytes(page_size)] for one page's ``records`` (int64[page_size, RECORD_WIDTH], CPU)."""
     if records.dim() != 2 or records.shape[1] != RECORD_WIDTH or records.dtype != torch.int64:
         raise ValueError(f"kv-canary storage trailer: records of shape {tuple(records.shape)} {records.dtype}, "
                          f"expected int64[page_size, {RECORD_WIDTH}]")
     header = np.zeros(1, dtype=_HEADER)
     header["magic"], header["width"], header["page_size"] = TRAILER_MAGIC, RECORD_WIDTH, records.shape[0]
+    header["tag"] = np.uint64(tag & 0xFFFFFFFFFFFFFFFF)
     body = records.detach().cpu().contiguous().numpy().astype("<i8", copy=False)
     head_words = np.frombuffer(header.tobytes(), dtype="<u8")
     mix = _mix(np.concatenate([head_words, body.reshape(-1).view("<u8")]))
@@ -62,15 +70,15 @@ def encode_trailer(records: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
-def append_trailer(kv_page: torch.Tensor, records: torch.Tensor) -> torch.Tensor:
+def append_trailer(kv_page: torch.Tensor, records: torch.Tensor, tag: int = 0) -> torch.Tensor:
     """The page object: ``kv_page``'s bytes (any dtype, CPU) then the trailer of ``records``; uint8[kv + trailer]."""
     kv = kv_page.detach().contiguous().reshape(-1).view(torch.uint8)
-    return torch.cat([kv, encode_trailer(records)])
+    return torch.cat([kv, encode_trailer(records, tag)])
 
 
-def decode_trailer(trailer: torch.Tensor, page_size: int) -> torch.Tensor:
+def decode_trailer(trailer: torch.Tensor, page_size: int, tag: int = 0) -> torch.Tensor:
     """int64[page_size, RECORD_WIDTH] from a page's trailer bytes (uint8, CPU); ``BadTrailer`` when there is none
-    (fewer bytes, another magic, another width or page size, or a mix that does not match)."""
+    (fewer bytes, another magic, another width or page size, another tag, or a mix that does not match)."""
     want = trailer_nbytes(page_size)
     raw = trailer.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     if len(raw) < want:
@@ -85,17 +93,20 @@ def decode_trailer(trailer: torch.Tensor, page_size: int) -> torch.Tensor:
     words = np.frombuffer(raw[:-8], dtype="<u8")
     if _mix(words) != np.frombuffer(raw[-8:], dtype="<u8")[0]:
         raise BadTrailer("mix")
+    if int(header["tag"]) != (tag & 0xFFFFFFFFFFFFFFFF):  # a valid trailer of records hashed another way
+        raise BadTrailer("tag", f"{int(header['tag']):#x}, expected {tag & 0xFFFFFFFFFFFFFFFF:#x}")
     body = np.frombuffer(raw[_HEADER.itemsize:-8], dtype="<i8").reshape(int(page_size), RECORD_WIDTH)
     return torch.from_numpy(body.copy())
 
 
-def split_page(value: torch.Tensor, kv_nbytes: int, page_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def split_page(value: torch.Tensor, kv_nbytes: int, page_size: int,
+               tag: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """A page object (uint8, CPU) -> (its K/V bytes: a uint8[kv_nbytes] view, its records int64[page_size,
     RECORD_WIDTH]); ``BadTrailer`` when it carries none."""
     flat = value.reshape(-1).view(torch.uint8)
     if flat.numel() < kv_nbytes + trailer_nbytes(page_size):
         raise BadTrailer("short", f"{flat.numel()} of {kv_nbytes + trailer_nbytes(page_size)} bytes")
-    return flat[:kv_nbytes], decode_trailer(flat[kv_nbytes:], page_size)
+    return flat[:kv_nbytes], decode_trailer(flat[kv_nbytes:], page_size, tag)
 
 
 def page_byte_offset(*, half: int, layer: int, page_slot: int, byte: int, num_layers: int, page_size: int,

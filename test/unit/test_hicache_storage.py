@@ -16,7 +16,7 @@ from kv_canary.host_records import HostRecordStore
 from kv_canary.perturb.storage_page import STORAGE_FLIP_MASK, PageGeometry
 from kv_canary.runner.storage_pages import StoragePages
 from kv_canary.storage_trailer import (BadTrailer, append_trailer, decode_trailer, encode_trailer,
-                                       page_byte_offset, split_page, trailer_nbytes)
+                                       page_byte_offset, records_tag, split_page, trailer_nbytes)
 
 LAYERS, PAGE, HEADS, DIM, SLOTS = 3, 4, 2, 4, 32
 
@@ -32,7 +32,7 @@ def _records(n, seed=0):
 def test_trailer_round_trip_and_size():
     recs = _records(PAGE)
     t = encode_trailer(recs)
-    assert t.dtype == torch.uint8 and t.numel() == trailer_nbytes(PAGE) == 16 + PAGE * RECORD_WIDTH * 8 + 8
+    assert t.dtype == torch.uint8 and t.numel() == trailer_nbytes(PAGE) == 24 + PAGE * RECORD_WIDTH * 8 + 8
     assert bytes(t[:4].tolist()) == b"KVC1"
     assert torch.equal(decode_trailer(t, PAGE), recs)
     kv = torch.randn(2, LAYERS, PAGE, HEADS, DIM)
@@ -63,6 +63,18 @@ def test_bad_magic_shape_and_every_flipped_trailer_byte():
         with pytest.raises(BadTrailer) as e:
             decode_trailer(bad, PAGE)
         assert e.value.reason in ("shape", "mix"), (i, e.value.reason)
+
+
+def test_records_hashed_another_way_read_as_no_records():
+    """A valid trailer written by a server whose hashes cover other bytes (another KV_HASH window): no records for
+    this reader (a miss), never compared."""
+    a, b = records_tag([0, 0, 4]), records_tag([0, 0, 8])
+    assert a != b and a == records_tag([0, 0, 4])
+    recs = _records(PAGE)
+    assert torch.equal(decode_trailer(encode_trailer(recs, a), PAGE, a), recs)
+    with pytest.raises(BadTrailer) as e:
+        decode_trailer(encode_trailer(recs, a), PAGE, b)
+    assert e.value.reason == "tag"
 
 
 def test_page_offset_matches_the_flat_layer_first_page():
@@ -196,6 +208,17 @@ def test_a_page_stored_without_a_trailer_reads_as_a_miss_not_a_crash(tmp_path, m
     assert m.storage_stats.pages_got == 1 and m.storage_stats.pages_without_records == 1
     assert torch.equal(host.kv_buffer[:, :, 16 + PAGE:], before)  # nothing of it written to the host pool
     assert not m.host_records.records[16 + PAGE:].any()
+
+
+def test_a_page_another_servers_hashes_wrote_is_a_miss(tmp_path, monkeypatch):
+    writer, reader = Manager(), Manager()
+    writer.storage_tag, reader.storage_tag = records_tag([0, 0, 4]), records_tag([0, 0, 8])
+    c = _controller(tmp_path, monkeypatch, writer)
+    hicache_storage.around_generic_page_set(_unexpected, c, ["k0"], torch.arange(0, PAGE))
+    c.kv_canary_manager = reader
+    op = Op()
+    hicache_storage.around_generic_page_get(_unexpected, c, op, ["k0"], torch.arange(16, 16 + PAGE))
+    assert op.completed_tokens == 0 and reader.storage_stats.pages_without_records == 1
 
 
 @pytest.mark.parametrize("where", ["magic", "mix"])

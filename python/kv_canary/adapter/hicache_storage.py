@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ..storage_trailer import BadTrailer, split_page, trailer_nbytes
+from ..storage_trailer import BadTrailer, trailer_nbytes
 
 logger = logging.getLogger("kv_canary")
 
@@ -98,7 +98,7 @@ def around_generic_page_get(original, controller, operation, hash_values, host_i
             logger.warning(f"Prefetch operation {operation.request_id} failed to retrieve page {key}.")
             break
         try:
-            kv, records = split_page(target, kv_nbytes, page)
+            kv, records = manager.storage_page_split(target, kv_nbytes, page)
         except BadTrailer as e:
             manager.storage_page_without_records(key, e.reason)
             break

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..host_records import HostRecordStore
+from ..storage_trailer import records_tag
 from .brackets import CanaryBracketError
 from .storage_pages import StoragePages
 
@@ -58,6 +59,10 @@ class HostCopies(StoragePages):
             raise ValueError("kv-canary: the host-copy perturbation needs the host copies' rows")
         self.host_records = store
         self.storage_on = bool(storage)
+        if storage:  # what the records' hashes cover: a page written by a server hashing otherwise has none for us
+            g = self.groups[0]
+            self.storage_tag = records_tag([x for r in g.sources for x in (r.layer, r.half == "v", r.words)] + [-1]
+                                           + [x for r in g.rows for x in (r.layer, r.half == "v", r.row_words)])
         self._host_rows = host_rows or {}
         self._loaded_from = torch.full((self.groups[0].num_slots, 2), -1, dtype=torch.int64,
                                        device=self.groups[0].records.device)

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 
-from ..storage_trailer import append_trailer
+from ..storage_trailer import append_trailer, split_page
 from ..violations import format_line
 
 logger = logging.getLogger("kv_canary")
@@ -49,6 +49,7 @@ class StoragePages:
 
     def _init_storage_pages(self) -> None:
         self.storage_on = False  # the engine has a storage tier (``attach_host_records(storage=True)``)
+        self.storage_tag = 0  # storage_trailer.records_tag of what this server's record hashes cover
         self.storage_stats = StorageStats()
         self._storage_lock = threading.Lock()
         self._storage_from: Dict[int, Tuple[str, int]] = {}  # host slot -> (key, page slot) it was read from
@@ -62,7 +63,12 @@ class StoragePages:
         """uint8 page objects (K/V bytes then the trailer) for ``kv_pages`` (one CPU tensor per page, the host
         copies of ``host_idx[i * page_size:(i + 1) * page_size]``, int[len(kv_pages) * page_size])."""
         records = self.host_records.rows(host_idx[: len(kv_pages) * page_size])
-        return [append_trailer(page, records[i * page_size:(i + 1) * page_size]) for i, page in enumerate(kv_pages)]
+        return [append_trailer(page, records[i * page_size:(i + 1) * page_size], self.storage_tag)
+                for i, page in enumerate(kv_pages)]
+
+    def storage_page_split(self, value: torch.Tensor, kv_nbytes: int, page_size: int):
+        """A page object read back -> (its K/V bytes, its records); ``BadTrailer`` when it carries none of ours."""
+        return split_page(value, kv_nbytes, page_size, self.storage_tag)
 
     def storage_pages_written(self, keys: Sequence[str], existing: int, geometry,
                               xor_at: Callable[[str, int, int], None]) -> None:
