@@ -26,6 +26,8 @@
 #   bash scripts/gpu_host.sh pd-bench-wait [seconds] # as bench-wait: bench_overhead.json (the PD report) + logs
 #   bash scripts/gpu_host.sh hicache-e2e [pytest args]  # test_e2e_hicache.py on the GPU (sglang's own HiCache
 #                                                   # transfers, CUDA graphs); server logs into $OUT
+#   bash scripts/gpu_host.sh hicache-storage-e2e [pytest args]  # test_e2e_hicache_storage.py on the GPU (file
+#                                                   # storage tier); server logs into $OUT
 #   bash scripts/gpu_host.sh hc-bench-start [args]  # scripts/bench_hicache_overhead.py in the background
 #   bash scripts/gpu_host.sh hc-bench-wait [seconds] # as bench-wait: bench_overhead.json (the HiCache report) + logs
 #
@@ -123,6 +125,9 @@ PY
   pd-e2e) gpu_e2e test_e2e_pd.py "${KVC_PD_E2E_TIMEOUT:-480}" kvc-pd gpu-pd-e2e.log pd-logs.tgz "$@" ;;
   hicache-e2e)
     gpu_e2e test_e2e_hicache.py "${KVC_HC_E2E_TIMEOUT:-480}" kvc-hc gpu-hicache-e2e.log hicache-logs.tgz "$@" ;;
+  hicache-storage-e2e)
+    gpu_e2e test_e2e_hicache_storage.py "${KVC_HC_E2E_TIMEOUT:-480}" kvc-hcs gpu-hicache-storage-e2e.log \
+      hicache-storage-logs.tgz "$@" ;;
   install-upstream)
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;

@@ -178,6 +178,10 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "PERTURB_HOST_COPY_PROB": ("perturb_host_copy_prob", _parse_prob,
                                "HiCache: per settled backup, probability of flipping a K/V byte of one of its host "
                                "copies (caught when it is loaded back; needs --enable-hierarchical-cache)"),
+    "PERTURB_STORAGE_PAGE_PROB": ("perturb_storage_page_prob", _parse_prob,
+                                  "HiCache storage: per page the canary wrote to the storage tier, probability of "
+                                  "flipping one K/V byte of it where it rests (caught when loaded back; needs "
+                                  "--hicache-storage-backend file)"),
     "PERTURB_POSITION_SHIFT_PROB": ("perturb_position_shift_prob", _parse_prob,
                                     "per-forward probability of running one decode forward at positions + 1 "
                                     "(a position bookkeeping bug: K is rotated for the wrong position)"),
@@ -234,6 +238,7 @@ class CanaryConfig:
     perturb_real_kv_post_forward_prob: float = 0.0
     perturb_transfer_prob: float = 0.0
     perturb_host_copy_prob: float = 0.0
+    perturb_storage_page_prob: float = 0.0
     perturb_position_shift_prob: float = 0.0
     perturb_next_token_swap_prob: float = 0.0
     perturb_write_dropped_prob: float = 0.0
@@ -282,7 +287,7 @@ class CanaryConfig:
                                      self.perturb_real_kv_unused_cache_prob, self.perturb_real_kv_post_forward_prob,
                                      self.perturb_position_shift_prob, self.perturb_next_token_swap_prob,
                                      self.perturb_transfer_prob, self.perturb_write_dropped_prob,
-                                     self.perturb_host_copy_prob,
+                                     self.perturb_host_copy_prob, self.perturb_storage_page_prob,
                                      self.perturb_write_dropped_layer_prob, self.perturb_write_misdirected_prob))
 
     @classmethod
@@ -350,6 +355,9 @@ class CanaryConfig:
         if config.perturb_host_copy_prob > 0 and not config.hicache:
             raise CanaryConfigError("SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB corrupts HiCache's host copies: add "
                                     "--enable-hierarchical-cache or unset it")
+        if config.perturb_storage_page_prob > 0 and not config.hicache:
+            raise CanaryConfigError("SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB corrupts pages of HiCache's storage "
+                                    "tier: add --enable-hierarchical-cache --hicache-storage-backend file or unset it")
         if config.perturb_real_kv_unused_cache_prob > 0 and config.sweep_interval == 0:
             raise CanaryConfigError(
                 "SGLANG_KV_CANARY_PERTURB_REAL_KV_UNUSED_CACHE_PROB corrupts slots only the radix cache holds, "
@@ -375,6 +383,8 @@ class CanaryConfig:
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
             + (" hicache=1" if self.hicache else "")
             + (f" perturb_host_copy_prob={self.perturb_host_copy_prob}" if self.perturb_host_copy_prob else "")
+            + (f" perturb_storage_page_prob={self.perturb_storage_page_prob}" if self.perturb_storage_page_prob
+               else "")
             + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
             + (f" perturb_tp_rank={self.perturb_tp_rank}" if self.perturb_tp_rank >= 0 else "")
             + "".join(f" perturb_{m}_prob={p}" for m, p in (

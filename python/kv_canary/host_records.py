@@ -8,8 +8,9 @@ the new device slots.
 
 A backup's records leave the device on the engine's copy stream, so they reach the host later: ``add_pending``
 keeps the staged rows with the event that marks their copy done, and ``settle`` scatters them into ``records``.
-Every reader of host rows (``read``: a load-back) settles the rows it reads first; the engine's write ack
-normally comes after the copy, so settling then does not wait (``settle_ready``).
+Every reader of host rows (``read``: a load-back; ``rows``: a storage write) settles the rows it reads first; the
+engine's write ack normally comes after the copy, so settling then does not wait (``settle_ready``). Host copies
+read back from the storage tier bring their records with them (``put``).
 
 Plain tensors and events only: no engine class is named here.
 """
@@ -123,6 +124,24 @@ class HostRecordStore:
         self.stats.slots_loaded += host_idx.numel()
         out = self.records[host_idx]
         return out.pin_memory() if self._pin else out
+
+    def rows(self, host_idx: torch.Tensor) -> torch.Tensor:
+        """int64[n, RECORD_WIDTH]: a copy of the records of ``host_idx``, settled first (a storage write reads them;
+        not counted as a load)."""
+        host_idx = host_idx.to(device="cpu", dtype=torch.int64)
+        self.settle(host_idx)
+        with self._lock:
+            return self.records[host_idx].clone()
+
+    def put(self, host_idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """Host copies read from the storage tier into ``host_idx`` (int[n]) carry ``rows`` (int64[n, RECORD_WIDTH]):
+        settled at once (any engine thread)."""
+        host_idx = host_idx.to(device="cpu", dtype=torch.int64)
+        if rows.shape != (host_idx.numel(), RECORD_WIDTH):
+            raise ValueError(f"kv-canary: {tuple(rows.shape)} records for {host_idx.numel()} host slots")
+        self.settle(host_idx)
+        with self._lock:
+            self.records[host_idx] = rows.to(dtype=torch.int64)
 
     def free(self, host_idx: torch.Tensor) -> None:
         """The engine freed ``host_idx``: its records are gone (a pending backup there lands first, then is zeroed)."""

@@ -3,9 +3,10 @@
 Stock sglang cannot run ``--enable-hierarchical-cache`` on CPU (docs/hicache.md section 2): the host pool is
 ``cudaHostRegister``ed and every transfer is a CUDA op. This shim replaces exactly those: the host buffer is a
 plain CPU tensor, and ``MHATokenToKVPoolHost.load_to_device_per_layer`` / ``backup_from_device_all_layer`` copy
-rows with ``index_select`` / ``index_copy_`` (the ``layer_first`` layout, what the CUDA kernels do for it). sglang's
-tree, controller, acks, layer events and write policies run unchanged, and so does the canary. Transfers are
-synchronous here, so stream races are not exercised (the GPU host covers them).
+rows with ``index_select`` / ``index_copy_`` (the ``layer_first`` layout, what the CUDA kernels do for it); the
+storage tier's page read target (``get_dummy_flat_data_page``) is unpinned. sglang's tree, controller, acks, layer
+events, write policies and file storage tier run unchanged, and so does the canary. Transfers are synchronous here,
+so stream races are not exercised (the GPU host covers them).
 
 Enabled by the e2e fixture's env (``KVC_TEST_HICACHE_CPU=1``, read when the tiny model package is imported in
 the scheduler process), never by the plugin. Also lowers sglang's 10 GiB host-memory reserve check to 0 (the
@@ -52,6 +53,12 @@ def _backup_from_device_all_layer(self, device_pool, host_indices, device_indice
         self.v_buffer[layer].index_copy_(0, h, device_pool.v_buffer[layer].index_select(0, d).cpu())
 
 
+def _dummy_flat_data_page(self):
+    """The storage tier's read target (``HiCacheFile`` reads a page into it): unpinned."""
+    return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim), dtype=self.dtype,
+                       device=self.device).flatten()
+
+
 def install() -> None:
     """Patch sglang 0.5.12's host pool module (idempotent)."""
     from sglang.srt.mem_cache import memory_pool_host as mph
@@ -60,6 +67,7 @@ def install() -> None:
     mph.HICACHE_HOST_MEMORY_RESERVE_BYTES = 0
     mph.MHATokenToKVPoolHost.load_to_device_per_layer = _load_to_device_per_layer
     mph.MHATokenToKVPoolHost.backup_from_device_all_layer = _backup_from_device_all_layer
+    mph.MHATokenToKVPoolHost.get_dummy_flat_data_page = _dummy_flat_data_page  # pinned as shipped
 
 
 def install_if_enabled() -> None:

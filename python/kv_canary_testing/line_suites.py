@@ -43,7 +43,8 @@ ONLY_ON_LINE = {
                "--enable-hierarchical-cache at startup): 0.5.23's UnifiedRadixCache / HybridCacheController hooks "
                "and its CPU shim are not written yet (docs/hicache.md)",
         "line": "0.5.12",
-        "files": ("registered/kv_canary/test_e2e_hicache.py",),
+        "files": ("registered/kv_canary/test_e2e_hicache.py", "registered/kv_canary/test_e2e_hicache_storage.py",
+                  "unit/test_hicache_storage.py"),
     },
     "0.5.23": {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",

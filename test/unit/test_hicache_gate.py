@@ -20,22 +20,27 @@ def _args(**kw):
     return SimpleNamespace(**base)
 
 
-def _config(mode="raise", real_data="partial", sweep=0):
-    return CanaryConfig.build(mode=mode, real_data=real_data, sweep_interval=sweep, environ={}, hicache=True)
+def _config(mode="raise", real_data="partial", sweep=0, environ=None, hicache=True):
+    return CanaryConfig.build(mode=mode, real_data=real_data, sweep_interval=sweep, environ=environ or {},
+                              hicache=hicache)
 
 
 @pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
                                 {"hicache_write_policy": "write_through_selective"}, {"page_size": None},
-                                {"device": "cuda"}, {"device": "cuda", "hicache_io_backend": "direct"}])
+                                {"device": "cuda"}, {"device": "cuda", "hicache_io_backend": "direct"},
+                                {"hicache_storage_backend": "file"},
+                                {"hicache_storage_backend": "file", "page_size": 16}])
 def test_verified_combinations_pass(kw):
     check_hicache(_args(**kw), _config(), line="0.5.12")
     check_hicache(_args(**kw), _config("log"), line="0.5.12")
-    check_hicache(_args(**kw), _config("contain"), line="0.5.12")  # evicts device and host copies
+    check_hicache(_args(**kw), _config("contain"), line="0.5.12")  # evicts device and host copies (and poisons keys)
 
 
 @pytest.mark.parametrize("kw,line,config,needle", [
     ({}, "0.5.23", {}, "sglang 0.5.23"),
-    ({"hicache_storage_backend": "file"}, "0.5.12", {}, "--hicache-storage-backend file"),
+    ({"hicache_storage_backend": "mooncake"}, "0.5.12", {}, "--hicache-storage-backend mooncake"),
+    ({"hicache_storage_backend": "hf3fs"}, "0.5.12", {}, "--hicache-storage-backend hf3fs"),
+    ({"hicache_storage_backend": "file"}, "0.5.23", {}, "sglang 0.5.23"),
     ({"device": "npu"}, "0.5.12", {}, "--device npu"),
     ({"hicache_io_backend": "kernel_ascend"}, "0.5.12", {}, "--hicache-io-backend kernel_ascend"),
     ({"page_size": 64}, "0.5.12", {}, "--page-size 64"),
@@ -60,6 +65,19 @@ def test_storage_without_hicache_is_refused_and_canary_off_is_never_checked():
                       line="0.5.12")
     check_hicache(_args(enable_hierarchical_cache=False), _config(), line="0.5.12")
     check_hicache(_args(device="cuda", tp_size=4), CanaryConfig.build(mode="none", environ={}), line="0.5.23")
+
+
+STORAGE_FLIP = {"SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB": "0.5"}
+
+
+def test_storage_page_perturbation_needs_file_storage():
+    check_hicache(_args(hicache_storage_backend="file"), _config("log", environ=STORAGE_FLIP), line="0.5.12")
+    with pytest.raises(CanaryConfigError, match="--hicache-storage-backend is unset"):
+        check_hicache(_args(), _config("log", environ=STORAGE_FLIP), line="0.5.12")
+    with pytest.raises(CanaryConfigError, match="PERTURB_STORAGE_PAGE_PROB.*--enable-hierarchical-cache"):
+        _config("log", environ=STORAGE_FLIP, hicache=False)
+    with pytest.raises(CanaryConfigError, match="PERTURB_STORAGE_PAGE_PROB"):
+        _config("log", environ={"SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB": "2"})
 
 
 def test_pool_gate():

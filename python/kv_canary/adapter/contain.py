@@ -186,8 +186,11 @@ class SchedulerContainment:
                 continue
             fields = {key[0]: key[1]}
             if hicache:
-                nodes, tokens, host_slots = evict_hicache_subtree(tree, node, removed)
+                nodes, tokens, host_slots, keys = evict_hicache_subtree(tree, node, removed)
                 fields.update(nodes=nodes, tokens=tokens, host_slots=host_slots)
+                manager = getattr(tree, "kv_canary_manager", None)
+                if keys and manager is not None and getattr(manager, "storage_on", False):
+                    fields.update(storage_keys_poisoned=manager.poison_storage_keys(keys))
             else:
                 nodes, tokens = _evict_subtree(tree, node, removed)
                 fields.update(nodes=nodes, tokens=tokens)

@@ -4,7 +4,9 @@ A violation at a loaded slot's first read names a device slot whose bytes came b
 bad bytes live in that host copy too, so evicting the device node alone would let the next hit load the
 same bad copy again. Here the node and its whole subtree, children first, leave both tiers with sglang's own
 calls (``HiRadixCache._evict_backuped`` / ``_evict_regular`` for the device value, the body of
-``HiRadixCache.evict_host`` for the host value), so a retry misses and is recomputed.
+``HiRadixCache.evict_host`` for the host value), so a retry misses and is recomputed. With a storage tier the
+pages may rest in storage too, which has no delete: their keys (``node.hash_value``, one per page) are poisoned
+(``hicache_storage.after_storage_hit_query`` stops a lookup before them).
 
 A node is busy (retried at later safe points, like a locked node) while a request holds it (``lock_ref``),
 a load or prefetch holds its host copy (``host_ref_counter``), or its write-through or load-back is in flight.
@@ -56,12 +58,15 @@ def subtree_busy(tree, node) -> bool:
                for n in subtree_children_first(node))
 
 
-def evict_hicache_subtree(tree, node, removed: set) -> Tuple[int, int, int]:
+def evict_hicache_subtree(tree, node, removed: set) -> Tuple[int, int, int, List[str]]:
     """Free ``node`` and every descendant from the device and the host, children first; their ids go into
-    ``removed``. Returns (nodes, device tokens freed, host slots freed)."""
+    ``removed``. Returns (nodes, device tokens freed, host slots freed, the nodes' storage keys: one per page,
+    with a storage tier)."""
     order = subtree_children_first(node)
     tokens = host_slots = 0
+    keys: List[str] = []
     for n in order:
+        keys.extend(k for k in (getattr(n, "hash_value", None) or ()) if isinstance(k, str))
         if n.value is not None:
             tokens += len(n.value)
             if n.host_value is None:  # device only: the tree's own regular eviction frees it and unlinks it
@@ -73,7 +78,7 @@ def evict_hicache_subtree(tree, node, removed: set) -> Tuple[int, int, int]:
             host_slots += len(n.host_value)
             _drop_host(tree, n)
         removed.add(id(n))
-    return len(order), tokens, host_slots
+    return len(order), tokens, host_slots, keys
 
 
 def _drop_host(tree, node) -> None:

@@ -3,8 +3,10 @@
 What is verified (``test_e2e_hicache.py``, sglang 0.5.12: on CPU through the test shim, on a GPU with sglang's own
 pinned host pool, transfer kernels or direct copies, and layer-wise load overlap under CUDA graphs): an MHA pool
 (one buffer group), ``--page-size`` 1 or 16, the write policies in ``VERIFIED_WRITE_POLICIES``, both
-``--hicache-io-backend`` choices, the ``layer_first`` host layout, no storage backend, one TP rank,
-``--kv-canary log|raise|contain`` with ``--kv-canary-real-data partial``. Everything else is refused at startup
+``--hicache-io-backend`` choices, the ``layer_first`` host layout, no storage backend or ``file`` (the records ride
+inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
+rank, ``--kv-canary log|raise|contain``
+with ``--kv-canary-real-data partial``. Everything else is refused at startup
 naming the flag and its value.
 """
 
@@ -22,6 +24,7 @@ VERIFIED_PAGE_SIZES = (1, 16)
 VERIFIED_DEVICES = ("cpu", "cuda")
 VERIFIED_IO_BACKENDS = ("kernel", "direct")
 VERIFIED_POOLS = ("MHATokenToKVPool",)
+VERIFIED_STORAGE_BACKENDS = ("file",)  # sglang's generic page path (adapter/hicache_storage)
 
 
 def _refuse(what: str, why: str, do: str) -> None:
@@ -36,11 +39,15 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
     storage = getattr(server_args, "hicache_storage_backend", None)
     if not config.enabled:
         return
+    if config.perturb_storage_page_prob > 0 and storage != "file":
+        raise CanaryConfigError(f"SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB corrupts pages of HiCache's file "
+                                f"storage tier, but --hicache-storage-backend is {storage or 'unset'}: pass "
+                                f"--hicache-storage-backend file or unset it")
     if not getattr(server_args, "enable_hierarchical_cache", False):
         if storage:
             raise CanaryConfigError(f"{FLAG_MODE} {config.mode.value} cannot verify --hicache-storage-backend "
-                                    f"{storage}: the canary keeps no records for storage pages yet; drop it or run "
-                                    f"with {FLAG_MODE} none")
+                                    f"{storage} without {FLAG}: the canary verifies storage pages as HiCache's "
+                                    f"third tier only; add {FLAG}, drop it, or run with {FLAG_MODE} none")
         return
     if line is None:
         from .lines import current_line
@@ -49,9 +56,11 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
     if line not in VERIFIED_LINES:
         _refuse(f"sglang {line}", f"HiCache is verified on sglang {', '.join(VERIFIED_LINES)} only",
                 f"drop {FLAG}")
-    if storage:
-        _refuse(f"--hicache-storage-backend {storage}", "the canary keeps no records for storage pages yet",
-                "drop --hicache-storage-backend")
+    if storage and storage not in VERIFIED_STORAGE_BACKENDS:
+        _refuse(f"--hicache-storage-backend {storage}", f"the records ride inside page objects of sglang's generic "
+                f"page path, verified with {', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write "
+                "host memory directly and cannot carry them)", f"use --hicache-storage-backend "
+                f"{VERIFIED_STORAGE_BACKENDS[0]} or drop it")
     device = str(getattr(server_args, "device", None) or "cuda")
     if device not in VERIFIED_DEVICES:
         _refuse(f"--device {device}", f"HiCache with the canary is verified on {', '.join(VERIFIED_DEVICES)} only",
@@ -121,7 +130,7 @@ def attach_hicache(scheduler, manager) -> None:
     for layer in range(int(host.layer_num)):  # layer_first: [2, layers, host slots, heads, dim]
         for half, buf in (("k", host.k_buffer), ("v", host.v_buffer)):
             rows[(layer, half)] = buf[layer].reshape(buf.shape[1], -1).view(torch.uint8)
-    manager.attach_host_records(store, rows)
+    manager.attach_host_records(store, rows, storage=bool(getattr(controller, "enable_storage", False)))
     for obj in (controller, host, tree):
         obj.kv_canary_manager = manager
     host_bytes = int(host.kv_buffer.numel() * host.kv_buffer.element_size())
@@ -130,7 +139,8 @@ def attach_hicache(scheduler, manager) -> None:
     logging.getLogger("kv_canary").info(format_line("kv_canary_hicache", 1, {
         "host_slots": int(host.size), "host_pool_bytes": host_bytes, "host_record_bytes": record_bytes,
         "host_record_pct_of_host_pool": f"{100.0 * record_bytes / max(1, host_bytes):.3f}", "layout": host.layout,
-        "write_policy": getattr(args, "hicache_write_policy", "?"), "storage": "none",
+        "write_policy": getattr(args, "hicache_write_policy", "?"),
+        "storage": getattr(args, "hicache_storage_backend", None) or "none",
         "pinned": int(store.records.is_pinned()) if torch.cuda.is_available() else 0}))
 
 

@@ -133,7 +133,7 @@ HICACHE_RULES.update({
 # Owned by another startup check.
 CHECKED_ELSEWHERE: Dict[str, str] = {
     "enable_hierarchical_cache": "adapter.hicache.check_hicache (what HiCache combinations are verified)",
-    "hicache_storage_backend": "adapter.hicache.check_hicache (no storage backend is verified yet)",
+    "hicache_storage_backend": "adapter.hicache.check_hicache (file on 0.5.12, with HiCache; no other backend)",
     "disable_piecewise_cuda_graph": "config.CanaryConfig.build (piecewise CUDA graphs must be off on GPU)",
     "disaggregation_mode": "adapter.disagg.check_disaggregation",
 }

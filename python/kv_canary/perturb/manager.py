@@ -19,6 +19,8 @@ Modes (env-var probabilities per forward, after a warmup gate):
 * ``next_token_swap`` (pre-forward, decode forwards): two requests are fed each
   other's next token (a future-token resolution bug; upstream swaps them at the
   sampler exit); TAIL catches both in that forward.
+* ``host_copy`` / ``storage_page`` (HiCache): a byte of a settled host copy / of a page the canary wrote to the
+  storage tier (``host_copy``, ``storage_page``); caught when loaded back.
 * ``write_dropped`` / ``write_dropped_layer`` / ``write_misdirected`` (pre-forward, armed for one forward):
   one token's K/V store dropped in every layer / in one layer, or landing in the neighbouring slot
   (``write_paths``); the write witness catches each in that forward's TAIL.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -80,6 +83,8 @@ class PerturbManager:
         self.write_redirect = (WriteRedirect(groups[0].num_slots, groups[0].records.device)
                                if any(p > 0 for p in self._write_probs()) else None)
         self._armed = False
+        self._lock = threading.Lock()  # the storage mode draws on the engine's storage thread
+        self._count_lock = threading.Lock()
 
     def _write_probs(self):
         c = self._config
@@ -304,9 +309,24 @@ class PerturbManager:
             flipped.append(host_slot)
         return flipped
 
+    def perturb_storage_page(self, *, forward_index: int, key: str, geometry, xor_at) -> int:
+        """HiCache storage: per page the canary wrote (``key``), maybe flip one K/V byte of it where it rests
+        (``storage_page.flip_stored_byte``; ``xor_at(offset, mask)``); the flipped page slot, or -1. Runs on the
+        engine's storage thread."""
+        from .storage_page import flip_stored_byte
+
+        with self._lock:
+            if not self._gate.is_open(forward_index) or not self._draw(self._config.perturb_storage_page_prob):
+                return -1
+            page_slot, flip = flip_stored_byte(self._group, geometry, self._rng, self._config.perturb_kv_bytes, xor_at)
+            self._log("storage_page", key=key, page_slot=page_slot, slot=-1, forward=forward_index, half=flip.half,
+                      layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed))
+        return page_slot
+
     def _log(self, mode: str, **fields) -> None:
         line = format_line(PERTURB_PREFIX, mode, {"group": self._group.name, **fields})
         logger.warning(line)
-        self.injection_count += 1
-        self.injections.append(line)
-        del self.injections[:-1000]
+        with self._count_lock:  # the storage mode logs from the engine's storage thread
+            self.injection_count += 1
+            self.injections.append(line)
+            del self.injections[:-1000]

@@ -25,11 +25,14 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from ..host_records import HostRecordStore
+from ..storage_trailer import records_tag
 from .brackets import CanaryBracketError
+from .storage_pages import StoragePages
 
 
-class HostCopies:
-    """``CanaryManager`` mixin: the host record store and the load-back hand-over to the next forward."""
+class HostCopies(StoragePages):
+    """``CanaryManager`` mixin: the host record store and the load-back hand-over to the next forward (with
+    ``StoragePages``: host copies that came from the storage tier)."""
 
     def _init_host_copies(self) -> None:
         self.host_records: Optional[HostRecordStore] = None
@@ -42,16 +45,24 @@ class HostCopies:
         # SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB: the host copies' rows, and the flipped host slots (-> loaded yet)
         self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
         self._flipped: Dict[int, bool] = {}
+        self._init_storage_pages()
 
     def attach_host_records(self, store: HostRecordStore,
-                            host_rows: Optional[Mapping[Tuple[int, str], torch.Tensor]] = None) -> None:
+                            host_rows: Optional[Mapping[Tuple[int, str], torch.Tensor]] = None, *,
+                            storage: bool = False) -> None:
         """``host_rows``: (layer, half) -> uint8[host_slots, row_bytes] views of the host copies (the host-copy
-        perturbation's target; needed only with it)."""
+        perturbation's target; needed only with it). ``storage``: host copies also go to and come from a storage
+        tier (``StoragePages``)."""
         if len(self.groups) != 1:
             raise ValueError("kv-canary: host copies of more than one buffer group are not verified")
         if self.config.perturb_host_copy_prob > 0 and not host_rows:
             raise ValueError("kv-canary: the host-copy perturbation needs the host copies' rows")
         self.host_records = store
+        self.storage_on = bool(storage)
+        if storage:  # what the records' hashes cover: a page written by a server hashing otherwise has none for us
+            g = self.groups[0]
+            self.storage_tag = records_tag([x for r in g.sources for x in (r.layer, r.half == "v", r.words)] + [-1]
+                                           + [x for r in g.rows for x in (r.layer, r.half == "v", r.row_words)])
         self._host_rows = host_rows or {}
         self._loaded_from = torch.full((self.groups[0].num_slots, 2), -1, dtype=torch.int64,
                                        device=self.groups[0].records.device)
@@ -95,9 +106,11 @@ class HostCopies:
     def free_host_slots(self, host_idx: torch.Tensor) -> None:
         """The engine freed host copies: their records go, and so does a flip of one (never loaded: never read)."""
         self.host_records.free(host_idx)
-        if self._flipped:
-            for h in host_idx.tolist():
+        if self._flipped or self._storage_from:
+            slots = host_idx.tolist()
+            for h in slots:
                 self._flipped.pop(h, None)
+            self._storage_slots_freed(slots)
 
     def clear_host_records(self) -> None:
         """The engine dropped every host copy (a cache reset, idle): their records, flips and load book go; a load
@@ -106,6 +119,7 @@ class HostCopies:
             return
         self.host_records.clear()
         self._flipped.clear()
+        self._storage_clear()
         self._pending_load_id = None
         self._loaded_from.fill_(-1)
 
@@ -121,10 +135,12 @@ class HostCopies:
         dev = device_idx.to(group.records.device, torch.int64)  # no host copy of it: that would wait for the device
         host_cpu = host_idx.to("cpu", torch.int64)
         book = torch.stack([host_cpu, torch.full_like(host_cpu, self.forwards)], dim=1)
-        if self._flipped:
-            for h in host_cpu.tolist():
+        if self._flipped or self._storage_flipped_slots:
+            slots = host_cpu.tolist()
+            for h in slots:
                 if h in self._flipped:
                     self._flipped[h] = True
+            self._storage_slots_loaded(slots)
         if self._load_stream is None:
             group.records.index_copy_(0, dev, rows.to(group.records.device))
             group.full_row.tags[dev] = 0
@@ -175,7 +191,8 @@ class HostCopies:
         out = []
         for v, (host_slot, forward) in zip(violations, book):
             if host_slot >= 0 and forward == v.forward:
-                v = dataclasses.replace(v, identity=v.identity + (("hicache", "load"), ("host_slot", host_slot)))
+                v = dataclasses.replace(v, identity=v.identity + (("hicache", "load"), ("host_slot", host_slot))
+                                        + self.storage_identity(host_slot))
             out.append(v)
         return out
 
@@ -185,4 +202,4 @@ class HostCopies:
                "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded}
         if self.config.perturb_host_copy_prob > 0:  # flipped host copies loaded back: each must be reported
             out["hicache_flipped_copies_loaded"] = sum(self._flipped.values())
-        return out
+        return {**out, **self.storage_pages_stats()}

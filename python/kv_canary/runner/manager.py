@@ -84,7 +84,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     Device state: ``counters`` int64[NUM_COUNTERS] and ``ring`` int64[ring_capacity, RING_WIDTH] (violation rows),
     shared with every ``SingleForwardManager``; ``req_to_token`` is the engine's int[rows, max_context_len] table.
     Mixins: ``Arrivals`` (PD transfer), ``DeferredWrites`` (speculative verifies), ``HostCopies`` (HiCache's
-    backups and load-backs), ``Reporting`` (violations, health check, stats).
+    backups, load-backs and storage pages), ``Reporting`` (violations, health check, stats).
     """
 
     def __init__(

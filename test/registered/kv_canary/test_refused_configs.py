@@ -42,9 +42,10 @@ CASES = [
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm STANDALONE"),
     ("speculative-ngram", ["--speculative-algorithm", "NGRAM"], "cannot verify --speculative-algorithm NGRAM"),
-    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first, no storage (test_e2e_hicache); not these
-    ("hicache-storage", ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
-     "cannot verify --enable-hierarchical-cache with --hicache-storage-backend file"),
+    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first, no storage or file storage
+    # (test_e2e_hicache, test_e2e_hicache_storage); not these
+    ("hicache-storage-mooncake", ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"],
+     "cannot verify --enable-hierarchical-cache with --hicache-storage-backend mooncake"),
     ("hicache-storage-alone", ["--hicache-storage-backend", "file"], "cannot verify --hicache-storage-backend file"),
     ("hicache-page-64", ["--enable-hierarchical-cache", "--page-size", "64"],
      "cannot verify --enable-hierarchical-cache with --page-size 64"),

@@ -101,6 +101,15 @@ HICACHE_HOOKS: HookTable = {
     "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check": ("hicache.after_writing_check", "after"),
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free": ("hicache.after_host_free", "after"),
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.clear": ("hicache.after_host_clear", "after"),
+    # the storage tier (--hicache-storage-backend file): the records ride inside each page object; sglang's own
+    # bodies run when the controller has no canary (AROUND, not REPLACE)
+    "sglang.srt.managers.cache_controller.HiCacheController._generic_page_set": (
+        "hicache_storage.around_generic_page_set", "around"),
+    "sglang.srt.managers.cache_controller.HiCacheController._generic_page_get": (
+        "hicache_storage.around_generic_page_get", "around"),
+    # contain: a storage lookup stops before the pages of host copies evicted as bad (storage has no delete)
+    "sglang.srt.managers.cache_controller.HiCacheController._storage_hit_query": (
+        "hicache_storage.after_storage_hit_query", "after"),
 }
 
 
