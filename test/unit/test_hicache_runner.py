@@ -137,3 +137,22 @@ def test_a_cache_reset_drops_the_host_records_and_a_named_load():
     assert not bool((m.host_records.records != 0).any())
     assert not m.load_in_flight(lambda layer: None, load_id=0)  # the reset forgot it: nothing handed over
     assert int(m._loaded_from.max()) == -1
+
+
+def test_a_flipped_copy_loaded_back_stays_counted_after_its_host_copy_is_freed():
+    """``hicache_flipped_copies_loaded`` counts flipped host copies loaded back, ever: sglang freeing the host copy
+    later (host eviction) does not undo the load the canary had to report."""
+    import dataclasses
+
+    m = Manager([])
+    old = torch.arange(1, 17)
+    m.forward(0, old, 0)
+    m.backup_records(old, torch.arange(32, 48))
+    m.settle_host_records()
+    m.config = dataclasses.replace(m.config, perturb_host_copy_prob=0.5)
+    m._flipped.update({33: False, 40: False})  # what the host-copy perturbation records at its flips
+    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
+    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=1)  # loaded again: still one load each
+    assert m.host_copies_stats()["hicache_flipped_copies_loaded"] == 2
+    m.free_host_slots(torch.arange(32, 48))
+    assert m.host_copies_stats()["hicache_flipped_copies_loaded"] == 2

@@ -45,6 +45,7 @@ class HostCopies(StoragePages):
         # SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB: the host copies' rows, and the flipped host slots (-> loaded yet)
         self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
         self._flipped: Dict[int, bool] = {}
+        self._flipped_loaded = 0  # flipped host copies loaded back, ever (a later free of the copy does not undo it)
         self._init_storage_pages()
 
     def attach_host_records(self, store: HostRecordStore,
@@ -138,8 +139,9 @@ class HostCopies(StoragePages):
         if self._flipped or self._storage_flipped_slots:
             slots = host_cpu.tolist()
             for h in slots:
-                if h in self._flipped:
+                if self._flipped.get(h) is False:
                     self._flipped[h] = True
+                    self._flipped_loaded += 1
             self._storage_slots_loaded(slots)
         if self._load_stream is None:
             group.records.index_copy_(0, dev, rows.to(group.records.device))
@@ -201,5 +203,5 @@ class HostCopies(StoragePages):
         out = {"hicache_backups": s.backups, "hicache_slots_backed_up": s.slots_backed_up,
                "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded}
         if self.config.perturb_host_copy_prob > 0:  # flipped host copies loaded back: each must be reported
-            out["hicache_flipped_copies_loaded"] = sum(self._flipped.values())
+            out["hicache_flipped_copies_loaded"] = self._flipped_loaded
         return {**out, **self.storage_pages_stats()}
