@@ -177,3 +177,7 @@ def test_a_restarted_server_reads_the_records_and_another_window_reads_none(tmp_
     assert other.last_stat("hicache_storage_pages_got") == 0
     for log in (again, other):
         assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:5]
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
