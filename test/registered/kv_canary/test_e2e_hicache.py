@@ -34,8 +34,10 @@ MAX_TOTAL_TOKENS = 1024
 
 
 def hicache_args(page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel"):
+    """(``layer_first`` named: sglang 0.5.23's default host layout is ``page_first``, which the canary refuses.)"""
     return ["--enable-hierarchical-cache", "--hicache-ratio", "8", "--hicache-write-policy", policy,
-            "--hicache-io-backend", io_backend, "--page-size", str(page_size), "--enable-metrics"]
+            "--hicache-io-backend", io_backend, "--hicache-mem-layout", "layer_first", "--page-size", str(page_size),
+            "--enable-metrics"]
 
 
 def shim_env():
