@@ -38,13 +38,17 @@ ONLY_ON_LINE = {
             "registered/kv_canary/test_e2e_speculative_v1.py", "registered/kv_canary/test_refused_configs.py",
         ),
     },
-    "0.5.12 (HiCache)": {
-        "why": "HiCache is verified on sglang 0.5.12 only (adapter/hicache.VERIFIED_LINES; other lines refuse "
-               "--enable-hierarchical-cache at startup): 0.5.23's UnifiedRadixCache / HybridCacheController hooks "
-               "and its CPU shim are not written yet (docs/hicache.md)",
+    "0.5.12 (HiCache storage)": {
+        "why": "HiCache's storage tier is verified on sglang 0.5.12 only (adapter/hicache_storage; 0.5.23 refuses "
+               "--hicache-storage-backend at startup: its page get/set rows are not written, docs/hicache.md 1.4)",
         "line": "0.5.12",
-        "files": ("registered/kv_canary/test_e2e_hicache.py", "registered/kv_canary/test_e2e_hicache_storage.py",
-                  "unit/test_hicache_storage.py"),
+        "files": ("registered/kv_canary/test_e2e_hicache_storage.py", "unit/test_hicache_storage.py"),
+    },
+    "0.5.12 and 0.5.23 (HiCache)": {
+        "why": "HiCache is verified on sglang 0.5.12 and 0.5.23 (adapter/hicache.VERIFIED_LINES; 0.5.17 refuses "
+               "--enable-hierarchical-cache at startup: its hooks and CPU shim are not written, docs/hicache.md)",
+        "line": ("0.5.12", "0.5.23"),
+        "files": ("registered/kv_canary/test_e2e_hicache.py",),
     },
     "0.5.23": {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",

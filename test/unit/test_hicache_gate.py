@@ -36,11 +36,25 @@ def test_verified_combinations_pass(kw):
     check_hicache(_args(**kw), _config("contain"), line="0.5.12")  # evicts device and host copies (and poisons keys)
 
 
+@pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
+                                {"hicache_io_backend": "direct"}])
+def test_verified_combinations_pass_on_0_5_23(kw):
+    """sglang 0.5.23: log and raise, on CPU (through the test shim; the GPU host cannot load 0.5.23)."""
+    check_hicache(_args(**kw), _config(), line="0.5.23")
+    check_hicache(_args(**kw), _config("log"), line="0.5.23")
+
+
 @pytest.mark.parametrize("kw,line,config,needle", [
-    ({}, "0.5.23", {}, "sglang 0.5.23"),
+    ({}, "0.5.17", {}, "sglang 0.5.17"),
     ({"hicache_storage_backend": "mooncake"}, "0.5.12", {}, "--hicache-storage-backend mooncake"),
     ({"hicache_storage_backend": "hf3fs"}, "0.5.12", {}, "--hicache-storage-backend hf3fs"),
-    ({"hicache_storage_backend": "file"}, "0.5.23", {}, "sglang 0.5.23"),
+    ({}, "0.5.23", {"mode": "contain"}, "--kv-canary contain on sglang 0.5.23"),
+    ({"device": "cuda"}, "0.5.23", {}, "--device cuda"),
+    ({"hicache_mem_layout": "page_first"}, "0.5.23", {}, "--hicache-mem-layout page_first"),
+    ({"hicache_storage_backend": "file"}, "0.5.23", {}, "--hicache-storage-backend file"),
+    ({"page_size": 64}, "0.5.23", {}, "--page-size 64"),
+    ({"hicache_write_policy": "write_through_selective"}, "0.5.23", {}, "--hicache-write-policy "
+                                                                         "write_through_selective"),
     ({"device": "npu"}, "0.5.12", {}, "--device npu"),
     ({"hicache_io_backend": "kernel_ascend"}, "0.5.12", {}, "--hicache-io-backend kernel_ascend"),
     ({"page_size": 64}, "0.5.12", {}, "--page-size 64"),
@@ -49,7 +63,6 @@ def test_verified_combinations_pass(kw):
     ({"speculative_algorithm": "EAGLE"}, "0.5.12", {}, "--speculative-algorithm EAGLE"),
     ({"disaggregation_mode": "decode"}, "0.5.12", {}, "--disaggregation-mode decode"),
     ({"kv_canary_sweep_interval": 8}, "0.5.12", {"sweep": 8}, "--kv-canary-sweep-interval 8"),
-    ({}, "0.5.23", {"mode": "contain"}, "sglang 0.5.23"),
     ({}, "0.5.12", {"real_data": "all"}, "--kv-canary-real-data all"),
 ])
 def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, needle):
@@ -57,6 +70,8 @@ def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, n
         check_hicache(_args(**kw), _config(**config), line=line)
     msg = str(e.value)
     assert needle in msg and "--enable-hierarchical-cache" in msg and "--kv-canary none" in msg
+    if kw.get("hicache_mem_layout") == "page_first":  # 0.5.23's default: the refusal says what to pass instead
+        assert "use --hicache-mem-layout layer_first" in msg
 
 
 def test_storage_without_hicache_is_refused_and_canary_off_is_never_checked():

@@ -6,18 +6,22 @@ pinned host pool, transfer kernels or direct copies, and layer-wise load overlap
 ``--hicache-io-backend`` choices, the ``layer_first`` host layout, no storage backend or ``file`` (the records ride
 inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
 rank, ``--kv-canary log|raise|contain``
-with ``--kv-canary-real-data partial``. Everything else is refused at startup
-naming the flag and its value.
+with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim,
+``log|raise`` only, no storage backend. Everything else is refused at startup naming the flag and its value.
+
+The hook bodies are shared by the lines; what a line reads differently (0.5.23's transfer streams, fences and
+host pool group) comes in as small functions from that line's adapter (``hicache_0_5_23``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..config import FLAG_MODE, FLAG_REAL_DATA, FLAG_SWEEP_INTERVAL, CanaryConfig, CanaryConfigError
 
 FLAG = "--enable-hierarchical-cache"
-VERIFIED_LINES = ("0.5.12",)
+VERIFIED_LINES = ("0.5.12", "0.5.23")
+VERIFIED_MODES = ("log", "raise", "contain")
 VERIFIED_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 VERIFIED_LAYOUTS = ("layer_first",)
 VERIFIED_PAGE_SIZES = (1, 16)
@@ -25,6 +29,19 @@ VERIFIED_DEVICES = ("cpu", "cuda")
 VERIFIED_IO_BACKENDS = ("kernel", "direct")
 VERIFIED_POOLS = ("MHATokenToKVPool",)
 VERIFIED_STORAGE_BACKENDS = ("file",)  # sglang's generic page path (adapter/hicache_storage)
+# what a line verified less of than 0.5.12 (docs/hicache.md 1.4): (allowed, why the rest is refused)
+LINE_LIMITS = {
+    "0.5.23": {
+        "modes": (("log", "raise"), "sglang 0.5.23's tree core has no per-node host drop, so a bad host copy could "
+                                    "not be evicted (docs/hicache.md 3.9)"),
+        "devices": (("cpu",), "sglang 0.5.23's HiCache ran with the canary on CPU (through the test shim) only; "
+                              "the GPU host cannot load 0.5.23"),
+        "write_policies": (("write_through", "write_back"), "only these write policies were run: in the e2e "
+                           "workload 0.5.23's write_through_selective backed up 1 slot and loaded none back, so no "
+                           "load-back was verified with it"),
+        "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),
+    },
+}
 
 
 def _refuse(what: str, why: str, do: str) -> None:
@@ -56,24 +73,32 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
     if line not in VERIFIED_LINES:
         _refuse(f"sglang {line}", f"HiCache is verified on sglang {', '.join(VERIFIED_LINES)} only",
                 f"drop {FLAG}")
-    if storage and storage not in VERIFIED_STORAGE_BACKENDS:
-        _refuse(f"--hicache-storage-backend {storage}", f"the records ride inside page objects of sglang's generic "
-                f"page path, verified with {', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write "
-                "host memory directly and cannot carry them)", f"use --hicache-storage-backend "
-                f"{VERIFIED_STORAGE_BACKENDS[0]} or drop it")
+    limits = LINE_LIMITS.get(line, {})
+    modes, why = limits.get("modes", (VERIFIED_MODES, "only these modes were run"))
+    if config.mode.value not in modes:
+        _refuse(f"--kv-canary {config.mode.value} on sglang {line}", why, f"use --kv-canary {' or '.join(modes)}")
+    backends, why = limits.get("storage_backends", (VERIFIED_STORAGE_BACKENDS, (
+        f"the records ride inside page objects of sglang's generic page path, verified with "
+        f"{', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write host memory directly and cannot "
+        "carry them)")))
+    if storage and storage not in backends:
+        _refuse(f"--hicache-storage-backend {storage}", why,
+                f"use --hicache-storage-backend {backends[0]} or drop it" if backends else
+                "drop --hicache-storage-backend")
     device = str(getattr(server_args, "device", None) or "cuda")
-    if device not in VERIFIED_DEVICES:
-        _refuse(f"--device {device}", f"HiCache with the canary is verified on {', '.join(VERIFIED_DEVICES)} only",
-                f"drop {FLAG}")
+    devices, why = limits.get("devices", (VERIFIED_DEVICES, "HiCache with the canary is verified on "
+                                                            f"{', '.join(VERIFIED_DEVICES)} only"))
+    if device not in devices:
+        _refuse(f"--device {device}", why, f"drop {FLAG}")
     checks = (
-        ("--kv-canary", config.mode.value, ("log", "raise", "contain"), "only these modes were run"),
+        ("--kv-canary", config.mode.value, modes, "only these modes were run"),
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
         ("--page-size", getattr(server_args, "page_size", None) or 1, VERIFIED_PAGE_SIZES,
          "only these page sizes were run"),
         ("--hicache-write-policy", getattr(server_args, "hicache_write_policy", "write_through"),
-         VERIFIED_WRITE_POLICIES, "only these write policies were run"),
+         *limits.get("write_policies", (VERIFIED_WRITE_POLICIES, "only these write policies were run"))),
         ("--hicache-mem-layout", getattr(server_args, "hicache_mem_layout", "layer_first"), VERIFIED_LAYOUTS,
-         "only the layer_first host layout was run"),
+         "only the layer_first host layout was run (sglang 0.5.23's default is page_first)"),
         ("--hicache-io-backend", getattr(server_args, "hicache_io_backend", "kernel"), VERIFIED_IO_BACKENDS,
          "only these transfer paths were run"),
         ("--tp-size", getattr(server_args, "tp_size", None) or 1, (1,), "host copies per TP rank are not verified"),
@@ -98,6 +123,15 @@ def check_hicache_pool(pool_name: str, group_names: Sequence[str]) -> None:
                 f"drop {FLAG}")
 
 
+def host_pool_0_5_12(controller) -> Any:
+    """sglang 0.5.12's ``HiCacheController.mem_pool_host`` (``SglangLine.hicache_host_pool``'s default); a controller
+    that also copies a draft model's pool is refused (its records are not kept)."""
+    if getattr(controller, "has_draft", False):
+        _refuse("a draft model's pool (speculative decoding)", "host copies are verified for MHATokenToKVPoolHost "
+                "(no draft pool) only", f"drop {FLAG}")
+    return getattr(controller, "mem_pool_host", None)
+
+
 # ---------------------------------------------------------------- attach (scheduler init) and the hooks
 # Hook bodies read sglang by attribute; the core (host_records, runner/host_copies) sees tensors and callables.
 # The manager is kept on the objects whose methods are hooked: the cache controller, its host pool, the tree.
@@ -113,13 +147,16 @@ def attach_hicache(scheduler, manager) -> None:
     from ..memory import host_record_bytes
     from ..violations import format_line
 
+    from .lines import current_line
+
     tree = getattr(scheduler, "tree_cache", None)
     controller = getattr(tree, "cache_controller", None)
-    host = getattr(controller, "mem_pool_host", None)
+    # the line's reader: 0.5.12 ``controller.mem_pool_host``, 0.5.23 the host pool group's anchor entry's pool
+    host = current_line().hicache_host_pool(controller) if controller is not None else None
     if host is None:
         raise CanaryConfigError(f"{FLAG} is on but the prefix cache {type(tree).__name__} has no host pool; run "
                                 f"this server with {FLAG_MODE} none")
-    if type(host).__name__ != "MHATokenToKVPoolHost" or getattr(controller, "has_draft", False):
+    if type(host).__name__ != "MHATokenToKVPoolHost":
         _refuse(f"the host pool {type(host).__name__}", "host copies are verified for MHATokenToKVPoolHost "
                 "(no draft pool) only", f"drop {FLAG}")
     if host.layout not in VERIFIED_LAYOUTS:
@@ -159,28 +196,56 @@ def _queued(queue):
     return host, device
 
 
-def around_start_writing(original, controller, *args, **kwargs):
-    """Backup: the records of the queued device slots go to their host slots on sglang's D2H stream, queued there
-    before sglang's K/V copy, so sglang's finish event covers both."""
+def _wait_for(fence) -> None:
+    """CUDA: the current stream waits for ``fence`` (a line's own transfer fence, e.g. 0.5.23's forward stream)."""
+    import torch
+
+    if fence is not None:
+        torch.cuda.current_stream().wait_stream(fence)
+
+
+def start_writing_body(original, controller, args, kwargs, *, d2h_stream: Callable[[Any], Any],
+                       fence: Callable[[Any], Any] = lambda controller: None):
+    """Backup (every line): the records of the queued device slots go to their host slots on sglang's D2H stream
+    (``d2h_stream(controller)``), queued there before sglang's K/V copy, so sglang's finish event covers both. On a
+    GPU the records' gather first waits for ``fence(controller)`` (the stream sglang fences its own copy on, None:
+    none), where a forward may still be writing the records."""
     manager = _manager(controller)
     ops = _queued(controller.write_queue) if manager is not None else None
     if ops is not None:
         host_idx, device_idx = ops
-        stream = controller.write_stream if device_idx.is_cuda else None
+        stream = None
+        if device_idx.is_cuda:
+            _wait_for(fence(controller))
+            stream = d2h_stream(controller)
         manager.backup_records(device_idx, host_idx, stream)
     return original(controller, *args, **kwargs)
 
 
-def around_start_loading(original, controller, *args, **kwargs):
-    """Load-back: after sglang queued the K/V copy into new device slots, their records follow from the host
-    store and their first-read tags are zeroed (the consumer forward hashes every byte once)."""
+def start_loading_body(original, controller, args, kwargs, *,
+                       fence: Callable[[Any], Any] = lambda controller: None):
+    """Load-back (every line): after sglang queued the K/V copy into new device slots, their records follow from the
+    host store and their first-read tags are zeroed (the consumer forward hashes every byte once). On a GPU the
+    records' copy (queued behind the current stream) first waits for ``fence(controller)``, as sglang's copy does."""
     manager = _manager(controller)
     ops = _queued(controller.load_queue) if manager is not None else None
     producer_id = original(controller, *args, **kwargs)
     if ops is not None and producer_id is not None and producer_id >= 0:
         host_idx, device_idx = ops
+        if device_idx.is_cuda:
+            _wait_for(fence(controller))
         manager.load_records(host_idx, device_idx, load_id=producer_id)
     return producer_id
+
+
+def around_start_writing(original, controller, *args, **kwargs):
+    """sglang 0.5.12's ``HiCacheController.start_writing``: the D2H stream is ``write_stream``, no fence."""
+    return start_writing_body(original, controller, args, kwargs, d2h_stream=lambda c: c.write_stream)
+
+
+def around_start_loading(original, controller, *args, **kwargs):
+    """sglang 0.5.12's ``HiCacheController.start_loading`` (no load fence)."""
+    return start_loading_body(original, controller, args, kwargs)
 
 
 def after_writing_check(_result, tree, *args, **kwargs) -> None:

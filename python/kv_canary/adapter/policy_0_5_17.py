@@ -15,7 +15,7 @@ from __future__ import annotations
 from .policy_0_5_23 import POLICY_0_5_23
 from .server_args import _OFF, _TP
 from .server_args import NEUTRAL as _NEUTRAL_0_5_12
-from .server_args import RULES as _RULES_0_5_12
+from .server_args import HICACHE_RULES, RULES as _RULES_0_5_12
 from .server_args import Rule, ServerArgsPolicy
 
 # 0.5.23 fields that 0.5.17 does not have yet
@@ -66,8 +66,10 @@ assert _ONLY_0_5_17_NEUTRAL - {"cuda_graph_tc_compiler", "dsa_prefill_cp_mode"} 
 
 RULES = {field: rule for field, rule in POLICY_0_5_23.rules.items() if field not in _NOT_YET}
 RULES.update(_ONLY_0_5_17_RULES)
+RULES.update(HICACHE_RULES)  # HiCache: 0.5.17's hooks and CPU shim are not written (0.5.23's gate: adapter/hicache)
 CHECKED_ELSEWHERE = {
-    **{field: why for field, why in POLICY_0_5_23.checked_elsewhere.items() if field not in _NOT_YET},
+    **{field: why for field, why in POLICY_0_5_23.checked_elsewhere.items()
+       if field not in _NOT_YET and field not in HICACHE_RULES},
     "disaggregation_mode": "adapter.disagg.check_disaggregation; lines.v0_5_17.unported (PD not ported yet)",
 }
 NEUTRAL = (POLICY_0_5_23.neutral - _NOT_YET) | _ONLY_0_5_17_NEUTRAL

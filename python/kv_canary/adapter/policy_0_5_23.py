@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .server_args import _OFF, _OFFENDERS, _TP, CHECKED_ELSEWHERE as _ELSEWHERE_0_5_12, NEUTRAL as _NEUTRAL_0_5_12
-from .server_args import HICACHE_RULES as _HICACHE_RULES_0_5_12, RULES as _RULES_0_5_12
+from .server_args import RULES as _RULES_0_5_12
 from .server_args import _SPEC_ALGORITHMS, Rule, ServerArgsPolicy, _only, _spec_allowed
 
 # 0.5.12 fields that 0.5.23 no longer has
@@ -148,7 +148,6 @@ _SPEC_OFF = {  # new 0.5.23 speculative knobs that change what the draft or the 
 }
 
 RULES = {field: rule for field, rule in _RULES_0_5_12.items() if field not in _GONE}
-RULES.update(_HICACHE_RULES_0_5_12)  # HiCache is verified on 0.5.12 only (adapter/hicache)
 RULES.update({field: Rule(_OFF, "off", why) for field, why in _NEW_OFF.items()})
 RULES.update({field: Rule(_OFF, "unset", why) for field, why in _SPEC_OFF.items()})
 RULES.update({
@@ -191,6 +190,9 @@ CHECKED_ELSEWHERE = {
     "kv_canary": "config.CanaryConfig.build",
     "kv_canary_real_data": "config.CanaryConfig.build",
     "kv_canary_sweep_interval": "config.CanaryConfig.build",
+    # HiCache: verified on this line too, log/raise on CPU (adapter/hicache.LINE_LIMITS)
+    "enable_hierarchical_cache": _ELSEWHERE_0_5_12["enable_hierarchical_cache"],
+    "hicache_storage_backend": _ELSEWHERE_0_5_12["hicache_storage_backend"],
 }
 
 # New in 0.5.23 and neutral: serving, observability, weights, MoE/collectives, kernels, multimodal, watermarking,

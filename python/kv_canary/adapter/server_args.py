@@ -73,8 +73,8 @@ def _spec_allowed(value, args) -> bool:
     return value in _SPEC_ALGORITHMS and not _spec_offender(value, args)
 
 
-# HiCache: verified on 0.5.12 by adapter/hicache.check_hicache (CHECKED_ELSEWHERE below); the later lines keep
-# refusing it with these rules (policy_0_5_23, and 0.5.17 through it)
+# HiCache: verified on 0.5.12 and 0.5.23 by adapter/hicache.check_hicache (CHECKED_ELSEWHERE below); 0.5.17 keeps
+# refusing it with these rules (policy_0_5_17)
 HICACHE_RULES: Dict[str, "Rule"] = {}
 
 _TP = "pipeline/context parallelism splits a sequence's KV across processes; the canary verifies one process's pool"
@@ -125,7 +125,7 @@ RULES: Dict[str, Rule] = {
 HICACHE_RULES.update({
     "enable_hierarchical_cache": Rule(
         _OFF, "off", "HiCache moves KV between GPU, host and storage outside the forwards the canary brackets; "
-        "slots loaded back from the host tier carry no fingerprint (verified on sglang 0.5.12 only)"),
+        "slots loaded back from the host tier carry no fingerprint (verified on sglang 0.5.12 and 0.5.23)"),
     "hicache_storage_backend": Rule(_only(None), "unset",
                                     "storage backends load KV into slots the canary has not fingerprinted"),
 })

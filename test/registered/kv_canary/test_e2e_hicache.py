@@ -1,5 +1,6 @@
-"""HiCache (``--enable-hierarchical-cache``, sglang 0.5.12): prefixes evicted from the device to the host tier
-and loaded back into new device slots are verified by the canary, every byte once at their first read.
+"""HiCache (``--enable-hierarchical-cache``, sglang 0.5.12 and 0.5.23): prefixes evicted from the device to the host
+tier and loaded back into new device slots are verified by the canary, every byte once at their first read. On
+0.5.23 ``contain`` is refused at startup (the refusal is tested here), ``log``/``raise`` run.
 
 On CPU sglang's host pool and transfer ops run through the test shim (``kv_canary_testing.hicache_cpu``,
 ``KVC_TEST_HICACHE_CPU=1``); everything else is sglang's own code. Workload: 12 conversations, each a
@@ -21,8 +22,10 @@ import requests
 from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
+from kv_canary_testing.line_suites import installed_sglang
 from kv_canary_testing.model_dir import NUM_WORDS
 from kv_canary_testing.prometheus import sglang_counter
+from kv_canary_testing.server import ServerError
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
@@ -34,10 +37,11 @@ MAX_TOTAL_TOKENS = 1024
 
 
 def hicache_args(page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel"):
-    """(``layer_first`` named: sglang 0.5.23's default host layout is ``page_first``, which the canary refuses.)"""
+    """``layer_first`` and ``partial`` named: sglang 0.5.23's defaults (``page_first``, real data ``none``) are
+    refused with HiCache; 0.5.12's are these."""
     return ["--enable-hierarchical-cache", "--hicache-ratio", "8", "--hicache-write-policy", policy,
             "--hicache-io-backend", io_backend, "--hicache-mem-layout", "layer_first", "--page-size", str(page_size),
-            "--enable-metrics"]
+            "--kv-canary-real-data", "partial", "--enable-metrics"]
 
 
 def shim_env():
@@ -117,9 +121,14 @@ def test_hicache_serves_on_cpu_with_the_canary_off(tmp_path):
 HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+)")
 
 
+# sglang 0.5.23 refuses write_through_selective with the canary (adapter/hicache.LINE_LIMITS): in this workload it
+# backed up 1 slot and loaded none back (no prefix hit twice while on the device); there the direct run writes through
+SELECTIVE = "write_through" if installed_sglang() == "0.5.23" else "write_through_selective"
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("page_size,policy,io_backend", [(1, "write_through", "kernel"), (16, "write_back", "kernel"),
-                                                         (1, "write_through_selective", "direct")])
+                                                         (1, SELECTIVE, "direct")])
 def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend):
     """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
     its direct copies.) The write_back run then flushes the cache (device and host) and serves the same
@@ -170,7 +179,13 @@ def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
     assert len(reported) == loaded_flips  # every flipped copy that was loaded back, reported
 
 
+CONTAIN_REFUSED_0_5_23 = "--kv-canary contain on sglang 0.5.23"
+
+
 @pytest.mark.e2e
+@pytest.mark.skipif(installed_sglang() == "0.5.23",
+                    reason="sglang 0.5.23 refuses --kv-canary contain with --enable-hierarchical-cache at startup (its "
+                           "tree core has no per-node host drop): test_what_0_5_23_does_not_verify_is_refused_at_startup")
 def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
     """``contain`` + host-copy flips (at most ``FLIPS``, all in the first pass): each flipped copy loaded back is
     reported, its readers are contained, and its node leaves the device *and* the host
@@ -210,6 +225,34 @@ def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
     # not loaded back in the first pass)
     assert not {v["host_slot"] for v in later} & reported1, later[:5]
     assert first.failed + second.failed <= len(contained)  # only contained requests fail
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(installed_sglang() != "0.5.23", reason="what sglang 0.5.23's HiCache gate refuses (0.5.12 runs "
+                                                           "contain and refuses page_first: test_refused_configs)")
+@pytest.mark.parametrize("mode,drop,needle", [
+    ("contain", (), f"cannot verify --enable-hierarchical-cache with {CONTAIN_REFUSED_0_5_23}"),
+    ("raise", ("--hicache-mem-layout", "layer_first"),  # sglang 0.5.23's default host layout
+     "cannot verify --enable-hierarchical-cache with --hicache-mem-layout page_first"),
+], ids=["contain", "default-page-first"])
+def test_what_0_5_23_does_not_verify_is_refused_at_startup(tmp_path, mode, drop, needle):
+    """Refused in the launching process (``ServerArgs.resolve_once``), before any scheduler starts, naming the flag
+    and its value, and what to do instead."""
+    args = hicache_args()
+    for flag in drop[::2]:
+        i = args.index(flag)
+        del args[i:i + 2]
+    srv = canary_server(mode, log_path=tmp_path / "server.log", extra_args=args, env=shim_env(),
+                        max_total_tokens=MAX_TOTAL_TOKENS)
+    try:
+        with pytest.raises(ServerError):
+            srv.start(timeout=300)
+        text = srv.log_text()
+    finally:
+        srv.stop()
+    assert "CanaryConfigError" in text and needle in text, text[-3000:]
+    assert ("use --kv-canary log or raise" if mode == "contain" else "use --hicache-mem-layout layer_first") in text
+    assert "kv_canary_installed=1" not in text
 
 
 if __name__ == "__main__":

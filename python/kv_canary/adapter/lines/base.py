@@ -30,6 +30,12 @@ def _runner_tp_rank(model_runner: Any) -> int:
     return int(getattr(model_runner, "tp_rank", 0) or 0)
 
 
+def _controller_host_pool(controller: Any) -> Any:
+    from ..hicache import host_pool_0_5_12
+
+    return host_pool_0_5_12(controller)
+
+
 def _radix_containment(scheduler: Any, manager: Any) -> Any:
     from ..contain import SchedulerContainment
 
@@ -73,6 +79,9 @@ class SglangLine:
     # server args -> whether speculative decoding runs through spec v1 (tree verifies whose TAIL is deferred to the
     # kept drafts: 0.5.12's EAGLEWorker); False where the line has no spec v1 (0.5.23: EAGLEWorkerV2 only)
     spec_v1: Callable[[Any], bool] = _no_spec_v1
+    # HiCache's cache controller -> the host pool whose copies the canary keeps records for (0.5.12: its
+    # ``mem_pool_host``; 0.5.23: the host pool group's anchor entry); refuses a pool it does not verify
+    hicache_host_pool: Callable[[Any], Any] = _controller_host_pool
 
     def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),

@@ -15,6 +15,9 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 ``--kv-canary-sweep-interval``, upstream's names, meanings and defaults: real data
 ``none`` unless given); the plugin adds ``contain`` to ``--kv-canary``'s choices.
 
+HiCache (``--enable-hierarchical-cache``, ``log``/``raise``, CPU through the test shim): ``HICACHE_HOOKS``, the hook
+bodies of ``adapter/hicache`` with this line's streams, fences and host pool (``adapter/hicache_0_5_23``); a load's
+consumer is named in ``InTreeSlot.with_ops_outside_graph``.
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
 Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1, synchronous, CPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
@@ -64,6 +67,19 @@ HOOKS: HookTable = {
 SPEC_HOOKS: HookTable = {
     "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.verify": ("speculative.after_eagle_v2_verify", "after"),
 }
+# HiCache (adapter/hicache, what differs from 0.5.12: adapter/hicache_0_5_23): records follow the KV to the host pool
+# and back; required with --enable-hierarchical-cache only. HybridCacheController inherits start_writing/start_loading;
+# UnifiedRadixCache.writing_check processes the write acks (write-back: blocking); the host pool is pool_host's
+HICACHE_HOOKS: HookTable = {
+    "sglang.srt.managers.cache_controller.HiCacheController.start_writing": ("hicache_0_5_23.around_start_writing",
+                                                                            "around"),
+    "sglang.srt.managers.cache_controller.HiCacheController.start_loading": ("hicache_0_5_23.around_start_loading",
+                                                                            "around"),
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check": ("hicache.after_writing_check",
+                                                                                "after"),
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache.free": ("hicache.after_host_free", "after"),
+    "sglang.srt.mem_cache.pool_host.base.HostKVCache.clear": ("hicache.after_host_clear", "after"),
+}
 VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
 
 
@@ -107,10 +123,15 @@ class InTreeSlot:
     """What sglang 0.5.23's call sites for its in-tree canary call (``model_runner.canary_manager``), served by the
     plugin's ``CanaryManager`` (``kv_canary_manager``)."""
 
-    def __init__(self, manager):
+    def __init__(self, manager, model_runner=None):
         self.kv_canary_manager = manager
+        self._model_runner = model_runner  # HiCache: its KV pool's layer counter names the load a forward consumes
 
     def with_ops_outside_graph(self, *, single_forward_indices, maybe_inaccurate_forward_batch):
+        if self._model_runner is not None and getattr(self.kv_canary_manager, "host_records", None) is not None:
+            from ..hicache import note_load_consumer  # sglang set the consumer index before this forward
+
+            note_load_consumer(self.kv_canary_manager, self._model_runner)
         return self.kv_canary_manager.with_ops_outside_graph(
             single_forward_indices=single_forward_indices, maybe_inaccurate_forward_batch=maybe_inaccurate_forward_batch)
 
@@ -156,7 +177,7 @@ def install(*, server_args, model_runner, token_oracle_manager=None):
         from ..spec_0_5_23 import DraftInTreeSlot
 
         return DraftInTreeSlot(manager)
-    return InTreeSlot(manager)
+    return InTreeSlot(manager, model_runner)
 
 
 def refuse_unverified_pool(server_args, pool: str, mode: str, line) -> None:
@@ -289,8 +310,15 @@ def tp_rank(model_runner) -> int:
     return int(get_parallel().tp_rank)
 
 
+def hicache_host_pool(controller):
+    """HiCache's KV host pool on this line (``adapter/hicache_0_5_23.host_pool``)."""
+    from ..hicache_0_5_23 import host_pool
+
+    return host_pool(controller)
+
+
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
-                  flags_declared_by_sglang=True,
+                  flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
                   prefix_cache_view=unified_view_for,

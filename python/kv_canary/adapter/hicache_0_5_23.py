@@ -1,0 +1,60 @@
+"""HiCache on sglang 0.5.23 (``UnifiedRadixCache`` + ``HybridCacheController`` + ``L2TransferEngine``): what this
+line reads differently from 0.5.12, one small function each; the hook bodies are ``adapter/hicache``'s.
+
+* the D2H stream is the transfer engine's ``device_to_host_stream`` (0.5.12: ``write_stream``);
+* sglang fences both transfer streams on the forward stream (``write_fence_stream`` / ``load_fence_stream``, set by
+  the scheduler): on a GPU the records' copies wait for the same fences (0.5.12 has none);
+* the host pool is the ``HostPoolGroup``'s anchor entry's pool (0.5.12: ``mem_pool_host`` itself); a group with
+  side pools (SWA, mamba, ...) or packed draft layers is refused;
+* a load's consumer is named where sglang's forward enters the canary (``lines.v0_5_23.InTreeSlot``); the layer
+  counter sits on the device pool as on 0.5.12 (``hicache.note_load_consumer``).
+
+``HybridCacheController`` inherits ``HiCacheController.start_writing`` / ``start_loading`` (it overrides
+``write``/``load`` only: they allocate and queue), so the hooks sit on the base class, as on 0.5.12.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .hicache import FLAG, _refuse, start_loading_body, start_writing_body
+
+
+def d2h_stream(controller) -> Any:
+    return controller.l2_transfer_engine.device_to_host_stream
+
+
+def write_fence(controller) -> Any:
+    return getattr(controller, "write_fence_stream", None)
+
+
+def load_fence(controller) -> Any:
+    return getattr(controller, "load_fence_stream", None)
+
+
+def host_pool(controller) -> Any:
+    """The KV host pool: the anchor entry of ``controller.mem_pool_host`` (a ``HostPoolGroup``), when it is the
+    group's only entry and holds no packed draft layers; None without a group."""
+    group = getattr(controller, "mem_pool_host", None)
+    anchor = getattr(group, "anchor_entry", None)
+    if anchor is None:
+        return None
+    entries = list(getattr(group, "entries", None) or [anchor])
+    if len(entries) != 1:
+        names = ", ".join(str(getattr(getattr(e, "name", None), "value", getattr(e, "name", "?"))) for e in entries)
+        _refuse(f"the host pools {names}", "host copies are verified for one MHA KV pool only", f"drop {FLAG}")
+    host = anchor.host_pool
+    if int(getattr(host, "layer_num", 0)) != int(getattr(host, "target_layer_num", getattr(host, "layer_num", 0))):
+        _refuse("a draft model's layers packed in the host pool (speculative decoding)",
+                "host copies are verified for the target model's layers only", f"drop {FLAG}")
+    return host
+
+
+def around_start_writing(original, controller, *args, **kwargs):
+    """``HiCacheController.start_writing`` on 0.5.23 (``adapter/hicache.start_writing_body``)."""
+    return start_writing_body(original, controller, args, kwargs, d2h_stream=d2h_stream, fence=write_fence)
+
+
+def around_start_loading(original, controller, *args, **kwargs):
+    """``HiCacheController.start_loading`` on 0.5.23 (``adapter/hicache.start_loading_body``)."""
+    return start_loading_body(original, controller, args, kwargs, fence=load_fence)
