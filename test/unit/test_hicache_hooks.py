@@ -90,3 +90,70 @@ def test_settle_free_and_consumer_hand_over():
     hicache.after_host_clear(None, SimpleNamespace())  # the host pool's own __init__ clears before attach
     hicache.after_host_clear(None, SimpleNamespace(kv_canary_manager=m, size=8))  # HiRadixCache.reset (/flush_cache)
     assert m.calls[n:] == [("clear",)]
+
+
+# ---------------------------------------------------------------- sglang 0.5.23's shapes (adapter/hicache_0_5_23)
+
+
+def _controller_0_5_23(manager):
+    """HybridCacheController: the queues as 0.5.12's, the streams on its L2 transfer engine, fenced on the forward."""
+    engine = SimpleNamespace(device_to_host_stream="d2h", host_to_device_stream="h2d")
+    return SimpleNamespace(write_queue=[_op([8, 9], [3, 4])], load_queue=[_op([12, 13], [30, 31])],
+                           l2_transfer_engine=engine, write_fence_stream="fwd", load_fence_stream="fwd",
+                           kv_canary_manager=manager)
+
+
+def test_0_5_23_backup_and_load_follow_the_queued_operations():
+    from kv_canary.adapter import hicache_0_5_23 as h23
+
+    m = FakeManager()
+    c = _controller_0_5_23(m)
+    h23.around_start_writing(lambda controller: controller.write_queue.clear(), c)
+    assert m.calls == [("backup", [3, 4], [8, 9], None)]  # CPU indices: the current stream, no fence to wait for
+    assert h23.d2h_stream(c) == "d2h" and h23.write_fence(c) == h23.load_fence(c) == "fwd"
+    assert h23.around_start_loading(lambda controller: (controller.load_queue.clear(), 2)[1], c) == 2
+    assert m.calls[-1] == ("load", [12, 13], [30, 31], 2)
+    assert h23.around_start_loading(lambda controller: -1, c) == -1 and len(m.calls) == 2  # no load issued
+
+
+def _group(*entries):
+    return SimpleNamespace(anchor_entry=entries[0], entries=list(entries))
+
+
+def _entry(name, layers=2, target=2):
+    return SimpleNamespace(name=SimpleNamespace(value=name),
+                           host_pool=SimpleNamespace(layer_num=layers, target_layer_num=target))
+
+
+def test_0_5_23_host_pool_is_the_groups_only_anchor_entry():
+    import pytest
+
+    from kv_canary.adapter import hicache_0_5_23 as h23
+    from kv_canary.config import CanaryConfigError
+
+    kv = _entry("kv")
+    assert h23.host_pool(SimpleNamespace(mem_pool_host=_group(kv))) is kv.host_pool
+    assert h23.host_pool(SimpleNamespace(mem_pool_host=None)) is None
+    with pytest.raises(CanaryConfigError, match="the host pools kv, swa"):
+        h23.host_pool(SimpleNamespace(mem_pool_host=_group(kv, _entry("swa"))))
+    with pytest.raises(CanaryConfigError, match="draft model's layers"):
+        h23.host_pool(SimpleNamespace(mem_pool_host=_group(_entry("kv", layers=3, target=2))))
+    with pytest.raises(CanaryConfigError, match="draft model's pool"):  # 0.5.12's reader
+        hicache.host_pool_0_5_12(SimpleNamespace(has_draft=True, mem_pool_host=object()))
+
+
+def test_0_5_23_forward_entry_names_the_consumed_load():
+    """sglang 0.5.23 sets the layer counter's consumer before ``ModelRunner.forward`` enters the canary through
+    ``InTreeSlot.with_ops_outside_graph``: the load is handed over there; without HiCache nothing is read."""
+    from kv_canary.adapter.lines.v0_5_23 import InTreeSlot
+
+    m = FakeManager()
+    m.with_ops_outside_graph = lambda **kw: "bracket"
+    counter = SimpleNamespace(consumer_index=1, wait_until=lambda layer: None)
+    runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter))
+    slot = InTreeSlot(m, runner)
+    assert slot.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=None) == "bracket"
+    assert m.calls == [("load_in_flight", counter.wait_until, 1)]
+    m.host_records = None
+    slot.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=None)
+    assert len(m.calls) == 1

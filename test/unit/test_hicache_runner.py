@@ -104,7 +104,7 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_ta
     assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in m.violations()] == (
         [(int(new[9]), fp.R_KV_HASH)] if flip else [])
     assert m.host_copies_stats() == {"hicache_backups": 1, "hicache_slots_backed_up": 16, "hicache_loads": 1,
-                                     "hicache_slots_loaded": 16}
+                                     "hicache_slots_loaded": 16, "hicache_loads_consumed": 1}
     events.clear()
     # sglang's decode batches keep naming the prefill's load (its consumer index): consumed already, not again,
     # so a CUDA-graph replay of them is no unconsumed load

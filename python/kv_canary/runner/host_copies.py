@@ -39,6 +39,7 @@ class HostCopies(StoragePages):
         self._load_stream = None  # CUDA: the side stream the records of a load are copied on
         self._load_event = None  # CUDA: marks the last load's records landed
         self._pending_load_id: Optional[int] = None  # the engine's name of the load no forward consumed yet
+        self._loads_consumed = 0  # loads handed over to their consuming forward (load_in_flight)
         # the load book, for violation lines: int64[device slots, 2] on the pool's device, device slot -> (host slot
         # it was loaded from, the consuming forward); written on the load's stream, read only to report a violation
         self._loaded_from: Optional[torch.Tensor] = None
@@ -164,6 +165,7 @@ class HostCopies(StoragePages):
         if self._pending_load_id is None or int(load_id) != self._pending_load_id:
             return False
         self._pending_load_id = None
+        self._loads_consumed += 1
         layer = max(self.config.kv_hash_layers)
         event, self._load_event = self._load_event, None
 
@@ -201,7 +203,8 @@ class HostCopies(StoragePages):
     def host_copies_stats(self) -> Dict[str, int]:
         s = self.host_records.stats
         out = {"hicache_backups": s.backups, "hicache_slots_backed_up": s.slots_backed_up,
-               "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded}
+               "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded,
+               "hicache_loads_consumed": self._loads_consumed}
         if self.config.perturb_host_copy_prob > 0:  # flipped host copies loaded back: each must be reported
             out["hicache_flipped_copies_loaded"] = self._flipped_loaded
         return {**out, **self.storage_pages_stats()}

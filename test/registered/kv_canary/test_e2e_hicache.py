@@ -141,8 +141,8 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
           f"io_backend={io_backend} {result.summary()} "
           f"evicted={counters['sglang:evicted_tokens_total']:.0f} load_back_tokens={loaded:.0f} "
           + " ".join(f"{k}={stats.get(k)}" for k in ("hicache_backups", "hicache_slots_backed_up", "hicache_loads",
-                                                      "hicache_slots_loaded", "slots_first_read", "slots_verified",
-                                                      "violations")))
+                                                      "hicache_loads_consumed", "hicache_slots_loaded",
+                                                      "slots_first_read", "slots_verified", "violations")))
     assert log.installed and HICACHE_LINE.search(log.text), srv.log_tail()
     # the write_back run's /flush_cache dropped the host records with the host copies (one clear, logged)
     assert log.text.count("kv_canary_hicache_clear=1") == (policy == "write_back"), srv.log_tail()
@@ -152,6 +152,8 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
     # the canary loaded the records of exactly those slots, and hashed every byte of each at its first read
     assert log.last_stat("hicache_slots_loaded") == loaded
     assert log.last_stat("slots_first_read") == loaded
+    # each load was handed over to the forward sglang named its consumer (the engine wiring: the layer counter)
+    assert log.last_stat("hicache_loads_consumed") == log.last_stat("hicache_loads") > 0
     assert log.last_stat("hicache_slots_backed_up") > 0  # (a host copy may be loaded back more than once)
     assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:5]
 
