@@ -186,8 +186,9 @@ CONTAIN_REFUSED_0_5_23 = "--kv-canary contain on sglang 0.5.23"
 
 @pytest.mark.e2e
 @pytest.mark.skipif(installed_sglang() == "0.5.23",
-                    reason="sglang 0.5.23 refuses --kv-canary contain with --enable-hierarchical-cache at startup (its "
-                           "tree core has no per-node host drop): test_what_0_5_23_does_not_verify_is_refused_at_startup")
+                    reason="sglang 0.5.23 refuses --kv-canary contain with --enable-hierarchical-cache at startup "
+                           "(its tree core has no per-node host drop): "
+                           "test_what_0_5_23_does_not_verify_is_refused_at_startup")
 def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
     """``contain`` + host-copy flips (at most ``FLIPS``, all in the first pass): each flipped copy loaded back is
     reported, its readers are contained, and its node leaves the device *and* the host
