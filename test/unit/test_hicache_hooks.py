@@ -153,7 +153,7 @@ def test_0_5_23_forward_entry_names_the_consumed_load():
     runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter, layer_num=4))
     slot = InTreeSlot(m, runner)
     assert slot.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=None) == "bracket"
-    assert m.calls == [("load_in_flight", counter.wait_until, 1, 3)]
+    assert m.calls == [("load_in_flight", counter.wait_until, 1)]
     m.host_records = None
     slot.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=None)
     assert len(m.calls) == 1
