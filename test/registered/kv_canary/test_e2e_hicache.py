@@ -133,6 +133,9 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
     """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
     its direct copies.) The write_back run then flushes the cache (device and host) and serves the same
     conversations again: its host records go with the host copies, and the loads after it verify clean."""
+    if io_backend == "direct" and policy == "write_through" and e2e_device() == "cpu":
+        pytest.skip("CI time: on CPU with sglang 0.5.23 (write_through_selective refused) this is the first case again "
+                    "(the shim's copies stand in for both IO backends); the direct copies run on a GPU")
     result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
                                                 io_backend=io_backend, flush_and_repeat=policy == "write_back")
     loaded = counters["sglang:load_back_tokens_total"]
