@@ -91,7 +91,6 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
     if device not in devices:
         _refuse(f"--device {device}", why, f"drop {FLAG}")
     checks = (
-        ("--kv-canary", config.mode.value, modes, "only these modes were run"),
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
         ("--page-size", getattr(server_args, "page_size", None) or 1, VERIFIED_PAGE_SIZES,
          "only these page sizes were run"),
