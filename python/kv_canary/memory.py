@@ -89,10 +89,7 @@ def kv_pool_bytes(pool: object) -> int:
     return int(sum(sizes)) if isinstance(sizes, (tuple, list)) else int(sizes)
 
 
-HOST_STAGE_BYTES_PER_SLOT = fp.RECORD_WIDTH * INT64  # a backup's records in flight, per slot (transient)
-
-
 def host_record_bytes(host_slots: int) -> int:
-    """Host bytes of ``host_records.HostRecordStore`` for a host pool of ``host_slots`` slots (HiCache): int64
-    records[RECORD_WIDTH] per slot (the stages in flight come on top, ``HOST_STAGE_BYTES_PER_SLOT`` each)."""
+    """Bytes of ``host_records.HostRecordStore`` for a host pool of ``host_slots`` slots (HiCache): int64
+    records[RECORD_WIDTH] per host slot, on the KV pool's device."""
     return int(host_slots) * INT64 * fp.RECORD_WIDTH

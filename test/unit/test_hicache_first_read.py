@@ -63,7 +63,7 @@ def _load_back(group, store, host_idx, new_slots, old_slots):
     """What the adapter's load-back does (the KV bytes: what sglang's H2D copy does)."""
     for row in group.rows:
         row.view[new_slots] = row.view[old_slots]
-    group.records[new_slots] = store.read(host_idx).to(DEVICE)
+    group.records[new_slots] = store.read(store.index(host_idx))
     group.full_row.tags[new_slots] = 0
 
 
@@ -97,8 +97,8 @@ def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip):
     # back up the first 16 slots, then load them back into other device slots; the rest stay resident
     host_idx, loaded = torch.arange(100, 116), torch.arange(60, 76)
     for group in groups:
-        store = HostRecordStore(128)
-        store.add_pending(host_idx, group.records[old[:16].to(DEVICE)].cpu(), None)
+        store = HostRecordStore(128, group.records.device)
+        store.backup(host_idx, group.records[old[:16].to(DEVICE)])
         _load_back(group, store, host_idx, loaded.to(DEVICE), old[:16].to(DEVICE))
     r2t[1, :N] = torch.cat([loaded, old[16:]]).to(torch.int32).to(DEVICE)
     bad = int(loaded[5])

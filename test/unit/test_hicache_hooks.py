@@ -16,14 +16,17 @@ class FakeManager:
         self.calls = []
         self.host_records = object()
 
-    def backup_records(self, device_idx, host_idx, stream=None):
-        self.calls.append(("backup", device_idx.tolist(), host_idx.tolist(), stream))
+    def backup_records(self, device_idx, host_idx):
+        self.calls.append(("backup", device_idx.tolist(), host_idx.tolist()))
+
+    def backup_queued(self, host_idx, stream=None):
+        self.calls.append(("queued", host_idx.tolist(), stream))
 
     def load_records(self, host_idx, device_idx, load_id=0):
         self.calls.append(("load", host_idx.tolist(), device_idx.tolist(), load_id))
 
-    def settle_host_records(self):
-        self.calls.append(("settle",))
+    def host_backups_acked(self):
+        self.calls.append(("acked",))
 
     def free_host_slots(self, host_idx):
         self.calls.append(("free", host_idx.tolist()))
@@ -54,7 +57,8 @@ def test_backup_and_load_follow_the_queued_operations():
         controller.write_queue.clear()
 
     hicache.around_start_writing(start_writing, c)
-    assert m.calls == [("backup", [3, 4, 7], [8, 9, 10], None)]  # CPU indices: the current stream
+    # the records first; then sglang's copy is queued (CPU indices: done already, no stream to watch)
+    assert m.calls == [("backup", [3, 4, 7], [8, 9, 10]), ("queued", [8, 9, 10], None)]
 
     def start_loading(controller):
         controller.load_queue.clear()
@@ -74,11 +78,11 @@ def test_no_load_issued_no_records_moved_and_no_manager_no_work():
     assert m.calls == []
 
 
-def test_settle_free_and_consumer_hand_over():
+def test_acks_free_and_consumer_hand_over():
     m = FakeManager()
     hicache.after_writing_check(None, SimpleNamespace(kv_canary_manager=m))
     hicache.after_host_free(2, SimpleNamespace(kv_canary_manager=m), torch.tensor([5, 6]))
-    assert m.calls == [("settle",), ("free", [5, 6])]
+    assert m.calls == [("acked",), ("free", [5, 6])]
     counter = SimpleNamespace(consumer_index=-1, wait_until=lambda layer: None)
     runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter))
     hicache.note_load_consumer(m, runner)
@@ -109,11 +113,11 @@ def test_0_5_23_backup_and_load_follow_the_queued_operations():
     m = FakeManager()
     c = _controller_0_5_23(m)
     h23.around_start_writing(lambda controller: controller.write_queue.clear(), c)
-    assert m.calls == [("backup", [3, 4], [8, 9], None)]  # CPU indices: the current stream, no fence to wait for
+    assert m.calls == [("backup", [3, 4], [8, 9]), ("queued", [8, 9], None)]  # CPU: no fence, no stream
     assert h23.d2h_stream(c) == "d2h" and h23.write_fence(c) == h23.load_fence(c) == "fwd"
     assert h23.around_start_loading(lambda controller: (controller.load_queue.clear(), 2)[1], c) == 2
     assert m.calls[-1] == ("load", [12, 13], [30, 31], 2)
-    assert h23.around_start_loading(lambda controller: -1, c) == -1 and len(m.calls) == 2  # no load issued
+    assert h23.around_start_loading(lambda controller: -1, c) == -1 and len(m.calls) == 3  # no load issued
 
 
 def _group(*entries):

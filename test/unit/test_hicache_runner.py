@@ -82,7 +82,6 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_ta
     m.forward(0, old, 0)
     assert events == [("verify", False), "write"]  # no load: nothing deferred, no first-read launch
     m.backup_records(old, torch.arange(32, 48))
-    m.settle_host_records()
     new = torch.arange(40, 56)  # the engine evicts the device copy and loads it back into other slots
     for buf in (*m.k, *m.v):
         buf[new] = buf[old]
@@ -130,7 +129,6 @@ def test_a_cache_reset_drops_the_host_records_and_a_named_load():
     old = torch.arange(1, 17)
     m.forward(0, old, 0)
     m.backup_records(old, torch.arange(32, 48))
-    m.settle_host_records()
     assert bool((m.host_records.records[32:48] != 0).any())
     m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
     m.clear_host_records()
@@ -148,7 +146,6 @@ def test_a_flipped_copy_loaded_back_stays_counted_after_its_host_copy_is_freed()
     old = torch.arange(1, 17)
     m.forward(0, old, 0)
     m.backup_records(old, torch.arange(32, 48))
-    m.settle_host_records()
     m.config = dataclasses.replace(m.config, perturb_host_copy_prob=0.5)
     m._flipped.update({33: False, 40: False})  # what the host-copy perturbation records at its flips
     m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
@@ -156,3 +153,41 @@ def test_a_flipped_copy_loaded_back_stays_counted_after_its_host_copy_is_freed()
     assert m.host_copies_stats()["hicache_flipped_copies_loaded"] == 2
     m.free_host_slots(torch.arange(32, 48))
     assert m.host_copies_stats()["hicache_flipped_copies_loaded"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: torch's sync debug mode counts device "
+                    "synchronizations, which a CPU run has none of (the GPU host runs it: gpu_host.sh unit)")
+def test_the_hicache_hooks_never_wait_for_the_device():
+    """What the scheduler thread calls at a backup, a write ack, a load-back and a host eviction only queues device
+    work: a synchronization there stalls sglang's scheduling behind the forward in flight (a ``tags[idx] = 0`` did,
+    at every load-back)."""
+    from kv_canary.adapter.batch_adapter import SglangBatchAdapter
+    from kv_canary.runner import CanaryManager
+
+    device = torch.device("cuda")
+    config = CanaryConfig.build(mode="log", environ={}, hicache=True)
+    k = [torch.randn(SLOTS, 2, 4, device=device) for _ in range(2)]
+    v = [torch.randn(SLOTS, 2, 4, device=device) for _ in range(2)]
+    group = build_group(PoolLayout("full", k, v), config, device)
+    m = CanaryManager(config=config, groups=[group], kernels=select_kernels(config.kernel_backend, device),
+                      req_to_token=torch.zeros(4, CTX, dtype=torch.int32, device=device),
+                      capacities=LaunchCapacities(max_batch_size=4, max_context_len=CTX, verify_programs_target=1),
+                      batch_adapter=SglangBatchAdapter(max_batch_size=4, device=device), device=device)
+    m.attach_host_records(HostRecordStore(128, device))
+    group.records.random_(1, 1 << 40)
+    side = torch.cuda.Stream(device)
+    old, new, host = torch.arange(1, 17, device=device), torch.arange(40, 56, device=device), torch.arange(32, 48)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m.backup_records(old, host)
+        m.backup_queued(host, side)
+        m.host_backups_acked()
+        m.load_records(host, new, load_id=0)
+        m.free_host_slots(host[:8])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(group.records[new], group.records[old])
+    assert not bool(group.full_row.tags[new].any())
+    assert not bool(m.host_records.records[32:40].any()) and bool(m.host_records.records[40:48].all())

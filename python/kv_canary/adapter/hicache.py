@@ -161,7 +161,7 @@ def attach_hicache(scheduler, manager) -> None:
     if host.layout not in VERIFIED_LAYOUTS:
         _refuse(f"--hicache-mem-layout {host.layout}", "only the layer_first host layout was run",
                 "use --hicache-mem-layout layer_first")
-    store = HostRecordStore(int(host.size), pin=manager.counters.device.type == "cuda")
+    store = HostRecordStore(int(host.size), manager.counters.device)
     rows = {}
     for layer in range(int(host.layer_num)):  # layer_first: [2, layers, host slots, heads, dim]
         for half, buf in (("k", host.k_buffer), ("v", host.v_buffer)):
@@ -174,10 +174,10 @@ def attach_hicache(scheduler, manager) -> None:
     args = scheduler.server_args
     logging.getLogger("kv_canary").info(format_line("kv_canary_hicache", 1, {
         "host_slots": int(host.size), "host_pool_bytes": host_bytes, "host_record_bytes": record_bytes,
+        "host_record_device": str(store.records.device),
         "host_record_pct_of_host_pool": f"{100.0 * record_bytes / max(1, host_bytes):.3f}", "layout": host.layout,
         "write_policy": getattr(args, "hicache_write_policy", "?"),
-        "storage": getattr(args, "hicache_storage_backend", None) or "none",
-        "pinned": int(store.records.is_pinned()) if torch.cuda.is_available() else 0}))
+        "storage": getattr(args, "hicache_storage_backend", None) or "none"}))
 
 
 def _manager(obj):
@@ -205,20 +205,22 @@ def _wait_for(fence) -> None:
 
 def start_writing_body(original, controller, args, kwargs, *, d2h_stream: Callable[[Any], Any],
                        fence: Callable[[Any], Any] = lambda controller: None):
-    """Backup (every line): the records of the queued device slots go to their host slots on sglang's D2H stream
-    (``d2h_stream(controller)``), queued there before sglang's K/V copy, so sglang's finish event covers both. On a
+    """Backup (every line): the records of the queued device slots go to their host slots' rows on the current
+    stream, before sglang's K/V copy is queued (its start waits for this stream, so its write ack covers them). On a
     GPU the records' gather first waits for ``fence(controller)`` (the stream sglang fences its own copy on, None:
-    none), where a forward may still be writing the records."""
+    none), where a forward may still be writing the records. ``d2h_stream(controller)``: sglang's D2H stream, where
+    the host-copy perturbation learns when a copy landed."""
     manager = _manager(controller)
     ops = _queued(controller.write_queue) if manager is not None else None
     if ops is not None:
         host_idx, device_idx = ops
-        stream = None
         if device_idx.is_cuda:
             _wait_for(fence(controller))
-            stream = d2h_stream(controller)
-        manager.backup_records(device_idx, host_idx, stream)
-    return original(controller, *args, **kwargs)
+        manager.backup_records(device_idx, host_idx)
+    result = original(controller, *args, **kwargs)
+    if ops is not None:
+        manager.backup_queued(ops[0], d2h_stream(controller) if ops[1].is_cuda else None)
+    return result
 
 
 def start_loading_body(original, controller, args, kwargs, *,
@@ -248,10 +250,10 @@ def around_start_loading(original, controller, *args, **kwargs):
 
 
 def after_writing_check(_result, tree, *args, **kwargs) -> None:
-    """sglang processed its write acks: land the backed-up records whose copies are done."""
+    """sglang processed its write acks: the host-copy perturbation may flip a byte of a copy that landed."""
     manager = _manager(tree)
     if manager is not None:
-        manager.settle_host_records()
+        manager.host_backups_acked()
 
 
 def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:

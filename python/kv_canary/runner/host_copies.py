@@ -2,12 +2,13 @@
 
 The engine wiring tells the manager three things, with plain tensors:
 
-* ``backup_records(device_idx, host_idx, stream)``: the engine is about to copy these device slots' K/V to those
-  host slots on ``stream``; their records follow on the same stream, ahead of the K/V copy, so the engine's own
-  completion event covers them (``HostRecordStore.add_pending``; settled after the engine's write ack);
+* ``backup_records(device_idx, host_idx)``: the engine is about to copy these device slots' K/V to those host
+  slots; their records go to the host slots' rows on the current stream, ahead of the K/V copy, so the engine's
+  own write ack covers them (``HostRecordStore.backup``: a table on the device, indexed by host slot);
 * ``load_records(host_idx, device_idx)``: the engine loads those host copies into *new* device slots; their host
   records are written at the new indices and their first-read tag is zeroed, so the next read lists them and
   hashes every byte once (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written;
+  device ops only (the scheduler thread never waits for the device here);
 * ``load_in_flight(wait_until_layer, load_id)``: the next forward consumes load ``load_id``; its HEAD first waits
   for the records and for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one
   layer), and its first-read hashing moves after the forward (every layer has landed by then). Only the first
@@ -20,6 +21,7 @@ One buffer group (the gate refuses more). Loads arrive with extend batches only,
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -30,6 +32,10 @@ from .brackets import CanaryBracketError
 from .storage_pages import StoragePages
 
 
+def _no_stream():
+    return contextlib.nullcontext()
+
+
 class HostCopies(StoragePages):
     """``CanaryManager`` mixin: the host record store and the load-back hand-over to the next forward (with
     ``StoragePages``: host copies that came from the storage tier)."""
@@ -37,7 +43,8 @@ class HostCopies(StoragePages):
     def _init_host_copies(self) -> None:
         self.host_records: Optional[HostRecordStore] = None
         self._load_stream = None  # CUDA: the side stream the records of a load are copied on
-        self._load_event = None  # CUDA: marks the last load's records landed
+        self._load_event = None  # CUDA: marks the records of the load no forward consumed yet landed
+        self._last_load_event = None  # CUDA: the last load's (a host eviction's zeroing waits for its reads)
         self._pending_load_id: Optional[int] = None  # the engine's name of the load no forward consumed yet
         self._loads_consumed = 0  # loads handed over to their consuming forward (load_in_flight)
         # the load book, for violation lines: int64[device slots, 2] on the pool's device, device slot -> (host slot
@@ -47,6 +54,8 @@ class HostCopies(StoragePages):
         self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
         self._flipped: Dict[int, bool] = {}
         self._flipped_loaded = 0  # flipped host copies loaded back, ever (a later free of the copy does not undo it)
+        # the perturbation's backups whose K/V copy is queued: (host slots int64[n] CPU, the copy's event or None)
+        self._copies_in_flight: List[Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = []
         self._init_storage_pages()
 
     def attach_host_records(self, store: HostRecordStore,
@@ -71,48 +80,51 @@ class HostCopies(StoragePages):
         if self.counters.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self.counters.device)
 
-    def backup_records(self, device_idx: torch.Tensor, host_idx: torch.Tensor, stream=None) -> None:
-        """Stage the records of ``device_idx`` (int[n], device) for ``host_idx`` (int[n]) on ``stream`` (the
-        engine's device->host copy stream; None: the current one), before the engine's K/V copy is queued there."""
+    def backup_records(self, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+        """The engine is about to copy device slots ``device_idx`` (int[n], device) to host slots ``host_idx`` (int[n],
+        CPU): their records go to the host slots' rows, queued on the current stream before the engine's K/V copy
+        (whose start waits for this stream, so its write ack covers them)."""
         store = self.host_records
         if store is None or device_idx.numel() == 0:
             return
         records = self.groups[0].records
-        if records.device.type != "cuda":
-            store.add_pending(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)), None)
+        store.backup(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)))
+
+    def backup_queued(self, host_idx: torch.Tensor, stream=None) -> None:
+        """The engine queued its K/V copy to ``host_idx`` on ``stream`` (None: done already). Only the host-copy
+        perturbation needs to know when it lands (a byte flipped before would be overwritten by the copy)."""
+        if self.host_records is None or self.config.perturb_host_copy_prob <= 0 or host_idx.numel() == 0:
             return
-        current = torch.cuda.current_stream(records.device)
-        stream = stream or current
-        # the gather on the current stream: ``device_idx`` is the caller's, made and freed there (read on the copy
-        # stream, its memory could be reused before the read: a device-side index assert, found on the GPU host)
-        rows = records.index_select(0, device_idx.to(records.device, torch.int64))
-        stream.wait_stream(current)  # after the gather (and the TAIL that wrote the records)
-        with torch.cuda.stream(stream):
-            stage = store.new_stage(int(device_idx.numel()))
-            stage.copy_(rows, non_blocking=True)
+        event = None
+        if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        rows.record_stream(stream)  # freed here, read there
-        store.add_pending(host_idx, stage, event)
+        self._copies_in_flight.append((host_idx.to("cpu", torch.int64), event))
 
-    def settle_host_records(self) -> None:
-        """After the engine's write ack: land the staged records whose copies are done (no wait)."""
-        if self.host_records is None:
+    def host_backups_acked(self) -> None:
+        """After the engine's write acks: the host-copy perturbation may flip a byte of a copy that has landed."""
+        if not self._copies_in_flight:
             return
-        settled = self.host_records.settle_ready()
-        if settled and self.config.perturb_host_copy_prob > 0:
-            for host_slot in self.perturb.perturb_host_copies(forward_index=self.forwards, backups=settled,
-                                                              host_rows=self._host_rows):
-                self._flipped[host_slot] = False
+        landed = [h for h, e in self._copies_in_flight if e is None or e.query()]
+        self._copies_in_flight = [(h, e) for h, e in self._copies_in_flight if not (e is None or e.query())]
+        for host_slot in self.perturb.perturb_host_copies(forward_index=self.forwards, backups=landed,
+                                                          host_rows=self._host_rows):
+            self._flipped[host_slot] = False
 
     def free_host_slots(self, host_idx: torch.Tensor) -> None:
-        """The engine freed host copies: their records go, and so does a flip of one (never loaded: never read)."""
+        """The engine freed host copies: their records go (after the last load's read of them), and so does a flip of
+        one (never loaded: never read)."""
+        if self._last_load_event is not None:
+            torch.cuda.current_stream(self.counters.device).wait_event(self._last_load_event)
         self.host_records.free(host_idx)
-        if self._flipped or self._storage_from:
+        if self._flipped or self._storage_from or self._copies_in_flight:
             slots = host_idx.tolist()
             for h in slots:
                 self._flipped.pop(h, None)
             self._storage_slots_freed(slots)
+            if self._copies_in_flight:  # a copy freed before it landed is not the perturbation's to flip
+                freed = set(slots)
+                self._copies_in_flight = [(h, e) for h, e in self._copies_in_flight if not freed & set(h.tolist())]
 
     def clear_host_records(self) -> None:
         """The engine dropped every host copy (a cache reset, idle): their records, flips and load book go; a load
@@ -121,42 +133,43 @@ class HostCopies(StoragePages):
             return
         self.host_records.clear()
         self._flipped.clear()
+        self._copies_in_flight.clear()
         self._storage_clear()
         self._pending_load_id = None
         self._loaded_from.fill_(-1)
 
     def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, load_id: int = 0) -> None:
-        """The engine loads host copies ``host_idx`` into new device slots ``device_idx`` (int[n] each); ``load_id``:
-        the engine's name of this load, which the consuming forward names (``load_in_flight``)."""
+        """The engine loads host copies ``host_idx`` (int[n], CPU) into new device slots ``device_idx`` (int[n],
+        device); ``load_id``: the engine's name of this load, which the consuming forward names (``load_in_flight``).
+        No wait on the host: a few device ops on the canary's load stream, behind the current one."""
         store = self.host_records
         if store is None or device_idx.numel() == 0:
             return
         self._pending_load_id = int(load_id)
         group = self.groups[0]
-        rows = store.read(host_idx)  # settles them first (normally done at the write ack)
-        dev = device_idx.to(group.records.device, torch.int64)  # no host copy of it: that would wait for the device
-        host_cpu = host_idx.to("cpu", torch.int64)
-        book = torch.stack([host_cpu, torch.full_like(host_cpu, self.forwards)], dim=1)
+        dev = device_idx.to(group.records.device, torch.int64)
+        host = store.index(host_idx)  # on the current stream, which the load stream waits for
         if self._flipped or self._storage_flipped_slots:
-            slots = host_cpu.tolist()
+            slots = host_idx.tolist()
             for h in slots:
                 if self._flipped.get(h) is False:
                     self._flipped[h] = True
                     self._flipped_loaded += 1
             self._storage_slots_loaded(slots)
-        if self._load_stream is None:
-            group.records.index_copy_(0, dev, rows.to(group.records.device))
-            group.full_row.tags[dev] = 0
-            self._loaded_from.index_copy_(0, dev, book)
-            return
-        self._load_stream.wait_stream(torch.cuda.current_stream(group.records.device))
-        with torch.cuda.stream(self._load_stream):
-            group.records.index_copy_(0, dev, rows.to(group.records.device, non_blocking=True))
-            group.full_row.tags[dev] = 0
-            self._loaded_from.index_copy_(0, dev, book.pin_memory().to(group.records.device, non_blocking=True))
-            dev.record_stream(self._load_stream)
-        self._load_event = torch.cuda.Event()
-        self._load_event.record(self._load_stream)
+        stream = self._load_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(group.records.device))
+        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+            group.records.index_copy_(0, dev, store.read(host))
+            # not ``tags[dev] = 0``: a Python scalar there is copied to the device synchronously (the scheduler
+            # thread waited for the forward in flight at every load-back: bench_hicache_host_ops.py)
+            group.full_row.tags.index_fill_(0, dev, 0)
+            self._loaded_from.index_copy_(0, dev, torch.stack([host, torch.full_like(host, self.forwards)], dim=1))
+        if stream is not None:
+            dev.record_stream(stream)
+            host.record_stream(stream)
+            self._load_event = self._last_load_event = torch.cuda.Event()
+            self._load_event.record(stream)
 
     def load_in_flight(self, wait_until_layer: Callable[[int], None], load_id: int = 0) -> bool:
         """The next forward names load ``load_id``: if that load is pending, this forward consumes it (its HEAD waits

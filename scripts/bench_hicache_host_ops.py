@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Host cost per call of the canary's HiCache bookkeeping (no server): what sglang's scheduler thread pays.
+
+Builds a real ``CanaryManager`` on a synthetic Llama-3-8B-row pool with a host record store beside it (the host
+pool ``--hicache-ratio`` times the device pool), then times on the host, per call, what the HiCache hooks call:
+
+* ``backup``: ``backup_records`` of one radix node (``--backup-slots``), then ``backup_queued`` (sglang's D2H
+  stream named: what the start_writing hook calls);
+* ``acked``: ``host_backups_acked`` (the write-ack hook, every scheduler step);
+* ``load``: ``load_records`` of one load-back batch (``--load-slots``) into new device slots;
+* ``free``: ``free_host_slots`` of one node's host slots (host eviction).
+
+Each is timed over ``--calls`` calls (median of 5 rounds); the device is synchronized between rounds, not inside
+them. ``syncs`` counts the device synchronizations torch reports per call (``set_sync_debug_mode("warn")``):
+any is a stall of the scheduler thread. GPU time is in ``bench_hicache_overhead.py``'s profile.
+
+    export PYTHONPATH=/tmp/site:$PWD/python
+    python scripts/bench_hicache_host_ops.py [--calls 200] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--slots", type=int, default=16384, help="device pool slots (--max-total-tokens)")
+    p.add_argument("--hicache-ratio", type=int, default=5)
+    p.add_argument("--backup-slots", type=int, default=1088)
+    p.add_argument("--load-slots", type=int, default=9344)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only proves the script runs")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import logging
+
+    import torch
+
+    logging.getLogger("kv_canary").setLevel(logging.CRITICAL)
+    from kv_canary.adapter.batch_adapter import SglangBatchAdapter
+    from kv_canary.buffer_groups import PoolLayout, build_group
+    from kv_canary.config import CanaryConfig
+    from kv_canary.host_records import HostRecordStore
+    from kv_canary.kernels import select_kernels
+    from kv_canary.runner import CanaryManager
+    from kv_canary.views import LaunchCapacities
+
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    slots, host_slots = args.slots, args.slots * args.hicache_ratio
+    k = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    v = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(2)]
+    config = CanaryConfig.build(mode="log", environ={}, hicache=True)
+    group = build_group(PoolLayout("full", k, v), config, device)
+    r2t = torch.zeros(9, 4096, dtype=torch.int32, device=device)
+    caps = LaunchCapacities(max_batch_size=9, max_context_len=4096, verify_programs_target=1)
+    m = CanaryManager(config=config, groups=[group], kernels=select_kernels(config.kernel_backend, device),
+                      req_to_token=r2t, capacities=caps,
+                      batch_adapter=SglangBatchAdapter(max_batch_size=9, device=device), device=device)
+    m.attach_host_records(HostRecordStore(host_slots, device))
+    m.mark_init_finished()
+    group.records.random_(1, 1 << 40)
+    side = torch.cuda.Stream(device) if on_gpu else None
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+
+    def pick(n, total):  # distinct slot ids, as sglang's allocators hand out (device ids on the device)
+        return torch.randperm(total - 1, generator=gen)[:n] + 1
+
+    nb, nl = args.backup_slots, args.load_slots
+    backups = [(pick(nb, slots).to(device), pick(nb, host_slots)) for _ in range(args.calls)]
+    loads = [(pick(nl, host_slots), pick(nl, slots).to(device)) for _ in range(args.calls)]
+
+    def backup(i):
+        dev, host = backups[i]
+        m.backup_records(dev, host)
+        m.backup_queued(host, side)
+
+    def acked(i):
+        m.host_backups_acked()
+
+    def load(i):
+        host, dev = loads[i]
+        m.load_records(host, dev, load_id=i)
+
+    def free(i):
+        m.free_host_slots(backups[i][1])
+
+    def timed(fn, prepare=None):
+        rounds, syncs = [], 0
+        for _ in range(5):
+            if prepare is not None:
+                prepare()
+            sync()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if on_gpu:
+                    torch.cuda.set_sync_debug_mode("warn")
+                t0 = time.perf_counter()
+                for i in range(args.calls):
+                    fn(i)
+                dt = time.perf_counter() - t0
+                if on_gpu:
+                    torch.cuda.set_sync_debug_mode(0)
+            syncs += sum("synchroniz" in str(w.message) for w in caught)
+            sync()
+            rounds.append(dt / args.calls * 1e6)
+        return {"host_us_per_call": round(statistics.median(rounds), 1),
+                "syncs_per_call": round(syncs / (5 * args.calls), 3)}
+
+    def backed_up():  # settle's work: every backup's copy done, not yet settled
+        for i in range(args.calls):
+            backup(i)
+
+    result = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu (meaningless)",
+              "device_slots": slots, "host_slots": host_slots, "backup_slots": nb, "load_slots": nl,
+              "calls": args.calls,
+              "backup": timed(backup),
+              "acked": timed(acked, prepare=backed_up),
+              "load": timed(load),
+              "free": timed(free, prepare=backed_up)}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
