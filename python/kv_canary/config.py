@@ -157,6 +157,10 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "SCRUB_SLOTS_PER_FORWARD": ("scrub_slots_per_forward", _parse_int(0, 1 << 24),
                                 "slots per forward whose every K/V byte the scrub checks, cycling through the "
                                 "pool (0 = off, the default; with --kv-canary-real-data all the default is 256)"),
+    "HOST_SCRUB_SLOTS_PER_SECOND": ("host_scrub_slots_per_second", _parse_int(0, 1 << 24),
+                                    "HiCache: host copies per second whose every K/V byte a scheduler-process thread "
+                                    "checks against their records, cycling through the host pool (0 = off, the "
+                                    "default; needs --enable-hierarchical-cache)"),
     "SWA_DIVERGENCE_STATS_INTERVAL": ("swa_divergence_stats_interval", _parse_int(0),
                                       "hybrid sliding-window pools: forwards between kv_canary_swa_divergence= "
                                       "lines (verify entries of the full and swa groups, swa/full slot "
@@ -220,6 +224,7 @@ class CanaryConfig:
     sweep_interval: int = 0
     real_data: RealData = RealData.PARTIAL
     scrub_slots_per_forward: int = 0
+    host_scrub_slots_per_second: int = 0
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
     token_oracle: bool = True
@@ -355,6 +360,9 @@ class CanaryConfig:
         if config.perturb_host_copy_prob > 0 and not config.hicache:
             raise CanaryConfigError("SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB corrupts HiCache's host copies: add "
                                     "--enable-hierarchical-cache or unset it")
+        if config.host_scrub_slots_per_second > 0 and not config.hicache:
+            raise CanaryConfigError("SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND checks HiCache's host copies: add "
+                                    "--enable-hierarchical-cache or unset it")
         if config.perturb_storage_page_prob > 0 and not config.hicache:
             raise CanaryConfigError("SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB corrupts pages of HiCache's storage "
                                     "tier: add --enable-hierarchical-cache --hicache-storage-backend file or unset it")
@@ -382,6 +390,8 @@ class CanaryConfig:
             f"perturb_position_shift_prob={self.perturb_position_shift_prob} "
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
             + (" hicache=1" if self.hicache else "")
+            + (f" host_scrub_slots_per_second={self.host_scrub_slots_per_second}"
+               if self.host_scrub_slots_per_second else "")
             + (f" perturb_host_copy_prob={self.perturb_host_copy_prob}" if self.perturb_host_copy_prob else "")
             + (f" perturb_storage_page_prob={self.perturb_storage_page_prob}" if self.perturb_storage_page_prob
                else "")

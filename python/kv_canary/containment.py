@@ -20,7 +20,7 @@ from typing import Container, Dict, Iterable, Protocol, Tuple
 
 from .violations import Violation
 
-UNKNOWN_RIDS = ("?", "cache", "")
+UNKNOWN_RIDS = ("?", "cache", "", "host_scrub")  # rows no request read (host_scrub: runner/host_copies)
 
 
 @dataclass(frozen=True)

@@ -183,3 +183,25 @@ def prefix_chains_np(prefixes) -> "list[int]":
             out[i] = int(sums[k])
             k += 1
     return out
+
+
+def full_hash_terms_np(words: "np.ndarray", first_word: int = 0) -> "np.ndarray":
+    """FULL_HASH's sum over a run of words: uint32[n, w] whose first word is word ``first_word`` of the canonical
+    order -> uint64[n] (additive: the sums of a slot's rows add up to ``full_hash_from_words``'s sum)."""
+    w = words.shape[1]
+    key = ((np.arange(first_word + 1, first_word + w + 1, dtype=np.uint64) * np.uint64(FULL_WORD_KEY))
+           & np.uint64(MASK_32)).astype(np.uint32)
+    with np.errstate(over="ignore"):
+        x = words ^ key
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(MIX32_M1)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(MIX32_M2)
+        x ^= x >> np.uint32(16)
+    return x.sum(axis=1, dtype=np.uint64)
+
+
+def full_hash_finalize_np(sums: "np.ndarray") -> "np.ndarray":
+    """uint64[n] sums of ``full_hash_terms_np`` -> int64[n] FULL_HASH, bit-equal to ``full_hash_from_words``."""
+    with np.errstate(over="ignore"):
+        return mix64_np(sums ^ np.uint64(HASH_SEED)).view(np.int64)

@@ -24,12 +24,17 @@ import dataclasses
 import contextlib
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..host_records import HostRecordStore
+from ..host_scrub import HostMismatch, HostScrub
 from ..storage_trailer import records_tag
 from .brackets import CanaryBracketError
 from .storage_pages import StoragePages
+
+
+HOST_SCRUB_RID = "host_scrub"  # the rid of a violation the host scrub found (no request read the copy)
 
 
 def _no_stream():
@@ -54,20 +59,22 @@ class HostCopies(StoragePages):
         self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
         self._flipped: Dict[int, bool] = {}
         self._flipped_loaded = 0  # flipped host copies loaded back, ever (a later free of the copy does not undo it)
-        # the perturbation's backups whose K/V copy is queued: (host slots int64[n] CPU, the copy's event or None)
+        # backups whose K/V copy is queued, for the host-copy perturbation and the host scrub (both act on landed
+        # copies only): (host slots int64[n] CPU, the copy's event or None)
         self._copies_in_flight: List[Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = []
+        self.host_scrub: Optional[HostScrub] = None  # SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND > 0
         self._init_storage_pages()
 
     def attach_host_records(self, store: HostRecordStore,
                             host_rows: Optional[Mapping[Tuple[int, str], torch.Tensor]] = None, *,
                             storage: bool = False) -> None:
-        """``host_rows``: (layer, half) -> uint8[host_slots, row_bytes] views of the host copies (the host-copy
-        perturbation's target; needed only with it). ``storage``: host copies also go to and come from a storage
+        """``host_rows``: (layer, half) -> uint8[host_slots, row_bytes] views of the host copies (what the host-copy
+        perturbation flips and the host scrub hashes; needed only with them). ``storage``: host copies also go to and come from a storage
         tier (``StoragePages``)."""
         if len(self.groups) != 1:
             raise ValueError("kv-canary: host copies of more than one buffer group are not verified")
-        if self.config.perturb_host_copy_prob > 0 and not host_rows:
-            raise ValueError("kv-canary: the host-copy perturbation needs the host copies' rows")
+        if (self.config.perturb_host_copy_prob > 0 or self.config.host_scrub_slots_per_second > 0) and not host_rows:
+            raise ValueError("kv-canary: the host-copy perturbation and the host scrub need the host copies' rows")
         self.host_records = store
         self.storage_on = bool(storage)
         if storage:  # what the records' hashes cover: a page written by a server hashing otherwise has none for us
@@ -79,6 +86,28 @@ class HostCopies(StoragePages):
                                        device=self.groups[0].records.device)
         if self.counters.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self.counters.device)
+        if self.config.host_scrub_slots_per_second > 0:
+            self.host_scrub = self._build_host_scrub()
+            self.host_scrub.start()
+
+    def _build_host_scrub(self) -> HostScrub:
+        """The scrub reads the host copies' rows in the device's canonical order, and their records from the device
+        on a stream of its own (its thread waits for that copy alone)."""
+        group, store = self.groups[0], self.host_records
+        rows = []
+        for r in group.rows:
+            host = self._host_rows.get((r.layer, r.half))
+            if host is None or host.shape[1] != 4 * r.row_words:
+                raise ValueError(f"kv-canary: the host scrub needs the host copies' {r.half} rows of layer {r.layer} "
+                                 f"({4 * r.row_words} bytes a slot)")
+            rows.append(host.numpy().view(np.uint32))
+        stream = torch.cuda.Stream(device=store.records.device) if store.records.is_cuda else None
+
+        def read_records(idx: np.ndarray) -> np.ndarray:
+            with torch.cuda.stream(stream) if stream is not None else _no_stream():
+                return store.records.index_select(0, store.index(torch.from_numpy(idx))).cpu().numpy()
+
+        return HostScrub(rows, read_records, self.config.host_scrub_slots_per_second)
 
     def backup_records(self, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
         """The engine is about to copy device slots ``device_idx`` (int[n], device) to host slots ``host_idx`` (int[n],
@@ -88,12 +117,16 @@ class HostCopies(StoragePages):
         if store is None or device_idx.numel() == 0:
             return
         records = self.groups[0].records
+        if self.host_scrub is not None:  # before the records and the K/V change: the scrub discards what it hashes
+            self.host_scrub.backup_started(host_idx.numpy())
         store.backup(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)))
 
     def backup_queued(self, host_idx: torch.Tensor, stream=None) -> None:
-        """The engine queued its K/V copy to ``host_idx`` on ``stream`` (None: done already). Only the host-copy
-        perturbation needs to know when it lands (a byte flipped before would be overwritten by the copy)."""
-        if self.host_records is None or self.config.perturb_host_copy_prob <= 0 or host_idx.numel() == 0:
+        """The engine queued its K/V copy to ``host_idx`` on ``stream`` (None: done already). The host-copy
+        perturbation (a byte flipped before would be overwritten by the copy) and the host scrub (a copy hashed
+        before would read half-written bytes) need to know when it lands."""
+        if self.host_records is None or host_idx.numel() == 0 or (
+                self.config.perturb_host_copy_prob <= 0 and self.host_scrub is None):
             return
         event = None
         if stream is not None:
@@ -102,11 +135,17 @@ class HostCopies(StoragePages):
         self._copies_in_flight.append((host_idx.to("cpu", torch.int64), event))
 
     def host_backups_acked(self) -> None:
-        """After the engine's write acks: the host-copy perturbation may flip a byte of a copy that has landed."""
+        """After the engine's write acks: copies that landed may be scrubbed, and the host-copy perturbation may flip
+        a byte of one."""
         if not self._copies_in_flight:
             return
         landed = [h for h, e in self._copies_in_flight if e is None or e.query()]
         self._copies_in_flight = [(h, e) for h, e in self._copies_in_flight if not (e is None or e.query())]
+        if self.host_scrub is not None:
+            for h in landed:
+                self.host_scrub.backup_landed(h.numpy())
+        if self.config.perturb_host_copy_prob <= 0:
+            return
         for host_slot in self.perturb.perturb_host_copies(forward_index=self.forwards, backups=landed,
                                                           host_rows=self._host_rows):
             self._flipped[host_slot] = False
@@ -116,6 +155,8 @@ class HostCopies(StoragePages):
         one (never loaded: never read)."""
         if self._last_load_event is not None:
             torch.cuda.current_stream(self.counters.device).wait_event(self._last_load_event)
+        if self.host_scrub is not None:
+            self.host_scrub.freed(host_idx.to("cpu", torch.int64).numpy())
         self.host_records.free(host_idx)
         if self._flipped or self._storage_from or self._copies_in_flight:
             slots = host_idx.tolist()
@@ -131,6 +172,8 @@ class HostCopies(StoragePages):
         named but never consumed is forgotten (the engine restarts its load names)."""
         if self.host_records is None:
             return
+        if self.host_scrub is not None:
+            self.host_scrub.cleared()
         self.host_records.clear()
         self._flipped.clear()
         self._copies_in_flight.clear()
@@ -213,11 +256,28 @@ class HostCopies(StoragePages):
             out.append(v)
         return out
 
+    def host_scrub_violations(self) -> List:
+        """Host copies the scrub found bad since the last call, as violations naming their host slot (``slot`` -1:
+        no device slot holds them; ``rid`` host_scrub)."""
+        from ..violations import Violation
+
+        found: List[HostMismatch] = self.host_scrub.drain() if self.host_scrub is not None else []
+        return [Violation(seq=-1, kind="kv_hash", group=self.groups[0].name, slot=-1, position=m.position,
+                          rid=HOST_SCRUB_RID, row=-1, batch_index=-1, stored=m.stored, expected=m.live,
+                          forward=self.forwards, cuda_graph=None,
+                          identity=(("hicache", "host_scrub"), ("host_slot", m.host_slot))
+                          + self.storage_identity(m.host_slot))
+                for m in found]
+
     def host_copies_stats(self) -> Dict[str, int]:
         s = self.host_records.stats
         out = {"hicache_backups": s.backups, "hicache_slots_backed_up": s.slots_backed_up,
                "hicache_loads": s.loads, "hicache_slots_loaded": s.slots_loaded,
                "hicache_loads_consumed": self._loads_consumed}
+        if self.host_scrub is not None:
+            out["hicache_host_scrubbed"] = self.host_scrub.slots_scrubbed
+            out["hicache_host_scrub_passes"] = self.host_scrub.passes
+            out["hicache_host_scrub_stopped"] = int(bool(self.host_scrub.error))
         if self.config.perturb_host_copy_prob > 0:  # flipped host copies loaded back: each must be reported
             out["hicache_flipped_copies_loaded"] = self._flipped_loaded
         return {**out, **self.storage_pages_stats()}

@@ -398,6 +398,10 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         for step, host_counters in ready:
             self._check_health(step, host_counters)
             self._handle_counters(host_counters, catch_up=drain)
+        if self.host_scrub is not None:  # HiCache: bad host copies the host scrub found at rest
+            found = self.host_scrub_violations()
+            if found:
+                self._report(found, 0)
         if drain and self.forwards != self._settled_forward:
             # Settled: the host has read everything the device counted up to now.
             self._settled_forward = self.forwards

@@ -47,6 +47,8 @@ class StorageStats:
 class StoragePages:
     """``CanaryManager`` mixin (with ``HostCopies``): records in and out of the storage tier's page objects."""
 
+    host_scrub = None  # HostCopies' host scrub (host_scrub.HostScrub) when on: a page read back has landed
+
     def _init_storage_pages(self) -> None:
         self.storage_on = False  # the engine has a storage tier (``attach_host_records(storage=True)``)
         self.storage_tag = 0  # storage_trailer.records_tag of what this server's record hashes cover
@@ -89,6 +91,8 @@ class StoragePages:
         """A page read back into ``host_idx`` (int[page_size]) with its trailer's ``records``
         (int64[page_size, RECORD_WIDTH])."""
         self.host_records.put(host_idx, records)
+        if self.host_scrub is not None:  # the page's K/V bytes were written before its records: both landed
+            self.host_scrub.backup_landed(host_idx.to("cpu", torch.int64).numpy())
         slots = host_idx.tolist()
         with self._storage_lock:
             self.storage_stats.pages_got += 1

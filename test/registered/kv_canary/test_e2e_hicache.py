@@ -33,6 +33,8 @@ register_cuda_ci(est_time=300, suite="kv-canary-cuda")
 
 CONVERSATIONS, TURNS, SYSTEM_WORDS, TURN_WORDS = 12, 3, 300, 12
 FLIPS = 6  # host-copy flips of the contain run
+# the host scrub, fast: a pass over the host pool (8 x 1,024 slots) every ~0.4 s, racing every backup and eviction
+SCRUB = {"SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND": "20000"}
 MAX_TOTAL_TOKENS = 1024
 
 
@@ -132,12 +134,14 @@ SELECTIVE = "write_through" if installed_sglang() == "0.5.23" else "write_throug
 def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend):
     """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
     its direct copies.) The write_back run then flushes the cache (device and host) and serves the same
-    conversations again: its host records go with the host copies, and the loads after it verify clean."""
+    conversations again: its host records go with the host copies, and the loads after it verify clean. The host
+    scrub runs fast beside it, hashing landed host copies while sglang backs up, evicts and resets: no alarm."""
     if io_backend == "direct" and policy == "write_through" and e2e_device() == "cpu":
         pytest.skip("CI time: on CPU with sglang 0.5.23 (write_through_selective refused) this is the first case again "
                     "(the shim's copies stand in for both IO backends); the direct copies run on a GPU")
     result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
-                                                io_backend=io_backend, flush_and_repeat=policy == "write_back")
+                                                io_backend=io_backend, flush_and_repeat=policy == "write_back",
+                                                env=SCRUB)
     loaded = counters["sglang:load_back_tokens_total"]
     stats = log.stats[-1] if log.stats else {}
     print(f"kv_canary_e2e_hicache mode=raise device={e2e_device()} page_size={page_size} policy={policy} "
@@ -145,7 +149,9 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
           f"evicted={counters['sglang:evicted_tokens_total']:.0f} load_back_tokens={loaded:.0f} "
           + " ".join(f"{k}={stats.get(k)}" for k in ("hicache_backups", "hicache_slots_backed_up", "hicache_loads",
                                                       "hicache_loads_consumed", "hicache_slots_loaded",
-                                                      "slots_first_read", "slots_verified", "violations")))
+                                                      "slots_first_read", "slots_verified",
+                                                      "hicache_host_scrubbed", "hicache_host_scrub_passes",
+                                                      "violations")))
     assert log.installed and HICACHE_LINE.search(log.text), srv.log_tail()
     # the write_back run's /flush_cache dropped the host records with the host copies (one clear, logged)
     assert log.text.count("kv_canary_hicache_clear=1") == (policy == "write_back"), srv.log_tail()
@@ -158,30 +164,38 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
     # each load was handed over to the forward sglang named its consumer (the engine wiring: the layer counter)
     assert log.last_stat("hicache_loads_consumed") == log.last_stat("hicache_loads") > 0
     assert log.last_stat("hicache_slots_backed_up") > 0  # (a host copy may be loaded back more than once)
+    assert log.last_stat("hicache_host_scrubbed") > 0  # the host scrub hashed landed copies at rest
     assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:5]
 
 
 @pytest.mark.e2e
-def test_a_flipped_host_copy_is_caught_when_loaded_back(tmp_path):
-    """``log`` + ``SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB``: a byte of a settled host copy is flipped (anywhere in
+def test_a_flipped_host_copy_is_caught_when_loaded_back_and_at_rest(tmp_path):
+    """``log`` + ``SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB``: a byte of a landed host copy is flipped (anywhere in
     the slot's K/V rows, mostly outside the hashed window); every flipped copy sglang loads back is reported at
-    that load-back forward, naming its host slot, and nothing else is reported."""
+    that load-back forward, naming its host slot; the host scrub reports flipped copies at rest (loaded back or
+    not, ``rid=host_scrub``); nothing else is reported."""
     env = {"SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3", "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0",
-           "SGLANG_KV_CANARY_PERTURB_SEED": "7"}
+           "SGLANG_KV_CANARY_PERTURB_SEED": "7", **SCRUB}
     result, counters, log, running, srv = serve("log", tmp_path, env=env)
     flips = [p for p in log.perturbations if p["kv_canary_perturb"] == "host_copy"]
     flipped = {p["host_slot"] for p in flips}
+    at_load = [v for v in log.violations if v.get("hicache") == "load"]
+    at_rest = [v for v in log.violations if v.get("hicache") == "host_scrub"]
     reported = {v.get("host_slot") for v in log.violations}
     loaded_flips = log.last_stat("hicache_flipped_copies_loaded")
     print(f"kv_canary_e2e_hicache mode=log host_copy_flips={len(flips)} flipped_copies_loaded={loaded_flips} "
-          f"violations={len(log.violations)} host_slots_reported={len(reported)} "
+          f"violations={len(log.violations)} host_slots_reported_at_load={len({v['host_slot'] for v in at_load})} "
+          f"host_slots_reported_at_rest={len({v['host_slot'] for v in at_rest})} "
           f"load_back_tokens={counters['sglang:load_back_tokens_total']:.0f} "
           f"outside_window={sum(p['hashed'] == '0' for p in flips)}")
     assert running and result.failed == 0, "\n".join(result.errors[:5]) + srv.log_tail()
     assert flips and loaded_flips > 0, "no flipped host copy was loaded back"
-    assert all(v["kind"] == "kv_hash" and v.get("hicache") == "load" for v in log.violations), log.violations[:5]
+    assert all(v["kind"] == "kv_hash" for v in log.violations), log.violations[:5]
+    assert len(at_load) + len(at_rest) == len(log.violations), log.violations[:5]
+    assert all(v["rid"] == "host_scrub" and v["slot"] == "-1" for v in at_rest), at_rest[:5]
     assert reported <= flipped, "a violation no host flip explains (a false alarm)"
-    assert len(reported) == loaded_flips  # every flipped copy that was loaded back, reported
+    assert len({v["host_slot"] for v in at_load}) == loaded_flips  # every flipped copy loaded back, reported
+    assert at_rest, "the host scrub found no flipped copy at rest"
 
 
 CONTAIN_REFUSED_0_5_23 = "--kv-canary contain on sglang 0.5.23"

@@ -79,7 +79,9 @@ STORAGE_STATS = ("hicache_storage_pages_set", "hicache_storage_pages_existing", 
 
 @pytest.mark.e2e
 def test_prefixes_read_back_from_storage_are_verified_with_no_violation(tmp_path):
-    counters, log, srv, files, wall, _, _ = serve("raise", tmp_path)
+    """The host scrub runs fast beside it (host copies read back from files land with their records): no alarm."""
+    counters, log, srv, files, wall, _, _ = serve("raise", tmp_path,
+                                                  env={"SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND": "20000"})
     prefetched, loaded = counters["sglang:prefetched_tokens_total"], counters["sglang:load_back_tokens_total"]
     print(f"kv_canary_e2e_hicache_storage mode=raise device={e2e_device()} wall_s={wall:.0f} files={files} "
           + " ".join(f"{k.split(':')[1]}={v:.0f}" for k, v in counters.items()) + " " + _stats(log, *STORAGE_STATS))
@@ -93,6 +95,7 @@ def test_prefixes_read_back_from_storage_are_verified_with_no_violation(tmp_path
     # the canary loaded the records of exactly the slots sglang loaded back, and hashed every byte at the first read
     assert log.last_stat("hicache_slots_loaded") == loaded
     assert log.last_stat("slots_first_read") == loaded
+    assert log.last_stat("hicache_host_scrubbed") > 0
     assert log.violations == [] and log.last_stat("violations") == 0, log.violations[:5]
 
 
