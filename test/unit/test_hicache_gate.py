@@ -37,7 +37,7 @@ def test_verified_combinations_pass(kw):
 
 
 @pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
-                                {"hicache_io_backend": "direct"}])
+                                {"hicache_write_policy": "write_through_selective"}, {"hicache_io_backend": "direct"}])
 def test_verified_combinations_pass_on_0_5_23(kw):
     """sglang 0.5.23: log and raise, on CPU (through the test shim; the GPU host cannot load 0.5.23)."""
     check_hicache(_args(**kw), _config(), line="0.5.23")
@@ -53,8 +53,6 @@ def test_verified_combinations_pass_on_0_5_23(kw):
     ({"hicache_mem_layout": "page_first"}, "0.5.23", {}, "--hicache-mem-layout page_first"),
     ({"hicache_storage_backend": "file"}, "0.5.23", {}, "--hicache-storage-backend file"),
     ({"page_size": 64}, "0.5.23", {}, "--page-size 64"),
-    ({"hicache_write_policy": "write_through_selective"}, "0.5.23", {}, "--hicache-write-policy "
-                                                                         "write_through_selective"),
     ({"device": "npu"}, "0.5.12", {}, "--device npu"),
     ({"hicache_io_backend": "kernel_ascend"}, "0.5.12", {}, "--hicache-io-backend kernel_ascend"),
     ({"page_size": 64}, "0.5.12", {}, "--page-size 64"),

@@ -36,9 +36,6 @@ LINE_LIMITS = {
                                     "not be evicted (docs/hicache.md 3.9)"),
         "devices": (("cpu",), "sglang 0.5.23's HiCache ran with the canary on CPU (through the test shim) only; "
                               "the GPU host cannot load 0.5.23"),
-        "write_policies": (("write_through", "write_back"), "only these write policies were run: in the e2e "
-                           "workload 0.5.23's write_through_selective backed up 1 slot and loaded none back, so no "
-                           "load-back was verified with it"),
         "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),
     },
 }

@@ -52,8 +52,10 @@ def shim_env():
     return {SHIM_ENV: "1"} if e2e_device() == "cpu" else {}
 
 
-def conversations(seed: int = 24):
-    """Turn t of every conversation, then turn t + 1 of every one: each prefix is evicted before its next turn."""
+def conversations(seed: int = 24, first_turn_times: int = 1):
+    """Turn t of every conversation, then turn t + 1 of every one: each prefix is evicted before its next turn.
+    ``first_turn_times``: each first turn is sent that many times in a row (hits while it is on the device: what
+    ``write_through_selective`` backs up, at its second hit)."""
     rng = random.Random(seed)
     systems = [tuple(rng.randrange(NUM_WORDS) for _ in range(SYSTEM_WORDS)) for _ in range(CONVERSATIONS)]
     turns = [[tuple(rng.randrange(NUM_WORDS) for _ in range(TURN_WORDS)) for _ in range(TURNS)]
@@ -62,7 +64,8 @@ def conversations(seed: int = 24):
     for t in range(TURNS):
         for c in range(CONVERSATIONS):
             words = systems[c] + sum(turns[c][: t + 1], ())
-            specs.append(RequestSpec(len(specs), "shared", words, 4))
+            for _ in range(first_turn_times if t == 0 else 1):
+                specs.append(RequestSpec(len(specs), "shared", words, 4))
     return specs
 
 
@@ -81,6 +84,8 @@ def flush_cache(base_url: str, timeout: float = 60.0) -> None:
 
 def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel",
           env=None, flush_and_repeat: bool = False):
+    # write_through_selective backs a node up at its second hit on the device: each first turn comes 3 times
+    workload = conversations(first_turn_times=3 if policy == "write_through_selective" else 1)
     """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log.
     ``flush_and_repeat``: then ``/flush_cache`` and the same conversations again (from an empty tree and host)."""
     srv = canary_server(mode, log_path=tmp_path / "server.log",
@@ -88,7 +93,7 @@ def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_throu
                         env={**shim_env(), **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
     srv.start(timeout=600)
     try:
-        result = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        result = run_requests(srv.base_url, workload, concurrency=1, timeout=300)
         if flush_and_repeat:
             first_loads = sglang_counter(srv.base_url, "sglang:load_back_tokens_total")
             flush_cache(srv.base_url)
@@ -123,22 +128,16 @@ def test_hicache_serves_on_cpu_with_the_canary_off(tmp_path):
 HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+)")
 
 
-# sglang 0.5.23 refuses write_through_selective with the canary (adapter/hicache.LINE_LIMITS): in this workload it
-# backed up 1 slot and loaded none back (no prefix hit twice while on the device); there the direct run writes through
-SELECTIVE = "write_through" if installed_sglang() == "0.5.23" else "write_through_selective"
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("page_size,policy,io_backend", [(1, "write_through", "kernel"), (16, "write_back", "kernel"),
-                                                         (1, SELECTIVE, "direct")])
+                                                         (1, "write_through_selective", "direct")])
 def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend):
     """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
     its direct copies.) The write_back run then flushes the cache (device and host) and serves the same
     conversations again: its host records go with the host copies, and the loads after it verify clean. The host
     scrub runs fast beside it, hashing landed host copies while sglang backs up, evicts and resets: no alarm."""
-    if io_backend == "direct" and policy == "write_through" and e2e_device() == "cpu":
-        pytest.skip("CI time: on CPU with sglang 0.5.23 (write_through_selective refused) this is the first case again "
-                    "(the shim's copies stand in for both IO backends); the direct copies run on a GPU")
     result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
                                                 io_backend=io_backend, flush_and_repeat=policy == "write_back",
                                                 env=SCRUB)
