@@ -4,7 +4,7 @@ Stock sglang cannot run ``--enable-hierarchical-cache`` on CPU (docs/hicache.md 
 ``cudaHostRegister``ed and every transfer is a CUDA op (0.5.23 does not even bind them off CUDA). This shim replaces
 exactly those, per installed sglang line: the host buffer is a plain CPU tensor, and
 ``MHATokenToKVPoolHost.load_to_device_per_layer`` / ``backup_from_device_all_layer`` copy rows with ``index_select``
-/ ``index_copy_`` (the ``layer_first`` layout, what the CUDA kernels do for it; 0.5.23's L2 transfer engine reaches
+/ ``index_copy_`` (the ``layer_first`` and ``page_first`` layouts, what the CUDA kernels do for them; 0.5.23's L2 transfer engine reaches
 them through ``HostKVCache.*_physical``); on 0.5.12 the storage tier's page read target (``get_dummy_flat_data_page``)
 is unpinned. sglang's tree, controller, acks, layer events, write policies and (0.5.12) file storage tier run
 unchanged, and so does the canary. Transfers are synchronous here, so stream races are not exercised (the GPU host
@@ -30,9 +30,15 @@ def _alloc_unpinned(dims, dtype, device, pin_memory, allocator, registration_gra
     return torch.zeros(dims, dtype=dtype, device=device)
 
 
-def _layer_first(host) -> None:
-    if host.layout != "layer_first":
-        raise ValueError(f"kv_canary_testing.hicache_cpu: host layout {host.layout} is not shimmed (layer_first)")
+def _layer(host, buf, layer: int):
+    """Layer ``layer`` of a host K or V buffer, ``[host slots, heads, dim]`` (``page_first``: strided over slots), as
+    sglang lays it out; the CUDA kernels copy the same rows."""
+    if host.layout == "layer_first":
+        return buf[layer]
+    if host.layout == "page_first":
+        return buf[:, layer]
+    raise ValueError(f"kv_canary_testing.hicache_cpu: host layout {host.layout} is not shimmed "
+                     "(layer_first, page_first)")
 
 
 def _copy_in(dst_k, dst_v, src_k, src_v, dst_idx, src_idx) -> None:
@@ -49,17 +55,15 @@ def _copy_in(dst_k, dst_v, src_k, src_v, dst_idx, src_idx) -> None:
 def _load_to_device_per_layer_0_5_12(self, device_pool, host_indices, device_indices, layer_id, io_backend):
     """H2D of one layer: device K/V rows ``device_indices`` <- host rows ``host_indices``."""
     del io_backend
-    _layer_first(self)
-    _copy_in(device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id], self.k_buffer[layer_id],
-             self.v_buffer[layer_id], device_indices, host_indices)
+    _copy_in(device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id], _layer(self, self.k_buffer, layer_id),
+             _layer(self, self.v_buffer, layer_id), device_indices, host_indices)
 
 
 def _backup_from_device_all_layer_0_5_12(self, device_pool, host_indices, device_indices, io_backend):
     """D2H of every layer: host rows ``host_indices`` <- device K/V rows ``device_indices``."""
     del io_backend
-    _layer_first(self)
     for layer in range(self.layer_num):
-        _copy_in(self.k_buffer[layer], self.v_buffer[layer], device_pool.k_buffer[layer],
+        _copy_in(_layer(self, self.k_buffer, layer), _layer(self, self.v_buffer, layer), device_pool.k_buffer[layer],
                  device_pool.v_buffer[layer], host_indices, device_indices)
 
 
@@ -90,17 +94,15 @@ def _load_to_device_per_layer_0_5_23(self, device_pool, host_indices, device_ind
     del device_pool, io_backend
     if not is_draft and not 0 <= layer_id < self.target_layer_num:
         return
-    _layer_first(self)
-    _copy_in(self.device_k_buffers[layer_id], self.device_v_buffers[layer_id], self.k_buffer[layer_id],
-             self.v_buffer[layer_id], device_indices, host_indices)
+    _copy_in(self.device_k_buffers[layer_id], self.device_v_buffers[layer_id], _layer(self, self.k_buffer, layer_id),
+             _layer(self, self.v_buffer, layer_id), device_indices, host_indices)
 
 
 def _backup_from_device_all_layer_0_5_23(self, device_pool, host_indices, device_indices, io_backend):
     """D2H of every layer: host rows ``host_indices`` <- device K/V rows ``device_indices``."""
     del device_pool, io_backend
-    _layer_first(self)
     for layer in range(self.layer_num):
-        _copy_in(self.k_buffer[layer], self.v_buffer[layer], self.device_k_buffers[layer],
+        _copy_in(_layer(self, self.k_buffer, layer), _layer(self, self.v_buffer, layer), self.device_k_buffers[layer],
                  self.device_v_buffers[layer], host_indices, device_indices)
 
 

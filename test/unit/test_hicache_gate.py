@@ -29,7 +29,8 @@ def _config(mode="raise", real_data="partial", sweep=0, environ=None, hicache=Tr
                                 {"hicache_write_policy": "write_through_selective"}, {"page_size": None},
                                 {"device": "cuda"}, {"device": "cuda", "hicache_io_backend": "direct"},
                                 {"hicache_storage_backend": "file"},
-                                {"hicache_storage_backend": "file", "page_size": 16}])
+                                {"hicache_storage_backend": "file", "page_size": 16},
+                                {"hicache_mem_layout": "page_first"}])
 def test_verified_combinations_pass(kw):
     check_hicache(_args(**kw), _config(), line="0.5.12")
     check_hicache(_args(**kw), _config("log"), line="0.5.12")
@@ -37,7 +38,8 @@ def test_verified_combinations_pass(kw):
 
 
 @pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
-                                {"hicache_write_policy": "write_through_selective"}, {"hicache_io_backend": "direct"}])
+                                {"hicache_write_policy": "write_through_selective"}, {"hicache_io_backend": "direct"},
+                                {"hicache_mem_layout": "page_first"}])
 def test_verified_combinations_pass_on_0_5_23(kw):
     """sglang 0.5.23: log and raise, on CPU (through the test shim; the GPU host cannot load 0.5.23)."""
     check_hicache(_args(**kw), _config(), line="0.5.23")
@@ -50,13 +52,16 @@ def test_verified_combinations_pass_on_0_5_23(kw):
     ({"hicache_storage_backend": "hf3fs"}, "0.5.12", {}, "--hicache-storage-backend hf3fs"),
     ({}, "0.5.23", {"mode": "contain"}, "--kv-canary contain on sglang 0.5.23"),
     ({"device": "cuda"}, "0.5.23", {}, "--device cuda"),
-    ({"hicache_mem_layout": "page_first"}, "0.5.23", {}, "--hicache-mem-layout page_first"),
+    ({"hicache_mem_layout": "page_first_direct"}, "0.5.23", {}, "--hicache-mem-layout page_first_direct"),
     ({"hicache_storage_backend": "file"}, "0.5.23", {}, "--hicache-storage-backend file"),
     ({"page_size": 64}, "0.5.23", {}, "--page-size 64"),
     ({"device": "npu"}, "0.5.12", {}, "--device npu"),
     ({"hicache_io_backend": "kernel_ascend"}, "0.5.12", {}, "--hicache-io-backend kernel_ascend"),
     ({"page_size": 64}, "0.5.12", {}, "--page-size 64"),
-    ({"hicache_mem_layout": "page_first"}, "0.5.12", {}, "--hicache-mem-layout page_first"),
+    ({"hicache_mem_layout": "page_first_direct"}, "0.5.12", {}, "--hicache-mem-layout page_first_direct"),
+    ({"hicache_mem_layout": "page_first", "hicache_storage_backend": "file"}, "0.5.12", {},
+     "--hicache-mem-layout page_first"),
+    ({"hicache_mem_layout": "page_first", "device": "cuda"}, "0.5.12", {}, "--hicache-mem-layout page_first"),
     ({"tp_size": 2}, "0.5.12", {}, "--tp-size 2"),
     ({"speculative_algorithm": "EAGLE"}, "0.5.12", {}, "--speculative-algorithm EAGLE"),
     ({"disaggregation_mode": "decode"}, "0.5.12", {}, "--disaggregation-mode decode"),
@@ -68,7 +73,7 @@ def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, n
         check_hicache(_args(**kw), _config(**config), line=line)
     msg = str(e.value)
     assert needle in msg and "--enable-hierarchical-cache" in msg and "--kv-canary none" in msg
-    if kw.get("hicache_mem_layout") == "page_first":  # 0.5.23's default: the refusal says what to pass instead
+    if "hicache_mem_layout" in kw:  # the refusal says what to pass instead
         assert "use --hicache-mem-layout layer_first" in msg
 
 

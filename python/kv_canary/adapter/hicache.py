@@ -3,7 +3,8 @@
 What is verified (``test_e2e_hicache.py``, sglang 0.5.12: on CPU through the test shim, on a GPU with sglang's own
 pinned host pool, transfer kernels or direct copies, and layer-wise load overlap under CUDA graphs): an MHA pool
 (one buffer group), ``--page-size`` 1 or 16, the write policies in ``VERIFIED_WRITE_POLICIES``, both
-``--hicache-io-backend`` choices, the ``layer_first`` host layout, no storage backend or ``file`` (the records ride
+``--hicache-io-backend`` choices, the ``layer_first`` and ``page_first`` host layouts, no storage backend or ``file``
+(``layer_first`` only; the records ride
 inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
 rank, ``--kv-canary log|raise|contain``
 with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim,
@@ -23,7 +24,7 @@ FLAG = "--enable-hierarchical-cache"
 VERIFIED_LINES = ("0.5.12", "0.5.23")
 VERIFIED_MODES = ("log", "raise", "contain")
 VERIFIED_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-VERIFIED_LAYOUTS = ("layer_first",)
+VERIFIED_LAYOUTS = ("layer_first", "page_first")  # host_layer_rows reads both (page_first_direct: not run)
 VERIFIED_PAGE_SIZES = (1, 16)
 VERIFIED_DEVICES = ("cpu", "cuda")
 VERIFIED_IO_BACKENDS = ("kernel", "direct")
@@ -91,14 +92,18 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
                                                             f"{', '.join(VERIFIED_DEVICES)} only"))
     if device not in devices:
         _refuse(f"--device {device}", why, f"drop {FLAG}")
+    layouts = VERIFIED_LAYOUTS if not storage else ("layer_first",)
+    if device != "cpu":  # page_first ran through the CPU test shim only (no GPU run yet)
+        layouts = ("layer_first",)
     checks = (
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
         ("--page-size", getattr(server_args, "page_size", None) or 1, VERIFIED_PAGE_SIZES,
          "only these page sizes were run"),
         ("--hicache-write-policy", getattr(server_args, "hicache_write_policy", "write_through"),
          *limits.get("write_policies", (VERIFIED_WRITE_POLICIES, "only these write policies were run"))),
-        ("--hicache-mem-layout", getattr(server_args, "hicache_mem_layout", "layer_first"), VERIFIED_LAYOUTS,
-         "only the layer_first host layout was run (sglang 0.5.23's default is page_first)"),
+        ("--hicache-mem-layout", getattr(server_args, "hicache_mem_layout", "layer_first"), layouts,
+         "only these host layouts were run" + (" with the storage tier" if storage else "")
+         + (f" on --device {device} (page_first: on CPU through the test shim)" if device != "cpu" else "")),
         ("--hicache-io-backend", getattr(server_args, "hicache_io_backend", "kernel"), VERIFIED_IO_BACKENDS,
          "only these transfer paths were run"),
         ("--tp-size", getattr(server_args, "tp_size", None) or 1, (1,), "host copies per TP rank are not verified"),
@@ -160,13 +165,11 @@ def attach_hicache(scheduler, manager) -> None:
         _refuse(f"the host pool {type(host).__name__}", "host copies are verified for MHATokenToKVPoolHost "
                 "(no draft pool) only", f"drop {FLAG}")
     if host.layout not in VERIFIED_LAYOUTS:
-        _refuse(f"--hicache-mem-layout {host.layout}", "only the layer_first host layout was run",
-                "use --hicache-mem-layout layer_first")
+        _refuse(f"--hicache-mem-layout {host.layout}", f"only the {' and '.join(VERIFIED_LAYOUTS)} host layouts were "
+                "run", "use --hicache-mem-layout layer_first")
     store = HostRecordStore(int(host.size), manager.counters.device)
-    rows = {}
-    for layer in range(int(host.layer_num)):  # layer_first: [2, layers, host slots, heads, dim]
-        for half, buf in (("k", host.k_buffer), ("v", host.v_buffer)):
-            rows[(layer, half)] = buf[layer].reshape(buf.shape[1], -1).view(torch.uint8)
+    rows = {(layer, half): host_layer_rows(buf, host.layout, layer).view(torch.uint8)
+            for layer in range(int(host.layer_num)) for half, buf in (("k", host.k_buffer), ("v", host.v_buffer))}
     manager.attach_host_records(store, rows, storage=bool(getattr(controller, "enable_storage", False)))
     for obj in (controller, host, tree):
         obj.kv_canary_manager = manager
@@ -179,6 +182,14 @@ def attach_hicache(scheduler, manager) -> None:
         "host_record_pct_of_host_pool": f"{100.0 * record_bytes / max(1, host_bytes):.3f}", "layout": host.layout,
         "write_policy": getattr(args, "hicache_write_policy", "?"),
         "storage": getattr(args, "hicache_storage_backend", None) or "none"}))
+
+
+def host_layer_rows(buf, layout: str, layer: int):
+    """One layer's rows of a host pool's K or V buffer, ``[host slots, heads x head_dim]`` (a view; strided over slots
+    with ``page_first``): ``layer_first`` buffers are ``[layers, host slots, heads, dim]``, ``page_first`` ones
+    ``[host slots, layers, heads, dim]`` (sglang 0.5.12 ``memory_pool_host``, 0.5.23 ``pool_host/mha``)."""
+    rows = buf[layer] if layout == "layer_first" else buf[:, layer]
+    return rows.reshape(rows.shape[0], -1)
 
 
 def _manager(obj):

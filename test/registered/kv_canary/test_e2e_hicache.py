@@ -38,12 +38,13 @@ SCRUB = {"SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND": "20000"}
 MAX_TOTAL_TOKENS = 1024
 
 
-def hicache_args(page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel"):
-    """``layer_first`` and ``partial`` named: sglang 0.5.23's defaults (``page_first``, real data ``none``) are
-    refused with HiCache; 0.5.12's are these."""
+def hicache_args(page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel",
+                 layout: "str | None" = "layer_first"):
+    """``partial`` named: sglang 0.5.23's default real data (``none``) is refused with HiCache. ``layout`` None: the
+    line's default host layout (0.5.12 ``layer_first``, 0.5.23 ``page_first``)."""
     return ["--enable-hierarchical-cache", "--hicache-ratio", "8", "--hicache-write-policy", policy,
-            "--hicache-io-backend", io_backend, "--hicache-mem-layout", "layer_first", "--page-size", str(page_size),
-            "--kv-canary-real-data", "partial", "--enable-metrics"]
+            "--hicache-io-backend", io_backend, *(("--hicache-mem-layout", layout) if layout else ()),
+            "--page-size", str(page_size), "--kv-canary-real-data", "partial", "--enable-metrics"]
 
 
 def shim_env():
@@ -83,13 +84,13 @@ def flush_cache(base_url: str, timeout: float = 60.0) -> None:
 
 
 def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel",
-          env=None, flush_and_repeat: bool = False):
+          env=None, flush_and_repeat: bool = False, layout: "str | None" = "layer_first"):
     # write_through_selective backs a node up at its second hit on the device: each first turn comes 3 times
     workload = conversations(first_turn_times=3 if policy == "write_through_selective" else 1)
     """Start a HiCache server, run the conversations one at a time, read sglang's counters and the settled log.
     ``flush_and_repeat``: then ``/flush_cache`` and the same conversations again (from an empty tree and host)."""
     srv = canary_server(mode, log_path=tmp_path / "server.log",
-                        extra_args=hicache_args(page_size, policy, io_backend),
+                        extra_args=hicache_args(page_size, policy, io_backend, layout),
                         env={**shim_env(), **(env or {})}, max_total_tokens=MAX_TOTAL_TOKENS)
     srv.start(timeout=600)
     try:
@@ -125,22 +126,30 @@ def test_hicache_serves_on_cpu_with_the_canary_off(tmp_path):
     assert "kv_canary_installed=1" not in log.text
 
 
-HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+)")
+HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+).* layout=(\w+)")
+# page_first: sglang 0.5.23's default host layout (so its case passes no --hicache-mem-layout); named on 0.5.12. On a
+# GPU it is refused (run on CPU through the test shim only)
+PAGE_FIRST = None if installed_sglang() == "0.5.23" else "page_first"
 
 
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("page_size,policy,io_backend", [(1, "write_through", "kernel"), (16, "write_back", "kernel"),
-                                                         (1, "write_through_selective", "direct")])
-def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend):
+@pytest.mark.parametrize("page_size,policy,io_backend,layout", [
+    (1, "write_through", "kernel", "layer_first"), (16, "write_back", "kernel", "layer_first"),
+    (1, "write_through_selective", "direct", "layer_first"), (16, "write_through", "kernel", PAGE_FIRST)],
+    ids=["1-write_through-kernel", "16-write_back-kernel", "1-write_through_selective-direct", "16-page_first"])
+def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size, policy, io_backend, layout):
     """(On CPU the shim's copies stand in for either ``--hicache-io-backend``; a GPU runs sglang's kernels or
     its direct copies.) The write_back run then flushes the cache (device and host) and serves the same
     conversations again: its host records go with the host copies, and the loads after it verify clean. The host
-    scrub runs fast beside it, hashing landed host copies while sglang backs up, evicts and resets: no alarm."""
+    scrub runs fast beside it, hashing landed host copies while sglang backs up, evicts and resets: no alarm (with
+    ``page_first`` it reads the host rows strided, as sglang lays them out)."""
+    if layout != "layer_first" and e2e_device() != "cpu":
+        pytest.skip("page_first is refused on a GPU (run on CPU through the test shim only): test_hicache_gate")
     result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
                                                 io_backend=io_backend, flush_and_repeat=policy == "write_back",
-                                                env=SCRUB)
+                                                env=SCRUB, layout=layout)
     loaded = counters["sglang:load_back_tokens_total"]
     stats = log.stats[-1] if log.stats else {}
     print(f"kv_canary_e2e_hicache mode=raise device={e2e_device()} page_size={page_size} policy={policy} "
@@ -151,7 +160,9 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
                                                       "slots_first_read", "slots_verified",
                                                       "hicache_host_scrubbed", "hicache_host_scrub_passes",
                                                       "violations")))
-    assert log.installed and HICACHE_LINE.search(log.text), srv.log_tail()
+    hicache_line = HICACHE_LINE.search(log.text)
+    assert log.installed and hicache_line, srv.log_tail()
+    assert hicache_line.group(2) == (layout or "page_first"), hicache_line.group(0)  # the host pool's own layout
     # the write_back run's /flush_cache dropped the host records with the host copies (one clear, logged)
     assert log.text.count("kv_canary_hicache_clear=1") == (policy == "write_back"), srv.log_tail()
     assert running and result.failed == 0, "\n".join(result.errors[:5]) + srv.log_tail()
@@ -248,12 +259,10 @@ def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.skipif(installed_sglang() != "0.5.23", reason="what sglang 0.5.23's HiCache gate refuses (0.5.12 runs "
-                                                           "contain and refuses page_first: test_refused_configs)")
+                                                           "contain and refuses page_first_direct: test_refused_configs)")
 @pytest.mark.parametrize("mode,drop,needle", [
     ("contain", (), f"cannot verify --enable-hierarchical-cache with {CONTAIN_REFUSED_0_5_23}"),
-    ("raise", ("--hicache-mem-layout", "layer_first"),  # sglang 0.5.23's default host layout
-     "cannot verify --enable-hierarchical-cache with --hicache-mem-layout page_first"),
-], ids=["contain", "default-page-first"])
+], ids=["contain"])
 def test_what_0_5_23_does_not_verify_is_refused_at_startup(tmp_path, mode, drop, needle):
     """Refused in the launching process (``ServerArgs.resolve_once``), before any scheduler starts, naming the flag
     and its value, and what to do instead."""

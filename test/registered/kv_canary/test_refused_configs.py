@@ -42,15 +42,15 @@ CASES = [
     ("speculative-standalone", ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", MODEL],
      "cannot verify --speculative-algorithm STANDALONE"),
     ("speculative-ngram", ["--speculative-algorithm", "NGRAM"], "cannot verify --speculative-algorithm NGRAM"),
-    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first, no storage or file storage
+    # HiCache is verified (CPU shim, GPU) with pages 1 and 16, layer_first or page_first, no storage or file storage
     # (test_e2e_hicache, test_e2e_hicache_storage); not these
     ("hicache-storage-mooncake", ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"],
      "cannot verify --enable-hierarchical-cache with --hicache-storage-backend mooncake"),
     ("hicache-storage-alone", ["--hicache-storage-backend", "file"], "cannot verify --hicache-storage-backend file"),
     ("hicache-page-64", ["--enable-hierarchical-cache", "--page-size", "64"],
      "cannot verify --enable-hierarchical-cache with --page-size 64"),
-    ("hicache-page-first", ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first"],
-     "cannot verify --enable-hierarchical-cache with --hicache-mem-layout page_first"),
+    ("hicache-page-first-direct", ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_direct"],
+     "cannot verify --enable-hierarchical-cache with --hicache-mem-layout page_first_direct"),
     ("hicache-sweep", ["--enable-hierarchical-cache", "--kv-canary-sweep-interval", "8"],
      "cannot verify --enable-hierarchical-cache with --kv-canary-sweep-interval 8"),
     ("lmcache", ["--enable-lmcache"], "cannot verify --enable-lmcache"),
