@@ -4,8 +4,8 @@ Stock sglang cannot run ``--enable-hierarchical-cache`` on CPU (docs/hicache.md 
 ``cudaHostRegister``ed and every transfer is a CUDA op (0.5.23 does not even bind them off CUDA). This shim replaces
 exactly those, per installed sglang line: the host buffer is a plain CPU tensor, and
 ``MHATokenToKVPoolHost.load_to_device_per_layer`` / ``backup_from_device_all_layer`` copy rows with ``index_select``
-/ ``index_copy_`` (the ``layer_first`` and ``page_first`` layouts, what the CUDA kernels do for them; 0.5.23's L2 transfer engine reaches
-them through ``HostKVCache.*_physical``); on 0.5.12 the storage tier's page read target (``get_dummy_flat_data_page``)
+/ ``index_copy_`` (the ``layer_first`` and ``page_first`` layouts, what the CUDA kernels do for them; 0.5.23's L2
+transfer engine reaches them through ``HostKVCache.*_physical``); on 0.5.12 the storage tier's page read target (``get_dummy_flat_data_page``)
 is unpinned. sglang's tree, controller, acks, layer events, write policies and (0.5.12) file storage tier run
 unchanged, and so does the canary. Transfers are synchronous here, so stream races are not exercised (the GPU host
 covers them, on 0.5.12).

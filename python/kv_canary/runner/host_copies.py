@@ -20,8 +20,8 @@ One buffer group (the gate refuses more). Loads arrive with extend batches only,
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -69,8 +69,8 @@ class HostCopies(StoragePages):
                             host_rows: Optional[Mapping[Tuple[int, str], torch.Tensor]] = None, *,
                             storage: bool = False) -> None:
         """``host_rows``: (layer, half) -> uint8[host_slots, row_bytes] views of the host copies (what the host-copy
-        perturbation flips and the host scrub hashes; needed only with them). ``storage``: host copies also go to and come from a storage
-        tier (``StoragePages``)."""
+        perturbation flips and the host scrub hashes; needed only with them). ``storage``: host copies also go to and
+        come from a storage tier (``StoragePages``)."""
         if len(self.groups) != 1:
             raise ValueError("kv-canary: host copies of more than one buffer group are not verified")
         if (self.config.perturb_host_copy_prob > 0 or self.config.host_scrub_slots_per_second > 0) and not host_rows:
@@ -118,7 +118,7 @@ class HostCopies(StoragePages):
             return
         records = self.groups[0].records
         if self.host_scrub is not None:  # before the records and the K/V change: the scrub discards what it hashes
-            self.host_scrub.backup_started(host_idx.numpy())
+            self.host_scrub.backup_started(host_idx.to("cpu", torch.int64).numpy())
         store.backup(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)))
 
     def backup_queued(self, host_idx: torch.Tensor, stream=None) -> None:
@@ -143,7 +143,7 @@ class HostCopies(StoragePages):
         self._copies_in_flight = [(h, e) for h, e in self._copies_in_flight if not (e is None or e.query())]
         if self.host_scrub is not None:
             for h in landed:
-                self.host_scrub.backup_landed(h.numpy())
+                self.host_scrub.backup_landed(h.numpy())  # (``backup_queued`` keeps them as CPU int64)
         if self.config.perturb_host_copy_prob <= 0:
             return
         for host_slot in self.perturb.perturb_host_copies(forward_index=self.forwards, backups=landed,

@@ -258,8 +258,9 @@ def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(installed_sglang() != "0.5.23", reason="what sglang 0.5.23's HiCache gate refuses (0.5.12 runs "
-                                                           "contain and refuses page_first_direct: test_refused_configs)")
+@pytest.mark.skipif(installed_sglang() != "0.5.23",
+                    reason="what sglang 0.5.23's HiCache gate refuses (0.5.12 runs contain and refuses "
+                           "page_first_direct: test_refused_configs)")
 @pytest.mark.parametrize("mode,drop,needle", [
     ("contain", (), f"cannot verify --enable-hierarchical-cache with {CONTAIN_REFUSED_0_5_23}"),
 ], ids=["contain"])
