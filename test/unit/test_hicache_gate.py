@@ -105,11 +105,10 @@ def test_pool_gate():
             check_hicache_pool(pool, groups)
 
 
-def test_host_scrub_needs_hicache_and_is_refused_with_contain():
+def test_host_scrub_needs_hicache():
     scrub = {"SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND": "1024"}
     check_hicache(_args(), _config("raise", environ=scrub), line="0.5.12")
+    check_hicache(_args(), _config("contain", environ=scrub), line="0.5.12")  # evicts a copy found at rest
     check_hicache(_args(hicache_storage_backend="file"), _config("log", environ=scrub), line="0.5.12")
-    with pytest.raises(CanaryConfigError, match="HOST_SCRUB_SLOTS_PER_SECOND with --kv-canary contain"):
-        check_hicache(_args(), _config("contain", environ=scrub), line="0.5.12")
     with pytest.raises(CanaryConfigError, match="HOST_SCRUB_SLOTS_PER_SECOND checks HiCache's host copies"):
         _config("raise", environ=scrub, hicache=False)

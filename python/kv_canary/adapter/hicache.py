@@ -75,10 +75,6 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
     modes, why = limits.get("modes", (VERIFIED_MODES, "only these modes were run"))
     if config.mode.value not in modes:
         _refuse(f"--kv-canary {config.mode.value} on sglang {line}", why, f"use --kv-canary {' or '.join(modes)}")
-    if config.host_scrub_slots_per_second > 0 and config.mode.value == "contain":
-        raise CanaryConfigError("SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND with --kv-canary contain is not "
-                                "verified (a bad copy the scrub finds at rest is reported, its eviction is not "
-                                "tested): use --kv-canary log or raise with it, or unset it")
     backends, why = limits.get("storage_backends", (VERIFIED_STORAGE_BACKENDS, (
         f"the records ride inside page objects of sglang's generic page path, verified with "
         f"{', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write host memory directly and cannot "

@@ -258,6 +258,53 @@ def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.skipif(installed_sglang() == "0.5.23",
+                    reason="sglang 0.5.23 refuses --kv-canary contain with --enable-hierarchical-cache at startup: "
+                           "test_what_0_5_23_does_not_verify_is_refused_at_startup")
+def test_contain_evicts_a_bad_host_copy_the_scrub_finds_at_rest(tmp_path):
+    """``contain`` + host-copy flips (``FLIPS``, first pass) + the host scrub: a flipped copy found at rest is
+    evicted from the host (``kv_canary_contain=evict host_slot=``) whether or not a request ever loads it; a copy
+    loaded back before the scrub found it is reported at its load-back and its readers are contained as before;
+    the second pass (no flips left) reports nothing: every bad copy was evicted, and the server keeps serving."""
+    env = {**shim_env(), **SCRUB, "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
+           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0", "SGLANG_KV_CANARY_PERTURB_SEED": "11",
+           "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
+    srv = canary_server("contain", log_path=tmp_path / "server.log", extra_args=hicache_args(), env=env,
+                        max_total_tokens=MAX_TOTAL_TOKENS)
+    srv.start(timeout=600)
+    try:
+        first = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        time.sleep(2.0)  # a few scrub passes over the host pool (~0.4 s each) after the last flip
+        log1 = CanaryLog.read_settled(srv)
+        second = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        log2 = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+    finally:
+        srv.stop()
+    flipped = {p["host_slot"] for p in log2.perturbations if p["kv_canary_perturb"] == "host_copy"}
+    at_rest = {v["host_slot"] for v in log1.violations if v.get("hicache") == "host_scrub"}
+    at_load = {v["host_slot"] for v in log1.violations if v.get("hicache") == "load"}
+    later = log2.violations[len(log1.violations):]
+    contain = parse_lines(log2.text, CONTAIN_PREFIX)
+    evicted_host_slots = {c["host_slot"] for c in contain if c[CONTAIN_PREFIX] == "evict" and "host_slot" in c}
+    contained = {c["rid"] for c in contain if c[CONTAIN_PREFIX] == "abort"}
+    print(f"kv_canary_e2e_hicache mode=contain+host_scrub host_copy_flips={len(flipped)} reported_at_rest="
+          f"{len(at_rest)} reported_at_load={len(at_load)} evictions_by_host_slot={len(evicted_host_slots)} "
+          f"contained_requests={len(contained)} later_violations={len(later)} first: {first.summary()} "
+          f"second: {second.summary()}")
+    assert running, srv.log_tail()
+    assert len(flipped) == FLIPS and len(log1.perturbations) == len(log2.perturbations), "flips after the first pass"
+    assert all(v["kind"] == "kv_hash" and v.get("hicache") in ("load", "host_scrub") for v in log2.violations)
+    assert at_rest | at_load <= flipped, "a violation no host flip explains (a false alarm)"
+    assert at_rest, "the host scrub found no flipped copy at rest"
+    # contain evicted copies the scrub found (a copy inside an evicted subtree goes without a line of its own)
+    assert evicted_host_slots & at_rest, contain[:10]
+    assert {v["rid"] for v in log1.violations if v.get("hicache") == "load"} <= contained  # readers contained
+    assert later == [], later[:5]  # every bad copy left the host: the second pass loads none back, finds none
+    assert first.failed + second.failed <= len(contained)  # only contained requests fail
+
+
+@pytest.mark.e2e
 @pytest.mark.skipif(installed_sglang() != "0.5.23",
                     reason="what sglang 0.5.23's HiCache gate refuses (0.5.12 runs contain and refuses "
                            "page_first_direct: test_refused_configs)")
