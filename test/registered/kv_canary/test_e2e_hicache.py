@@ -211,6 +211,26 @@ def test_a_flipped_host_copy_is_caught_when_loaded_back_and_at_rest(tmp_path):
 CONTAIN_REFUSED_0_5_23 = "--kv-canary contain on sglang 0.5.23"
 
 
+def contain_two_passes(tmp_path, *, seed: int, env=None, pause: float = 0.0):
+    """A ``contain`` server with host-copy flips (``FLIPS`` at most, seeded): the conversations twice, the settled log
+    after each pass (``pause`` s before the first read) -> (first, log1, second, log2, running, server)."""
+    env = {**shim_env(), **(env or {}), "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
+           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0", "SGLANG_KV_CANARY_PERTURB_SEED": str(seed),
+           "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
+    srv = canary_server("contain", log_path=tmp_path / "server.log", extra_args=hicache_args(), env=env,
+                        max_total_tokens=MAX_TOTAL_TOKENS)
+    srv.start(timeout=600)
+    try:
+        first = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        time.sleep(pause)
+        log1 = CanaryLog.read_settled(srv)
+        second = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
+        log2 = CanaryLog.read_settled(srv)
+        return first, log1, second, log2, srv.is_running(), srv
+    finally:
+        srv.stop()
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(installed_sglang() == "0.5.23",
                     reason="sglang 0.5.23 refuses --kv-canary contain with --enable-hierarchical-cache at startup "
@@ -221,20 +241,7 @@ def test_contain_evicts_a_bad_host_copy_so_it_never_comes_back(tmp_path):
     reported, its readers are contained, and its node leaves the device *and* the host
     (``kv_canary_contain=evict ... host_slots=``); a second pass of the same conversations (no flips left) loads
     back no contained copy again, and the server keeps serving."""
-    env = {**shim_env(), "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
-           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0", "SGLANG_KV_CANARY_PERTURB_SEED": "7",
-           "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
-    srv = canary_server("contain", log_path=tmp_path / "server.log", extra_args=hicache_args(), env=env,
-                        max_total_tokens=MAX_TOTAL_TOKENS)
-    srv.start(timeout=600)
-    try:
-        first = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
-        log1 = CanaryLog.read_settled(srv)
-        second = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
-        log2 = CanaryLog.read_settled(srv)
-        running = srv.is_running()
-    finally:
-        srv.stop()
+    first, log1, second, log2, running, srv = contain_two_passes(tmp_path, seed=7)
     flips = [p for p in log2.perturbations if p["kv_canary_perturb"] == "host_copy"]
     reported1 = {v["host_slot"] for v in log1.violations}
     later = log2.violations[len(log1.violations):]
@@ -266,21 +273,8 @@ def test_contain_evicts_a_bad_host_copy_the_scrub_finds_at_rest(tmp_path):
     evicted from the host (``kv_canary_contain=evict host_slot=``) whether or not a request ever loads it; a copy
     loaded back before the scrub found it is reported at its load-back and its readers are contained as before;
     the second pass (no flips left) reports nothing: every bad copy was evicted, and the server keeps serving."""
-    env = {**shim_env(), **SCRUB, "SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB": "0.3",
-           "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "0", "SGLANG_KV_CANARY_PERTURB_SEED": "11",
-           "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": str(FLIPS)}
-    srv = canary_server("contain", log_path=tmp_path / "server.log", extra_args=hicache_args(), env=env,
-                        max_total_tokens=MAX_TOTAL_TOKENS)
-    srv.start(timeout=600)
-    try:
-        first = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
-        time.sleep(2.0)  # a few scrub passes over the host pool (~0.4 s each) after the last flip
-        log1 = CanaryLog.read_settled(srv)
-        second = run_requests(srv.base_url, conversations(), concurrency=1, timeout=300)
-        log2 = CanaryLog.read_settled(srv)
-        running = srv.is_running()
-    finally:
-        srv.stop()
+    # a few scrub passes over the host pool (~0.4 s each) after the last flip, before the first pass is read
+    first, log1, second, log2, running, srv = contain_two_passes(tmp_path, seed=11, env=SCRUB, pause=2.0)
     flipped = {p["host_slot"] for p in log2.perturbations if p["kv_canary_perturb"] == "host_copy"}
     at_rest = {v["host_slot"] for v in log1.violations if v.get("hicache") == "host_scrub"}
     at_load = {v["host_slot"] for v in log1.violations if v.get("hicache") == "load"}
