@@ -191,3 +191,27 @@ def test_the_hicache_hooks_never_wait_for_the_device():
     assert torch.equal(group.records[new], group.records[old])
     assert not bool(group.full_row.tags[new].any())
     assert not bool(m.host_records.records[32:40].any()) and bool(m.host_records.records[40:48].all())
+
+
+def test_a_copy_is_marked_landed_once_its_event_completes_never_dropped():
+    """``host_backups_acked`` asks each copy's event once: a copy whose event completes while the list is walked is
+    either landed now or kept for the next ack, never dropped (it would never be scrubbed or flipped)."""
+    import dataclasses
+
+    class Event:  # not done at its first query, done at every later one
+        def __init__(self):
+            self.queries = 0
+
+        def query(self):
+            self.queries += 1
+            return self.queries > 1
+
+    m = Manager([])
+    m.config = dataclasses.replace(m.config, perturb_host_copy_prob=1e-9)  # the copies are tracked
+    m.perturb = type("P", (), {"perturb_host_copies": staticmethod(lambda **kw: [])})()
+    ev = Event()
+    m._copies_in_flight = [(torch.arange(32, 40), ev)]
+    m.host_backups_acked()
+    assert len(m._copies_in_flight) == 1 and ev.queries == 1  # not landed yet: kept
+    m.host_backups_acked()
+    assert m._copies_in_flight == []  # landed at the second ack

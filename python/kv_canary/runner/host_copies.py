@@ -139,8 +139,11 @@ class HostCopies(StoragePages):
         a byte of one."""
         if not self._copies_in_flight:
             return
-        landed = [h for h, e in self._copies_in_flight if e is None or e.query()]
-        self._copies_in_flight = [(h, e) for h, e in self._copies_in_flight if not (e is None or e.query())]
+        landed, waiting = [], []
+        for h, e in self._copies_in_flight:  # one query per copy: a copy landing between two would be lost
+            (landed if e is None or e.query() else waiting).append((h, e))
+        self._copies_in_flight = waiting
+        landed = [h for h, _ in landed]
         if self.host_scrub is not None:
             for h in landed:
                 self.host_scrub.backup_landed(h.numpy())  # (``backup_queued`` keeps them as CPU int64)
