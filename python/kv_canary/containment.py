@@ -20,7 +20,8 @@ from typing import Container, Dict, Iterable, Protocol, Tuple
 
 from .violations import Violation
 
-UNKNOWN_RIDS = ("?", "cache", "", "host_scrub")  # rows no request read (host_scrub: runner/host_copies)
+HOST_SCRUB_RID = "host_scrub"  # a bad HiCache host copy the host scrub found at rest (runner/host_copies)
+UNKNOWN_RIDS = ("?", "cache", "", HOST_SCRUB_RID)  # rows no request read
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ Stock sglang cannot run ``--enable-hierarchical-cache`` on CPU (docs/hicache.md 
 exactly those, per installed sglang line: the host buffer is a plain CPU tensor, and
 ``MHATokenToKVPoolHost.load_to_device_per_layer`` / ``backup_from_device_all_layer`` copy rows with ``index_select``
 / ``index_copy_`` (the ``layer_first`` and ``page_first`` layouts, what the CUDA kernels do for them; 0.5.23's L2
-transfer engine reaches them through ``HostKVCache.*_physical``); on 0.5.12 the storage tier's page read target (``get_dummy_flat_data_page``)
-is unpinned. sglang's tree, controller, acks, layer events, write policies and (0.5.12) file storage tier run
+transfer engine reaches them through ``HostKVCache.*_physical``); on 0.5.12 the storage tier's page read target
+(``get_dummy_flat_data_page``) is unpinned. sglang's tree, controller, acks, layer events, write policies and (0.5.12) file storage tier run
 unchanged, and so does the canary. Transfers are synchronous here, so stream races are not exercised (the GPU host
 covers them, on 0.5.12).
 
@@ -31,14 +31,11 @@ def _alloc_unpinned(dims, dtype, device, pin_memory, allocator, registration_gra
 
 
 def _layer(host, buf, layer: int):
-    """Layer ``layer`` of a host K or V buffer, ``[host slots, heads, dim]`` (``page_first``: strided over slots), as
-    sglang lays it out; the CUDA kernels copy the same rows."""
-    if host.layout == "layer_first":
-        return buf[layer]
-    if host.layout == "page_first":
-        return buf[:, layer]
-    raise ValueError(f"kv_canary_testing.hicache_cpu: host layout {host.layout} is not shimmed "
-                     "(layer_first, page_first)")
+    """Layer ``layer`` of a host K or V buffer, ``[host slots, heads, dim]``, as sglang lays it out (the canary's own
+    reader, ``adapter.hicache.host_layer``); the CUDA kernels copy the same rows."""
+    from kv_canary.adapter.hicache import host_layer
+
+    return host_layer(buf, host.layout, layer)
 
 
 def _copy_in(dst_k, dst_v, src_k, src_v, dst_idx, src_idx) -> None:

@@ -88,9 +88,8 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
                                                             f"{', '.join(VERIFIED_DEVICES)} only"))
     if device not in devices:
         _refuse(f"--device {device}", why, f"drop {FLAG}")
-    layouts = VERIFIED_LAYOUTS if not storage else ("layer_first",)
-    if device != "cpu":  # page_first ran through the CPU test shim only (no GPU run yet)
-        layouts = ("layer_first",)
+    # page_first ran through the CPU test shim only (no GPU run yet), and never with storage
+    layouts = ("layer_first",) if storage or device != "cpu" else VERIFIED_LAYOUTS
     checks = (
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
         ("--page-size", getattr(server_args, "page_size", None) or 1, VERIFIED_PAGE_SIZES,
@@ -180,11 +179,20 @@ def attach_hicache(scheduler, manager) -> None:
         "storage": getattr(args, "hicache_storage_backend", None) or "none"}))
 
 
-def host_layer_rows(buf, layout: str, layer: int):
-    """One layer's rows of a host pool's K or V buffer, ``[host slots, heads x head_dim]`` (a view; strided over slots
-    with ``page_first``): ``layer_first`` buffers are ``[layers, host slots, heads, dim]``, ``page_first`` ones
+def host_layer(buf, layout: str, layer: int):
+    """One layer of a host pool's K or V buffer, ``[host slots, heads, head_dim]`` (a view; strided over slots with
+    ``page_first``): ``layer_first`` buffers are ``[layers, host slots, heads, dim]``, ``page_first`` ones
     ``[host slots, layers, heads, dim]`` (sglang 0.5.12 ``memory_pool_host``, 0.5.23 ``pool_host/mha``)."""
-    rows = buf[layer] if layout == "layer_first" else buf[:, layer]
+    if layout == "layer_first":
+        return buf[layer]
+    if layout == "page_first":
+        return buf[:, layer]
+    raise ValueError(f"kv-canary: the host layout {layout} is not read (layer_first, page_first)")
+
+
+def host_layer_rows(buf, layout: str, layer: int):
+    """``host_layer`` as rows, ``[host slots, heads x head_dim]``."""
+    rows = host_layer(buf, layout, layer)
     return rows.reshape(rows.shape[0], -1)
 
 

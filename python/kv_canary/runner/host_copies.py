@@ -27,18 +27,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from ..containment import HOST_SCRUB_RID
 from ..host_records import HostRecordStore
 from ..host_scrub import HostMismatch, HostScrub
 from ..storage_trailer import records_tag
+from ..violations import Violation
 from .brackets import CanaryBracketError
 from .storage_pages import StoragePages
-
-
-HOST_SCRUB_RID = "host_scrub"  # the rid of a violation the host scrub found (no request read the copy)
-
-
-def _no_stream():
-    return contextlib.nullcontext()
 
 
 class HostCopies(StoragePages):
@@ -104,8 +99,8 @@ class HostCopies(StoragePages):
         stream = torch.cuda.Stream(device=store.records.device) if store.records.is_cuda else None
 
         def read_records(idx: np.ndarray) -> np.ndarray:
-            with torch.cuda.stream(stream) if stream is not None else _no_stream():
-                return store.records.index_select(0, store.index(torch.from_numpy(idx))).cpu().numpy()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                return store.rows(torch.from_numpy(idx)).numpy()
 
         return HostScrub(rows, read_records, self.config.host_scrub_slots_per_second)
 
@@ -205,7 +200,7 @@ class HostCopies(StoragePages):
         stream = self._load_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(group.records.device))
-        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             group.records.index_copy_(0, dev, store.read(host))
             # not ``tags[dev] = 0``: a Python scalar there is copied to the device synchronously (the scheduler
             # thread waited for the forward in flight at every load-back: bench_hicache_host_ops.py)
@@ -262,8 +257,6 @@ class HostCopies(StoragePages):
     def host_scrub_violations(self) -> List:
         """Host copies the scrub found bad since the last call, as violations naming their host slot (``slot`` -1:
         no device slot holds them; ``rid`` host_scrub)."""
-        from ..violations import Violation
-
         found: List[HostMismatch] = self.host_scrub.drain() if self.host_scrub is not None else []
         return [Violation(seq=-1, kind="kv_hash", group=self.groups[0].name, slot=-1, position=m.position,
                           rid=HOST_SCRUB_RID, row=-1, batch_index=-1, stored=m.stored, expected=m.live,
