@@ -13,7 +13,10 @@ batched ``/generate`` calls of ``--group`` conversations. The device pool (``--m
 fraction of the conversations, so by its next turn a conversation's prefix has left the device and comes back
 from the host (``sglang:load_back_tokens_total``, read from sglang's /metrics per repetition, proves it). One
 untimed warmup repetition, then ``--reps`` timed ones (fresh conversations each); the row is the median wall
-time of a repetition.
+time of a repetition. ``--interleave``: all servers up at once (``--mem-fraction-static`` shares the GPU), one
+repetition on each per round, orders rotated, the same prompts per round; ``overhead.paired`` gives each run
+against the first ``hc_off`` round by round (median, mean, a bootstrap 90% interval of the median): drift
+between servers started minutes apart no longer lands in the row.
 
 GPU (default): bench_overhead's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
 tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes; the timings only prove the
@@ -74,8 +77,8 @@ def repetition(args, token_range, rep: int) -> List[List[List[int]]]:
     return batches
 
 
-def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
-    """Start one HiCache server, time the repetitions, stop it; return its results (``error`` on failure)."""
+def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tuple:
+    """Start one HiCache server; (server, its result record: ``error`` set when the start failed)."""
     role, canary = CONFIGS[name]
     result = {"label": label, "config": name, "role": role, "describe": " ".join(canary), "reps": [], "error": None}
     hicache = ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio), "--hicache-write-policy",
@@ -83,7 +86,8 @@ def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
     env = dict(plan["env"])
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
-    server = SglangServer([*canary, *plan["args"], *hicache], env=env,
+    extra = ["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else []
+    server = SglangServer([*canary, *plan["args"], *hicache, *extra], env=env,
                           log_path=log_dir / f"{label.replace('#', '')}.log", device=args.device,
                           model_path=plan["model_path"], max_total_tokens=args.max_total_tokens)
     result["command"] = server.command()
@@ -92,31 +96,44 @@ def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
         server.start(timeout=plan["startup_timeout"])
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
-        for rep in range(-1, args.reps):  # -1: the untimed warmup
-            loaded0 = sglang_counter(server.base_url, LOAD_BACK)
-            t0, cached = time.perf_counter(), 0
-            for batch in repetition(args, plan["token_range"], rep):
-                cached += run_batch(server.base_url, batch, args.output_len)["cached_tokens"]
-            wall = time.perf_counter() - t0
-            loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
-            if rep >= 0:
-                result["reps"].append({"wall_s": round(wall, 4), "cached_tokens": cached,
-                                       "load_back_tokens": int(loaded)})
-            _progress(f"[{label}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
-                      f"load_back_tokens={loaded:.0f}")
-        if args.profile_batches:
-            try:  # a profile that fails leaves the timings standing
-                result["profile"] = profile_batches(server.base_url, args, plan,
-                                                    log_dir / f"profile-{label.replace('#', '')}")
-            except Exception as exc:
-                result["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-                _progress(f"[{label}] profile FAILED: {result['profile']['error']}")
-        result["evicted_tokens"] = int(sglang_counter(server.base_url, EVICTED))
-        if role == "ours":
-            wait_settled(server, SETTLE_TIMEOUT_S)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+        _progress(f"[{label}] FAILED to start: {result['error']}")
+    return server, result
+
+
+def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: int) -> None:
+    """Time repetition ``rep`` (-1: the untimed warmup) on ``server``; a timed one joins ``result["reps"]``."""
+    loaded0 = sglang_counter(server.base_url, LOAD_BACK)
+    t0, cached = time.perf_counter(), 0
+    for batch in repetition(args, plan["token_range"], rep):
+        cached += run_batch(server.base_url, batch, args.output_len)["cached_tokens"]
+    wall = time.perf_counter() - t0
+    loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
+    if rep >= 0:
+        result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "cached_tokens": cached,
+                               "load_back_tokens": int(loaded)})
+    _progress(f"[{result['label']}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
+              f"load_back_tokens={loaded:.0f}")
+
+
+def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir: Path) -> dict:
+    """Profile (if asked), read the eviction counter, wait for the canary to settle, stop; the final record."""
+    try:
+        if result["error"] is None:
+            if args.profile_batches:
+                try:  # a profile that fails leaves the timings standing
+                    result["profile"] = profile_batches(server.base_url, args, plan,
+                                                        log_dir / f"profile-{result['label'].replace('#', '')}")
+                except Exception as exc:
+                    result["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+                    _progress(f"[{result['label']}] profile FAILED: {result['profile']['error']}")
+            result["evicted_tokens"] = int(sglang_counter(server.base_url, EVICTED))
+            if result["role"] == "ours":
+                wait_settled(server, SETTLE_TIMEOUT_S)
     except Exception as exc:  # keep the other servers' results: record and go on
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
-        _progress(f"[{label}] FAILED: {result['error']}")
+        _progress(f"[{result['label']}] FAILED: {result['error']}")
     finally:
         server.stop(grace=STOP_GRACE_S)
     if result["reps"]:
@@ -125,6 +142,68 @@ def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
     result["hicache_line"] = next((ln.strip() for ln in server.log_text().splitlines() if "kv_canary_hicache=1" in ln),
                                   None)
     return result
+
+
+def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
+    """One server after the other: start, warmup + ``--reps`` timed repetitions, stop."""
+    server, result = start_server(label, name, plan, args, log_dir)
+    try:
+        for rep in range(-1, args.reps) if result["error"] is None else ():
+            time_repetition(server, result, args, plan, rep)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:3000]
+        _progress(f"[{label}] FAILED: {result['error']}")
+    return finish_server(server, result, args, plan, log_dir)
+
+
+def round_order(items: Sequence, rnd: int) -> list:
+    """Round ``rnd``'s order: rotated by ``rnd``, reversed every other cycle of ``len(items)`` rounds, so over
+    ``2 * len(items)`` rounds each item runs in each position equally often (3 items: all 6 orders)."""
+    n = len(items)
+    k = rnd % n
+    order = list(items[k:]) + list(items[:k])
+    return order[::-1] if (rnd // n) % 2 else order
+
+
+def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) -> List[dict]:
+    """Every server up at once (started one after the other), then round r times repetition r on each in
+    ``round_order`` (each server in each position equally often): a round's repetitions run the same prompts
+    within seconds of each other, so drift between them (clocks, the host's other load) cancels."""
+    started = [start_server(label, name, plan, args, log_dir) for label, name in labels]
+    live = [(srv, res) for srv, res in started if res["error"] is None]
+    try:
+        if len(live) == len(started):
+            for rep in range(-1, args.reps):
+                for server, result in round_order(live, rep):
+                    time_repetition(server, result, args, plan, rep)
+    except Exception as exc:
+        for _, result in live:
+            result["error"] = result["error"] or f"{type(exc).__name__}: {exc}"[:3000]
+        _progress(f"interleaved run FAILED: {type(exc).__name__}: {exc}")
+    return [finish_server(srv, res, args, plan, log_dir) for srv, res in started]
+
+
+def paired(runs: Sequence[dict], seed: int) -> dict:
+    """Per round, each run's repetition against the first ``off`` run's same repetition (percent); the median over
+    rounds and a bootstrap 90% interval of that median (2,000 resamples of the rounds)."""
+    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
+    if not offs:
+        return {}
+    base = {x["rep"]: x["wall_s"] for x in offs[0]["reps"]}
+    rng = random.Random(seed)
+    out = {}
+    for run in runs:
+        if run is offs[0] or not run["reps"]:
+            continue
+        diffs = [100.0 * (x["wall_s"] - base[x["rep"]]) / base[x["rep"]] for x in run["reps"] if x["rep"] in base]
+        if not diffs:
+            continue
+        boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+        out[run["label"]] = {"role": run["role"], "pair_pct": [round(d, 3) for d in diffs],
+                             "median_pct": round(statistics.median(diffs), 3),
+                             "mean_pct": round(statistics.fmean(diffs), 3),
+                             "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)]}
+    return out
 
 
 def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
@@ -155,7 +234,8 @@ def summarize(runs: Sequence[dict]) -> dict:
     off_s = offs[0]["median_s"] if offs else None
     return {"off_s": off_s, "ours_pct": pct(ours[0]["median_s"] if ours else None, off_s),
             "noise_pct": pct(offs[1]["median_s"] if len(offs) > 1 else None, off_s),
-            "load_back_tokens_per_rep": {r["label"]: [x["load_back_tokens"] for x in r["reps"]] for r in runs}}
+            "load_back_tokens_per_rep": {r["label"]: [x["load_back_tokens"] for x in r["reps"]] for r in runs},
+            "paired": paired(runs, seed=len(runs))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -163,6 +243,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"from {', '.join(CONFIGS)}")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--interleave", action="store_true",
+                   help="all servers up at once, one repetition on each per round, orders rotated (paired: see run_interleaved)")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--seed", type=int, default=2025)
     for flag in ("conversations", "system-len", "turns", "turn-len", "output-len", "group", "max-total-tokens",
                  "hicache-ratio"):
@@ -209,15 +293,25 @@ def main(argv=None) -> int:
               "reps": args.reps, "timing": "wall time of one repetition (all turns, batched /generate calls); "
                                            "median of the timed repetitions", "runs": []}
     counts: Dict[str, int] = {}
+    labels = []
     for name in args.config_names:
         counts[name] = counts.get(name, 0) + 1
-        report["runs"].append(run_server(f"{name}#{counts[name]}", name, plan, args, log_dir))
+        labels.append((f"{name}#{counts[name]}", name))
+    report["interleaved"] = args.interleave
+    for batch in [labels] if args.interleave else [[x] for x in labels]:
+        if args.interleave:
+            report["runs"].extend(run_interleaved(batch, plan, args, log_dir))
+        else:
+            report["runs"].append(run_server(*batch[0], plan, args, log_dir))
         report["overhead"] = summarize(report["runs"])
         report["elapsed_s"] = round(time.monotonic() - t0, 1)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     v = report["overhead"]
     print(f"\n## kv-canary overhead with HiCache ({host.get('device_name')}, reps={args.reps}, shape={shape})")
     print(f"  hicache_multiturn  off {v['off_s']}s  ours {v['ours_pct']}%  noise {v['noise_pct']}%")
+    for label, p in v["paired"].items():
+        print(f"  paired vs the first off, {label}: median {p['median_pct']}% (90% CI {p['ci90_pct']}), "
+              f"mean {p['mean_pct']}%, rounds {p['pair_pct']}")
     for run in report["runs"]:
         st = run.get("canary_stats_last") or {}
         print(f"- {run['label']} ({run['describe']}): startup {run.get('startup_s', 'n/a')}s; median "

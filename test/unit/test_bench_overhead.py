@@ -248,11 +248,22 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     assert len(first) == 3 + 2 and second[:5] == first and len(second) == 3 + 2 * 2
     assert all(100 <= t < 200 for b in batches for p in b for t in p)
     assert hc.repetition(args, (100, 200), 1)[0][0][:3] != first[:3]  # no cross-repetition hits
-    runs = [{"label": "hc_off#1", "role": "off", "median_s": 2.0, "reps": [{"load_back_tokens": 7}]},
-            {"label": "hc_ours#1", "role": "ours", "median_s": 2.02, "reps": [{"load_back_tokens": 7}]},
+    off = [2.0, 2.1, 1.9]
+    runs = [{"label": "hc_off#1", "role": "off", "median_s": 2.0,
+             "reps": [{"rep": i, "wall_s": w, "load_back_tokens": 7} for i, w in enumerate(off)]},
+            {"label": "hc_ours#1", "role": "ours", "median_s": 2.02,  # +1%, +2%, -1% against the same round's off
+             "reps": [{"rep": i, "wall_s": w * f, "load_back_tokens": 7} for i, (w, f) in
+                      enumerate(zip(off, (1.01, 1.02, 0.99)))]},
             {"label": "hc_off#2", "role": "off", "median_s": 1.98, "reps": []}]
     got = hc.summarize(runs)
     assert (got["off_s"], got["ours_pct"], got["noise_pct"]) == (2.0, 1.0, -1.0)
+    pair = got["paired"]["hc_ours#1"]  # --interleave: round by round against the first off server
+    assert pair["pair_pct"] == [1.0, 2.0, -1.0] and pair["median_pct"] == 1.0 and pair["mean_pct"] == 0.667
+    assert -1.0 <= pair["ci90_pct"][0] <= 1.0 <= pair["ci90_pct"][1] <= 2.0 and list(got["paired"]) == ["hc_ours#1"]
+    assert hc.parse_args(["--interleave", "--mem-fraction-static", "0.3"]).interleave
+    orders = ["".join(hc.round_order("ABC", r)) for r in range(6)]
+    assert sorted(orders) == sorted({"ABC", "ACB", "BAC", "BCA", "CAB", "CBA"})  # each in each position, twice
+    assert ["".join(hc.round_order("AB", r)) for r in range(-1, 4)] == ["AB", "AB", "BA", "BA", "AB"]
     for bad in (["--configs", "hc_off,ours"], ["--group", "0"], ["--reps", "0"]):
         with pytest.raises(SystemExit):
             hc.parse_args(bad)
