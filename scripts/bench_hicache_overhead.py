@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import random
 import shlex
 import statistics
@@ -50,7 +51,9 @@ from bench_overhead import (  # noqa: E402
 from trace_summary import summarize as summarize_trace  # noqa: E402
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
 from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
-from kv_canary_testing.server import SglangServer  # noqa: E402
+from kv_canary_testing.server import PACKAGE_PARENT, SglangServer  # noqa: E402
+
+SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 
 CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none")), "hc_ours": ("ours", ("--kv-canary", "raise"))}
 DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
@@ -86,6 +89,9 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     env = dict(plan["env"])
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
+    if args.sample_stacks:  # every process of the server samples its main thread (scripts/stack_sampler)
+        env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
+        env["KVC_STACK_SAMPLE_DIR"] = str(stack_dir(log_dir, label))
     extra = ["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else []
     server = SglangServer([*canary, *plan["args"], *hicache, *extra], env=env,
                           log_path=log_dir / f"{label.replace('#', '')}.log", device=args.device,
@@ -102,6 +108,10 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     return server, result
 
 
+def stack_dir(log_dir: Path, label: str) -> Path:
+    return log_dir / f"stacks-{label.replace('#', '')}"
+
+
 def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: int) -> None:
     """Time repetition ``rep`` (-1: the untimed warmup) on ``server``; a timed one joins ``result["reps"]``."""
     loaded0 = sglang_counter(server.base_url, LOAD_BACK)
@@ -110,6 +120,8 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
         cached += run_batch(server.base_url, batch, args.output_len)["cached_tokens"]
     wall = time.perf_counter() - t0
     loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
+    if rep == -1 and args.sample_stacks:  # the samples counted from here on (after the startup and warmup)
+        result["stacks_base"] = read_stacks(stack_dir(Path(args.log_dir_resolved), result["label"]))
     if rep >= 0:
         result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "cached_tokens": cached,
                                "load_back_tokens": int(loaded)})
@@ -139,9 +151,41 @@ def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir:
     if result["reps"]:
         result["median_s"] = round(statistics.median(r["wall_s"] for r in result["reps"]), 4)
     result.update(log_facts(server.log_text()))
+    if args.sample_stacks:
+        result["stacks"] = stack_summary(read_stacks(stack_dir(log_dir, result["label"])), result.pop("stacks_base", {}))
     result["hicache_line"] = next((ln.strip() for ln in server.log_text().splitlines() if "kv_canary_hicache=1" in ln),
                                   None)
     return result
+
+
+def read_stacks(stack_dir: Path) -> Dict[int, dict]:
+    """The stack sampler's latest files of one server, by pid (cumulative since each process started)."""
+    docs = {}
+    for f in sorted(stack_dir.glob("[0-9]*.json")):
+        doc = json.loads(f.read_text())
+        docs[doc["pid"]] = doc
+    return docs
+
+
+def stack_summary(docs: Dict[int, dict], base: Dict[int, dict], top: int = 25) -> dict:
+    """Per process title, the samples since ``base`` (a ``read_stacks`` taken after the warmup: startup and
+    imports left out, +-5 s): their count, the canary's share (samples whose innermost sglang/canary frame is the
+    canary's), the top owners and the canary's frame chains."""
+    def minus(now: dict, then: dict) -> dict:
+        diff = {k: n - then.get(k, 0) for k, n in now.items()}
+        return dict(sorted(((k, n) for k, n in diff.items() if n > 0), key=lambda kv: -kv[1]))
+
+    out = {}
+    for pid, doc in docs.items():
+        then = base.get(pid, {})
+        owners = minus(doc.get("owners", {}), then.get("owners", {}))
+        samples = doc.get("samples", 0) - then.get("samples", 0)
+        canary = sum(n for o, n in owners.items() if o.startswith("kv_canary/"))
+        out[f"{doc.get('title', '?')[:60]} (pid {pid})"] = {
+            "samples": samples, "canary_samples": canary, "canary_pct": round(100.0 * canary / max(1, samples), 2),
+            "top_owners": dict(list(owners.items())[:top]),
+            "canary_paths": minus(doc.get("canary_paths", {}), then.get("canary_paths", {}))}
+    return out
 
 
 def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
@@ -216,7 +260,7 @@ def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     for i, batch in enumerate(batches):
         if i == first:
-            body = {"output_dir": str(out_dir), "activities": ["CPU", "GPU"], "with_stack": True}
+            body = {"output_dir": str(out_dir), "activities": ["CPU", "GPU"], "with_stack": args.profile_stack}
             session.post(base_url + "/start_profile", json=body, timeout=60).raise_for_status()
         run_batch(base_url, batch, args.output_len)
         if i == first + args.profile_batches - 1:
@@ -245,6 +289,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--interleave", action="store_true",
                    help="all servers up at once, one repetition on each per round, orders rotated (paired: see run_interleaved)")
+    p.add_argument("--profile-stack", action="store_true",
+                   help="the profile records Python frames (the canary's host time per thread; inflates the host "
+                        "side of the window: --sample-stacks attributes host time at a lower cost)")
+    p.add_argument("--sample-stacks", action="store_true",
+                   help="every server process samples its main thread's stack (scripts/stack_sampler): where the "
+                        "host time goes, the canary's share; costs the servers a little (attribution, not timing)")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--seed", type=int, default=2025)
@@ -280,6 +330,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else out.with_name(out.stem + "_logs")
+    args.log_dir_resolved = str(log_dir)
     plan = server_plan(args.device, 1.0, [ROWS["decode_bs1"]])  # flags, model and token range (its pool: ours)
     host = probe_environment(args.device)
     shape = {k: getattr(args, k) for k in ("conversations", "system_len", "turns", "turn_len", "output_len", "group",
@@ -320,6 +371,10 @@ def main(argv=None) -> int:
               f"slots_first_read={st.get('slots_first_read')} violations={st.get('violations')} "
               f"violation_lines={run.get('violation_lines')}"
               + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
+        for title, st in (run.get("stacks") or {}).items():
+            if "scheduler" in title:
+                print(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "
+                      + ", ".join(f"{o}={n}" for o, n in list(st["top_owners"].items())[:8]))
     print(f"\nresults: {out}  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")
     return 1 if any(r.get("error") for r in report["runs"]) else 0
 

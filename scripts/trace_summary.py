@@ -2,8 +2,9 @@
 """Where the time of a profiled window goes: a summary of one torch-profiler chrome trace (sglang's
 ``/start_profile`` writes ``*.trace.json.gz``), small enough to commit beside a benchmark's results.
 
-- GPU: kernel / memcpy / memset time per stream and the top kernels by total time; the canary's own kernels
-  (its Triton kernel names, ``CANARY_KERNELS``) summed apart.
+- GPU: kernel / memcpy / memset time per stream, the time any stream was busy (the rest of the window the GPU
+  idled), the top kernels by total time; the canary's own kernels (its Triton kernel names, ``CANARY_KERNELS``)
+  summed apart and listed.
 - CPU: per thread, the wall time inside python frames of the canary's code (``kv_canary/`` in the frame name,
   outermost frames only, so nested frames are not counted twice) and the top canary frames; needs a trace
   recorded ``with_stack`` (sglang's default).
@@ -40,6 +41,18 @@ def _outermost(intervals: List[tuple]) -> List[tuple]:
     return out
 
 
+def _union(intervals) -> float:
+    """Total length of the union of (start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_e is None or start > cur_e:
+            total += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = start, end
+        else:
+            cur_e = max(cur_e, end)
+    return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+
 def summarize(path: Path, top: int = 25) -> Dict:
     """The summary dict of one trace (times in microseconds, as the trace's)."""
     opener = gzip.open if str(path).endswith(".gz") else open
@@ -51,6 +64,7 @@ def summarize(path: Path, top: int = 25) -> Dict:
     per_stream: Dict[str, float] = defaultdict(float)
     per_kernel: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
     canary_us = 0.0
+    busy = _union((e["ts"], e["ts"] + e["dur"]) for e in gpu)  # any stream busy: the GPU not idle
     for e in gpu:
         per_stream[f"{e.get('cat')}:stream{(e.get('args') or {}).get('stream', e.get('tid'))}"] += e["dur"]
         k = per_kernel[e["name"][:120]]
@@ -73,7 +87,9 @@ def summarize(path: Path, top: int = 25) -> Dict:
                       for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
     return {"trace": Path(path).name, "window_us": round(t_hi - t_lo, 1),
             "gpu_us_per_stream": {k: round(v, 1) for k, v in sorted(per_stream.items())},
+            "gpu_busy_us": round(busy, 1),
             "gpu_canary_kernel_us": round(canary_us, 1),
+            "gpu_canary_kernels": rank({n: v for n, v in per_kernel.items() if _is_canary_kernel(n)}),
             "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if _is_canary_kernel(n)),
             "gpu_top_kernels": rank(per_kernel),
             "cpu_canary_us_per_thread": cpu_threads, "cpu_top_canary_frames": rank(top_frames)}

@@ -267,3 +267,22 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     for bad in (["--configs", "hc_off,ours"], ["--group", "0"], ["--reps", "0"]):
         with pytest.raises(SystemExit):
             hc.parse_args(bad)
+
+
+def test_the_stack_summary_counts_samples_after_the_base_and_the_trace_summary_unions_busy_time(tmp_path):
+    """bench_hicache_overhead --sample-stacks: per process, the samples after the warmup's base; the canary's share is
+    the samples whose innermost sglang/canary frame is the canary's. trace_summary: the GPU's busy time is the union
+    of its events over every stream (overlaps counted once)."""
+    hc = _load("bench_hicache_overhead")
+    doc = {"pid": 7, "title": "sglang::scheduler", "samples": 100,
+           "owners": {"sglang/srt/managers/scheduler.py:recv_requests": 70, "kv_canary/d2h.py:snapshot": 30},
+           "canary_paths": {"adapter/hooks.py:around_forward > d2h.py:snapshot": 30}}
+    (tmp_path / "7.json").write_text(json.dumps(doc))
+    base = {7: {"samples": 40, "owners": {"sglang/srt/managers/scheduler.py:recv_requests": 30,
+                                          "kv_canary/d2h.py:snapshot": 10}}}
+    got = hc.stack_summary(hc.read_stacks(tmp_path), base)["sglang::scheduler (pid 7)"]
+    assert (got["samples"], got["canary_samples"], got["canary_pct"]) == (60, 20, 33.33)
+    assert list(got["top_owners"]) == ["sglang/srt/managers/scheduler.py:recv_requests", "kv_canary/d2h.py:snapshot"]
+    assert got["canary_paths"] == {"adapter/hooks.py:around_forward > d2h.py:snapshot": 30}  # no base: all of them
+    ts = _load("trace_summary")
+    assert ts._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0 and ts._union([]) == 0.0

@@ -1,0 +1,84 @@
+"""Bench-only statistical profiler of every Python process of a server (no py-spy on the GPU host).
+
+Put this directory first on ``PYTHONPATH`` and set ``KVC_STACK_SAMPLE_DIR``: every Python process then starts a
+daemon thread that samples its main thread's stack every ``KVC_STACK_SAMPLE_INTERVAL_S`` (default 0.002 s) and
+every 5 s rewrites ``<dir>/<pid>.json``: the process title, the sample count and, per function, how many samples
+had it as the *owner*: the innermost frame that belongs to sglang or the canary (torch, numpy, zmq frames below it
+count for it). Samples whose owner is a canary frame are the canary's host time on that thread; owners in sglang
+show where the rest goes (``scripts/bench_hicache_overhead.py --sample-stacks`` sums them per server). A sample
+costs the sampled process ~10-30 us of GIL time: the numbers attribute time, they do not time a row.
+"""
+
+import os
+
+_DIR = os.environ.get("KVC_STACK_SAMPLE_DIR")
+
+
+def _start(out_dir: str) -> None:
+    import collections
+    import json
+    import sys
+    import threading
+    import time
+
+    interval = float(os.environ.get("KVC_STACK_SAMPLE_INTERVAL_S", "0.002"))
+    owners = collections.Counter()  # "pkg/module.py:function" of the innermost sglang/canary frame
+    canary_paths = collections.Counter()  # canary samples: its two outermost frames and its innermost one
+    state = {"samples": 0, "no_owner": 0}
+
+    def owner_of(frame):
+        chain, owner = [], None
+        while frame is not None:
+            path = frame.f_code.co_filename
+            for pkg in ("/kv_canary/", "/sglang/"):
+                i = path.rfind(pkg)
+                if i >= 0:
+                    name = f"{path[i + 1:]}:{frame.f_code.co_name}"
+                    if owner is None:
+                        owner = name
+                    if pkg == "/kv_canary/":
+                        chain.append(name.replace("kv_canary/", ""))
+                    break
+            frame = frame.f_back
+        return owner, chain
+
+    def dump() -> None:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+        except OSError:
+            title = "?"
+        doc = {"pid": os.getpid(), "title": title, "interval_s": interval, **state,
+               "owners": dict(owners.most_common(80)), "canary_paths": dict(canary_paths.most_common(60))}
+        tmp = os.path.join(out_dir, f".{os.getpid()}.json")
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, os.path.join(out_dir, f"{os.getpid()}.json"))
+
+    def run() -> None:
+        main = threading.main_thread().ident
+        last = time.monotonic()
+        while True:
+            time.sleep(interval)
+            frame = sys._current_frames().get(main)
+            if frame is None:
+                continue
+            owner, chain = owner_of(frame)
+            state["samples"] += 1
+            if owner is None:
+                state["no_owner"] += 1
+            else:
+                owners[owner] += 1
+                if owner.startswith("kv_canary/"):
+                    outer = list(reversed(chain[-2:]))  # the two outermost canary frames, then the innermost
+                    canary_paths[" > ".join(outer + ([chain[0]] if len(chain) > 2 else []))] += 1
+            if time.monotonic() - last > 5.0:
+                last = time.monotonic()
+                dump()
+
+    os.makedirs(out_dir, exist_ok=True)
+    threading.Thread(target=run, name="kvc-stack-sampler", daemon=True).start()
+
+
+if _DIR:
+    _start(_DIR)
