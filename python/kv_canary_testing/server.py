@@ -192,6 +192,10 @@ class SglangServer:
             # OpenMP threads otherwise fight the HTTP/tokenizer processes and the
             # client, and step times swing by 5-10x.
             env.setdefault("OMP_NUM_THREADS", "1")
+            # sglang 0.5.23 sleeps 5 s before its crash diagnostics (py-spy of the schedulers, CUDA coredump) on
+            # every SIGTERM/SIGQUIT of the server: each stop() and each raise-mode exit. Neither has a use on CPU.
+            env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+            env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
             env.setdefault("NO_PROXY", "127.0.0.1,localhost")
             env.setdefault("no_proxy", "127.0.0.1,localhost")
         env.update(self.user_env)
