@@ -10,9 +10,15 @@ pool ``--hicache-ratio`` times the device pool), then times on the host, per cal
 * ``load``: ``load_records`` of one load-back batch (``--load-slots``) into new device slots;
 * ``free``: ``free_host_slots`` of one node's host slots (host eviction).
 
+and, for comparison, what every forward pays: ``snapshot`` (the counters' delayed D2H copy, ``d2h.snapshot`` +
+``ready``) and ``sampled`` (``record_sampled`` of a batch of 8 tokens).
+
 Each is timed over ``--calls`` calls (median of 5 rounds); the device is synchronized between rounds, not inside
 them. ``syncs`` counts the device synchronizations torch reports per call (``set_sync_debug_mode("warn")``):
-any is a stall of the scheduler thread. GPU time is in ``bench_hicache_overhead.py``'s profile.
+any is a stall of the scheduler thread. ``--busy-ms X``: before each call a GPU sleep of X ms is queued on the
+current stream once the previous one finished (exactly one forward in flight, as with sglang's overlap scheduler),
+and only the call is timed: a call that waits for the stream (torch's synchronizations, or the driver's implicit
+ones, which torch does not report: a copy from pageable host memory) costs up to ~X ms more there. GPU time is in ``bench_hicache_overhead.py``'s profile.
 
     export PYTHONPATH=/tmp/site:$PWD/python
     python scripts/bench_hicache_host_ops.py [--calls 200] [--out F]
@@ -35,6 +41,8 @@ def main() -> int:
     p.add_argument("--backup-slots", type=int, default=1088)
     p.add_argument("--load-slots", type=int, default=9344)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only proves the script runs")
+    p.add_argument("--busy-ms", type=float, default=0.0,
+                   help="queue a GPU sleep of this many ms before each call (a forward in flight); 0: none")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -92,20 +100,46 @@ def main() -> int:
     def free(i):
         m.free_host_slots(backups[i][1])
 
+    def snapshot(i):
+        m._d2h.snapshot(i)
+        m._d2h.ready(i)
+
+    sampled = torch.zeros(8, dtype=torch.int64, device=device)
+
+    def record_sampled(i):
+        m.record_sampled(sampled)
+
+    sleep_cycles = 0
+    if on_gpu and args.busy_ms > 0:  # calibrate torch.cuda._sleep: cycles per ms on this GPU
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        sleep_cycles = int(10_000_000 / start.elapsed_time(end) * args.busy_ms)
+
     def timed(fn, prepare=None):
         rounds, syncs = [], 0
         for _ in range(5):
             if prepare is not None:
                 prepare()
             sync()
+            dt = 0.0
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if on_gpu:
                     torch.cuda.set_sync_debug_mode("warn")
-                t0 = time.perf_counter()
+                in_flight = None
                 for i in range(args.calls):
+                    if sleep_cycles:  # exactly one forward in flight, as with sglang's overlap scheduler
+                        if in_flight is not None:
+                            in_flight.synchronize()
+                        torch.cuda._sleep(sleep_cycles)
+                        in_flight = torch.cuda.Event()
+                        in_flight.record()
+                    t0 = time.perf_counter()
                     fn(i)
-                dt = time.perf_counter() - t0
+                    dt += time.perf_counter() - t0
                 if on_gpu:
                     torch.cuda.set_sync_debug_mode(0)
             syncs += sum("synchroniz" in str(w.message) for w in caught)
@@ -120,11 +154,13 @@ def main() -> int:
 
     result = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu (meaningless)",
               "device_slots": slots, "host_slots": host_slots, "backup_slots": nb, "load_slots": nl,
-              "calls": args.calls,
+              "calls": args.calls, "busy_ms": args.busy_ms,
               "backup": timed(backup),
               "acked": timed(acked, prepare=backed_up),
               "load": timed(load),
-              "free": timed(free, prepare=backed_up)}
+              "free": timed(free, prepare=backed_up),
+              "snapshot": timed(snapshot),
+              "sampled": timed(record_sampled)}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

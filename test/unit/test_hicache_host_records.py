@@ -66,3 +66,22 @@ def test_bad_shapes_are_refused():
 def test_memory_formula_matches_the_store():
     store = HostRecordStore(1000)
     assert host_record_bytes(1000) == store.nbytes == 1000 * 8 * fp.RECORD_WIDTH
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the driver's wait on a pageable host copy")
+def test_a_load_backs_host_ids_reach_the_device_without_waiting_for_the_forward_in_flight():
+    """A load-back's host slot ids (CPU, pageable, over PAGEABLE_INLINE_BYTES) are staged in pinned memory, so their
+    copy is queued behind a forward in flight instead of the driver waiting for it: ``index`` returns while a long
+    GPU sleep is still running, and the ids arrive."""
+    from kv_canary.host_records import PAGEABLE_INLINE_BYTES
+
+    store = HostRecordStore(1 << 16, torch.device("cuda"))
+    ids = torch.randperm(1 << 16)[: PAGEABLE_INLINE_BYTES // 8 + 1024]  # pageable int64, over the inline size
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s on an H100: the forward in flight
+    busy = torch.cuda.Event()
+    busy.record()
+    dev = store.index(ids)
+    assert not busy.query(), "index() waited for the work queued before it"
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), ids)
