@@ -50,6 +50,9 @@
 #   2. install-b && hicache-e2e && hc-bench-start     carry [.bundle/part-b, .bundle/kvc]         timeout 600
 #      (the e2e ~5 min; the bench runs in the background: off / ours / off, ~5 min)
 #   3. hc-bench-wait 540   (repeat until it prints BENCH_DONE)                                      timeout 600
+#   The paired row (all servers at once, ~8 min): hc-bench-start --interleave --configs hc_off,hc_ours,hc_off
+#      --reps 18 --mem-fraction-static 0.88 (add --sample-stacks for where the scheduler thread's time goes, or
+#      --profile-batches 3 for the GPU's busy / idle split), then hc-bench-wait
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
