@@ -18,7 +18,8 @@ them. ``syncs`` counts the device synchronizations torch reports per call (``set
 any is a stall of the scheduler thread. ``--busy-ms X``: before each call a GPU sleep of X ms is queued on the
 current stream once the previous one finished (exactly one forward in flight, as with sglang's overlap scheduler),
 and only the call is timed: a call that waits for the stream (torch's synchronizations, or the driver's implicit
-ones, which torch does not report: a copy from pageable host memory) costs up to ~X ms more there. GPU time is in ``bench_hicache_overhead.py``'s profile.
+ones, which torch does not report: a copy from pageable host memory) costs up to ~X ms more there. GPU time is
+in ``bench_hicache_overhead.py``'s profile.
 
     export PYTHONPATH=/tmp/site:$PWD/python
     python scripts/bench_hicache_host_ops.py [--calls 200] [--out F]

@@ -90,8 +90,9 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
     if args.sample_stacks:  # every process of the server samples its main thread (scripts/stack_sampler)
+        result["stacks_dir"] = str(log_dir / f"stacks-{label.replace('#', '')}")
         env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
-        env["KVC_STACK_SAMPLE_DIR"] = str(stack_dir(log_dir, label))
+        env["KVC_STACK_SAMPLE_DIR"] = result["stacks_dir"]
     extra = ["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else []
     server = SglangServer([*canary, *plan["args"], *hicache, *extra], env=env,
                           log_path=log_dir / f"{label.replace('#', '')}.log", device=args.device,
@@ -108,10 +109,6 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     return server, result
 
 
-def stack_dir(log_dir: Path, label: str) -> Path:
-    return log_dir / f"stacks-{label.replace('#', '')}"
-
-
 def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: int) -> None:
     """Time repetition ``rep`` (-1: the untimed warmup) on ``server``; a timed one joins ``result["reps"]``."""
     loaded0 = sglang_counter(server.base_url, LOAD_BACK)
@@ -120,8 +117,8 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
         cached += run_batch(server.base_url, batch, args.output_len)["cached_tokens"]
     wall = time.perf_counter() - t0
     loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
-    if rep == -1 and args.sample_stacks:  # the samples counted from here on (after the startup and warmup)
-        result["stacks_base"] = read_stacks(stack_dir(Path(args.log_dir_resolved), result["label"]))
+    if rep == -1 and "stacks_dir" in result:  # the samples counted from here on (after the startup and warmup)
+        result["stacks_base"] = read_stacks(Path(result["stacks_dir"]))
     if rep >= 0:
         result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "cached_tokens": cached,
                                "load_back_tokens": int(loaded)})
@@ -151,17 +148,17 @@ def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir:
     if result["reps"]:
         result["median_s"] = round(statistics.median(r["wall_s"] for r in result["reps"]), 4)
     result.update(log_facts(server.log_text()))
-    if args.sample_stacks:
-        result["stacks"] = stack_summary(read_stacks(stack_dir(log_dir, result["label"])), result.pop("stacks_base", {}))
+    if "stacks_dir" in result:
+        result["stacks"] = stack_summary(read_stacks(Path(result["stacks_dir"])), result.pop("stacks_base", {}))
     result["hicache_line"] = next((ln.strip() for ln in server.log_text().splitlines() if "kv_canary_hicache=1" in ln),
                                   None)
     return result
 
 
-def read_stacks(stack_dir: Path) -> Dict[int, dict]:
+def read_stacks(stacks_dir: Path) -> Dict[int, dict]:
     """The stack sampler's latest files of one server, by pid (cumulative since each process started)."""
     docs = {}
-    for f in sorted(stack_dir.glob("[0-9]*.json")):
+    for f in sorted(stacks_dir.glob("[0-9]*.json")):
         doc = json.loads(f.read_text())
         docs[doc["pid"]] = doc
     return docs
@@ -330,7 +327,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else out.with_name(out.stem + "_logs")
-    args.log_dir_resolved = str(log_dir)
     plan = server_plan(args.device, 1.0, [ROWS["decode_bs1"]])  # flags, model and token range (its pool: ours)
     host = probe_environment(args.device)
     shape = {k: getattr(args, k) for k in ("conversations", "system_len", "turns", "turn_len", "output_len", "group",
@@ -349,14 +345,18 @@ def main(argv=None) -> int:
         counts[name] = counts.get(name, 0) + 1
         labels.append((f"{name}#{counts[name]}", name))
     report["interleaved"] = args.interleave
-    for batch in [labels] if args.interleave else [[x] for x in labels]:
-        if args.interleave:
-            report["runs"].extend(run_interleaved(batch, plan, args, log_dir))
-        else:
-            report["runs"].append(run_server(*batch[0], plan, args, log_dir))
+
+    def save(runs: Sequence[dict]) -> None:  # after each server (all at once when interleaved): partial results
+        report["runs"].extend(runs)
         report["overhead"] = summarize(report["runs"])
         report["elapsed_s"] = round(time.monotonic() - t0, 1)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    if args.interleave:
+        save(run_interleaved(labels, plan, args, log_dir))
+    else:
+        for label, name in labels:
+            save([run_server(label, name, plan, args, log_dir)])
     v = report["overhead"]
     print(f"\n## kv-canary overhead with HiCache ({host.get('device_name')}, reps={args.reps}, shape={shape})")
     print(f"  hicache_multiturn  off {v['off_s']}s  ours {v['ours_pct']}%  noise {v['noise_pct']}%")

@@ -172,7 +172,7 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .bundle/kvc/*.whl
     python3 -c 'import sglang; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, "line:", c().line.name if c().line else c().reason)' ;;
   hc-host-ops)  # the HiCache hooks' host cost per call (no server): a node's backup, a batch's load-back, an eviction;
-    # then the large sizes again with a 5 ms GPU sleep queued before each call (a forward in flight: waits show)
+    # then the large sizes again with one 5 ms GPU sleep in flight before each call (a forward: waits show)
     for sz in "1088 9344 0 200" "96 1200 0 200" "1088 9344 5 40"; do set -- $sz
       python3 scripts/bench_hicache_host_ops.py --backup-slots "$1" --load-slots "$2" --busy-ms "$3" --calls "$4" \
         --out "$out/hc-host-ops-$1-$2-busy$3.json"
