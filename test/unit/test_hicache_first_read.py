@@ -1,7 +1,8 @@
 """HiCache's first-read verification of loaded slots (docs/hicache.md 3.4), Triton (interpreter on CPU) and the
 torch reference side by side: TAIL tags new slots verified (outside ``all``), a load-back copies the host
-records into new device slots and zeroes their tags, HEAD lists only those (deferred: hashed after the forward),
-and a byte of a loaded slot flipped outside the hashed window is caught by the deferred LIST, once."""
+records into new device slots and zeroes their tags, HEAD lists only those (deferred: hashed beside the forward,
+whole or in runs of layers then finalized), and a byte of a loaded slot flipped outside the hashed window is
+caught by the deferred LIST, once."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kv_canary.config import CanaryConfig, CanaryMode, RealData  # noqa: E402
 from kv_canary.host_records import HostRecordStore  # noqa: E402
 from kv_canary.kernels import reference as ref  # noqa: E402
 from kv_canary.kernels import triton_kernels as tk  # noqa: E402
+from kv_canary.runner.load_hashing import layer_parts  # noqa: E402
 from kv_canary.views import ForwardView  # noqa: E402
 
 SLOTS, LAYERS, N = 96, 3, 24
@@ -78,8 +80,10 @@ def test_config_turns_on_full_rows_and_first_reads_without_clearing_tags():
     assert "hicache=1" in config.describe()
 
 
-@pytest.mark.parametrize("flip", [False, True])
-def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip):
+@pytest.mark.parametrize("flip,parts", [(None, 0), (-1, 0), (None, 3), (-1, 2), (1, 2), (3, 3)])
+def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip, parts):
+    """``flip``: the row (of ``group.rows``) a loaded slot's byte is flipped in, None: none; ``parts``: the LIST
+    hashed in that many runs of layers then finalized (``load_hashing``), 0: in one launch."""
     config = _config()
     groups = [_group(config, seed=1) for _ in BACKENDS]
     states = [_state() for _ in BACKENDS]
@@ -102,9 +106,9 @@ def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip):
         _load_back(group, store, host_idx, loaded.to(DEVICE), old[:16].to(DEVICE))
     r2t[1, :N] = torch.cat([loaded, old[16:]]).to(torch.int32).to(DEVICE)
     bad = int(loaded[5])
-    if flip:  # the last layer's V: outside the hashed window (layer 0's first 16 bytes)
+    if flip is not None:  # outside the hashed window (layer 0's first 16 bytes)
         for group in groups:
-            group.rows[-1].view[bad, 3] ^= 1 << 9
+            group.rows[flip].view[bad, 5] ^= 1 << 9
     reader = _extend(torch.tensor([N + 2]), prefix=N)
     reader.req_pool_indices.fill_(1)
     for backend, group, (counters, ring) in zip(BACKENDS, groups, states):
@@ -113,14 +117,31 @@ def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip):
         assert int(counters[fp.C_VIOLATIONS]) == before  # HEAD's checks pass: nothing hashed yet
         assert int(group.full_row.work_state[0]) == 16  # only the loaded slots
         assert sorted(group.full_row.work[:16, 0].tolist()) == loaded.tolist()
-        backend.launch_first_read(group, counters, ring)
+        if parts:
+            for r0, r1, _layer in layer_parts(group.rows, parts):
+                backend.launch_first_read(group, counters, ring, rows=(r0, r1), finalize=False)
+                assert int(counters[fp.C_VIOLATIONS]) == before  # a part alone compares nothing
+            assert int(group.full_row.work_state[0]) == 16  # the list stays for the finalize
+            backend.launch_first_read(group, counters, ring, rows=(0, 0))
+        else:
+            backend.launch_first_read(group, counters, ring)
         assert int(group.full_row.work_state[0]) == 0
+        assert int(group.full_row.acc.abs().sum()) == 0  # the finalize zeroed every sum
         got = _rows(counters, ring)
-        assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in got] == ([(bad, fp.R_KV_HASH)] if flip else [])
+        assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in got] == (
+            [(bad, fp.R_KV_HASH)] if flip is not None else [])
         # read again: nothing listed (each loaded slot is verified once)
         backend.launch_verify(group, reader, r2t, counters, ring, 2, 16, defer_first_read=True)
         assert int(group.full_row.work_state[0]) == 0
     assert _rows(*states[0]) == _rows(*states[1])
+
+
+def test_layer_parts_cover_every_row_once_in_runs_of_whole_layers():
+    group = _group(_config())
+    assert layer_parts(group.rows, 1) == ((0, 6, 2),)
+    assert layer_parts(group.rows, 2) == ((0, 2, 0), (2, 6, 2))
+    assert layer_parts(group.rows, 3) == ((0, 2, 0), (2, 4, 1), (4, 6, 2))
+    assert layer_parts(group.rows, 8) == layer_parts(group.rows, 3)  # at most one part a layer
 
 
 def test_undeferred_first_read_hashes_in_head():
@@ -135,3 +156,51 @@ def test_undeferred_first_read_hashes_in_head():
     group.rows[-1].view[int(slots[3]), 0] ^= 1
     tk.launch_verify(group, _extend(torch.tensor([9]), prefix=8), r2t, counters, ring, 2, 16)
     assert [r[fp.V_SLOT] for r in _rows(counters, ring)] == [int(slots[3])]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a GPU: the parts run on a CUDA side stream, each behind "
+                                                   "a per-layer event of a load on another stream")
+def test_load_hashing_waits_for_each_layer_on_its_side_stream():
+    """A load lands layer by layer on a stream of its own, each layer behind a GPU sleep; the LIST's parts hash
+    each layer only after its event (a part that ran early would hash the slots' stale bytes: every loaded slot
+    would be reported), and ``join`` orders the forward's stream after the finalize."""
+    from kv_canary.kernels import select_kernels
+    from kv_canary.config import KernelBackend
+    from kv_canary.runner.load_hashing import LoadHashing, LoadWaits
+
+    config = _config()
+    group = _group(config, seed=3)
+    counters, ring = _state()
+    old = torch.arange(1, N + 1, device=DEVICE)
+    r2t = torch.zeros(2, 64, dtype=torch.int32, device=DEVICE)
+    r2t[0, :N] = old.to(torch.int32)
+    tk.launch_write(group, _extend(old.cpu()), r2t, counters, ring, True, check_fed=False)
+    loaded = torch.arange(60, 60 + N, device=DEVICE)
+    group.records[loaded] = group.records[old]
+    group.full_row.tags[loaded] = 0
+    for row in group.rows:  # stale bytes in the new slots until the load lands
+        row.view[loaded] = row.view[old] ^ 1
+    r2t[1, :N] = loaded.to(torch.int32)
+    reader = _extend(torch.tensor([N + 2]), prefix=N)
+    reader.req_pool_indices.fill_(1)
+    bad = int(loaded[7])
+    load_stream = torch.cuda.Stream()
+    events = [torch.cuda.Event() for _ in range(LAYERS)]
+    load_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(load_stream):
+        for layer in range(LAYERS):
+            torch.cuda._sleep(50_000_000)  # tens of ms a layer: the host queues every part long before
+            for row in group.rows:
+                if row.layer == layer:
+                    row.view[loaded] = row.view[old]
+            if layer == LAYERS - 1:
+                group.rows[-1].view[bad, 5] ^= 1 << 9  # the last layer lands with one bad byte
+            events[layer].record(load_stream)
+    torch.cuda.current_stream().wait_event(events[0])  # HEAD waits for the layer its window hashes (``head``)
+    tk.launch_verify(group, reader, r2t, counters, ring, 2, 16, defer_first_read=True)  # lists the loaded slots
+    hashing = LoadHashing([group], select_kernels(KernelBackend.TRITON, DEVICE), counters, ring)
+    hashing.start(LoadWaits(head=lambda: None,
+                            layer=lambda i: torch.cuda.current_stream().wait_event(events[i])))
+    hashing.join()
+    assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in _rows(counters, ring)] == [(bad, fp.R_KV_HASH)]
+    assert int(counters[fp.C_SLOTS_FIRST_READ]) == N and int(group.full_row.work_state[0]) == 0

@@ -1,6 +1,7 @@
 """The runner's HiCache hand-over (runner/host_copies.py + SingleForwardManager): records backed up with the
 slots' K/V, loaded back into new device slots with their tags zeroed; the forward that consumes the load waits
-first (HEAD, before any launch) and hashes the loaded slots' full rows after its TAIL; a load no HEAD consumed
+first (HEAD, before any launch) and hashes the loaded slots' full rows layer by layer (each part behind its
+layer's wait) before its TAIL's write; a load no HEAD consumed
 is an error. Torch reference kernels on CPU, a fake wait callable."""
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Manager(HostCopies):
 
 
 @pytest.mark.parametrize("flip", [False, True])
-def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_tail(flip):
+def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_by_layer_before_its_write(flip):
     events = []
     m = Manager(events)
     old = torch.arange(1, 17)
@@ -96,8 +97,10 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_after_its_ta
     events.clear()
     m.r2t[1, :16] = new.to(torch.int32)
     m.forward(1, torch.tensor([60]), 16)
-    assert waited == [0]
-    assert events == ["wait", ("verify", True), "first_read", "write"]  # the LIST's rows name this forward
+    assert waited == [0, 0, 1]  # HEAD: the hashed window's layer; then each part of the LIST behind its layer
+    # the LIST in parts (on CPU: two runs of layers, each after its layer's wait), then its finalize, all before
+    # the write (the LIST's rows name this forward)
+    assert events == ["wait", ("verify", True), "wait", "first_read", "wait", "first_read", "first_read", "write"]
     assert all(r[fp.V_FORWARD] == 1 for r in m.violations())
     assert int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
     assert [(r[fp.V_SLOT], r[fp.V_REASON] & 0xFF) for r in m.violations()] == (

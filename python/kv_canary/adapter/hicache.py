@@ -206,6 +206,8 @@ def _queued(queue):
 
     if not queue:
         return None
+    if len(queue) == 1:  # sglang queues one op per write / load and starts it at once: nothing to concatenate
+        return queue[0].host_indices.reshape(-1), queue[0].device_indices.reshape(-1)
     host = torch.cat([op.host_indices.reshape(-1) for op in queue])
     device = torch.cat([op.device_indices.reshape(-1) for op in queue])
     return host, device

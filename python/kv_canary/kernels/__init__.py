@@ -5,7 +5,7 @@ signature in both backends:
 
     verify(group, view, req_to_token, counters, ring, programs_per_req, block, group_index=, token_oracle=,
            defer_first_read=)
-    first_read(group, counters, ring, group_index=)   (the deferred first-read LIST: after a HiCache load-back forward)
+    first_read(group, counters, ring, group_index=, rows=, finalize=)   (the deferred first-read LIST, or a part)
     write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
     scrub(group, counters, ring, per_forward, group_index=)
     sweep_index(group, cached_slot_index, counters, ring, group_index=)

@@ -273,9 +273,22 @@ def _map_args(group):
     return [group.slot_map, int(group.slot_map.shape[0])]
 
 
-def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_forward=0, view=None):
-    """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``)."""
-    num_rows = len(group.rows)
+def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_forward=0, view=None,
+            rows=None, finalize=True):
+    """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows``: (r0, r1), hash only rows
+    [r0, r1) of ``group.rows`` (default: all); ``finalize``: then mix, compare / store and zero ``acc``."""
+    table = group.full_table if rows is None else group.full_table[rows[0]:rows[1]]
+    if table.shape[0]:
+        _launch_hash(group, state, mode, counters, table, lanes=lanes, grid0=grid0, per_forward=per_forward,
+                     view=view)
+    if finalize:
+        _launch_finalize(group, state, mode, counters, ring, group_index, lanes=lanes, per_forward=per_forward,
+                         view=view)
+
+
+def _launch_hash(group, state, mode, counters, table, *, lanes, grid0, per_forward, view):
+    """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``."""
+    num_rows = int(table.shape[0])
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
     if mode != TAIL:  # persistent slot-block programs, each looping over blocks
@@ -286,9 +299,13 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
     if mode == TAIL:  # host-known: the batch size and the longest new run
         splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
     row_hash_kernel[(grid0, chunks, splits)](
-        state.acc, group.full_base, group.full_table, num_rows, rpp, group.records, group.num_slots, counters,
+        state.acc, group.full_base, table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, num_warps=SHAPE.warps)
+
+
+def _launch_finalize(group, state, mode, counters, ring, group_index, *, lanes, per_forward, view):
+    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     block = SHAPE.finalize_block
     if mode == TAIL:
         grid = (view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))
@@ -314,7 +331,11 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) 
     _launch(group, group.full_row, SCRUB, counters, ring, group_index, lanes=per_forward, per_forward=per_forward)
 
 
-def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
-    """Hash the full rows of the slots HEAD's verify listed (first reads since their write) and compare."""
+def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True) -> None:
+    """Hash the full rows of the slots HEAD's verify listed (first reads since their write) and compare.
+
+    ``rows`` (r0, r1): only rows [r0, r1) of ``group.rows`` (a HiCache load hashed layer by layer as the layers
+    land); ``finalize``: compare and empty the list (after the last part: the sums are additive)."""
     state = group.full_row
-    _launch(group, state, LIST, counters, ring, group_index, lanes=int(state.work.shape[0]))
+    _launch(group, state, LIST, counters, ring, group_index, lanes=int(state.work.shape[0]), rows=rows,
+            finalize=finalize)

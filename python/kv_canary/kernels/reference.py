@@ -155,10 +155,11 @@ def _list_first_reads(group, raw_slot, m, rows) -> None:
     st.tags[uniq] = group.records[uniq, fp.F_FULL_HASH]
 
 
-def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
-    """Hash the full rows of the listed slots, compare with their FULL_HASH, empty the list."""
+def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True) -> None:
+    """Hash the full rows of the listed slots, compare with their FULL_HASH, empty the list. In parts (``rows``,
+    ``finalize``: the Triton launch's split): every row is hashed at the finalize, a part alone does nothing."""
     st = group.full_row
-    if st is None or not st.first_read:
+    if st is None or not st.first_read or not finalize:
         return
     n = int(st.work_state[0])
     st.work_state.zero_()

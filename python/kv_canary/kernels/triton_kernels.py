@@ -310,10 +310,11 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         full_row.launch_first_read(group, counters, ring, group_index)
 
 
-def launch_first_read(group, counters, ring, group_index: int = 0) -> None:
-    """A deferred first-read LIST launch (``launch_verify(defer_first_read=True)`` listed the slots)."""
+def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True) -> None:
+    """A deferred first-read LIST launch (``launch_verify(defer_first_read=True)`` listed the slots); ``rows`` /
+    ``finalize``: one part of it (``full_row.launch_first_read``)."""
     if _first_read(group):
-        full_row.launch_first_read(group, counters, ring, group_index)
+        full_row.launch_first_read(group, counters, ring, group_index, rows=rows, finalize=finalize)
 
 
 def _first_read(group) -> bool:

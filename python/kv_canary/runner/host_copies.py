@@ -11,7 +11,8 @@ The engine wiring tells the manager three things, with plain tensors:
   device ops only (the scheduler thread never waits for the device here);
 * ``load_in_flight(wait_until_layer, load_id)``: the next forward consumes load ``load_id``; its HEAD first waits
   for the records and for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one
-  layer), and its first-read hashing moves after the forward (every layer has landed by then). Only the first
+  layer), and its first-read hashing runs layer by layer as the layers land, beside the forward
+  (``load_hashing``). Only the first
   forward that names a pending load consumes it: an engine may keep naming the load on later forwards of the
   same batch (sglang's decode batches carry their prefill's consumer index), which read nothing new from it.
 
@@ -33,6 +34,7 @@ from ..host_scrub import HostMismatch, HostScrub
 from ..storage_trailer import records_tag
 from ..violations import Violation
 from .brackets import CanaryBracketError
+from .load_hashing import LoadWaits
 from .storage_pages import StoragePages
 
 
@@ -81,6 +83,8 @@ class HostCopies(StoragePages):
                                        device=self.groups[0].records.device)
         if self.counters.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self.counters.device)
+        for sfm in self.single_forward_managers:
+            sfm.attach_load_hashing()
         if self.config.host_scrub_slots_per_second > 0:
             self.host_scrub = self._build_host_scrub()
             self.host_scrub.start()
@@ -223,12 +227,12 @@ class HostCopies(StoragePages):
         layer = max(self.config.kv_hash_layers)
         event, self._load_event = self._load_event, None
 
-        def wait() -> None:
+        def head() -> None:
             if event is not None:
                 torch.cuda.current_stream(self.counters.device).wait_event(event)
             wait_until_layer(layer)
 
-        self.single_forward_managers[0].expect_load(wait)
+        self.single_forward_managers[0].expect_load(LoadWaits(head=head, layer=wait_until_layer))
         return True
 
     def _check_load_consumed(self) -> None:

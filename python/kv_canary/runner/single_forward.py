@@ -13,9 +13,10 @@ and TAIL records every new slot's whole-row hash. Both only launch kernels on
 preallocated buffers: no host sync, no allocation, grids fixed by the batch size
 (see ``LaunchCapacities``).
 
-A forward that consumes a HiCache load-back (``expect_load``) waits for the load in HEAD first, and hashes the
-loaded slots' full rows (the first-read LIST) after the forward, just before TAIL's write (its rows then name
-this forward); the scrub moves after the write.
+A forward that consumes a HiCache load-back (``expect_load``) waits in HEAD for the load's records and the
+layers its verify hashes, and hashes the loaded slots' full rows (the first-read LIST) layer by layer as they
+land, on a side stream beside the forward (``load_hashing``); TAIL's write waits for that hashing (its rows then
+name this forward); the scrub moves after the write.
 
 Everything runs on the forward's stream, in order: HEAD, the forward, TAIL. (HEAD on
 a side stream beside the forward was measured and dropped: at decode bs32 on an H200
@@ -34,6 +35,7 @@ from ..speculative import stage_verify_tokens
 from ..token_oracle import TokenOracle
 from ..views import ForwardView, LaunchCapacities
 from ..buffer_groups import CanaryBufferGroup
+from .load_hashing import LoadHashing, LoadWaits
 
 
 class SingleForwardManager:
@@ -67,17 +69,22 @@ class SingleForwardManager:
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
         self._witness = write_witness  # stamp the slots to fill in HEAD, require every stamp gone in TAIL
-        self._load_wait: Optional[Callable[[], None]] = None  # a HiCache load the next forward consumes
-        self._defer_full_rows = False  # this forward's scrub and first-read hashing run after its TAIL
+        self._load_waits: Optional[LoadWaits] = None  # a HiCache load the next forward consumes
+        self._defer_full_rows = False  # this forward's scrub runs after its TAIL, its first reads beside it
+        self.load_hashing: Optional[LoadHashing] = None  # a load's first-read hashing (``attach_load_hashing``)
 
-    def expect_load(self, wait: Optional[Callable[[], None]]) -> None:
-        """The next forward consumes a HiCache load: HEAD calls ``wait`` first (the forward stream waits for the
-        loaded records and hashed layers), and the whole-row hashing (scrub, first reads) moves after TAIL."""
-        self._load_wait = wait
+    def attach_load_hashing(self) -> None:
+        """HiCache is on: this manager's forwards may consume loads, hashed by layer (``load_hashing``)."""
+        self.load_hashing = LoadHashing(self._groups, self._kernels, self._counters, self._ring)
+
+    def expect_load(self, waits: Optional[LoadWaits]) -> None:
+        """The next forward consumes a HiCache load: HEAD calls ``waits.head()`` first, then hashes the loaded
+        slots' rows behind ``waits.layer`` (``load_hashing``); the scrub moves after TAIL."""
+        self._load_waits = waits
 
     @property
     def load_pending(self) -> bool:
-        return self._load_wait is not None
+        return self._load_waits is not None
 
     def _scrub_groups(self) -> None:
         """The scrub's next window of every group (HEAD's, or after TAIL's write on a load-back forward)."""
@@ -89,10 +96,10 @@ class SingleForwardManager:
         if view.batch_size == 0:
             return
         self._capacities.check(view)
-        wait, self._load_wait = self._load_wait, None
-        if wait is not None:
-            wait()
-        self._defer_full_rows = wait is not None
+        waits, self._load_waits = self._load_waits, None
+        if waits is not None:
+            waits.head()
+        self._defer_full_rows = waits is not None
         if self._scrub and not self._defer_full_rows:
             self._scrub_groups()
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
@@ -105,6 +112,8 @@ class SingleForwardManager:
         if self._witness:  # last: the scrub and the verify above read the slots' old bytes
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_stamp(group, view, group_index=group_index)
+        if waits is not None and self.load_hashing is not None:  # the verify above listed the loaded slots
+            self.load_hashing.start(waits)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
         """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
@@ -117,9 +126,8 @@ class SingleForwardManager:
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_check(group, view, self._counters, self._ring, group_index=group_index)
         deferred, self._defer_full_rows = self._defer_full_rows, False
-        if deferred:  # a load-back forward: every loaded layer has landed now (the forward waited for each)
-            for group_index, group in enumerate(self._groups):  # before the write: its rows name this forward
-                self._kernels.first_read(group, self._counters, self._ring, group_index=group_index)
+        if deferred and self.load_hashing is not None:  # before the write: the first reads' rows name this forward
+            self.load_hashing.join()
         self._write(view, bump_forward=True)
         if deferred and self._scrub:  # after the write: the slots this forward filled have their records
             self._scrub_groups()
