@@ -113,15 +113,20 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
     """Time repetition ``rep`` (-1: the untimed warmup) on ``server``; a timed one joins ``result["reps"]``."""
     loaded0 = sglang_counter(server.base_url, LOAD_BACK)
     t0, cached = time.perf_counter(), 0
-    for batch in repetition(args, plan["token_range"], rep):
+    batches = repetition(args, plan["token_range"], rep)
+    per_turn = len(batches) // args.turns
+    turn_s = [0.0] * args.turns  # each turn's batches: which turn carries a difference
+    for i, batch in enumerate(batches):
+        tb = time.perf_counter()
         cached += run_batch(server.base_url, batch, args.output_len)["cached_tokens"]
+        turn_s[i // per_turn] += time.perf_counter() - tb
     wall = time.perf_counter() - t0
     loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
     if rep == -1 and "stacks_dir" in result:  # the samples counted from here on (after the startup and warmup)
         result["stacks_base"] = read_stacks(Path(result["stacks_dir"]))
     if rep >= 0:
-        result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "cached_tokens": cached,
-                               "load_back_tokens": int(loaded)})
+        result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "turn_s": [round(t, 4) for t in turn_s],
+                               "cached_tokens": cached, "load_back_tokens": int(loaded)})
     _progress(f"[{result['label']}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
               f"load_back_tokens={loaded:.0f}")
 
@@ -243,15 +248,28 @@ def paired(runs: Sequence[dict], seed: int) -> dict:
         out[run["label"]] = {"role": run["role"], "pair_pct": [round(d, 3) for d in diffs],
                              "median_pct": round(statistics.median(diffs), 3),
                              "mean_pct": round(statistics.fmean(diffs), 3),
-                             "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)]}
+                             "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)],
+                             "turn_median_pct": _turn_medians(run["reps"], offs[0]["reps"])}
     return out
+
+
+def _turn_medians(reps: Sequence[dict], base_reps: Sequence[dict]) -> List[float]:
+    """Per turn, the median over rounds of the turn's time against the base run's same round (percent); [] when
+    the repetitions carry no per-turn times."""
+    base = {x["rep"]: x.get("turn_s") for x in base_reps}
+    pairs = [(x["turn_s"], base[x["rep"]]) for x in reps if x.get("turn_s") and base.get(x["rep"])]
+    if not pairs:
+        return []
+    return [round(statistics.median(100.0 * (t[i] - b[i]) / b[i] for t, b in pairs), 3)
+            for i in range(len(pairs[0][0]))]
 
 
 def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
     """One more (fresh, untimed) repetition with sglang's torch profiler on around ``--profile-batches`` batches of
-    its second turn (prefixes loaded back from the host); the trace's summary (``trace_summary``)."""
+    its turn ``--profile-turn`` (default the second: prefixes loaded back from the host; 0: the first, fresh
+    prompts written and backed up); the trace's summary (``trace_summary``)."""
     batches = repetition(args, plan["token_range"], args.reps)
-    first = args.conversations // args.group + (args.conversations % args.group > 0)  # the second turn's first batch
+    first = args.profile_turn * (args.conversations // args.group + (args.conversations % args.group > 0))
     session = requests.Session()
     session.trust_env = False  # loopback only
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -301,6 +319,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-batches", type=int, default=0,
                    help="after the timed repetitions, profile this many load-back batches (sglang's /start_profile) "
                         "and summarize the trace (scripts/trace_summary.py); 0: off")
+    p.add_argument("--profile-turn", type=int, default=1,
+                   help="the turn whose first batches --profile-batches profiles (0: fresh prompts; 1: the first "
+                        "load-backs)")
     p.add_argument("--out", default="hicache_overhead.json")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
@@ -318,8 +339,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--configs: unknown or empty {bad}; choose from {', '.join(CONFIGS)}")
     if args.reps < 1:
         p.error("--reps must be >= 1")
-    if args.profile_batches < 0 or args.profile_batches > args.conversations // args.group * (args.turns - 1):
-        p.error(f"--profile-batches must be within 0..(the batches after the first turn), got {args.profile_batches}")
+    if not 0 <= args.profile_turn < args.turns:
+        p.error(f"--profile-turn must be within 0..{args.turns - 1} (--turns {args.turns}), got {args.profile_turn}")
+    per_turn = args.conversations // args.group
+    if args.profile_batches < 0 or args.profile_batches > per_turn * (args.turns - args.profile_turn):
+        p.error(f"--profile-batches must be within 0..(the batches from --profile-turn {args.profile_turn} on), got "
+                f"{args.profile_batches}")
     return args
 
 
@@ -362,7 +387,7 @@ def main(argv=None) -> int:
     print(f"  hicache_multiturn  off {v['off_s']}s  ours {v['ours_pct']}%  noise {v['noise_pct']}%")
     for label, p in v["paired"].items():
         print(f"  paired vs the first off, {label}: median {p['median_pct']}% (90% CI {p['ci90_pct']}), "
-              f"mean {p['mean_pct']}%, rounds {p['pair_pct']}")
+              f"mean {p['mean_pct']}%, rounds {p['pair_pct']}; per turn (median) {p['turn_median_pct']}")
     for run in report["runs"]:
         st = run.get("canary_stats_last") or {}
         print(f"- {run['label']} ({run['describe']}): startup {run.get('startup_s', 'n/a')}s; median "

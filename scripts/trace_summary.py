@@ -3,7 +3,7 @@
 ``/start_profile`` writes ``*.trace.json.gz``), small enough to commit beside a benchmark's results.
 
 - GPU: kernel / memcpy / memset time per stream, the time any stream was busy (the rest of the window the GPU
-  idled), the top kernels by total time; the canary's own kernels (its Triton kernel names, ``CANARY_KERNELS``)
+  idled) and its idle gaps by length, the top kernels by total time; the canary's own kernels (its Triton kernel names, ``CANARY_KERNELS``)
   summed apart and listed.
 - CPU: per thread, the wall time inside python frames of the canary's code (``kv_canary/`` in the frame name,
   outermost frames only, so nested frames are not counted twice) and the top canary frames; needs a trace
@@ -41,16 +41,36 @@ def _outermost(intervals: List[tuple]) -> List[tuple]:
     return out
 
 
+# the GPU's idle gaps (between the union's busy runs), by length: microseconds, upper bounds
+GAP_BUCKETS_US = (20.0, 100.0, 1000.0, 5000.0, float("inf"))
+
+
+def _busy_runs(intervals) -> List[tuple]:
+    """The union of (start, end) intervals as sorted disjoint runs."""
+    runs: List[list] = []
+    for start, end in sorted(intervals):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+    return [tuple(r) for r in runs]
+
+
 def _union(intervals) -> float:
     """Total length of the union of (start, end) intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_e is None or start > cur_e:
-            total += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = start, end
-        else:
-            cur_e = max(cur_e, end)
-    return total + (0.0 if cur_e is None else cur_e - cur_s)
+    return sum(end - start for start, end in _busy_runs(intervals))
+
+
+def idle_gaps(runs: List[tuple]) -> List[Dict]:
+    """Per ``GAP_BUCKETS_US`` bucket, the count and total length of the gaps between busy runs: many short gaps
+    (the GPU waiting on the host between launches) read differently from a few long ones (between batches)."""
+    out = [{"up_to_us": b, "count": 0, "us": 0.0} for b in GAP_BUCKETS_US]
+    for (_, end), (start, _) in zip(runs, runs[1:]):
+        gap = start - end
+        bucket = next(b for b in out if gap <= b["up_to_us"])
+        bucket["count"] += 1
+        bucket["us"] += gap
+    return [{**b, "up_to_us": str(b["up_to_us"]), "us": round(b["us"], 1)} for b in out]
 
 
 def summarize(path: Path, top: int = 25) -> Dict:
@@ -64,7 +84,8 @@ def summarize(path: Path, top: int = 25) -> Dict:
     per_stream: Dict[str, float] = defaultdict(float)
     per_kernel: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
     canary_us = 0.0
-    busy = _union((e["ts"], e["ts"] + e["dur"]) for e in gpu)  # any stream busy: the GPU not idle
+    runs = _busy_runs((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    busy = sum(end - start for start, end in runs)  # any stream busy: the GPU not idle
     for e in gpu:
         per_stream[f"{e.get('cat')}:stream{(e.get('args') or {}).get('stream', e.get('tid'))}"] += e["dur"]
         k = per_kernel[e["name"][:120]]
@@ -87,7 +108,7 @@ def summarize(path: Path, top: int = 25) -> Dict:
                       for n, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
     return {"trace": Path(path).name, "window_us": round(t_hi - t_lo, 1),
             "gpu_us_per_stream": {k: round(v, 1) for k, v in sorted(per_stream.items())},
-            "gpu_busy_us": round(busy, 1),
+            "gpu_busy_us": round(busy, 1), "gpu_idle_gaps": idle_gaps(runs),
             "gpu_canary_kernel_us": round(canary_us, 1),
             "gpu_canary_kernels": rank({n: v for n, v in per_kernel.items() if _is_canary_kernel(n)}),
             "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if _is_canary_kernel(n)),

@@ -250,16 +250,18 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     assert hc.repetition(args, (100, 200), 1)[0][0][:3] != first[:3]  # no cross-repetition hits
     off = [2.0, 2.1, 1.9]
     runs = [{"label": "hc_off#1", "role": "off", "median_s": 2.0,
-             "reps": [{"rep": i, "wall_s": w, "load_back_tokens": 7} for i, w in enumerate(off)]},
+             "reps": [{"rep": i, "wall_s": w, "turn_s": [w / 2, w / 2], "load_back_tokens": 7}
+                      for i, w in enumerate(off)]},
             {"label": "hc_ours#1", "role": "ours", "median_s": 2.02,  # +1%, +2%, -1% against the same round's off
-             "reps": [{"rep": i, "wall_s": w * f, "load_back_tokens": 7} for i, (w, f) in
-                      enumerate(zip(off, (1.01, 1.02, 0.99)))]},
+             "reps": [{"rep": i, "wall_s": w * f, "turn_s": [w / 2, w / 2 * (2 * f - 1)], "load_back_tokens": 7}
+                      for i, (w, f) in enumerate(zip(off, (1.01, 1.02, 0.99)))]},  # all of it in the second turn
             {"label": "hc_off#2", "role": "off", "median_s": 1.98, "reps": []}]
     got = hc.summarize(runs)
     assert (got["off_s"], got["ours_pct"], got["noise_pct"]) == (2.0, 1.0, -1.0)
     pair = got["paired"]["hc_ours#1"]  # --interleave: round by round against the first off server
     assert pair["pair_pct"] == [1.0, 2.0, -1.0] and pair["median_pct"] == 1.0 and pair["mean_pct"] == 0.667
     assert -1.0 <= pair["ci90_pct"][0] <= 1.0 <= pair["ci90_pct"][1] <= 2.0 and list(got["paired"]) == ["hc_ours#1"]
+    assert pair["turn_median_pct"] == [0.0, 2.0]  # per turn: the second turn carries the difference
     assert hc.parse_args(["--interleave", "--mem-fraction-static", "0.3"]).interleave
     orders = ["".join(hc.round_order("ABC", r)) for r in range(6)]
     assert sorted(orders) == sorted({"ABC", "ACB", "BAC", "BCA", "CAB", "CBA"})  # each in each position, twice
@@ -286,3 +288,5 @@ def test_the_stack_summary_counts_samples_after_the_base_and_the_trace_summary_u
     assert got["canary_paths"] == {"adapter/hooks.py:around_forward > d2h.py:snapshot": 30}  # no base: all of them
     ts = _load("trace_summary")
     assert ts._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0 and ts._union([]) == 0.0
+    gaps = ts.idle_gaps(ts._busy_runs([(0, 2), (1, 3), (13, 14), (614, 700), (5.5, 5.7)]))
+    assert [(g["count"], g["us"]) for g in gaps] == [(2, 9.8), (0, 0.0), (1, 600.0), (0, 0.0), (0, 0.0)]

@@ -85,9 +85,10 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], object]
         tracker.note(("scrub", *_group_key(group), group_index, _spec(per_forward)))
         return kernels.scrub(group, counters, ring, per_forward, group_index=group_index)
 
-    def first_read(group, counters, ring, group_index=0):
-        tracker.note(("first_read", *_group_key(group), group_index))
-        return kernels.first_read(group, counters, ring, group_index=group_index)
+    def first_read(group, counters, ring, group_index=0, rows=None, finalize=True):
+        # a part hashes rows with the same kernel variant as the whole (a row range is a table slice)
+        tracker.note(("first_read", *_group_key(group), group_index, rows is None or rows[1] > rows[0], finalize))
+        return kernels.first_read(group, counters, ring, group_index=group_index, rows=rows, finalize=finalize)
 
     def sweep_index(group, index, counters, ring, group_index=0):
         tracker.note(("sweep_index", *_group_key(group), group_index))
