@@ -121,7 +121,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=req_rows, context_len=context_len,
         ring_capacity=config.ring_capacity, token_oracle=config.uses_token_oracle,
         max_batch_size=capacities.max_batch_size, sweep=config.sweep_interval > 0,
-        full_row=config.full_row_hash, first_read=config.first_read,
+        full_row=config.full_row_hash, first_read=config.first_read, hicache=config.hicache,
         max_tokens_per_forward=capacities.tokens_per_forward,
     )
     kv_bytes = kv_pool_bytes(facts.pool)
@@ -286,7 +286,7 @@ def canary_reserved_bytes(model_runner: Any, available_bytes: int) -> int:  # or
     common = dict(num_groups=groups, req_rows=rows, context_len=ctx, ring_capacity=config.ring_capacity,
                   token_oracle=config.uses_token_oracle, max_batch_size=max_bs, sweep=config.sweep_interval > 0,
                   max_tokens_per_forward=tokens, full_row=config.full_row_hash,
-                  first_read=config.first_read)
+                  first_read=config.first_read, hicache=config.hicache)
     fixed = canary_memory_bytes(num_slots=0, **common).total
     per_slot = canary_memory_bytes(num_slots=1, **common).total - fixed
     spec = SpecFacts.read(server_args, config.mode.value)

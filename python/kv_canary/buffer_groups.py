@@ -110,6 +110,14 @@ class CanaryBufferGroup:
 FIRST_READ_CAPACITY = 4096  # most read slots per forward and group whose full row HEAD verifies (the rest wait)
 
 
+def first_read_capacity(num_slots: int, hicache: bool) -> int:
+    """Entries of a group's first-read work list: ``FIRST_READ_CAPACITY`` (``all``: a forward's first reads since
+    their write; the rest wait for the next forward), or every slot of the pool with HiCache (a load-back brings
+    any number of slots, all listed by the forward that consumes it and hashed beside it by layer, none left over
+    for the forward stream of a later one; 24 B a slot)."""
+    return num_slots if hicache else FIRST_READ_CAPACITY
+
+
 @dataclass(frozen=True)
 class FullRowState:
     """Device state of the split whole-row hash (``kernels.full_row``), per group.
@@ -211,8 +219,8 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
                                 f"int32/int64 tensor, not {tuple(slot_map.shape)} {slot_map.dtype}")
     full_row = None
     if config.full_row_hash:
-        full_row = FullRowState.build(num_slots, config.first_read, device, FIRST_READ_CAPACITY,
-                                      clear_tags=config.clear_tags)
+        full_row = FullRowState.build(num_slots, config.first_read, device,
+                                      first_read_capacity(num_slots, config.hicache), clear_tags=config.clear_tags)
     return CanaryBufferGroup(
         name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
         source_table=source_table, base=base, full_table=full_table, full_base=full_base,

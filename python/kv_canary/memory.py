@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import fingerprint as fp
-from .buffer_groups import FIRST_READ_CAPACITY, FullRowState
+from .buffer_groups import FullRowState, first_read_capacity
 from .cache_index import BYTES_PER_SLOT as INDEX_BYTES_PER_SLOT
 
 INT64 = 8
@@ -61,7 +61,7 @@ class CanaryMemory:
 def canary_memory_bytes(*, num_slots: int, num_groups: int, req_rows: int, context_len: int,
                         ring_capacity: int, token_oracle: bool, max_batch_size: int,
                         sweep: bool = False, max_tokens_per_forward: int = 0, full_row: bool = False,
-                        first_read: bool = False) -> CanaryMemory:
+                        first_read: bool = False, hicache: bool = False) -> CanaryMemory:
     """Device bytes of the canary for a pool of ``num_slots`` slots per group and ``req_rows`` x ``context_len``
     req_to_token; ``max_tokens_per_forward`` 0: ``tokens_per_forward_bound`` of the context length."""
     tokens = max_tokens_per_forward or tokens_per_forward_bound(context_len=context_len,
@@ -73,7 +73,8 @@ def canary_memory_bytes(*, num_slots: int, num_groups: int, req_rows: int, conte
         token_table=(token_oracle_bytes(req_rows=req_rows, max_batch_size=max_batch_size,
                                         max_tokens_per_forward=tokens) if token_oracle else 0),
         sweep_index=num_slots * INDEX_BYTES_PER_SLOT if sweep else 0,
-        full_row=num_groups * FullRowState.bytes(num_slots, first_read, FIRST_READ_CAPACITY) if full_row else 0,
+        full_row=(num_groups * FullRowState.bytes(num_slots, first_read, first_read_capacity(num_slots, hicache))
+                  if full_row else 0),
     )
 
 

@@ -136,6 +136,46 @@ def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip, parts):
     assert _rows(*states[0]) == _rows(*states[1])
 
 
+def test_a_load_larger_than_all_modes_list_is_listed_whole_by_its_forward():
+    """With HiCache the first-read list holds every slot of the pool (a load-back brings any number; none is left
+    for a later forward's stream), counted in the memory estimate; ``all`` keeps FIRST_READ_CAPACITY."""
+    from kv_canary.buffer_groups import FIRST_READ_CAPACITY
+    from kv_canary.memory import canary_memory_bytes
+
+    slots, n = FIRST_READ_CAPACITY + 200, FIRST_READ_CAPACITY + 100
+    g = torch.Generator().manual_seed(4)
+    kv = [torch.randn(slots, 1, 2, generator=g).to(torch.bfloat16) for _ in range(2)]
+    group = build_group(PoolLayout("full", kv[:1], kv[1:]), _config(), torch.device("cpu"))
+    assert group.full_row.work.shape[0] == slots
+    all_config = CanaryConfig.build(mode="raise", real_data=RealData.ALL.value, environ={})
+    assert build_group(PoolLayout("full", kv[:1], kv[1:]), all_config,
+                       torch.device("cpu")).full_row.work.shape[0] == FIRST_READ_CAPACITY
+    common = dict(num_groups=1, req_rows=2, context_len=64, ring_capacity=16, token_oracle=False, max_batch_size=2,
+                  full_row=True, first_read=True)
+    assert (canary_memory_bytes(num_slots=slots, hicache=True, **common).full_row
+            - canary_memory_bytes(num_slots=slots, **common).full_row) == 24 * (slots - FIRST_READ_CAPACITY)
+    counters, ring = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64), torch.zeros(8, fp.RING_WIDTH, dtype=torch.int64)
+    counters[fp.C_REPORT_ENABLED] = 1
+    loaded = torch.arange(1, n + 1)
+    r2t = torch.zeros(1, n + 8, dtype=torch.int32)
+    r2t[0, :n] = loaded.to(torch.int32)
+    ref.launch_write(group, ForwardView(
+        input_ids=torch.ones(n, dtype=torch.int64), positions=torch.arange(n), out_cache_loc=loaded,
+        req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=torch.tensor([n]),
+        new_starts=torch.zeros(1, dtype=torch.int32), new_lens=torch.tensor([n], dtype=torch.int32),
+        batch_size=1, max_new_len=n), r2t, counters, ring, True, check_fed=False)
+    group.full_row.tags[loaded] = 0  # a load-back filled them
+    reader = ForwardView(
+        input_ids=torch.ones(1, dtype=torch.int64), positions=torch.tensor([n]), out_cache_loc=torch.tensor([n + 1]),
+        req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=torch.tensor([n + 1]),
+        new_starts=torch.zeros(1, dtype=torch.int32), new_lens=torch.tensor([1], dtype=torch.int32),
+        batch_size=1, max_new_len=1)
+    ref.launch_verify(group, reader, r2t, counters, ring, 2, 256, defer_first_read=True)
+    assert int(group.full_row.work_state[0]) == n  # every loaded slot, in the consuming forward's list
+    ref.launch_first_read(group, counters, ring)
+    assert int(counters[fp.C_SLOTS_FIRST_READ]) == n and int(counters[fp.C_VIOLATIONS]) == 0
+
+
 def test_layer_parts_cover_every_row_once_in_runs_of_whole_layers():
     group = _group(_config())
     assert layer_parts(group.rows, 1) == ((0, 6, 2),)
