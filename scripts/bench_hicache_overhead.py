@@ -286,6 +286,16 @@ def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
     return summarize_trace(traces[-1])
 
 
+def profile_line(prof: dict) -> str:
+    """One line of a run's profile summary (``trace_summary.summarize``'s dict, or ``{"error": ...}``)."""
+    if "error" in prof:
+        return f"profile: ERROR {prof['error'][:300]}"
+    gaps = ", ".join(f"<={g['up_to_us']}us {g['count']} / {g['us'] / 1e3:.1f} ms" for g in prof.get("gpu_idle_gaps", []))
+    return (f"profile: window {prof['window_us'] / 1e3:.1f} ms, GPU busy {prof['gpu_busy_us'] / 1e3:.1f} ms, canary "
+            f"kernels {prof['gpu_canary_kernel_us'] / 1e3:.1f} ms in {prof['gpu_canary_kernel_launches']} launches; "
+            f"idle gaps (count / total) {gaps}")
+
+
 def summarize(runs: Sequence[dict]) -> dict:
     """off_s (first hc_off), ours_pct (first hc_ours), noise_pct (second hc_off vs first), host hits."""
     offs = [r for r in runs if r["role"] == "off" and r.get("median_s") is not None]
@@ -396,6 +406,8 @@ def main(argv=None) -> int:
               f"slots_first_read={st.get('slots_first_read')} violations={st.get('violations')} "
               f"violation_lines={run.get('violation_lines')}"
               + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
+        if run.get("profile"):  # --profile-batches: the trace's summary (all of it in the results json)
+            print("    " + profile_line(run["profile"]))
         for title, st in (run.get("stacks") or {}).items():
             if "scheduler" in title:
                 print(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "

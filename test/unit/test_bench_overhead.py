@@ -290,3 +290,8 @@ def test_the_stack_summary_counts_samples_after_the_base_and_the_trace_summary_u
     assert ts._union([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0 and ts._union([]) == 0.0
     gaps = ts.idle_gaps(ts._busy_runs([(0, 2), (1, 3), (13, 14), (614, 700), (5.5, 5.7)]))
     assert [(g["count"], g["us"]) for g in gaps] == [(2, 9.8), (0, 0.0), (1, 600.0), (0, 0.0), (0, 0.0)]
+    line = hc.profile_line({"window_us": 1500.0, "gpu_busy_us": 1200.0, "gpu_canary_kernel_us": 30.0,
+                            "gpu_canary_kernel_launches": 8, "gpu_idle_gaps": gaps})  # the bench log's line
+    assert line.startswith("profile: window 1.5 ms, GPU busy 1.2 ms, canary kernels 0.0 ms in 8 launches; ")
+    assert "<=20.0us 2 / 0.0 ms" in line and "<=1000.0us 1 / 0.6 ms" in line
+    assert hc.profile_line({"error": "no trace"}) == "profile: ERROR no trace"
