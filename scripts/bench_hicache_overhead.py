@@ -269,7 +269,7 @@ def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
     its turn ``--profile-turn`` (default the second: prefixes loaded back from the host; 0: the first, fresh
     prompts written and backed up); the trace's summary (``trace_summary``)."""
     batches = repetition(args, plan["token_range"], args.reps)
-    first = args.profile_turn * (args.conversations // args.group + (args.conversations % args.group > 0))
+    first = args.profile_turn * (len(batches) // args.turns)  # the turn's first batch
     session = requests.Session()
     session.trust_env = False  # loopback only
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +290,8 @@ def profile_line(prof: dict) -> str:
     """One line of a run's profile summary (``trace_summary.summarize``'s dict, or ``{"error": ...}``)."""
     if "error" in prof:
         return f"profile: ERROR {prof['error'][:300]}"
-    gaps = ", ".join(f"<={g['up_to_us']}us {g['count']} / {g['us'] / 1e3:.1f} ms" for g in prof.get("gpu_idle_gaps", []))
+    gaps = ", ".join(f"<={g['up_to_us']}us {g['count']} / {g['us'] / 1e3:.1f} ms"
+                     for g in prof.get("gpu_idle_gaps", []))
     return (f"profile: window {prof['window_us'] / 1e3:.1f} ms, GPU busy {prof['gpu_busy_us'] / 1e3:.1f} ms, canary "
             f"kernels {prof['gpu_canary_kernel_us'] / 1e3:.1f} ms in {prof['gpu_canary_kernel_launches']} launches; "
             f"idle gaps (count / total) {gaps}")

@@ -3,8 +3,8 @@
 ``/start_profile`` writes ``*.trace.json.gz``), small enough to commit beside a benchmark's results.
 
 - GPU: kernel / memcpy / memset time per stream, the time any stream was busy (the rest of the window the GPU
-  idled) and its idle gaps by length, the top kernels by total time; the canary's own kernels (its Triton kernel names, ``CANARY_KERNELS``)
-  summed apart and listed.
+  idled) and its idle gaps by length, the top kernels by total time; the canary's own kernels (its Triton kernel
+  names, ``CANARY_KERNELS``) summed apart and listed.
 - CPU: per thread, the wall time inside python frames of the canary's code (``kv_canary/`` in the frame name,
   outermost frames only, so nested frames are not counted twice) and the top canary frames; needs a trace
   recorded ``with_stack`` (sglang's default).

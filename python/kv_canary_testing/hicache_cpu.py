@@ -7,8 +7,8 @@ exactly those, per installed sglang line: the host buffer is a plain CPU tensor,
 / ``index_copy_`` (the ``layer_first`` and ``page_first`` layouts, what the CUDA kernels do for them; 0.5.23's L2
 transfer engine reaches them through ``HostKVCache.*_physical``); on 0.5.12 the storage tier's page read target
 (``get_dummy_flat_data_page``) is unpinned. sglang's tree, controller, acks, layer events, write policies and
-(0.5.12) file storage tier run unchanged, and so does the canary. Transfers are synchronous here, so stream races are not exercised (the GPU host
-covers them, on 0.5.12).
+(0.5.12) file storage tier run unchanged, and so does the canary. Transfers are synchronous here, so stream races
+are not exercised (the GPU host covers them, on 0.5.12).
 
 Enabled by the e2e fixture's env (``KVC_TEST_HICACHE_CPU=1``, read when the tiny model package is imported in
 the scheduler process), never by the plugin. Also lowers sglang's 10 GiB host-memory reserve check to 0 (the

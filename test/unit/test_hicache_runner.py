@@ -47,6 +47,7 @@ class Manager(HostCopies):
         import dataclasses
         kernels = dataclasses.replace(ref, verify=spy("verify", ref.verify), write=spy("write", ref.write),
                                       first_read=spy("first_read", ref.first_read))
+        self.kernels_for_tests = kernels
         self.r2t = torch.zeros(4, CTX, dtype=torch.int32)
         self.single_forward_managers = [SingleForwardManager(
             index=0, groups=self.groups, kernels=kernels, req_to_token=self.r2t, counters=self.counters,
@@ -218,3 +219,19 @@ def test_a_copy_is_marked_landed_once_its_event_completes_never_dropped():
     assert len(m._copies_in_flight) == 1 and ev.queries == 1  # not landed yet: kept
     m.host_backups_acked()
     assert m._copies_in_flight == []  # landed at the second ack
+
+
+def test_a_load_handed_to_a_manager_without_load_hashing_is_refused():
+    """Only a manager whose host records are attached hashes loads; a hand-over elsewhere would leave the loaded
+    slots listed and never hashed, so it is an error at the hand-over."""
+    from kv_canary.runner.load_hashing import LoadWaits
+
+    m = Manager([])
+    bare = SingleForwardManager(
+        index=1, groups=m.groups, kernels=m.kernels_for_tests, req_to_token=m.r2t, counters=m.counters, ring=m.ring,
+        capacities=LaunchCapacities(max_batch_size=4, max_context_len=CTX, verify_programs_target=1),
+        on_tail=lambda: None, check_fed=False, write_witness=False)
+    with pytest.raises(ValueError, match="without load hashing"):
+        bare.expect_load(LoadWaits(head=lambda: None, layer=lambda layer: None))
+    bare.expect_load(None)  # forgetting a load needs none
+    m.single_forward_managers[0].expect_load(LoadWaits(head=lambda: None, layer=lambda layer: None))  # attached

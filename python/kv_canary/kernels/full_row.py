@@ -278,22 +278,23 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
     """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows``: (r0, r1), hash only rows
     [r0, r1) of ``group.rows`` (default: all); ``finalize``: then mix, compare / store and zero ``acc``."""
     table = group.full_table if rows is None else group.full_table[rows[0]:rows[1]]
+    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     if table.shape[0]:
-        _launch_hash(group, state, mode, counters, table, lanes=lanes, grid0=grid0, per_forward=per_forward,
+        _launch_hash(group, state, mode, counters, table, loc, lanes=lanes, grid0=grid0, per_forward=per_forward,
                      view=view)
     if finalize:
-        _launch_finalize(group, state, mode, counters, ring, group_index, lanes=lanes, per_forward=per_forward,
+        _launch_finalize(group, state, mode, counters, ring, group_index, loc, lanes=lanes, per_forward=per_forward,
                          view=view)
 
 
-def _launch_hash(group, state, mode, counters, table, *, lanes, grid0, per_forward, view):
-    """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``."""
+def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_forward, view):
+    """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``;
+    ``loc``: the TAIL's (out_cache_loc, new_starts, new_lens), placeholders otherwise."""
     num_rows = int(table.shape[0])
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
     if mode != TAIL:  # persistent slot-block programs, each looping over blocks
         grid0 = min(SHAPE.persistent_programs[mode], triton.cdiv(max(1, lanes), sb))
-    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1
     if mode == TAIL:  # host-known: the batch size and the longest new run
@@ -304,8 +305,7 @@ def _launch_hash(group, state, mode, counters, table, *, lanes, grid0, per_forwa
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, num_warps=SHAPE.warps)
 
 
-def _launch_finalize(group, state, mode, counters, ring, group_index, *, lanes, per_forward, view):
-    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
+def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, lanes, per_forward, view):
     block = SHAPE.finalize_block
     if mode == TAIL:
         grid = (view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))

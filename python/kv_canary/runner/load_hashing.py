@@ -74,9 +74,8 @@ class LoadHashing:
         self._done: Optional[torch.cuda.Event] = torch.cuda.Event() if cuda else None
         self._pending = False
 
-    def start(self, waits: Optional[LoadWaits]) -> None:
-        """After HEAD's verify listed the loaded slots: queue every part behind its layer, then the finalize.
-        ``waits`` None: no waits (precompile)."""
+    def start(self, waits: LoadWaits) -> None:
+        """After HEAD's verify listed the loaded slots: queue every part behind its layer, then the finalize."""
         stream = self._stream
         if stream is None:
             self._launch(waits)
@@ -91,11 +90,10 @@ class LoadHashing:
             torch.cuda.set_stream(main)
         self._pending = True
 
-    def _launch(self, waits: Optional[LoadWaits]) -> None:
+    def _launch(self, waits: LoadWaits) -> None:
         for group_index, group in enumerate(self._groups):
             for r0, r1, layer in self._parts[group_index]:
-                if waits is not None:
-                    waits.layer(layer)
+                waits.layer(layer)
                 self._kernels.first_read(group, self._counters, self._ring, group_index=group_index, rows=(r0, r1),
                                          finalize=False)
             self._kernels.first_read(group, self._counters, self._ring, group_index=group_index, rows=(0, 0),

@@ -280,7 +280,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
                     out=self._accepted, staged=self._accepted_staged, req_to_token=self._req_to_token,
                     rows=z64[:1], committed=z64[:1], kept_nodes=z32[:1], kept=1, batch_size=1, n=2,
                     fed_tokens=z64, fed_positions=z64, appended=z32[:1])
-            for group_index, group in enumerate(self.groups):  # a load-back forward's first reads (a part, the finalize)
+            for group_index, group in enumerate(self.groups):  # a load's first reads: a part, the finalize
                 if group.full_row is not None and group.full_row.first_read:
                     for rows, finalize in (((0, 1), False), ((0, 0), True)):  # load_hashing's two launches
                         self.kernels.first_read(group, self.counters, self.ring, group_index=group_index, rows=rows,

@@ -79,7 +79,10 @@ class SingleForwardManager:
 
     def expect_load(self, waits: Optional[LoadWaits]) -> None:
         """The next forward consumes a HiCache load: HEAD calls ``waits.head()`` first, then hashes the loaded
-        slots' rows behind ``waits.layer`` (``load_hashing``); the scrub moves after TAIL."""
+        slots' rows behind ``waits.layer`` (``load_hashing``); the scrub moves after TAIL. ``None``: forget one."""
+        if waits is not None and self.load_hashing is None:
+            raise ValueError("kv-canary: a HiCache load was handed to a forward manager without load hashing "
+                             "(attach_load_hashing): its slots would go unhashed")
         self._load_waits = waits
 
     @property
@@ -112,7 +115,7 @@ class SingleForwardManager:
         if self._witness:  # last: the scrub and the verify above read the slots' old bytes
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_stamp(group, view, group_index=group_index)
-        if waits is not None and self.load_hashing is not None:  # the verify above listed the loaded slots
+        if waits is not None:  # the verify above listed the loaded slots
             self.load_hashing.start(waits)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
@@ -126,7 +129,7 @@ class SingleForwardManager:
             for group_index, group in enumerate(self._groups):
                 self._kernels.witness_check(group, view, self._counters, self._ring, group_index=group_index)
         deferred, self._defer_full_rows = self._defer_full_rows, False
-        if deferred and self.load_hashing is not None:  # before the write: the first reads' rows name this forward
+        if deferred:  # before the write: the first reads' rows name this forward
             self.load_hashing.join()
         self._write(view, bump_forward=True)
         if deferred and self._scrub:  # after the write: the slots this forward filled have their records
