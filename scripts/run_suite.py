@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     env["KVC_TEST_DEVICE"] = args.hw
     targets = (["test/unit"] if args.with_unit else []) + [os.path.relpath(r.filename, ROOT) for r in regs]
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "--durations=60", *targets, *args.pytest_args]
+    # -rsfE: the summary ends with the FAILED / ERROR lines, so the tail of a CI log names what failed
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rsfE", "--durations=60", *targets, *args.pytest_args]
     print("run_suite: $ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
