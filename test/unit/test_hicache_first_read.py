@@ -184,18 +184,27 @@ def test_layer_parts_cover_every_row_once_in_runs_of_whole_layers():
     assert layer_parts(group.rows, 8) == layer_parts(group.rows, 3)  # at most one part a layer
 
 
-def test_undeferred_first_read_hashes_in_head():
-    config = _config()
-    group = _group(config, seed=2)
-    counters, ring = _state()
-    slots = torch.arange(1, 9)
-    r2t = torch.zeros(1, 64, dtype=torch.int32, device=DEVICE)
-    r2t[0, :8] = slots.to(torch.int32).to(DEVICE)
-    tk.launch_write(group, _extend(slots), r2t, counters, ring, True, check_fed=False)
-    group.full_row.tags[slots[2:4].to(DEVICE)] = 0
-    group.rows[-1].view[int(slots[3]), 0] ^= 1
-    tk.launch_verify(group, _extend(torch.tensor([9]), prefix=8), r2t, counters, ring, 2, 16)
-    assert [r[fp.V_SLOT] for r in _rows(counters, ring)] == [int(slots[3])]
+@pytest.mark.parametrize("flip_row", [2, -1])  # outside the window HEAD's verify hashes (layer 0)
+def test_undeferred_first_read_hashes_in_head(flip_row):
+    """A loaded slot read first by a forward that consumes no load (its HEAD's LIST is one launch of a few
+    programs, the last finalizing): hashed and compared there, as the reference does; the list is emptied."""
+    out = []
+    for backend in BACKENDS:
+        config = _config()
+        group = _group(config, seed=2)
+        counters, ring = _state()
+        slots = torch.arange(1, 9)
+        r2t = torch.zeros(1, 64, dtype=torch.int32, device=DEVICE)
+        r2t[0, :8] = slots.to(torch.int32).to(DEVICE)
+        backend.launch_write(group, _extend(slots), r2t, counters, ring, True, check_fed=False)
+        group.full_row.tags[slots[2:4].to(DEVICE)] = 0
+        group.rows[flip_row].view[int(slots[3]), 0] ^= 1
+        backend.launch_verify(group, _extend(torch.tensor([9]), prefix=8), r2t, counters, ring, 2, 16)
+        assert [r[fp.V_SLOT] for r in _rows(counters, ring)] == [int(slots[3])]
+        assert int(counters[fp.C_SLOTS_FIRST_READ]) == 2
+        assert int(group.full_row.work_state.abs().sum()) == 0 and int(group.full_row.acc.abs().sum()) == 0
+        out.append(_rows(counters, ring))
+    assert out[0] == out[1]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a GPU: the parts run on a CUDA side stream, each behind "

@@ -58,15 +58,16 @@ class LaunchShape:
     warps: int
     finalize_block: int  # slots a finalize program mixes
     finalize_programs: int  # most finalize programs of a SCRUB / LIST launch (each loops)
+    fused_list_programs: int  # programs of a LIST expected empty (HiCache outside a load), each over every row
 
 
 # GPU: the best of a sweep on an H100 (scripts/sweep_full_row_tiles.py, docs/performance.md issue 22); LIST's
 # one row a program keeps a short list (a decode step's first reads) spread over the GPU.
-GPU_SHAPE = LaunchShape(1024, (4, 8, 8), (4, 4, 1), (0, 128, 64), 4096, 8, 128, 64)
+GPU_SHAPE = LaunchShape(1024, (4, 8, 8), (4, 4, 1), (0, 128, 64), 4096, 8, 128, 64, 8)
 # The Triton interpreter (CPU servers and tests) runs programs one after another, each step a numpy op: the
 # fewest, largest programs (every row in one program; a tile still smaller than a wide row, so the word loop
 # is exercised).
-INTERPRETER_SHAPE = LaunchShape(8192, (64, 64, 64), (64, 64, 64), (0, 4, 4), 16, 4, 1024, 4)
+INTERPRETER_SHAPE = LaunchShape(8192, (64, 64, 64), (64, 64, 64), (0, 4, 4), 16, 4, 1024, 4, 2)
 SHAPE = INTERPRETER_SHAPE if os.environ.get("TRITON_INTERPRET") == "1" else GPU_SHAPE
 
 
@@ -139,13 +140,59 @@ def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state
         tl.store(tags + slot, old, mask=claim & ~fits)
 
 
+@triton.jit
+def _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, k, num_slots, slot_map, map_len,
+                         TRANSLATE: tl.constexpr, CLEAR_TAGS: tl.constexpr):
+    """TAIL: mix ``acc`` of new tokens ``k`` (< ``n``) of the run at ``start`` into their records' FULL_HASH, zero
+    ``acc`` (read and zeroed in one atomic: a fused finalize reads sums other programs added) and set the tags."""
+    m = k < n
+    slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+    slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
+    m = m & (slot > 0) & (slot < num_slots)
+    slot = tl.where(m, slot, 0)
+    total = tl.atomic_xchg(acc + slot, tl.zeros_like(slot), mask=m, sem="relaxed")
+    full = _mix64(total ^ _HASH_SEED)
+    tl.store(records + slot * _RW + 4, full, mask=m)
+    if CLEAR_TAGS:
+        tl.store(tags + slot, tl.zeros_like(full), mask=m)
+    else:
+        tl.store(tags + slot, full, mask=m)
+
+
+@triton.jit
+def _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, l, bound, start, report,
+                 forward_index, MODE: tl.constexpr, GROUP_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """SCRUB / LIST: compare the mixed ``acc`` of lanes ``l`` with their records' FULL_HASH (one ``kv_hash`` ring
+    row per mismatch), zero ``acc``; returns the lanes checked (int64[BLOCK] of 0/1)."""
+    slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
+    total = tl.atomic_xchg(acc + slot, tl.zeros_like(slot), mask=m, sem="relaxed")
+    live = _mix64(total ^ _HASH_SEED)
+    rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
+    rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
+    bad = m & (live != rec_full)
+    if MODE == 1:
+        batch_index = tl.full((BLOCK,), -2, tl.int64)
+        row = batch_index
+    else:
+        batch_index = tl.load(work + l * 3 + 1, mask=m, other=-2)
+        row = tl.load(work + l * 3 + 2, mask=m, other=-2)
+    _append_violations(counters, ring, ring_capacity, bad & (report != 0),
+                       tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot, rec_pos, batch_index,
+                       row, rec_full, live, forward_index)
+    return m.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["num_rows", "rows_per_program", "per_forward", "num_slots"])
 def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_slots, counters, per_forward,
                     work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
-                    MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr):
+                    tags, ring, ring_capacity,
+                    MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
+                    FUSED: tl.constexpr, GROUP_BITS: tl.constexpr, FBLOCK: tl.constexpr, CLEAR_TAGS: tl.constexpr):
     """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
 
-    TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``)."""
+    TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``).
+    FUSED (a decode TAIL; a LIST expected empty): the last program to finish (a ticket in ``work_state``) runs
+    the finalize itself, in ``FBLOCK`` lanes at a time: one launch instead of two."""
     c = tl.program_id(1)
     r0 = c * rows_per_program
     r1 = tl.minimum(r0 + rows_per_program, num_rows)
@@ -171,6 +218,32 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             slot, m = _lane_slots(b * SB + lanes, MODE, bound, records, work, num_slots, start)
             _add_rows(acc, slot, m, base, table, r0, r1, SB, WT)
+    if FUSED:
+        # every thread's acc adds precede this program's ticket (release); the last ticket acquires them all
+        tl.debug_barrier()
+        ticket_at = work_state + (2 if MODE == 0 else 1)
+        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
+            fl = tl.arange(0, FBLOCK)
+            if MODE == 0:
+                for i in range(0, tl.num_programs(0)):
+                    start = tl.load(new_starts + i).to(tl.int64)
+                    n = tl.load(new_lens + i).to(tl.int64)
+                    for k0 in range(0, n, FBLOCK):
+                        _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, k0 + fl, num_slots,
+                                             slot_map, map_len, TRANSLATE, CLEAR_TAGS)
+                tl.store(ticket_at, 0)
+            else:
+                report = tl.load(counters + _C_REPORT_ENABLED)
+                forward_index = tl.load(counters + _C_FORWARD_INDEX)
+                checked = tl.zeros((FBLOCK,), dtype=tl.int64)
+                for b in range(0, tl.cdiv(bound, FBLOCK)):
+                    checked += _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work,
+                                            b * FBLOCK + fl, bound, 0, report, forward_index, MODE, GROUP_BITS,
+                                            FBLOCK)
+                tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
+                tl.store(work_state, 0)
+                tl.store(ticket_at, 0)
 
 
 @triton.jit(do_not_specialize=["per_forward", "num_slots"])
@@ -187,20 +260,8 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
         i = tl.program_id(0)
         start = tl.load(new_starts + i).to(tl.int64)
         n = tl.load(new_lens + i).to(tl.int64)
-        k = tl.program_id(1) * BLOCK + lanes
-        m = k < n
-        slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
-        slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
-        m = m & (slot > 0) & (slot < num_slots)
-        slot = tl.where(m, slot, 0)
-        total = tl.load(acc + slot, mask=m, other=0)
-        full = _mix64(total ^ _HASH_SEED)
-        tl.store(records + slot * _RW + 4, full, mask=m)
-        tl.store(acc + slot, tl.zeros_like(total), mask=m)
-        if CLEAR_TAGS:
-            tl.store(tags + slot, tl.zeros_like(total), mask=m)
-        else:
-            tl.store(tags + slot, full, mask=m)
+        _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, tl.program_id(1) * BLOCK + lanes,
+                             num_slots, slot_map, map_len, TRANSLATE, CLEAR_TAGS)
     else:
         forward_index = tl.load(counters + _C_FORWARD_INDEX)
         if MODE == 1:
@@ -212,24 +273,8 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
         report = tl.load(counters + _C_REPORT_ENABLED)
         checked = tl.zeros((BLOCK,), dtype=tl.int64)
         for b in range(tl.program_id(0), tl.cdiv(bound, BLOCK), tl.num_programs(0)):
-            l = b * BLOCK + lanes
-            slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
-            total = tl.load(acc + slot, mask=m, other=0)
-            tl.store(acc + slot, tl.zeros_like(total), mask=m)
-            live = _mix64(total ^ _HASH_SEED)
-            rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
-            rec_pos = tl.load(records + slot * _RW + 1, mask=m, other=0)
-            bad = m & (live != rec_full)
-            if MODE == 1:
-                batch_index = tl.full((BLOCK,), -2, tl.int64)
-                row = batch_index
-            else:
-                batch_index = tl.load(work + l * 3 + 1, mask=m, other=-2)
-                row = tl.load(work + l * 3 + 2, mask=m, other=-2)
-            _append_violations(counters, ring, ring_capacity, bad & (report != 0),
-                               tl.where(bad, _R_KV_HASH, 0).to(tl.int64) | GROUP_BITS, slot, rec_pos, batch_index,
-                               row, rec_full, live, forward_index)
-            checked += m.to(tl.int64)
+            checked += _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, b * BLOCK + lanes,
+                                    bound, start, report, forward_index, MODE, GROUP_BITS, BLOCK)
         if MODE == 1:
             tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
         else:  # the last program to finish empties the list (every program has read its length by then)
@@ -274,11 +319,16 @@ def _map_args(group):
 
 
 def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_forward=0, view=None,
-            rows=None, finalize=True):
+            rows=None, finalize=True, fused=False):
     """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows``: (r0, r1), hash only rows
-    [r0, r1) of ``group.rows`` (default: all); ``finalize``: then mix, compare / store and zero ``acc``."""
+    [r0, r1) of ``group.rows`` (default: all); ``finalize``: then mix, compare / store and zero ``acc``;
+    ``fused``: the hash launch's last program finalizes (all rows, one launch)."""
     table = group.full_table if rows is None else group.full_table[rows[0]:rows[1]]
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
+    if fused:
+        _launch_hash(group, state, mode, counters, table, loc, lanes=lanes, grid0=grid0, per_forward=per_forward,
+                     view=view, fused=(ring, group_index))
+        return
     if table.shape[0]:
         _launch_hash(group, state, mode, counters, table, loc, lanes=lanes, grid0=grid0, per_forward=per_forward,
                      view=view)
@@ -287,22 +337,30 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
                          view=view)
 
 
-def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_forward, view):
+def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_forward, view, fused=None):
     """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``;
-    ``loc``: the TAIL's (out_cache_loc, new_starts, new_lens), placeholders otherwise."""
+    ``loc``: the TAIL's (out_cache_loc, new_starts, new_lens), placeholders otherwise. ``fused``: (ring, group
+    index), the last program finalizes; a fused LIST (expected empty) runs ``SHAPE.fused_list_programs``
+    programs over all rows each."""
     num_rows = int(table.shape[0])
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
     if mode != TAIL:  # persistent slot-block programs, each looping over blocks
         grid0 = min(SHAPE.persistent_programs[mode], triton.cdiv(max(1, lanes), sb))
+    if fused is not None and mode == LIST:
+        grid0, rpp = SHAPE.fused_list_programs, num_rows
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1
     if mode == TAIL:  # host-known: the batch size and the longest new run
         splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
+    ring, group_index = fused if fused is not None else (counters, 0)
     row_hash_kernel[(grid0, chunks, splits)](
         state.acc, group.full_base, table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, num_warps=SHAPE.warps)
+        state.tags, ring, ring.shape[0],
+        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, FUSED=fused is not None,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, FBLOCK=SHAPE.finalize_block, CLEAR_TAGS=state.clear_tags,
+        num_warps=SHAPE.warps)
 
 
 def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, lanes, per_forward, view):
@@ -319,10 +377,11 @@ def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, la
 
 
 def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> None:
-    """FULL_HASH of every slot the forward wrote (after the write kernel's records; sets first-read tags)."""
+    """FULL_HASH of every slot the forward wrote (after the write kernel's records; sets first-read tags). One
+    new token a request (decode): one launch, its last program finalizes (the same variants as before: SB = 1)."""
     if view.batch_size:
         _launch(group, group.full_row, TAIL, counters, ring, group_index, grid0=view.batch_size,
-                lanes=view.batch_size * max(1, view.max_new_len), view=view)
+                lanes=view.batch_size * max(1, view.max_new_len), view=view, fused=view.max_new_len <= 1)
 
 
 def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) -> None:
@@ -331,11 +390,14 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) 
     _launch(group, group.full_row, SCRUB, counters, ring, group_index, lanes=per_forward, per_forward=per_forward)
 
 
-def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True) -> None:
+def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True,
+                      expect_empty: bool = False) -> None:
     """Hash the full rows of the slots HEAD's verify listed (first reads since their write) and compare.
 
     ``rows`` (r0, r1): only rows [r0, r1) of ``group.rows`` (a HiCache load hashed layer by layer as the layers
-    land); ``finalize``: compare and empty the list (after the last part: the sums are additive)."""
+    land); ``finalize``: compare and empty the list (after the last part: the sums are additive).
+    ``expect_empty``: the HEAD of a HiCache forward that consumes no load (its list is empty unless a loaded slot
+    is read first outside its load's forward): one launch of a few programs, whole rows, the last finalizing."""
     state = group.full_row
     _launch(group, state, LIST, counters, ring, group_index, lanes=int(state.work.shape[0]), rows=rows,
-            finalize=finalize)
+            finalize=finalize, fused=expect_empty)

@@ -307,7 +307,9 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         num_warps=verify_warps(group, block), FIRST_READ=_first_read(group),
     )
     if _first_read(group) and not defer_first_read:  # the listed slots' every byte, over (slot block, row)
-        full_row.launch_first_read(group, counters, ring, group_index)
+        # HiCache outside all (TAIL sets the tags): only loaded slots are listed, by their load's forward (whose
+        # LIST is deferred); here the list is empty but for a loaded slot read first elsewhere: one small launch
+        full_row.launch_first_read(group, counters, ring, group_index, expect_empty=not group.full_row.clear_tags)
 
 
 def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True) -> None:

@@ -16,9 +16,10 @@ slot or layer). The witness closes that gap:
   (-1 and the fed position when no request's new run holds the lane).
 
 Lanes are the flat ``out_cache_loc`` entries (grid ``ceil(num_tokens / BLOCK)``: one program at decode),
-each program covering RT rows per step as one [BLOCK, RT] gather; the request of a failing lane is looked
-up only when a lane failed. A correct forward writes each row whole before attention reads it (sglang
-stores a layer's K/V before that layer's attention), so the stamp never changes what it computes.
+each program covering RT rows per step as one [BLOCK, RT] gather (RT: every row of the group, up to 128); the
+request of a failing lane is looked up only when a lane failed. A correct forward writes each row whole before
+attention reads it (sglang stores a layer's K/V before that layer's attention), so the stamp never changes what
+it computes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from .slot_checks import (  # noqa: F401 - read as Triton globals
 _R_UNWRITTEN = tl.constexpr(fp.R_UNWRITTEN)
 _C_SLOTS_WITNESSED = tl.constexpr(fp.C_SLOTS_WITNESSED)
 WITNESS_BLOCK = 32  # lanes (slots) per program
-WITNESS_ROWS = 32  # K/V rows per gather step
+# K/V rows per gather step: every row of a group up to this many (one step, the loads of all rows in flight at
+# once: the check is latency-bound; 32 rows a step took two dependent steps for a 32-layer model's 64 rows)
+WITNESS_ROWS_MAX = 128
+
+
+def witness_rows(group) -> int:
+    """Rows per gather step of a group (a power of two, one compiled variant per group)."""
+    return min(WITNESS_ROWS_MAX, triton.next_power_of_2(max(1, len(group.rows))))
 
 
 @triton.jit
@@ -128,7 +136,7 @@ def launch_stamp(group, view, group_index: int = 0) -> None:
     stamp_kernel[_grid(view)](
         view.out_cache_loc, view.out_cache_loc.stride(0), view.store_lanes, group.full_base, group.full_table,
         len(group.rows), group.num_slots, *_map_args(group), group.witness_stamp,
-        TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK, RT=WITNESS_ROWS,
+        TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK, RT=witness_rows(group),
     )
 
 
@@ -141,5 +149,5 @@ def launch_check(group, view, counters, ring, group_index: int = 0) -> None:
         group.full_base, group.full_table, len(group.rows),
         group.num_slots, *_map_args(group), group.witness_stamp, counters, ring, ring.shape[0],
         GROUP_BITS=group_index << fp.GROUP_SHIFT, TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK,
-        RT=WITNESS_ROWS,
+        RT=witness_rows(group),
     )
