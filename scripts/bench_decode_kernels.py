@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""The canary's kernels of one decode forward, as the HiCache row runs them (no server): HEAD and TAIL timed.
+
+Builds a Llama-3-8B-shaped pool (32 layers, K and V rows of 8 heads x 128 dims bf16, every layer allocated:
+the TAIL's whole-row hash and the witness read all of them), fingerprints ``ctx`` cached slots per request
+with the real TAIL kernels (prefill), then captures one decode forward's HEAD
+(``SingleForwardManager.pre_ops_maybe_inside_graph``: verify, the first-read LIST, the witness stamp) and
+TAIL (``post_ops_maybe_inside_graph``: the witness check, the write, the whole-row hash) in two CUDA graphs,
+as the server's decode graphs hold them. Between them a third graph stores the new token's K/V rows (the
+"attention"); it is not timed. Each timed replay follows an L2 flush (as after the model's layers), CUDA
+events, median of ``--iters``. The profiler then gives each kernel's mean duration over the same replays.
+
+The canary's settings are the server's (``CanaryConfig.build``, default ``--kv-canary raise`` with
+``--enable-hierarchical-cache``; ``--canary-env`` overrides). Every timed step must stay clean: the script
+fails on any violation, and checks that HEAD verified every cached slot.
+
+    PYTHONPATH=$PWD/python python scripts/bench_decode_kernels.py --out decode_kernels.json
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD/python python scripts/bench_decode_kernels.py --smoke   # CPU: runs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+L2_FLUSH_BYTES = 512 << 20
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="48x2048,16x1024,1x512",
+                   help="comma-separated BSxCTX decode cases (default 48x2048,16x1024,1x512)")
+    p.add_argument("--pool-slots", type=int, default=131072, help="slots in the pool (default 131072)")
+    p.add_argument("--iters", type=int, default=200, help="timed replays per graph (default 200)")
+    p.add_argument("--canary-env", action="append", default=[], metavar="SGLANG_KV_CANARY_X=V")
+    p.add_argument("--no-hicache", action="store_true", help="the canary's settings without HiCache")
+    p.add_argument("--label", default="", help="a name for this run in the json")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: proves it runs")
+    p.add_argument("--out", default="decode_kernels.json")
+    args = p.parse_args(argv)
+    args.case_list = []
+    for item in args.cases.split(","):
+        bs, _, ctx = item.partition("x")
+        try:
+            args.case_list.append((int(bs), int(ctx)))
+        except ValueError:
+            p.error(f"--cases: expected BSxCTX, got {item!r}")
+    env = {}
+    for pair in args.canary_env:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.startswith("SGLANG_KV_CANARY_"):
+            p.error(f"--canary-env expects SGLANG_KV_CANARY_NAME=VALUE, got {pair!r}")
+        env[key] = value
+    args.environ = env
+    return args
+
+
+class DecodeRig:
+    """A pool, its records after a prefill of ``bs`` x ``ctx`` tokens, and the decode step's three graphs."""
+
+    def __init__(self, torch, device, bs, ctx, args, layers, heads, dim, pool_slots):
+        from kv_canary import fingerprint as fp
+        from kv_canary.buffer_groups import PoolLayout, build_group
+        from kv_canary.config import CanaryConfig, KernelBackend
+        from kv_canary.kernels import select_kernels
+        from kv_canary.runner import SingleForwardManager
+        from kv_canary.token_oracle import TokenOracle
+        from kv_canary.views import ForwardView, LaunchCapacities
+
+        self.torch, self.fp, self.bs, self.ctx = torch, fp, bs, ctx
+        self.config = CanaryConfig.build(mode="raise", environ=args.environ, hicache=not args.no_hicache)
+        gen = torch.Generator(device=device).manual_seed(0)
+        n = pool_slots
+        if n < bs * (ctx + 1) + 1:
+            raise SystemExit(f"--pool-slots {n} < the {bs * (ctx + 1) + 1} slots of bs={bs} ctx={ctx}")
+
+        def buf():
+            b = torch.empty((n, heads, dim), dtype=torch.bfloat16, device=device)
+            b.view(torch.int16).random_(-2 ** 14, 2 ** 14, generator=gen)  # no NaN pattern: never a stamp
+            return b
+
+        self.k = [buf() for _ in range(layers)]
+        self.v = [buf() for _ in range(layers)]
+        self.group = build_group(PoolLayout("full", self.k, self.v), self.config, device)
+        slots = (torch.randperm(n - 1, generator=gen, device=device) + 1)[: bs * (ctx + 1)].view(bs, ctx + 1)
+        width = ctx + 1
+        r2t = torch.zeros((bs + 1, width), dtype=torch.int32, device=device)
+        rows = torch.arange(1, bs + 1, dtype=torch.int64, device=device)
+        r2t[1:] = slots.to(torch.int32)
+        self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
+        self.counters[fp.C_REPORT_ENABLED] = 1
+        ring = torch.zeros((self.config.ring_capacity, fp.RING_WIDTH), dtype=torch.int64, device=device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        capacities = LaunchCapacities(max_batch_size=bs + 1, max_context_len=width,
+                                      verify_programs_target=2 * sms if sms else 1)
+        kernels = select_kernels(KernelBackend.TRITON, device)
+
+        def oracle():
+            return (TokenOracle(rows=bs + 1, max_batch_size=bs + 1, max_tokens_per_forward=bs * ctx, device=device,
+                                verify_reads=self.config.verify_tokens, check_fed=self.config.write_input_assert)
+                    if self.config.uses_token_oracle else None)
+
+        def manager(o):
+            return SingleForwardManager(
+                index=0, groups=[self.group], kernels=kernels, req_to_token=r2t, counters=self.counters,
+                ring=ring, capacities=capacities, on_tail=lambda: None, token_oracle=o,
+                scrub_slots_per_forward=self.config.scrub_slots_per_forward, check_fed=False,
+                write_witness=self.config.write_witness)
+
+        # HEAD and TAIL of the replayed step each see a clean oracle (the step repeats at the same positions)
+        self.head_mgr, self.tail_mgr = manager(oracle()), manager(oracle())
+        ids = torch.randint(1, 128000, (bs * ctx + bs,), generator=gen, device=device)
+        prefill = ForwardView(
+            input_ids=ids[: bs * ctx], positions=torch.arange(ctx, device=device).repeat(bs),
+            out_cache_loc=slots[:, :ctx].reshape(-1).contiguous(), req_pool_indices=rows,
+            seq_lens=torch.full((bs,), ctx, device=device), new_starts=torch.arange(bs, device=device) * ctx,
+            new_lens=torch.full((bs,), ctx, device=device), batch_size=bs, max_new_len=ctx)
+        kernels.write(self.group, prefill, r2t, self.counters, ring, True, check_fed=False)
+        for mgr in (self.head_mgr, self.tail_mgr):
+            if mgr._oracle is not None:
+                mgr._oracle.row_chain[rows] = self.group.records[slots[:, ctx - 1], fp.F_CHAIN]
+                mgr._oracle.next_token[rows] = ids[bs * ctx:]
+        self.view = ForwardView(
+            input_ids=ids[bs * ctx:], positions=torch.full((bs,), ctx, device=device),
+            out_cache_loc=slots[:, ctx].contiguous(), req_pool_indices=rows,
+            seq_lens=torch.full((bs,), ctx + 1, device=device), new_starts=torch.arange(bs, device=device),
+            new_lens=torch.ones(bs, dtype=torch.int64, device=device), batch_size=bs, max_new_len=1)
+        self.new_rows = [torch.randint(-2 ** 14, 2 ** 14, (bs, heads, dim), generator=gen, device=device,
+                                       dtype=torch.int16).view(torch.bfloat16) for _ in range(2 * layers)]
+
+    def head(self):
+        self.head_mgr.pre_ops_maybe_inside_graph(self.view)
+
+    def store(self):
+        for i, b in enumerate(self.k + self.v):
+            b[self.view.out_cache_loc] = self.new_rows[i]
+
+    def tail(self):
+        self.tail_mgr.post_ops_maybe_inside_graph(self.view)
+
+    def step(self):
+        self.head()
+        self.store()
+        self.tail()
+
+    def check(self, steps_before):
+        """No violation; the decode slots' FULL_HASH is the torch reference's (a TAIL that raced would differ);
+        returns the slots verified since ``steps_before``."""
+        fp = self.fp
+        c = self.counters.tolist()
+        if c[fp.C_VIOLATIONS]:
+            raise SystemExit(f"bs={self.bs} ctx={self.ctx}: {c[fp.C_VIOLATIONS]} violation(s) in a clean step")
+        if self.group.full_row is not None:
+            slots = self.view.out_cache_loc
+            want = fp.full_hash_from_words(self.group.all_words(slots))
+            if not self.torch.equal(self.group.records[slots, fp.F_FULL_HASH], want):
+                raise SystemExit(f"bs={self.bs} ctx={self.ctx}: the TAIL's FULL_HASH differs from the reference")
+            if int(self.group.full_row.acc.abs().sum()) or int(self.group.full_row.work_state.abs().sum()):
+                raise SystemExit(f"bs={self.bs} ctx={self.ctx}: the whole-row state is not left zeroed")
+        return c[fp.C_SLOTS_VERIFIED] - steps_before
+
+
+def time_case(torch, device, rig, iters):
+    """Cold HEAD / TAIL µs (CUDA graphs, L2 flushed before each), or wall clock in the interpreter."""
+    fp = rig.fp
+    before = int(rig.counters[fp.C_SLOTS_VERIFIED])
+    rig.step()  # compile and warm up, eager; must verify every cached slot
+    verified = rig.check(before)
+    if verified != rig.bs * rig.ctx:
+        raise SystemExit(f"bs={rig.bs} ctx={rig.ctx}: HEAD verified {verified} slots, expected {rig.bs * rig.ctx}")
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            rig.step()
+        rig.check(0)
+        return {"step_wall_ms": round((time.perf_counter() - t0) * 1e3 / iters, 2)}, {}
+    graphs = {}
+    torch.cuda.synchronize()
+    for name in ("head", "store", "tail"):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            getattr(rig, name)()
+        graphs[name] = g
+    torch.cuda.synchronize()
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    ev = {k: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+          for k in ("head", "tail")}
+    for i in range(iters):
+        for name in ("head", "store", "tail"):
+            if name != "store":
+                flush.zero_()
+                ev[name][i][0].record()
+            graphs[name].replay()
+            if name != "store":
+                ev[name][i][1].record()
+    torch.cuda.synchronize()
+    rig.check(0)
+    out = {f"{k}_us": round(statistics.median(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev}
+    out["forward_us"] = round(out["head_us"] + out["tail_us"], 2)
+    kernels = {}
+    try:  # each kernel's mean device time over profiled replays (no flush: the profile's own numbers are hot)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                for name in ("head", "store", "tail"):
+                    graphs[name].replay()
+            torch.cuda.synchronize()
+        per = collections.defaultdict(list)
+        for e in prof.events():
+            if "CUDA" in str(e.device_type) and "index" not in e.name and "elementwise" not in e.name:
+                per[e.name].append(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0))
+        kernels = {name: {"launches_per_step": len(v) / 50, "mean_us": round(statistics.mean(v), 2)}
+                   for name, v in sorted(per.items())}
+    except Exception as exc:  # the timings above stand without the breakdown
+        kernels = {"profiler_error": {"launches_per_step": 0, "mean_us": 0.0, "error": repr(exc)[:200]}}
+    rig.check(0)
+    return out, kernels
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if args.smoke:
+        device, layers, heads, dim, pool = torch.device("cpu"), 2, 2, 16, 256
+        cases, iters = [(2, 8), (1, 5)], 2
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: run on a GPU, or pass --smoke on CPU")
+        device, layers, heads, dim, pool = torch.device("cuda"), LAYERS, KV_HEADS, HEAD_DIM, args.pool_slots
+        cases, iters = args.case_list, args.iters
+    results = []
+    for bs, ctx in cases:
+        rig = DecodeRig(torch, device, bs, ctx, args, layers, heads, dim, pool)
+        times, kernels = time_case(torch, device, rig, iters)
+        results.append({"bs": bs, "ctx": ctx, **times, "kernels": kernels})
+        print(f"[{args.label}] bs={bs} ctx={ctx} {times}", flush=True)
+        for name, k in kernels.items():
+            print(f"    {k['mean_us']:7.2f} us x{k['launches_per_step']:g}  {name[:90]}", flush=True)
+        del rig
+    report = {"label": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "config": {"hicache": not args.no_hicache, "env": args.environ, "pool_slots": pool},
+              "timing": "CUDA graph replay after an L2 flush, CUDA events, median (cold); kernels: profiler mean "
+                        "over 50 replays without flush (hot)", "results": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
