@@ -110,8 +110,11 @@ def _view(locs, reqs):
 @pytest.mark.parametrize("kind,rows_max", [("mha_bf16", 128), ("fp8", 128), ("mla", 128), ("swa", 128),
                                            ("mha_bf16", 2), ("mla", 2)])
 def test_every_skipped_row_is_reported_and_both_backends_agree(kind, rows_max, monkeypatch):
-    """rows_max 2: a group's rows in several gather steps (groups of more than 128 rows: a model of 65+ layers)."""
+    """rows_max 2: a group's rows in several gather steps (groups of more than 128 rows: a model of 65+ layers),
+    and the lanes in programs of 4 (the GPU's 8: several programs a forward)."""
     monkeypatch.setattr(witness, "WITNESS_ROWS_MAX", rows_max)
+    if rows_max == 2:
+        monkeypatch.setattr(witness, "WITNESS_BLOCK", 4)
     # request 0 (row 2): 3 new tokens at positions 10..12; request 1 (row 5): 2 at 40..41; a padding lane (slot 0)
     view = _view([11, 12, 13, 30, 31, 0], [(2, 13, 3), (5, 42, 2)])
     skip = {(1, 1, "v"), (3, 0, "k"), (3, 1, "k"), (3, 2, "k"), (3, 0, "v"), (3, 1, "v"), (3, 2, "v")}

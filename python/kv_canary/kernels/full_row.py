@@ -143,7 +143,8 @@ def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state
 @triton.jit
 def _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, k, num_slots, slot_map, map_len,
                          TRANSLATE: tl.constexpr, CLEAR_TAGS: tl.constexpr):
-    """TAIL: mix ``acc`` of new tokens ``k`` (< ``n``) of the run at ``start`` into their records' FULL_HASH, zero
+    """TAIL: mix ``acc`` of new tokens ``k`` (< ``n``) of the runs at ``start`` (scalars, or one per lane: a fused
+    decode TAIL's lanes are its requests) into their records' FULL_HASH, zero
     ``acc`` (read and zeroed in one atomic: a fused finalize reads sums other programs added) and set the tags."""
     m = k < n
     slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
@@ -191,8 +192,9 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
     """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
 
     TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``).
-    FUSED (a decode TAIL; a LIST expected empty): the last program to finish (a ticket in ``work_state``) runs
-    the finalize itself, in ``FBLOCK`` lanes at a time: one launch instead of two."""
+    FUSED (a decode TAIL: at most one new token a request; a LIST expected empty): the last program to finish (a
+    ticket in ``work_state``) runs the finalize itself, ``FBLOCK`` lanes (requests, list entries) a step: one
+    launch instead of two."""
     c = tl.program_id(1)
     r0 = c * rows_per_program
     r1 = tl.minimum(r0 + rows_per_program, num_rows)
@@ -225,13 +227,14 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
         ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
             fl = tl.arange(0, FBLOCK)
-            if MODE == 0:
-                for i in range(0, tl.num_programs(0)):
-                    start = tl.load(new_starts + i).to(tl.int64)
-                    n = tl.load(new_lens + i).to(tl.int64)
-                    for k0 in range(0, n, FBLOCK):
-                        _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, k0 + fl, num_slots,
-                                             slot_map, map_len, TRANSLATE, CLEAR_TAGS)
+            if MODE == 0:  # at most one new token a request (a decode): lanes are requests
+                for i0 in range(0, tl.num_programs(0), FBLOCK):
+                    i = i0 + fl
+                    mi = i < tl.num_programs(0)
+                    start = tl.load(new_starts + i, mask=mi, other=0).to(tl.int64)
+                    n = tl.load(new_lens + i, mask=mi, other=0).to(tl.int64)
+                    _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, tl.zeros_like(start),
+                                         num_slots, slot_map, map_len, TRANSLATE, CLEAR_TAGS)
                 tl.store(ticket_at, 0)
             else:
                 report = tl.load(counters + _C_REPORT_ENABLED)

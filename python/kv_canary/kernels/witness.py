@@ -15,7 +15,7 @@ slot or layer). The witness closes that gap:
   rows were left unwritten; batch index, req_to_token row and sequence position of the slot's request
   (-1 and the fed position when no request's new run holds the lane).
 
-Lanes are the flat ``out_cache_loc`` entries (grid ``ceil(num_tokens / BLOCK)``: one program at decode),
+Lanes are the flat ``out_cache_loc`` entries (grid ``ceil(num_tokens / BLOCK)``, BLOCK 8 on a GPU),
 each program covering RT rows per step as one [BLOCK, RT] gather (RT: every row of the group, up to 128); the
 request of a failing lane is looked up only when a lane failed. A correct forward writes each row whole before
 attention reads it (sglang stores a layer's K/V before that layer's attention), so the stamp never changes what
@@ -23,6 +23,8 @@ it computes.
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -34,7 +36,9 @@ from .slot_checks import (  # noqa: F401 - read as Triton globals
 
 _R_UNWRITTEN = tl.constexpr(fp.R_UNWRITTEN)
 _C_SLOTS_WITNESSED = tl.constexpr(fp.C_SLOTS_WITNESSED)
-WITNESS_BLOCK = 32  # lanes (slots) per program
+# lanes (slots) per program: on a GPU a decode batch spread over several SMs (32 lanes: 2 programs at bs 48, the
+# stamp's stores and the check's loads queued on 2 SMs); the interpreter runs programs one by one: fewer, larger
+WITNESS_BLOCK = 32 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 # K/V rows per gather step: every row of a group up to this many (one step, the loads of all rows in flight at
 # once: the check is latency-bound; 32 rows a step took two dependent steps for a 32-layer model's 64 rows)
 WITNESS_ROWS_MAX = 128
