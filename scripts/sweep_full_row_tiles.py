@@ -49,8 +49,8 @@ def run(case, mode, lanes, sb, wt, rpp, warps, view=None, grid0=None):
         loc = (view.out_cache_loc, view.new_starts, view.new_lens)
     def fn():
         fr.row_hash_kernel[grid](st.acc, g.full_base, g.full_table, 64, rpp, g.records, g.num_slots, counters, lanes,
-            st.work, st.work_state, st.work.shape[0], *loc, g.records, 0, st.tags, counters, 1, MODE=mode,
-            TRANSLATE=False, SB=sb, WT=wt, FUSED=False, GROUP_BITS=0, FBLOCK=128, CLEAR_TAGS=False, num_warps=warps)
+            st.work, st.work_state, st.work.shape[0], *loc, g.records, 0, counters, 1, MODE=mode,
+            TRANSLATE=False, SB=sb, WT=wt, FUSED=False, GROUP_BITS=0, FBLOCK=128, num_warps=warps)
     try:
         us = timer.cold_us(fn)
     except Exception as e:

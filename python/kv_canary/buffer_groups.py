@@ -126,7 +126,7 @@ class FullRowState:
     tags: int64[num_slots], the FULL_HASH a first read last verified (TAIL zeroes it; a record whose
         FULL_HASH differs from its tag is unverified)
     work: int64[capacity, 3], the first-read work list (slot, batch index, req_to_token row)
-    work_state: int64[3], (entries listed this forward, a LIST's finalize tickets, a fused TAIL's tickets)
+    work_state: int64[2], (entries listed this forward, finalize tickets)
     first_read: HEAD lists unverified read slots (``--kv-canary-real-data all``, HiCache)
     clear_tags: TAIL zeroes a new slot's tag (``all``: listed at its first read); else TAIL sets it to the new
         FULL_HASH (HiCache outside ``all``: only slots a load-back filled, tag zeroed there, are listed)
@@ -144,11 +144,11 @@ class FullRowState:
               clear_tags: bool = True) -> "FullRowState":
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
         return FullRowState(acc=zeros(num_slots), tags=zeros(num_slots), work=zeros(capacity if first_read else 1, 3),
-                            work_state=zeros(3), first_read=first_read, clear_tags=clear_tags)
+                            work_state=zeros(2), first_read=first_read, clear_tags=clear_tags)
 
     @staticmethod
     def bytes(num_slots: int, first_read: bool, capacity: int) -> int:
-        return 8 * (2 * num_slots + 3 * (capacity if first_read else 1) + 3)
+        return 8 * (2 * num_slots + 3 * (capacity if first_read else 1) + 2)
 
 
 @dataclass(frozen=True)

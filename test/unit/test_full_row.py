@@ -125,33 +125,6 @@ def test_tail_full_hash_is_bit_equal_to_the_reference(layout, translate, shape, 
     assert int(groups[0].full_row.acc.abs().sum()) == 0  # the accumulator is left zeroed
 
 
-@pytest.mark.parametrize("layout,translate,shape,bs", [("odd_words", False, "interpreter", 9),
-                                                       ("two_tiles", True, "gpu", 9), ("mla", False, "gpu", 130),
-                                                       ("fp8_like", True, "interpreter", 9)])
-def test_a_decode_tail_is_one_launch_whose_last_program_finalizes(layout, translate, shape, bs, monkeypatch):
-    """One new token a request: the hash launch's last program (a ticket) mixes and stores every slot's FULL_HASH
-    (no finalize launch), its lanes the requests (130: two steps of the GPU's 128); the records, tags and zeroed
-    accumulator are the reference's, the ticket is reset."""
-    monkeypatch.setattr(full_row, "SHAPE", SHAPES[shape])
-    finalizes = []
-    real = full_row._launch_finalize
-    monkeypatch.setattr(full_row, "_launch_finalize", lambda *a, **kw: finalizes.append(a[2]) or real(*a, **kw))
-    groups = _groups(layout, translate, seed=7)
-    lens = [1] * bs
-    slots = _page_slots(bs, seed=4)
-    r2t = torch.zeros(bs, 64, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):  # twice: the ticket starts at 0 again
-        _write(groups, lens, slots, r2t)
-    assert finalizes == []
-    written = ref.translate(groups[1], slots.to(DEVICE))
-    assert torch.equal(groups[0].records, groups[1].records)
-    assert torch.equal(groups[0].records[written, fp.F_FULL_HASH], fp.full_hash_from_words(groups[1].all_words(written)))
-    assert torch.equal(groups[0].full_row.tags, groups[1].full_row.tags)
-    assert int(groups[0].full_row.acc.abs().sum()) == 0 and int(groups[0].full_row.work_state.abs().sum()) == 0
-    _write(groups, [1, 2], _page_slots(3, seed=5), r2t)  # a longer run: the hash and a finalize launch
-    assert finalizes == [full_row.TAIL]
-
-
 def _read_view(rows_lens):
     """A decode forward of requests (row, prefix): reads [0, prefix), writes nothing (slot 0)."""
     bs = len(rows_lens)

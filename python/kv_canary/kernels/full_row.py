@@ -143,9 +143,8 @@ def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state
 @triton.jit
 def _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, k, num_slots, slot_map, map_len,
                          TRANSLATE: tl.constexpr, CLEAR_TAGS: tl.constexpr):
-    """TAIL: mix ``acc`` of new tokens ``k`` (< ``n``) of the runs at ``start`` (scalars, or one per lane: a fused
-    decode TAIL's lanes are its requests) into their records' FULL_HASH, zero
-    ``acc`` (read and zeroed in one atomic: a fused finalize reads sums other programs added) and set the tags."""
+    """TAIL: mix ``acc`` of new tokens ``k`` (< ``n``) of the run at ``start`` into their records' FULL_HASH, zero
+    ``acc`` and set the tags."""
     m = k < n
     slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
     slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
@@ -186,15 +185,15 @@ def _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, l
 @triton.jit(do_not_specialize=["num_rows", "rows_per_program", "per_forward", "num_slots"])
 def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_slots, counters, per_forward,
                     work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
-                    tags, ring, ring_capacity,
+                    ring, ring_capacity,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
-                    FUSED: tl.constexpr, GROUP_BITS: tl.constexpr, FBLOCK: tl.constexpr, CLEAR_TAGS: tl.constexpr):
+                    FUSED: tl.constexpr, GROUP_BITS: tl.constexpr, FBLOCK: tl.constexpr):
     """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
 
     TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``).
-    FUSED (a decode TAIL: at most one new token a request; a LIST expected empty): the last program to finish (a
-    ticket in ``work_state``) runs the finalize itself, ``FBLOCK`` lanes (requests, list entries) a step: one
-    launch instead of two."""
+    FUSED (a LIST expected empty): the last program to finish (a ticket in ``work_state``) runs the finalize
+    itself, ``FBLOCK`` entries a step: one launch instead of two. (A decode TAIL fused the same way measured no
+    faster on an H100: its finalize launch stays.)"""
     c = tl.program_id(1)
     r0 = c * rows_per_program
     r1 = tl.minimum(r0 + rows_per_program, num_rows)
@@ -220,33 +219,21 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             slot, m = _lane_slots(b * SB + lanes, MODE, bound, records, work, num_slots, start)
             _add_rows(acc, slot, m, base, table, r0, r1, SB, WT)
-    if FUSED:
+    if FUSED:  # LIST only
         # every thread's acc adds precede this program's ticket (release); the last ticket acquires them all
         tl.debug_barrier()
-        ticket_at = work_state + (2 if MODE == 0 else 1)
-        ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel")
+        ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
             fl = tl.arange(0, FBLOCK)
-            if MODE == 0:  # at most one new token a request (a decode): lanes are requests
-                for i0 in range(0, tl.num_programs(0), FBLOCK):
-                    i = i0 + fl
-                    mi = i < tl.num_programs(0)
-                    start = tl.load(new_starts + i, mask=mi, other=0).to(tl.int64)
-                    n = tl.load(new_lens + i, mask=mi, other=0).to(tl.int64)
-                    _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, tl.zeros_like(start),
-                                         num_slots, slot_map, map_len, TRANSLATE, CLEAR_TAGS)
-                tl.store(ticket_at, 0)
-            else:
-                report = tl.load(counters + _C_REPORT_ENABLED)
-                forward_index = tl.load(counters + _C_FORWARD_INDEX)
-                checked = tl.zeros((FBLOCK,), dtype=tl.int64)
-                for b in range(0, tl.cdiv(bound, FBLOCK)):
-                    checked += _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work,
-                                            b * FBLOCK + fl, bound, 0, report, forward_index, MODE, GROUP_BITS,
-                                            FBLOCK)
-                tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
-                tl.store(work_state, 0)
-                tl.store(ticket_at, 0)
+            report = tl.load(counters + _C_REPORT_ENABLED)
+            forward_index = tl.load(counters + _C_FORWARD_INDEX)
+            checked = tl.zeros((FBLOCK,), dtype=tl.int64)
+            for b in range(0, tl.cdiv(bound, FBLOCK)):
+                checked += _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, b * FBLOCK + fl,
+                                        bound, 0, report, forward_index, MODE, GROUP_BITS, FBLOCK)
+            tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
+            tl.store(work_state, 0)
+            tl.store(work_state + 1, 0)
 
 
 @triton.jit(do_not_specialize=["per_forward", "num_slots"])
@@ -325,10 +312,12 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
             rows=None, finalize=True, fused=False):
     """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows``: (r0, r1), hash only rows
     [r0, r1) of ``group.rows`` (default: all); ``finalize``: then mix, compare / store and zero ``acc``;
-    ``fused``: the hash launch's last program finalizes (all rows, one launch)."""
+    ``fused`` (LIST): the hash launch's last program finalizes (all rows, one launch)."""
     table = group.full_table if rows is None else group.full_table[rows[0]:rows[1]]
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     if fused:
+        if mode != LIST:
+            raise ValueError("kv-canary: only a first-read LIST launch is fused (its last program finalizes)")
         _launch_hash(group, state, mode, counters, table, loc, lanes=lanes, grid0=grid0, per_forward=per_forward,
                      view=view, fused=(ring, group_index))
         return
@@ -342,15 +331,14 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
 
 def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_forward, view, fused=None):
     """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``;
-    ``loc``: the TAIL's (out_cache_loc, new_starts, new_lens), placeholders otherwise. ``fused``: (ring, group
-    index), the last program finalizes; a fused LIST (expected empty) runs ``SHAPE.fused_list_programs``
-    programs over all rows each."""
+    ``loc``: the TAIL's (out_cache_loc, new_starts, new_lens), placeholders otherwise. ``fused`` (LIST): (ring,
+    group index), ``SHAPE.fused_list_programs`` programs over all rows each, the last finalizing."""
     num_rows = int(table.shape[0])
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
     if mode != TAIL:  # persistent slot-block programs, each looping over blocks
         grid0 = min(SHAPE.persistent_programs[mode], triton.cdiv(max(1, lanes), sb))
-    if fused is not None and mode == LIST:
+    if fused is not None:
         grid0, rpp = SHAPE.fused_list_programs, num_rows
     chunks = triton.cdiv(num_rows, rpp)
     splits = 1
@@ -360,10 +348,9 @@ def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_
     row_hash_kernel[(grid0, chunks, splits)](
         state.acc, group.full_base, table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        state.tags, ring, ring.shape[0],
+        ring, ring.shape[0],
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, FUSED=fused is not None,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, FBLOCK=SHAPE.finalize_block, CLEAR_TAGS=state.clear_tags,
-        num_warps=SHAPE.warps)
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, FBLOCK=SHAPE.finalize_block, num_warps=SHAPE.warps)
 
 
 def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, lanes, per_forward, view):
@@ -380,11 +367,10 @@ def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, la
 
 
 def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> None:
-    """FULL_HASH of every slot the forward wrote (after the write kernel's records; sets first-read tags). One
-    new token a request (decode): one launch, its last program finalizes (the same variants as before: SB = 1)."""
+    """FULL_HASH of every slot the forward wrote (after the write kernel's records; sets first-read tags)."""
     if view.batch_size:
         _launch(group, group.full_row, TAIL, counters, ring, group_index, grid0=view.batch_size,
-                lanes=view.batch_size * max(1, view.max_new_len), view=view, fused=view.max_new_len <= 1)
+                lanes=view.batch_size * max(1, view.max_new_len), view=view)
 
 
 def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) -> None:
