@@ -107,7 +107,8 @@ ONLY_ON_LINE = {
         "files": ("unit/test_config.py", "unit/test_d2h.py", "unit/test_full_row.py",
                   "unit/test_ring_reader.py", "unit/test_swa_host.py",
                   "unit/test_witness.py", "unit/test_hicache_host_records.py", "unit/test_hicache_runner.py",
-                  "unit/test_hicache_first_read.py", "unit/test_hicache_host_scrub.py"),
+                  "unit/test_hicache_first_read.py", "unit/test_hicache_host_scrub.py",
+                  "unit/test_bench_decode_kernels.py"),
     },
     "0.5.12 and 0.5.17 (the core: no sglang code)": {
         "why": "CI time: as the group above (the core on plain tensors, the same code on every line), run once on "

@@ -1,0 +1,48 @@
+"""scripts/bench_decode_kernels.py runs end to end on CPU (Triton interpreter, tiny shapes): the decode steps it
+would time are clean (it fails on a violation, on a slot left unverified, or on a TAIL FULL_HASH that differs
+from the reference), with HiCache's settings and without."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_decode_kernels  # noqa: E402
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-hicache"]])
+def test_the_smoke_run_steps_clean_and_writes_its_report(tmp_path, extra):
+    out = tmp_path / "decode.json"
+    assert bench_decode_kernels.main(["--smoke", "--label", "t", "--out", str(out), *extra]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["hicache"] is (not extra)
+    assert [(r["bs"], r["ctx"]) for r in report["results"]] == [(2, 8), (1, 5)]
+    assert all(r["step_wall_ms"] > 0 for r in report["results"])
+
+
+def test_a_bad_case_is_refused_naming_the_flag():
+    with pytest.raises(SystemExit):
+        bench_decode_kernels.parse_args(["--cases", "48by2048"])
+
+
+def test_the_rig_check_fails_on_a_wrong_tail_hash_and_on_a_violation():
+    import torch
+
+    from kv_canary import fingerprint as fp
+
+    args = bench_decode_kernels.parse_args(["--label", "t"])
+    rig = bench_decode_kernels.DecodeRig(torch, torch.device("cpu"), 2, 8, args, 2, 2, 16, 256)
+    rig.step()
+    rig.check(0)
+    slot = int(rig.view.out_cache_loc[0])
+    rig.group.records[slot, fp.F_FULL_HASH] ^= 1
+    with pytest.raises(SystemExit, match="FULL_HASH"):
+        rig.check(0)
+    rig.group.records[slot, fp.F_FULL_HASH] ^= 1
+    rig.counters[fp.C_VIOLATIONS] = 1
+    with pytest.raises(SystemExit, match="violation"):
+        rig.check(0)
