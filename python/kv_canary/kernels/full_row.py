@@ -141,29 +141,11 @@ def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state
 
 
 @triton.jit
-def _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, k, num_slots, slot_map, map_len,
-                         TRANSLATE: tl.constexpr, CLEAR_TAGS: tl.constexpr):
-    """TAIL: mix ``acc`` of new tokens ``k`` (< ``n``) of the run at ``start`` into their records' FULL_HASH, zero
-    ``acc`` and set the tags."""
-    m = k < n
-    slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
-    slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
-    m = m & (slot > 0) & (slot < num_slots)
-    slot = tl.where(m, slot, 0)
-    total = tl.atomic_xchg(acc + slot, tl.zeros_like(slot), mask=m, sem="relaxed")
-    full = _mix64(total ^ _HASH_SEED)
-    tl.store(records + slot * _RW + 4, full, mask=m)
-    if CLEAR_TAGS:
-        tl.store(tags + slot, tl.zeros_like(full), mask=m)
-    else:
-        tl.store(tags + slot, full, mask=m)
-
-
-@triton.jit
 def _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, l, bound, start, report,
                  forward_index, MODE: tl.constexpr, GROUP_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """SCRUB / LIST: compare the mixed ``acc`` of lanes ``l`` with their records' FULL_HASH (one ``kv_hash`` ring
-    row per mismatch), zero ``acc``; returns the lanes checked (int64[BLOCK] of 0/1)."""
+    row per mismatch), zero ``acc`` (read and zeroed in one atomic: a fused LIST's last program reads sums other
+    programs added); returns the lanes checked (int64[BLOCK] of 0/1)."""
     slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
     total = tl.atomic_xchg(acc + slot, tl.zeros_like(slot), mask=m, sem="relaxed")
     live = _mix64(total ^ _HASH_SEED)
@@ -250,8 +232,20 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
         i = tl.program_id(0)
         start = tl.load(new_starts + i).to(tl.int64)
         n = tl.load(new_lens + i).to(tl.int64)
-        _finalize_tail_lanes(acc, records, tags, out_cache_loc, start, n, tl.program_id(1) * BLOCK + lanes,
-                             num_slots, slot_map, map_len, TRANSLATE, CLEAR_TAGS)
+        k = tl.program_id(1) * BLOCK + lanes
+        m = k < n
+        slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
+        slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
+        m = m & (slot > 0) & (slot < num_slots)
+        slot = tl.where(m, slot, 0)
+        total = tl.load(acc + slot, mask=m, other=0)
+        full = _mix64(total ^ _HASH_SEED)
+        tl.store(records + slot * _RW + 4, full, mask=m)
+        tl.store(acc + slot, tl.zeros_like(total), mask=m)
+        if CLEAR_TAGS:
+            tl.store(tags + slot, tl.zeros_like(total), mask=m)
+        else:
+            tl.store(tags + slot, full, mask=m)
     else:
         forward_index = tl.load(counters + _C_FORWARD_INDEX)
         if MODE == 1:
