@@ -16,7 +16,9 @@ untimed warmup repetition, then ``--reps`` timed ones (fresh conversations each)
 time of a repetition. ``--interleave``: all servers up at once (``--mem-fraction-static`` shares the GPU), one
 repetition on each per round, orders rotated, the same prompts per round; ``overhead.paired`` gives each run
 against the first ``hc_off`` round by round (median, mean, a bootstrap 90% interval of the median): drift
-between servers started minutes apart no longer lands in the row.
+between servers started minutes apart no longer lands in the row. With two servers or more of each role
+(``--configs hc_off,hc_ours,hc_off,hc_ours``), ``overhead.pooled`` compares the roles' means per round: a server
+process's own speed offset is averaged over the processes of its role.
 
 GPU (default): bench_overhead's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
 tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes; the timings only prove the
@@ -253,6 +255,31 @@ def paired(runs: Sequence[dict], seed: int) -> dict:
     return out
 
 
+def pooled(runs: Sequence[dict], seed: int) -> dict:
+    """With two or more servers of each role (``--configs hc_off,hc_ours,hc_off,hc_ours``): per round, the mean of
+    the ours servers' repetitions against the mean of the off servers' (percent), the median over rounds and a
+    bootstrap 90% interval. A server process's own speed offset (0.3-0.6% on an H100, which pairing by round does
+    not cancel) is averaged over the processes of each role; {} with fewer."""
+    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
+    ours = [r for r in runs if r["role"] == "ours" and r["reps"]]
+    if len(offs) < 2 or len(ours) < 2:
+        return {}
+    walls = [{x["rep"]: x["wall_s"] for x in r["reps"]} for r in offs + ours]
+    rounds = sorted(set.intersection(*(set(w) for w in walls)))
+    if not rounds:
+        return {}
+    diffs = []
+    for rep in rounds:
+        off_mean = statistics.fmean(w[rep] for w in walls[:len(offs)])
+        ours_mean = statistics.fmean(w[rep] for w in walls[len(offs):])
+        diffs.append(100.0 * (ours_mean - off_mean) / off_mean)
+    rng = random.Random(seed)
+    boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+    return {"servers": {"off": [r["label"] for r in offs], "ours": [r["label"] for r in ours]},
+            "pair_pct": [round(d, 3) for d in diffs], "median_pct": round(statistics.median(diffs), 3),
+            "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)]}
+
+
 def _turn_medians(reps: Sequence[dict], base_reps: Sequence[dict]) -> List[float]:
     """Per turn, the median over rounds of the turn's time against the base run's same round (percent); [] when
     the repetitions carry no per-turn times."""
@@ -305,7 +332,7 @@ def summarize(runs: Sequence[dict]) -> dict:
     return {"off_s": off_s, "ours_pct": pct(ours[0]["median_s"] if ours else None, off_s),
             "noise_pct": pct(offs[1]["median_s"] if len(offs) > 1 else None, off_s),
             "load_back_tokens_per_rep": {r["label"]: [x["load_back_tokens"] for x in r["reps"]] for r in runs},
-            "paired": paired(runs, seed=len(runs))}
+            "paired": paired(runs, seed=len(runs)), "pooled": pooled(runs, seed=len(runs))}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -399,6 +426,10 @@ def main(argv=None) -> int:
     for label, p in v["paired"].items():
         print(f"  paired vs the first off, {label}: median {p['median_pct']}% (90% CI {p['ci90_pct']}), "
               f"mean {p['mean_pct']}%, rounds {p['pair_pct']}; per turn (median) {p['turn_median_pct']}")
+    if v["pooled"]:
+        p = v["pooled"]
+        print(f"  pooled, the ours servers' mean vs the off servers' mean per round ({p['servers']}): median "
+              f"{p['median_pct']}% (90% CI {p['ci90_pct']}), rounds {p['pair_pct']}")
     for run in report["runs"]:
         st = run.get("canary_stats_last") or {}
         print(f"- {run['label']} ({run['describe']}): startup {run.get('startup_s', 'n/a')}s; median "
