@@ -149,6 +149,10 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                       "violation records kept on the device between host reads (default 4096)"),
     "D2H_DELAY_STEPS": ("d2h_delay_steps", _parse_int(0, 64),
                         "forwards between a device counter copy and its host read (default 2)"),
+    "D2H_INTERVAL": ("d2h_interval", _parse_int(1, 64),
+                     "forwards between device counter copies (and before every idle drain): the host learns of a "
+                     "violation up to D2H_DELAY_STEPS + D2H_INTERVAL - 1 forwards later, for 1/N of the copies' "
+                     "host time (default 1)"),
     "KERNEL_BACKEND": ("kernel_backend", _parse_backend, "auto | triton | torch (default auto)"),
     "STATS_PRINT_EVERY_N_STEPS": ("stats_print_every_n_steps", _parse_int(0),
                                   "forwards between kv_canary_stats= lines; 0 = off (default 100)"),
@@ -233,6 +237,7 @@ class CanaryConfig:
     write_witness: bool = True
     ring_capacity: int = 4096
     d2h_delay_steps: int = 2
+    d2h_interval: int = 1
     kernel_backend: KernelBackend = KernelBackend.AUTO
     stats_print_every_n_steps: int = 100
     max_logged_violations: int = 64
@@ -380,6 +385,7 @@ class CanaryConfig:
             f"scrub_slots_per_forward={self.scrub_slots_per_forward} "
             f"kv_hash_bytes={self.kv_hash_bytes} kv_hash_layers={','.join(map(str, self.kv_hash_layers))} "
             f"ring_capacity={self.ring_capacity} d2h_delay_steps={self.d2h_delay_steps} "
+            f"d2h_interval={self.d2h_interval} "
             f"kernel_backend={self.kernel_backend.value} token_oracle={int(self.uses_token_oracle)} "
             f"verify_tokens={int(self.verify_tokens and self.uses_token_oracle)} "
             f"write_input_assert={int(self.write_input_assert)} write_witness={int(self.write_witness)} "

@@ -1,7 +1,7 @@
 """``--kv-canary contain``: what to do about a batch of violations, as a plain order for the engine.
 
 The host learns of violations ``SGLANG_KV_CANARY_D2H_DELAY_STEPS`` forwards after
-the forward that read the bad slots (see ``d2h``). ``ContainOrder`` names the
+the forward that read the bad slots (+ ``SGLANG_KV_CANARY_D2H_INTERVAL - 1``; see ``d2h``). ``ContainOrder`` names the
 requests to abort -- exactly those whose forward read a bad slot (the request id
 the host remembered for that forward and batch index) -- with a message naming
 the kind and the slot, and the bad slots to evict from the prefix cache (sweep

@@ -16,6 +16,12 @@ forward N + delay (or a little later if the copy is still in flight, bounded by
 
 On CPU the copy is immediate and ``delay`` still applies, so the step at which
 ``raise`` fires is the same on both devices.
+
+``interval`` (``SGLANG_KV_CANARY_D2H_INTERVAL``): ``snapshot`` copies after every ``interval``-th forward only
+(the counters are cumulative: a skipped copy loses nothing but time), and ``flush`` copies the last forward's
+counters if no copy has (before an idle drain, so what the host settles on is current): the host learns of a
+violation up to ``delay + interval - 1`` forwards after it, and the scheduler thread pays for 1/``interval`` of
+the copies (~25 us each on an H100 host, docs/hicache-results.md 7.4).
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ import torch
 
 
 class DelayedDeviceHostHandler:
-    def __init__(self, source: torch.Tensor, delay: int):
+    def __init__(self, source: torch.Tensor, delay: int, interval: int = 1):
+        if interval < 1:
+            raise ValueError(f"kv-canary: the counter copy interval must be >= 1 forward, not {interval}")
         self._source = source
         self._delay = delay
+        self._interval = interval
+        self._copied_step = None  # the forward of the last copy queued
         self._is_cuda = source.device.type == "cuda"
         n = delay + 2
         pin = self._is_cuda
@@ -45,8 +55,12 @@ class DelayedDeviceHostHandler:
         self._pending: Deque[Tuple[int, int]] = deque()  # (step, slot index)
         self._next_slot = 0
 
-    def snapshot(self, step: int) -> None:
-        """Queue a copy of the counters as they are after forward ``step``."""
+    def snapshot(self, step: int, *, force: bool = False) -> None:
+        """Queue a copy of the counters as they are after forward ``step``: every ``interval``-th forward, or
+        ``force``."""
+        if not force and step % self._interval:
+            return
+        self._copied_step = step
         if len(self._pending) == len(self._slots):
             # All slots in flight: wait for the oldest (only when the host runs far ahead).
             old_step, old_slot = self._pending[0]
@@ -91,6 +105,15 @@ class DelayedDeviceHostHandler:
             out.append((step, self._slots[idx].tolist()))
             self._pending.popleft()
         return out
+
+    def flush(self, step: int) -> None:
+        """Queue a copy after forward ``step`` unless one was (an interval's skipped forwards, before a drain)."""
+        if self._copied_step != step:
+            self.snapshot(step, force=True)
+
+    def restart_steps(self) -> None:
+        """The forward count starts again from 0 (init finished): no copy is of the new count's forwards yet."""
+        self._copied_step = None
 
     def drain(self) -> List[Tuple[int, List[int]]]:
         """Wait for every queued copy (shutdown, tests)."""

@@ -41,3 +41,26 @@ def test_a_snapshot_is_not_ready_before_the_delay(device):
         torch.cuda.synchronize()
     assert d2h.ready(5 + DELAY - 1) == []
     assert d2h.ready(5 + DELAY) == [(5, [1, 1, 1, 1])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_interval_copies_every_nth_forward_and_a_flush_the_last_one_once(device):
+    """SGLANG_KV_CANARY_D2H_INTERVAL=3: forwards 3, 6, 9 are copied; the flush before an idle drain copies the last
+    forward (10) once, however often it is called; after a restart of the count, forward 0 is copied again."""
+    counters = torch.zeros(4, dtype=torch.int64, device=device)
+    d2h = DelayedDeviceHostHandler(counters, DELAY, interval=3)
+    got = []
+    for step in range(1, 11):
+        counters.fill_(step)
+        d2h.snapshot(step)
+        got += d2h.ready(step)
+    for _ in range(3):  # the idle hook drains again and again: one copy of forward 10
+        d2h.flush(10)
+        got += d2h.drain()
+    assert [(s, v[0]) for s, v in got] == [(3, 3), (6, 6), (9, 9), (10, 10)]
+    d2h.restart_steps()
+    counters.fill_(0)
+    d2h.flush(0)
+    assert d2h.drain() == [(0, [0, 0, 0, 0])]
+    with pytest.raises(ValueError, match="interval"):
+        DelayedDeviceHostHandler(counters, DELAY, interval=0)

@@ -223,20 +223,38 @@ def test_a_forward_that_skipped_the_canary_is_a_health_violation(caplog):
     assert h.manager.health_violations == 4
 
 
-def test_raise_mode_stops_within_the_stated_delay():
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_raise_mode_stops_within_the_stated_delay(interval):
+    """The host reads the copy after the first forward count that is a multiple of the copy interval (2 with 1 or
+    2, 3 with 3), ``delay`` forwards later: at most delay + interval - 1 forwards after the detecting one."""
     delay = 2
-    h = Harness(mode=CanaryMode.RAISE, delay=delay)
+    h = Harness(mode=CanaryMode.RAISE, delay=delay, d2h_interval=interval)
     h.manager.mark_init_finished()
     h.step(h.batch({1: [5, 6, 7, 8]}))
     h.k[int(h.r2t[1, 2]), 0, 0] += 1.0  # corrupt a hashed byte of position 2
-    h.step(h.batch({1: [9]}, decode=True))  # forward 1 detects it on the device
-    for _ in range(delay - 1):
-        h.step(h.batch({1: [9]}, decode=True))  # the host has not read the copy yet
+    h.step(h.batch({1: [9]}, decode=True))  # forward 1 detects it on the device (2 forwards counted)
+    copied = -(-2 // interval) * interval  # the first copy holding it
+    for _ in range(copied + delay - 2 - 1):
+        h.step(h.batch({1: [9]}, decode=True))  # the host has not read a copy holding it yet
     with pytest.raises(CanaryViolationError) as info:
         h.step(h.batch({1: [9]}, decode=True))
     lines = parse_lines(str(info.value), VIOLATION_PREFIX)
     assert lines and lines[0]["kind"] == "kv_hash" and lines[0]["position"] == "2"
     assert lines[0]["rid"] == "r1" and lines[0]["forward"] == "1"
+
+
+def test_an_idle_drain_reads_the_last_forward_whatever_the_copy_interval(caplog):
+    """SGLANG_KV_CANARY_D2H_INTERVAL=8: no copy is due after forward 2, the idle drain copies it and reports."""
+    h = Harness(mode=CanaryMode.LOG, d2h_interval=8)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7, 8]}))
+    h.k[int(h.r2t[1, 2]), 0, 0] += 1.0
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: [9]}, decode=True))
+        assert parse_lines(caplog.text, VIOLATION_PREFIX) == []
+        h.manager.poll(drain=True)
+    assert [v["kind"] for v in parse_lines(caplog.text, VIOLATION_PREFIX)] == ["kv_hash"]
+    assert h.manager.last_counters[fp.C_FORWARD_INDEX] == 2 and h.manager.health_violations == 0
 
 
 def test_log_mode_logs_each_violation_and_keeps_serving(caplog):

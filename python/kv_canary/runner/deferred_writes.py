@@ -103,4 +103,4 @@ class DeferredWrites:
             self._handle_counters(host_counters, catch_up=True)
         self._expected_written_at.append((self.forwards, self._expected_written, self._deferred_write_launches))
         self._deferred_uncopied = False
-        self._d2h.snapshot(self.forwards)
+        self._d2h.snapshot(self.forwards, force=True)

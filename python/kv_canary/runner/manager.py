@@ -129,7 +129,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             for i in range(num_single_forward_managers)
         ]
         self.perturb = PerturbManager(config=config, groups=self.groups, req_to_token=req_to_token)
-        self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps)
+        self._d2h = DelayedDeviceHostHandler(self.counters, config.d2h_delay_steps, config.d2h_interval)
         self.init_finished = False
         self._capturing = 0
         self._active: List[int] = []  # stack of active single-forward-manager indices
@@ -214,6 +214,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         self.ring.zero_()
         self.counters[fp.C_REPORT_ENABLED] = 1
         self._d2h.drain()
+        self._d2h.restart_steps()
         if self.token_oracle is not None:
             self.token_oracle.reset()
             self._sample_sink = self.token_oracle.record_sampled
@@ -396,6 +397,8 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         """Handle every counter copy that has landed; log or raise on new violations."""
         if drain and self._deferred_uncopied:
             self._copy_deferred()
+        if drain:  # the last forward's counters, whatever the copy interval
+            self._d2h.flush(self.forwards)
         ready = self._d2h.drain() if drain else self._d2h.ready(self.forwards)
         for step, host_counters in ready:
             self._check_health(step, host_counters)

@@ -29,9 +29,15 @@ ALL = ["--kv-canary-real-data", "all"]
 ALL_SCRUB_ENV = {"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "8192"}
 
 
+# the counters copied after every third forward only (and before every idle drain): every injection is still
+# reported, the settled stats are exact
+INTERVAL_ENV = {"SGLANG_KV_CANARY_D2H_INTERVAL": "3"}
+
+
 @pytest.mark.e2e
 def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
-    srv = canary_server("log", log_path=tmp_path / "server.log", env={**PERTURB_ENV, **ALL_SCRUB_ENV}, extra_args=ALL)
+    srv = canary_server("log", log_path=tmp_path / "server.log", env={**PERTURB_ENV, **ALL_SCRUB_ENV, **INTERVAL_ENV},
+                        extra_args=ALL)
     with srv:
         result = run_requests(srv.base_url, build_workload(60, seed=11, n_aborts=2), concurrency=8, timeout=300)
         assert result.failed == 0, "\n".join(result.errors[:10]) + "\n" + srv.log_tail()
@@ -50,6 +56,7 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
     # caught by the first read after the write or the scrub, in the HEAD of the forward the flip precedes
     assert log.scrub_bound() == 1 and max(log.detection_latencies()) == 0
     assert log.last_stat("violations") >= len(log.perturbations)
+    assert "d2h_interval=3" in log.text  # the setting reached the server (its startup line)
     if e2e_device() == "cuda":  # caught by HEAD inside a replayed decode graph
         assert any(v["cuda_graph"] == "True" for v in log.violations), log.violations[:5]
 
