@@ -16,9 +16,10 @@ untimed warmup repetition, then ``--reps`` timed ones (fresh conversations each)
 time of a repetition. ``--interleave``: all servers up at once (``--mem-fraction-static`` shares the GPU), one
 repetition on each per round, orders rotated, the same prompts per round; ``overhead.paired`` gives each run
 against the first ``hc_off`` round by round (median, mean, a bootstrap 90% interval of the median): drift
-between servers started minutes apart no longer lands in the row. With two servers or more of each role
-(``--configs hc_off,hc_ours,hc_off,hc_ours``), ``overhead.pooled`` compares the roles' means per round: a server
-process's own speed offset is averaged over the processes of its role.
+between servers started minutes apart no longer lands in the row. With two servers or more of a configuration
+and of ``hc_off`` (``--configs hc_off,hc_ours,hc_off,hc_ours``), ``overhead.pooled`` compares their means per
+round: a server process's own speed offset is averaged over the processes of its configuration.
+``hc_ours_d2h4``: ``hc_ours`` with ``SGLANG_KV_CANARY_D2H_INTERVAL=4``.
 
 GPU (default): bench_overhead's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
 tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes; the timings only prove the
@@ -50,6 +51,7 @@ from bench_overhead import (  # noqa: E402
     ROWS, SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, pct, probe_environment, run_batch, server_plan,
     wait_settled,
 )
+from paired_rounds import paired, pooled  # noqa: E402
 from trace_summary import summarize as summarize_trace  # noqa: E402
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
 from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
@@ -57,7 +59,10 @@ from kv_canary_testing.server import PACKAGE_PARENT, SglangServer  # noqa: E402
 
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 
-CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none")), "hc_ours": ("ours", ("--kv-canary", "raise"))}
+# name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward
+CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none"), {}),
+                             "hc_ours": ("ours", ("--kv-canary", "raise"), {}),
+                             "hc_ours_d2h4": ("ours", ("--kv-canary", "raise"), {"SGLANG_KV_CANARY_D2H_INTERVAL": "4"})}
 DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
 # (conversations, system_len, turns, turn_len, output_len, group, max_total_tokens, hicache_ratio) per device:
 # on the GPU 48 x ~1.3k tokens of prefixes against a 16k-token device pool and a 5x host pool
@@ -84,11 +89,12 @@ def repetition(args, token_range, rep: int) -> List[List[List[int]]]:
 
 def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tuple:
     """Start one HiCache server; (server, its result record: ``error`` set when the start failed)."""
-    role, canary = CONFIGS[name]
-    result = {"label": label, "config": name, "role": role, "describe": " ".join(canary), "reps": [], "error": None}
+    role, canary, canary_env = CONFIGS[name]
+    result = {"label": label, "config": name, "role": role, "reps": [], "error": None,
+              "describe": " ".join([*canary, *(f"{k}={v}" for k, v in canary_env.items())])}
     hicache = ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio), "--hicache-write-policy",
                "write_through", "--enable-metrics"]
-    env = dict(plan["env"])
+    env = {**plan["env"], **canary_env}
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
     if args.sample_stacks:  # every process of the server samples its main thread (scripts/stack_sampler)
@@ -231,66 +237,6 @@ def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) ->
     return [finish_server(srv, res, args, plan, log_dir) for srv, res in started]
 
 
-def paired(runs: Sequence[dict], seed: int) -> dict:
-    """Per round, each run's repetition against the first ``off`` run's same repetition (percent); the median over
-    rounds and a bootstrap 90% interval of that median (2,000 resamples of the rounds)."""
-    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
-    if not offs:
-        return {}
-    base = {x["rep"]: x["wall_s"] for x in offs[0]["reps"]}
-    rng = random.Random(seed)
-    out = {}
-    for run in runs:
-        if run is offs[0] or not run["reps"]:
-            continue
-        diffs = [100.0 * (x["wall_s"] - base[x["rep"]]) / base[x["rep"]] for x in run["reps"] if x["rep"] in base]
-        if not diffs:
-            continue
-        boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
-        out[run["label"]] = {"role": run["role"], "pair_pct": [round(d, 3) for d in diffs],
-                             "median_pct": round(statistics.median(diffs), 3),
-                             "mean_pct": round(statistics.fmean(diffs), 3),
-                             "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)],
-                             "turn_median_pct": _turn_medians(run["reps"], offs[0]["reps"])}
-    return out
-
-
-def pooled(runs: Sequence[dict], seed: int) -> dict:
-    """With two or more servers of each role (``--configs hc_off,hc_ours,hc_off,hc_ours``): per round, the mean of
-    the ours servers' repetitions against the mean of the off servers' (percent), the median over rounds and a
-    bootstrap 90% interval. A server process's own speed offset (0.3-0.6% on an H100, which pairing by round does
-    not cancel) is averaged over the processes of each role; {} with fewer."""
-    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
-    ours = [r for r in runs if r["role"] == "ours" and r["reps"]]
-    if len(offs) < 2 or len(ours) < 2:
-        return {}
-    walls = [{x["rep"]: x["wall_s"] for x in r["reps"]} for r in offs + ours]
-    rounds = sorted(set.intersection(*(set(w) for w in walls)))
-    if not rounds:
-        return {}
-    diffs = []
-    for rep in rounds:
-        off_mean = statistics.fmean(w[rep] for w in walls[:len(offs)])
-        ours_mean = statistics.fmean(w[rep] for w in walls[len(offs):])
-        diffs.append(100.0 * (ours_mean - off_mean) / off_mean)
-    rng = random.Random(seed)
-    boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
-    return {"servers": {"off": [r["label"] for r in offs], "ours": [r["label"] for r in ours]},
-            "pair_pct": [round(d, 3) for d in diffs], "median_pct": round(statistics.median(diffs), 3),
-            "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)]}
-
-
-def _turn_medians(reps: Sequence[dict], base_reps: Sequence[dict]) -> List[float]:
-    """Per turn, the median over rounds of the turn's time against the base run's same round (percent); [] when
-    the repetitions carry no per-turn times."""
-    base = {x["rep"]: x.get("turn_s") for x in base_reps}
-    pairs = [(x["turn_s"], base[x["rep"]]) for x in reps if x.get("turn_s") and base.get(x["rep"])]
-    if not pairs:
-        return []
-    return [round(statistics.median(100.0 * (t[i] - b[i]) / b[i] for t, b in pairs), 3)
-            for i in range(len(pairs[0][0]))]
-
-
 def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
     """One more (fresh, untimed) repetition with sglang's torch profiler on around ``--profile-batches`` batches of
     its turn ``--profile-turn`` (default the second: prefixes loaded back from the host; 0: the first, fresh
@@ -426,9 +372,8 @@ def main(argv=None) -> int:
     for label, p in v["paired"].items():
         print(f"  paired vs the first off, {label}: median {p['median_pct']}% (90% CI {p['ci90_pct']}), "
               f"mean {p['mean_pct']}%, rounds {p['pair_pct']}; per turn (median) {p['turn_median_pct']}")
-    if v["pooled"]:
-        p = v["pooled"]
-        print(f"  pooled, the ours servers' mean vs the off servers' mean per round ({p['servers']}): median "
+    for name, p in v["pooled"].items():
+        print(f"  pooled, {name}'s servers' mean vs the off servers' mean per round ({p['servers']}): median "
               f"{p['median_pct']}% (90% CI {p['ci90_pct']}), rounds {p['pair_pct']}")
     for run in report["runs"]:
         st = run.get("canary_stats_last") or {}

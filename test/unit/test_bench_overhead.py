@@ -263,15 +263,23 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     assert -1.0 <= pair["ci90_pct"][0] <= 1.0 <= pair["ci90_pct"][1] <= 2.0 and list(got["paired"]) == ["hc_ours#1"]
     assert pair["turn_median_pct"] == [0.0, 2.0]  # per turn: the second turn carries the difference
     assert got["pooled"] == {}  # one ours server: nothing to pool
-    # a second off process 5% slower, a second ours process as fast as it: each role's mean cancels the offsets
+    # a second off process 5% slower, a second ours process as fast as it: each configuration's mean cancels the
+    # offsets; one hc_ours_d2h4 server: nothing to pool for it
+    for r, config in zip(runs, ("hc_off", "hc_ours", "hc_off")):
+        r["config"] = config
     runs[2]["reps"] = [{"rep": i, "wall_s": w, "load_back_tokens": 7} for i, w in enumerate((2.2, 2.1, 2.3))]
-    runs.append({"label": "hc_ours#2", "role": "ours", "median_s": 2.2,
+    runs.append({"label": "hc_ours#2", "config": "hc_ours", "role": "ours", "median_s": 2.2,
                  "reps": [{"rep": i, "wall_s": w, "load_back_tokens": 7} for i, w in enumerate((2.2, 2.1, 2.3))]})
-    pool = hc.summarize(runs)["pooled"]  # per round: mean(ours) against mean(offs)
-    assert pool["servers"] == {"off": ["hc_off#1", "hc_off#2"], "ours": ["hc_ours#1", "hc_ours#2"]}
+    runs.append({"label": "hc_ours_d2h4#1", "config": "hc_ours_d2h4", "role": "ours", "median_s": 2.0,
+                 "reps": [{"rep": i, "wall_s": 2.0, "load_back_tokens": 7} for i in range(3)]})
+    pools = hc.summarize(runs)["pooled"]  # per round: mean(ours) against mean(offs)
+    assert list(pools) == ["hc_ours"]
+    pool = pools["hc_ours"]
+    assert pool["servers"] == {"off": ["hc_off#1", "hc_off#2"], "hc_ours": ["hc_ours#1", "hc_ours#2"]}
     assert pool["pair_pct"] == [0.476, 1.0, -0.452] and pool["median_pct"] == 0.476
     assert -0.452 <= pool["ci90_pct"][0] <= 0.476 <= pool["ci90_pct"][1] <= 1.0
     assert hc.parse_args(["--interleave", "--mem-fraction-static", "0.3"]).interleave
+    assert hc.parse_args(["--configs", "hc_off,hc_ours_d2h4"]).config_names == ["hc_off", "hc_ours_d2h4"]
     orders = ["".join(hc.round_order("ABC", r)) for r in range(6)]
     assert sorted(orders) == sorted({"ABC", "ACB", "BAC", "BCA", "CAB", "CBA"})  # each in each position, twice
     assert ["".join(hc.round_order("AB", r)) for r in range(-1, 4)] == ["AB", "AB", "BA", "BA", "AB"]

@@ -1,0 +1,77 @@
+"""Paired rounds of an interleaved overhead run (``bench_hicache_overhead.py --interleave``): every server runs
+repetition r in round r, so each run's repetitions compare with the base server's of the same round.
+
+A run is a dict: ``label``, ``config``, ``role`` (``off`` / ``ours``) and ``reps`` (dicts of ``rep``, ``wall_s``
+and, optionally, ``turn_s``: each turn's seconds).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Dict, List, Sequence
+
+
+def paired(runs: Sequence[dict], seed: int) -> dict:
+    """Per round, each run's repetition against the first ``off`` run's same repetition (percent); the median over
+    rounds and a bootstrap 90% interval of that median (2,000 resamples of the rounds)."""
+    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
+    if not offs:
+        return {}
+    base = {x["rep"]: x["wall_s"] for x in offs[0]["reps"]}
+    rng = random.Random(seed)
+    out = {}
+    for run in runs:
+        if run is offs[0] or not run["reps"]:
+            continue
+        diffs = [100.0 * (x["wall_s"] - base[x["rep"]]) / base[x["rep"]] for x in run["reps"] if x["rep"] in base]
+        if not diffs:
+            continue
+        boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+        out[run["label"]] = {"role": run["role"], "pair_pct": [round(d, 3) for d in diffs],
+                             "median_pct": round(statistics.median(diffs), 3),
+                             "mean_pct": round(statistics.fmean(diffs), 3),
+                             "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)],
+                             "turn_median_pct": _turn_medians(run["reps"], offs[0]["reps"])}
+    return out
+
+
+def pooled(runs: Sequence[dict], seed: int) -> dict:
+    """With two or more servers of a configuration and of ``hc_off`` (``--configs hc_off,hc_ours,hc_off,hc_ours``):
+    per configuration, per round the mean of its servers' repetitions against the mean of the off servers'
+    (percent), the median over rounds and a bootstrap 90% interval. A server process's own speed offset (0.3-0.6%
+    on an H100, which pairing by round does not cancel) is averaged over the processes of each configuration."""
+    by_config: Dict[str, List[dict]] = {}
+    for r in runs:
+        if r["reps"]:
+            by_config.setdefault(r.get("config", r["role"]), []).append(r)
+    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
+    out = {}
+    for name, group in by_config.items():
+        if group[0]["role"] == "off" or len(group) < 2 or len(offs) < 2:
+            continue
+        walls = [{x["rep"]: x["wall_s"] for x in r["reps"]} for r in offs + group]
+        rounds = sorted(set.intersection(*(set(w) for w in walls)))
+        if not rounds:
+            continue
+        diffs = []
+        for rep in rounds:
+            off_mean = statistics.fmean(w[rep] for w in walls[:len(offs)])
+            diffs.append(100.0 * (statistics.fmean(w[rep] for w in walls[len(offs):]) - off_mean) / off_mean)
+        rng = random.Random(seed)
+        boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
+        out[name] = {"servers": {"off": [r["label"] for r in offs], name: [r["label"] for r in group]},
+                     "pair_pct": [round(d, 3) for d in diffs], "median_pct": round(statistics.median(diffs), 3),
+                     "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)]}
+    return out
+
+
+def _turn_medians(reps: Sequence[dict], base_reps: Sequence[dict]) -> List[float]:
+    """Per turn, the median over rounds of the turn's time against the base run's same round (percent); [] when
+    the repetitions carry no per-turn times."""
+    base = {x["rep"]: x.get("turn_s") for x in base_reps}
+    pairs = [(x["turn_s"], base[x["rep"]]) for x in reps if x.get("turn_s") and base.get(x["rep"])]
+    if not pairs:
+        return []
+    return [round(statistics.median(100.0 * (t[i] - b[i]) / b[i] for t, b in pairs), 3)
+            for i in range(len(pairs[0][0]))]
