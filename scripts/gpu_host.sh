@@ -14,6 +14,7 @@
 #   bash scripts/gpu_host.sh bench-start [args]     # scripts/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
+#   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
 #   bash scripts/gpu_host.sh bundle-pd              # HERE: .bundle/pd-{1,2,3} (scripts/build_pd_bundle.sh: CUDA
@@ -178,6 +179,14 @@ PY
         --out "$out/hc-host-ops-$1-$2-busy$3.json"
     done 2>&1 | tee "$out/hc-host-ops.log" ;;
   unit) python3 -m pytest -q -rs test/unit -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-unit.log" ;;
+  decode-kernels)  # one decode forward's canary kernels with HiCache's settings (no sglang needed): this tree, and
+    # the tree under .bench-base/python if carried (e.g. `git archive REV python | tar -x -C .bench-base`)
+    PYTHONPATH="$PWD/python" python3 scripts/bench_decode_kernels.py --label new --out "$out/decode-new.json" "$@" \
+      2>&1 | grep -v -i "warn" | tee "$out/decode-new.log"
+    if [ -d .bench-base/python ]; then
+      PYTHONPATH="$PWD/.bench-base/python" python3 scripts/bench_decode_kernels.py --label base \
+        --out "$out/decode-base.json" "$@" 2>&1 | grep -v -i "warn" | tee "$out/decode-base.log"
+    fi ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
   bench)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu-info.txt"

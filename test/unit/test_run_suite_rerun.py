@@ -43,3 +43,8 @@ def test_a_failure_reruns_once_and_only_a_repeated_one_fails_the_suite(tmp_path,
         assert rc == 1 and "FLAKY" not in out
     else:
         assert rc == 0 and "FLAKY (failed once, passed when run again)" in out
+
+
+def test_without_a_failure_record_the_first_result_stands(tmp_path):
+    """The GPU host runs the suite with -p no:cacheprovider: no record, no rerun."""
+    assert run_suite.rerun_failed(["false"], str(tmp_path / "none"), None, 1) == 1
