@@ -19,7 +19,8 @@ against the first ``hc_off`` round by round (median, mean, a bootstrap 90% inter
 between servers started minutes apart no longer lands in the row. With two servers or more of a configuration
 and of ``hc_off`` (``--configs hc_off,hc_ours,hc_off,hc_ours``), ``overhead.pooled`` compares their means per
 round: a server process's own speed offset is averaged over the processes of its configuration.
-``hc_ours_d2h4``: ``hc_ours`` with ``SGLANG_KV_CANARY_D2H_INTERVAL=4``.
+``hc_ours_d2h4``: ``hc_ours`` with ``SGLANG_KV_CANARY_D2H_INTERVAL=4``; ``hc_ours_lean`` (an ablation, to size
+what the token oracle and the write witness cost): that, and neither of them.
 
 GPU (default): bench_overhead's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
 tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes; the timings only prove the
@@ -62,7 +63,12 @@ SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 # name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward
 CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none"), {}),
                              "hc_ours": ("ours", ("--kv-canary", "raise"), {}),
-                             "hc_ours_d2h4": ("ours", ("--kv-canary", "raise"), {"SGLANG_KV_CANARY_D2H_INTERVAL": "4"})}
+                             "hc_ours_d2h4": ("ours", ("--kv-canary", "raise"), {"SGLANG_KV_CANARY_D2H_INTERVAL": "4"}),
+                             # ablation (not a setting to run): the copy interval, no token oracle, no write witness
+                             "hc_ours_lean": ("ours", ("--kv-canary", "raise"),
+                                              {"SGLANG_KV_CANARY_D2H_INTERVAL": "4",
+                                               "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "0",
+                                               "SGLANG_KV_CANARY_WRITE_WITNESS": "0"})}
 DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
 # (conversations, system_len, turns, turn_len, output_len, group, max_total_tokens, hicache_ratio) per device:
 # on the GPU 48 x ~1.3k tokens of prefixes against a 16k-token device pool and a 5x host pool

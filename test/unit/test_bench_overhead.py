@@ -264,7 +264,7 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     assert pair["turn_median_pct"] == [0.0, 2.0]  # per turn: the second turn carries the difference
     assert got["pooled"] == {}  # one ours server: nothing to pool
     # a second off process 5% slower, a second ours process as fast as it: each configuration's mean cancels the
-    # offsets; one hc_ours_d2h4 server: nothing to pool for it
+    # offsets; one hc_ours_d2h4 server: against the offs' mean (its own offset stays)
     for r, config in zip(runs, ("hc_off", "hc_ours", "hc_off")):
         r["config"] = config
     runs[2]["reps"] = [{"rep": i, "wall_s": w, "load_back_tokens": 7} for i, w in enumerate((2.2, 2.1, 2.3))]
@@ -273,7 +273,8 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     runs.append({"label": "hc_ours_d2h4#1", "config": "hc_ours_d2h4", "role": "ours", "median_s": 2.0,
                  "reps": [{"rep": i, "wall_s": 2.0, "load_back_tokens": 7} for i in range(3)]})
     pools = hc.summarize(runs)["pooled"]  # per round: mean(ours) against mean(offs)
-    assert list(pools) == ["hc_ours"]
+    assert list(pools) == ["hc_ours", "hc_ours_d2h4"]
+    assert pools["hc_ours_d2h4"]["pair_pct"] == [-4.762] * 3  # 2.0 against 2.1 (the two offs' mean) each round
     pool = pools["hc_ours"]
     assert pool["servers"] == {"off": ["hc_off#1", "hc_off#2"], "hc_ours": ["hc_ours#1", "hc_ours#2"]}
     assert pool["pair_pct"] == [0.476, 1.0, -0.452] and pool["median_pct"] == 0.476
