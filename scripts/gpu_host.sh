@@ -52,7 +52,9 @@
 #      (the e2e ~5 min; the bench runs in the background: off / ours / off, ~5 min)
 #   3. hc-bench-wait 540   (repeat until it prints BENCH_DONE)                                      timeout 600
 #   The paired row (all servers at once, ~8 min): hc-bench-start --interleave --configs hc_off,hc_ours,hc_off
-#      --reps 18 --mem-fraction-static 0.88 (add --sample-stacks for where the scheduler thread's time goes, or
+#      --reps 18 --mem-fraction-static 0.88 (the pooled row, five servers: --configs hc_off,hc_ours,hc_off,hc_ours,hc_ours_d2h4
+#      --reps 10 on an H200: they do not fit an H100's memory; keep 0.88, sglang refuses a small fraction once
+#      other servers hold memory) (add --sample-stacks for where the scheduler thread's time goes, or
 #      --profile-batches 3 for the GPU's busy / idle split), then hc-bench-wait
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
