@@ -22,18 +22,94 @@ On CPU the copy is immediate and ``delay`` still applies, so the step at which
 counters if no copy has (before an idle drain, so what the host settles on is current): the host learns of a
 violation up to ``delay + interval - 1`` forwards after it, and the scheduler thread pays for 1/``interval`` of
 the copies (~25 us each on an H100 host, docs/hicache-results.md 7.4).
+
+On CUDA with Triton the copy is a write, not a copy (``PublishGraphs``): per slot, a CUDA graph of one kernel
+that writes the counters straight into the slot's pinned host memory through its mapped address and then a
+serial number into the slot's flag (system scope, released after the counters). ``snapshot`` replays the slot's
+graph on the forward's stream (one call on the scheduler thread, in place of two copies, two event records, a
+stream wait and two stream switches); ``ready`` reads the flag from host memory (no ``event.query()``). The
+forward's stream runs the kernel in order, so the snapshot is the counters after the forward, with no staging
+buffer; the serial (a device counter the kernel bumps) tells one replay from an older one in the same slot.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
-from typing import Deque, List, Tuple
+from typing import Deque, List, Optional, Tuple
 
 import torch
 
+logger = logging.getLogger("kv_canary")
+WAIT_TIMEOUT_S = 300.0  # a snapshot that has not landed by then: the device is hung, not slow
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the copy path
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _publish_kernel(src, dst, flag, serial, n, BLOCK: tl.constexpr):
+        """dst[:n] = src[:n] (dst: pinned host memory, through its mapped address); serial[0] += 1; then
+        flag[0] = serial[0], released at system scope after every thread's stores. One program."""
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+        value = tl.load(serial) + 1
+        tl.store(serial, value)
+        tl.debug_barrier()
+        tl.atomic_xchg(flag, value, sem="release", scope="sys")
+
+
+class PublishGraphs:
+    """CUDA: per host slot, a captured one-kernel graph that publishes ``source`` (int64[n], device) into
+    ``slots[i]`` (pinned int64[n]) and a serial number into ``flags[i]`` (pinned int64). Built (compiled and
+    captured) at install, never on the serving path."""
+
+    def __init__(self, source: torch.Tensor, num_slots: int):
+        n = source.numel()
+        self.slots = torch.zeros((num_slots, n), dtype=torch.int64).pin_memory()
+        self.flags = torch.zeros(num_slots, dtype=torch.int64).pin_memory()
+        self.slots_np, self.flags_np = self.slots.numpy(), self.flags.numpy()
+        self._serial = torch.zeros(1, dtype=torch.int64, device=source.device)
+        self.published = 0  # replays queued so far: the serial the last one writes
+        block = triton.next_power_of_2(max(1, n))
+
+        def launch(i: int) -> None:
+            _publish_kernel[(1,)](source, self.slots[i], self.flags[i:i + 1], self._serial, n, BLOCK=block)
+
+        with torch.cuda.device(source.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                launch(0)  # compile; this serial (1) is reset below
+            side.synchronize()
+            self._serial.zero_()
+            self.flags.zero_()
+            self._graphs = []
+            for i in range(num_slots):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                    launch(i)
+                self._graphs.append(graph)
+            torch.cuda.synchronize(source.device)
+
+    def publish(self, i: int) -> int:
+        """Queue slot ``i``'s kernel on the current stream; the serial its flag will show."""
+        self._graphs[i].replay()
+        self.published += 1
+        return self.published
+
+    def landed(self, i: int, serial: int) -> bool:
+        return int(self.flags_np[i]) == serial
+
 
 class DelayedDeviceHostHandler:
-    def __init__(self, source: torch.Tensor, delay: int, interval: int = 1):
+    def __init__(self, source: torch.Tensor, delay: int, interval: int = 1, publish: bool = True):
+        """``publish``: on CUDA with Triton, the kernel path (``PublishGraphs``); False: copies everywhere."""
         if interval < 1:
             raise ValueError(f"kv-canary: the counter copy interval must be >= 1 forward, not {interval}")
         self._source = source
@@ -42,17 +118,27 @@ class DelayedDeviceHostHandler:
         self._copied_step = None  # the forward of the last copy queued
         self._is_cuda = source.device.type == "cuda"
         n = delay + 2
-        pin = self._is_cuda
-        self._slots = [torch.zeros_like(source, device="cpu").pin_memory() if pin else
-                       torch.zeros_like(source, device="cpu") for _ in range(n)]
-        self._events = [torch.cuda.Event() if self._is_cuda else None for _ in range(n)]
-        # CUDA: per slot, the device copy the side stream reads; reused only after that read finished
-        self._staging = [torch.empty_like(source) for _ in range(n)] if self._is_cuda else []
-        self._copy_stream = torch.cuda.Stream(device=source.device) if self._is_cuda else None
-        # CUDA: per slot, marks the staging copy on the forward's stream (the side stream's copy waits for it)
-        self._staged = [torch.cuda.Event() for _ in range(n)] if self._is_cuda else []
+        # CUDA + Triton: the kernel writes the host slots itself (PublishGraphs); else copies
+        self._publish: Optional[PublishGraphs] = None
+        if self._is_cuda and triton is not None and publish:
+            try:
+                self._publish = PublishGraphs(source, n)
+            except Exception as exc:  # a driver or Triton that cannot write mapped host memory: the copies
+                logger.info("kv_canary_d2h=copy reason=%s", f"{type(exc).__name__}: {exc}".replace(" ", "_")[:200])
+        copying = self._is_cuda and self._publish is None
+        if self._publish is not None:
+            self._slots = list(self._publish.slots)
+        else:
+            self._slots = [torch.zeros_like(source, device="cpu").pin_memory() if copying else
+                           torch.zeros_like(source, device="cpu") for _ in range(n)]
+        self._events = [torch.cuda.Event() if copying else None for _ in range(n)]
+        # CUDA copies: per slot, the device copy the side stream reads; reused only after that read finished
+        self._staging = [torch.empty_like(source) for _ in range(n)] if copying else []
+        self._copy_stream = torch.cuda.Stream(device=source.device) if copying else None
+        # CUDA copies: per slot, marks the staging copy on the forward's stream (the side stream's copy waits for it)
+        self._staged = [torch.cuda.Event() for _ in range(n)] if copying else []
         self._used = [False] * n
-        self._pending: Deque[Tuple[int, int]] = deque()  # (step, slot index)
+        self._pending: Deque[Tuple[int, int, int]] = deque()  # (step, slot index, publish serial or 0)
         self._next_slot = 0
 
     def snapshot(self, step: int, *, force: bool = False) -> None:
@@ -63,14 +149,15 @@ class DelayedDeviceHostHandler:
         self._copied_step = step
         if len(self._pending) == len(self._slots):
             # All slots in flight: wait for the oldest (only when the host runs far ahead).
-            old_step, old_slot = self._pending[0]
-            if self._events[old_slot] is not None:
-                self._events[old_slot].synchronize()
+            self._wait(*self._pending[0][1:])
         idx = self._next_slot
         self._next_slot = (idx + 1) % len(self._slots)
         if self._pending and self._pending[0][1] == idx:
             # Counters are cumulative: dropping an unread snapshot loses nothing.
             self._pending.popleft()
+        if self._publish is not None:
+            self._pending.append((step, idx, self._publish.publish(idx)))
+            return
         if self._is_cuda:
             # Every forward pays this on the scheduler thread: few torch calls, preallocated events, no stream
             # context manager (38-58 us a call before on an H100 host, bench_hicache_host_ops.py ``snapshot``).
@@ -90,17 +177,33 @@ class DelayedDeviceHostHandler:
             self._used[idx] = True
         else:
             self._slots[idx].copy_(self._source)
-        self._pending.append((step, idx))
+        self._pending.append((step, idx, 0))
+
+    def _landed(self, idx: int, serial: int) -> bool:
+        if self._publish is not None:
+            return self._publish.landed(idx, serial)
+        event = self._events[idx]
+        return event is None or event.query()
+
+    def _wait(self, idx: int, serial: int) -> None:
+        """Block until slot ``idx``'s snapshot landed (never on the per-forward path but when every slot is in
+        flight, and in ``drain``)."""
+        if self._publish is not None:
+            deadline = time.monotonic() + WAIT_TIMEOUT_S
+            while not self._publish.landed(idx, serial):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"kv-canary: the counters' snapshot {serial} did not land in "
+                                       f"{WAIT_TIMEOUT_S:.0f} s (is the device hung?)")
+                time.sleep(0)
+        elif self._events[idx] is not None:
+            self._events[idx].synchronize()
 
     def ready(self, current_step: int) -> List[Tuple[int, List[int]]]:
         """(step, counters as a list of ints) for each finished copy at least ``delay`` forwards old."""
         out = []
         while self._pending:
-            step, idx = self._pending[0]
-            if current_step - step < self._delay:
-                break
-            event = self._events[idx]
-            if event is not None and not event.query():
+            step, idx, serial = self._pending[0]
+            if current_step - step < self._delay or not self._landed(idx, serial):
                 break
             out.append((step, self._slots[idx].tolist()))
             self._pending.popleft()
@@ -117,7 +220,6 @@ class DelayedDeviceHostHandler:
 
     def drain(self) -> List[Tuple[int, List[int]]]:
         """Wait for every queued copy (shutdown, tests)."""
-        for _, idx in self._pending:
-            if self._events[idx] is not None:
-                self._events[idx].synchronize()
+        for _, idx, serial in self._pending:
+            self._wait(idx, serial)
         return self.ready(current_step=1 << 62)

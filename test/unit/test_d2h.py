@@ -1,5 +1,6 @@
 """DelayedDeviceHostHandler: each snapshot holds the counters as they were after its forward, whatever the
-forward's stream does next (CPU, and CUDA where the host copy runs on a side stream), delivered after the delay."""
+forward's stream does next (CPU; CUDA where a captured kernel writes the pinned host slot itself, ``publish``,
+and CUDA with copies on a side stream), delivered after the delay."""
 
 from __future__ import annotations
 
@@ -8,14 +9,26 @@ import torch
 
 from kv_canary.d2h import DelayedDeviceHostHandler
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (["cuda", "cuda-copy"] if torch.cuda.is_available() else [])
+
+
+def handler(counters, delay, *, copy=False, **kw):
+    d2h = DelayedDeviceHostHandler(counters, delay, publish=not copy, **kw)
+    if counters.is_cuda:  # the kernel path unless asked for copies: it must build on the GPU host
+        assert (d2h._publish is None) == copy, "the publish kernel did not build (see kv_canary_d2h=copy)"
+    return d2h
+
+
+def _on(device):
+    return ("cuda" if device.startswith("cuda") else "cpu"), {"copy": device == "cuda-copy"}
 DELAY = 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_snapshot_is_the_counters_after_its_forward(device):
+    device, kw = _on(device)
     counters = torch.zeros(8, dtype=torch.int64, device=device)
-    d2h = DelayedDeviceHostHandler(counters, DELAY)
+    d2h = handler(counters, DELAY, **kw)
     got = []
     for step in range(12):  # more steps than slots: every staging buffer and host slot is reused
         if device == "cuda":
@@ -34,8 +47,9 @@ def test_each_snapshot_is_the_counters_after_its_forward(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_snapshot_is_not_ready_before_the_delay(device):
+    device, kw = _on(device)
     counters = torch.ones(4, dtype=torch.int64, device=device)
-    d2h = DelayedDeviceHostHandler(counters, DELAY)
+    d2h = handler(counters, DELAY, **kw)
     d2h.snapshot(5)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -47,8 +61,9 @@ def test_a_snapshot_is_not_ready_before_the_delay(device):
 def test_an_interval_copies_every_nth_forward_and_a_flush_the_last_one_once(device):
     """SGLANG_KV_CANARY_D2H_INTERVAL=3: forwards 3, 6, 9 are copied; the flush before an idle drain copies the last
     forward (10) once, however often it is called; after a restart of the count, forward 0 is copied again."""
+    device, kw = _on(device)
     counters = torch.zeros(4, dtype=torch.int64, device=device)
-    d2h = DelayedDeviceHostHandler(counters, DELAY, interval=3)
+    d2h = handler(counters, DELAY, interval=3, **kw)
     got = []
     for step in range(1, 11):
         counters.fill_(step)
@@ -64,3 +79,19 @@ def test_an_interval_copies_every_nth_forward_and_a_flush_the_last_one_once(devi
     assert d2h.drain() == [(0, [0, 0, 0, 0])]
     with pytest.raises(ValueError, match="interval"):
         DelayedDeviceHostHandler(counters, DELAY, interval=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel path writes pinned host memory from a CUDA "
+                    "kernel: needs a GPU (the GPU host runs it)")
+def test_publish_does_not_wait_for_the_forward_in_flight():
+    """The snapshot returns while a 1 s GPU sleep runs; the slot is not ready until the kernel behind it wrote it."""
+    counters = torch.full((4,), 7, dtype=torch.int64, device="cuda")
+    d2h = handler(counters, 0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_500_000_000)  # ~1 s at ~1.5 GHz
+    import time
+    t0 = time.monotonic()
+    d2h.snapshot(1)
+    assert time.monotonic() - t0 < 0.2
+    assert d2h.ready(10) == []  # still behind the sleep
+    assert d2h.drain() == [(1, [7, 7, 7, 7])]

@@ -128,7 +128,10 @@ def test_swa_injections_caught_in_both_groups(swa_run):
     for group in ("full", "swa"):
         injected, detected = by_mode.get(("real_kv_used", group), (0, 0))
         assert injected > 0, f"no real_kv_used injection into group {group}: {by_mode}"
-        assert detected == injected, f"real_kv_used in {group}: {detected}/{injected} caught"
+        missed = [p for p in swa_run["log"].perturbations
+                  if (p["kv_canary_perturb"], p["group"]) == ("real_kv_used", group)
+                  and not any(CanaryLog.explains(p, v) for v in swa_run["log"].violations)]
+        assert detected == injected, f"real_kv_used in {group}: {detected}/{injected} caught; missed: {missed}"
     post = [by_mode.get(("real_kv_post_forward", g), (0, 0)) for g in ("full", "swa")]
     assert sum(n for n, _ in post) > 0 and sum(d for _, d in post) > 0, by_mode
 
