@@ -157,6 +157,25 @@ def test_kv_flips_land_anywhere_in_the_slot_by_default():
     assert changed > 0 and all(int((r.view[s] != 0).sum()) == 0 for r in g.rows for s in (0, 1, 2, 4))
 
 
+def test_a_flip_never_undoes_an_earlier_flip_of_the_same_byte():
+    """Flips of one place (a real_kv_used flip of the byte a real_kv_post_forward flip left wrong, seen in CI as a
+    'missed' injection) leave the byte changed after each of them, whatever their count."""
+    from kv_canary.perturb.real_kv import flip_kv_byte
+
+    g, rng, standing = _group(), random.Random(3), {}
+    byte = lambda: int(g.rows[4].view[1].view(torch.uint8)[32])  # noqa: E731
+    seen = []
+    for _ in range(6):
+        flip_kv_byte(g, 1, rng, "-1:k:mid", standing=standing)
+        seen.append(byte())
+    assert 0 not in seen and seen[:2] == [0xFF, 0xF0]  # 0xFF, then 0x0F in place of the 0xFF that would undo it
+    flip_kv_byte(g, 2, rng, "-1:k:mid", standing=standing)  # another slot: its own place
+    assert int(g.rows[4].view[2].view(torch.uint8)[32]) == 0xFF
+    flip_kv_byte(g, 3, rng, "-1:k:mid")  # no record: two flips with one mask still cancel
+    flip_kv_byte(g, 3, rng, "-1:k:mid")
+    assert int(g.rows[4].view[3].view(torch.uint8)[32]) == 0
+
+
 def test_kv_flip_specs_hashed_and_one_place():
     from kv_canary.config import CanaryConfigError
     from kv_canary.perturb.real_kv import check_flip_spec, flip_kv_byte

@@ -76,6 +76,7 @@ class PerturbManager:
                 check_flip_spec(group, config.perturb_kv_bytes)
         self._prefix_cache = None  # RadixCacheView, attached by the adapter
         self._restore: List[Callable[[], None]] = []
+        self._standing: dict = {}  # the XOR left at each flipped K/V byte (real_kv.flip_kv_byte: no flip undoes one)
         self.injections: List[str] = []  # formatted lines, newest last (bounded)
         self.injection_count = 0  # injections so far (SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS caps it)
         self.active = config.any_perturbation  # read on every forward's host path: computed once
@@ -230,7 +231,8 @@ class PerturbManager:
         slot = self._group_slot(entry.slot)
         if slot <= 0:
             return
-        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes,
+                            standing=self._standing)
         self._log("real_kv_used", slot=slot, rid=entry.rid, position=entry.position, forward=forward_index,
                   half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
                   **self._translated_fields(entry.slot))
@@ -244,7 +246,8 @@ class PerturbManager:
         slot = self._group_slot(engine_slot)  # a translated group: 0 where its KV was released (SWA tombstone)
         if slot <= 0:
             return
-        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes,
+                            standing=self._standing)
         self._log("real_kv_unused_cache", slot=slot, rid="cache", position=position, forward=forward_index,
                   half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
                   **self._translated_fields(engine_slot))
@@ -261,7 +264,7 @@ class PerturbManager:
             # Its own mask: a PD pair with one SGLANG_KV_CANARY_PERTURB_SEED draws mirrored streams, and a
             # prefill-side real_kv_post_forward flip (0xFF) of this very byte would otherwise be undone.
             flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes,
-                                mask=TRANSFER_FLIP_MASK)
+                                mask=TRANSFER_FLIP_MASK, standing=self._standing)
             self._log("transfer", slot=slot, rid=a.rid, position=position, forward=forward_index,
                       bootstrap_room=a.room, half=flip.half, layer=flip.layer, byte=flip.byte,
                       hashed=int(flip.hashed))
@@ -286,7 +289,8 @@ class PerturbManager:
         slot = self._group_slot(engine_slot)
         if slot <= 0:
             return
-        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes)
+        flip = flip_kv_byte(self._group, slot, self._rng, self._config.perturb_kv_bytes,
+                            standing=self._standing)
         self._log("real_kv_post_forward", slot=slot, rid="?", position=-1, forward=forward_index,
                   half=flip.half, layer=flip.layer, byte=flip.byte, hashed=int(flip.hashed),
                   **self._translated_fields(engine_slot))

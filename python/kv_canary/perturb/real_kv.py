@@ -11,17 +11,21 @@
 
 The byte is XORed with a mask: ``FLIP_MASK`` (0xFF) for the modes that corrupt
 a server's own pool, ``TRANSFER_FLIP_MASK`` for the PD ``transfer`` mode. Two
-flips of one byte with the same mask cancel; a PD pair runs a prefill-side flip
-and a decode-side flip over the same KV bytes (a prefill slot is copied to a
-decode slot), so the two masks differ: injections on both sides of one slot
-always leave a changed byte behind.
+flips of one byte with the same mask cancel, and a real bug does not put a byte
+back: within one server the perturbation keeps the XOR it has left at each place
+(``standing``) and never applies a mask equal to it (a later flip of a byte an
+earlier one left wrong, e.g. a ``real_kv_used`` flip of the byte a
+``real_kv_post_forward`` flip changed, would restore it and look like a miss);
+a PD pair runs a prefill-side flip and a decode-side flip over the same KV bytes
+(a prefill slot is copied to a decode slot) in two processes, so the two masks
+differ: injections on both sides of one slot always leave a changed byte behind.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -80,9 +84,19 @@ def check_flip_spec(group: CanaryBufferGroup, where: str) -> None:
 
 
 def flip_kv_byte(group: CanaryBufferGroup, slot: int, rng: random.Random, where: str = "anywhere",
-                 mask: int = FLIP_MASK) -> ByteFlip:
-    """XOR ``mask`` (non-zero, < 256) into one byte of ``slot``'s K/V rows (device op, no sync)."""
+                 mask: int = FLIP_MASK, standing: Optional[Dict[tuple, int]] = None) -> ByteFlip:
+    """XOR ``mask`` (non-zero, < 256) into one byte of ``slot``'s K/V rows (device op, no sync).
+
+    ``standing``: the XOR earlier flips left at each (group, layer, half, slot, byte), updated; a mask equal to
+    it would undo them, so another non-zero mask is used (the byte stays changed whether or not the slot was
+    rewritten in between)."""
     row, byte = _place(group, where, rng)
+    if standing is not None:
+        key = (group.name, row.layer, row.half, slot, byte)
+        left = standing.get(key, 0)
+        if mask == left:
+            mask = 0x0F if left != 0x0F else 0xF0
+        standing[key] = left ^ mask
     bytes_ = row.view[slot].view(torch.uint8)
     bytes_[byte] ^= mask
     hashed = any(s.layer == row.layer and s.half == row.half and byte < s.words * 4 for s in group.sources)
