@@ -23,7 +23,7 @@ counters if no copy has (before an idle drain, so what the host settles on is cu
 violation up to ``delay + interval - 1`` forwards after it, and the scheduler thread pays for 1/``interval`` of
 the copies (~25 us each on an H100 host, docs/hicache-results.md 7.4).
 
-On CUDA with Triton the copy is a write, not a copy (``PublishGraphs``): per slot, a CUDA graph of one kernel
+On CUDA with Triton, on an x86 host, the copy is a write, not a copy (``PublishGraphs``): per slot, a CUDA graph of one kernel
 that writes the counters straight into the slot's pinned host memory through its mapped address and then a
 serial number into the slot's flag (system scope, released after the counters). ``snapshot`` replays the slot's
 graph on the forward's stream (one call on the scheduler thread, in place of two copies, two event records, a
@@ -35,6 +35,7 @@ buffer; the serial (a device counter the kernel bumps) tells one replay from an 
 from __future__ import annotations
 
 import logging
+import platform
 import time
 from collections import deque
 from typing import Deque, List, Optional, Tuple
@@ -42,6 +43,9 @@ from typing import Deque, List, Optional, Tuple
 import torch
 
 logger = logging.getLogger("kv_canary")
+# ``ready`` reads a slot's flag, then its counters, with plain loads: x86 keeps loads in order; on a host that may
+# reorder them (Arm, e.g. Grace) the counters could be read before the flag, so the copies stay there
+IN_ORDER_LOAD_HOSTS = ("x86_64", "AMD64")
 WAIT_TIMEOUT_S = 300.0  # a snapshot that has not landed by then: the device is hung, not slow
 
 try:
@@ -120,7 +124,9 @@ class DelayedDeviceHostHandler:
         n = delay + 2
         # CUDA + Triton: the kernel writes the host slots itself (PublishGraphs); else copies
         self._publish: Optional[PublishGraphs] = None
-        if self._is_cuda and triton is not None and publish:
+        if self._is_cuda and triton is not None and publish and platform.machine() not in IN_ORDER_LOAD_HOSTS:
+            logger.info("kv_canary_d2h=copy reason=host_%s_may_reorder_loads", platform.machine())
+        elif self._is_cuda and triton is not None and publish:
             try:
                 self._publish = PublishGraphs(source, n)
             except Exception as exc:  # a driver or Triton that cannot write mapped host memory: the copies
