@@ -77,7 +77,7 @@ class PublishGraphs:
         n = source.numel()
         self.slots = torch.zeros((num_slots, n), dtype=torch.int64).pin_memory()
         self.flags = torch.zeros(num_slots, dtype=torch.int64).pin_memory()
-        self.slots_np, self.flags_np = self.slots.numpy(), self.flags.numpy()
+        self.flags_np = self.flags.numpy()  # read by ``landed`` without a torch call
         self._serial = torch.zeros(1, dtype=torch.int64, device=source.device)
         self.published = 0  # replays queued so far: the serial the last one writes
         block = triton.next_power_of_2(max(1, n))
