@@ -21,7 +21,7 @@ On CPU the copy is immediate and ``delay`` still applies, so the step at which
 (the counters are cumulative: a skipped copy loses nothing but time), and ``flush`` copies the last forward's
 counters if no copy has (before an idle drain, so what the host settles on is current): the host learns of a
 violation up to ``delay + interval - 1`` forwards after it, and the scheduler thread pays for 1/``interval`` of
-the copies (~25 us each on an H100 host, docs/hicache-results.md 7.4).
+the copies (~25 us each on an H100 host as copies, docs/hicache-results.md 7.4; ~5 us as the kernel write below).
 
 On CUDA with Triton, on an x86 host, the copy is a write, not a copy (``PublishGraphs``): per slot, a CUDA graph of one kernel
 that writes the counters straight into the slot's pinned host memory through its mapped address and then a
@@ -124,13 +124,15 @@ class DelayedDeviceHostHandler:
         n = delay + 2
         # CUDA + Triton: the kernel writes the host slots itself (PublishGraphs); else copies
         self._publish: Optional[PublishGraphs] = None
-        if self._is_cuda and triton is not None and publish and platform.machine() not in IN_ORDER_LOAD_HOSTS:
-            logger.info("kv_canary_d2h=copy reason=host_%s_may_reorder_loads", platform.machine())
-        elif self._is_cuda and triton is not None and publish:
-            try:
-                self._publish = PublishGraphs(source, n)
-            except Exception as exc:  # a driver or Triton that cannot write mapped host memory: the copies
-                logger.info("kv_canary_d2h=copy reason=%s", f"{type(exc).__name__}: {exc}".replace(" ", "_")[:200])
+        if self._is_cuda and triton is not None and publish:
+            if platform.machine() not in IN_ORDER_LOAD_HOSTS:
+                logger.info("kv_canary_d2h=copy reason=host_%s_may_reorder_loads", platform.machine())
+            else:
+                try:
+                    self._publish = PublishGraphs(source, n)
+                except Exception as exc:  # a driver or Triton that cannot write mapped host memory: the copies
+                    logger.info("kv_canary_d2h=copy reason=%s",
+                                f"{type(exc).__name__}: {exc}".replace(" ", "_")[:200])
         copying = self._is_cuda and self._publish is None
         if self._publish is not None:
             self._slots = list(self._publish.slots)
@@ -165,8 +167,9 @@ class DelayedDeviceHostHandler:
             self._pending.append((step, idx, self._publish.publish(idx)))
             return
         if self._is_cuda:
-            # Every forward pays this on the scheduler thread: few torch calls, preallocated events, no stream
-            # context manager (38-58 us a call before on an H100 host, bench_hicache_host_ops.py ``snapshot``).
+            # The copy path (no kernel write): every forward pays this on the scheduler thread: few torch calls,
+            # preallocated events, no stream context manager (38-58 us a call before on an H100 host,
+            # bench_hicache_host_ops.py ``snapshot``).
             main = torch.cuda.current_stream(self._source.device)
             if self._used[idx]:  # the last read of this staging buffer (n forwards ago: long finished)
                 main.wait_event(self._events[idx])
