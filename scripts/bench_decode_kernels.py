@@ -42,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--no-hicache", action="store_true", help="the canary's settings without HiCache")
     p.add_argument("--label", default="", help="a name for this run in the json")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: proves it runs")
+    p.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
+                   help="also time the step with the model's last GEMM (hidden 4096 x VOCAB bf16, e.g. 128256): "
+                        "TAIL after it (today) and TAIL on a side stream beside it (fork/join inside the graph)")
     p.add_argument("--out", default="decode_kernels.json")
     args = p.parse_args(argv)
     args.case_list = []
@@ -224,6 +227,78 @@ def time_case(torch, device, rig, iters):
     return out, kernels
 
 
+def time_lm_head(torch, device, rig, iters, vocab):
+    """The step's wall time on the GPU with the LM head's GEMM last (no L2 flush: the GEMM's 1 GB read is one):
+    ``base`` (store + GEMM, no canary), ``serial`` (HEAD, store, GEMM, TAIL: the TAIL after the forward, as the
+    patched model.forward runs it today), ``forked`` (HEAD, store, then the TAIL on a side stream beside the GEMM,
+    joined before the graph ends), ``forked_verify`` (HEAD's stamp, store, then the verify and the TAIL beside the
+    GEMM: the server's path with ``runner/early_tail.py``). Median µs of ``iters`` replays each, interleaved."""
+    w = torch.empty((vocab, 4096), dtype=torch.bfloat16, device=device).normal_()
+    h = torch.empty((rig.bs, 4096), dtype=torch.bfloat16, device=device).normal_()
+    side = torch.cuda.Stream(device=device)
+
+    def lm():
+        return h @ w.t()
+
+    def base():
+        rig.store()
+        lm()
+
+    def serial():
+        rig.head()
+        rig.store()
+        lm()
+        rig.tail()
+
+    def forked():
+        rig.head()
+        rig.store()
+        cur = torch.cuda.current_stream(device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            rig.tail()
+        lm()
+        cur.wait_stream(side)
+
+    def forked_verify():  # the server's path with an anchor: HEAD stamps only, the verify runs before the TAIL
+        rig.head_mgr.pre_ops_maybe_inside_graph(rig.view, verify_later=True)
+        rig.head_mgr._verify_pending = False  # its verify runs below, on the side stream (HEAD's own oracle)
+        rig.store()
+        cur = torch.cuda.current_stream(device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            rig.head_mgr._verify(rig.view)
+            rig.tail()
+        lm()
+        cur.wait_stream(side)
+
+    variants = (("base", base), ("serial", serial), ("forked", forked), ("forked_verify", forked_verify))
+    graphs = {}
+    for name, fn in variants:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs[name] = g
+    torch.cuda.synchronize()
+    ev = {k: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+          for k in graphs}
+    for i in range(iters):
+        names = [name for name, _ in variants]
+        for k in (names if i % 2 else names[::-1]):
+            ev[k][i][0].record()
+            graphs[k].replay()
+            ev[k][i][1].record()
+    torch.cuda.synchronize()
+    rig.check(0)
+    out = {f"lm_{k}_us": round(statistics.median(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev}
+    out["lm_serial_minus_base_us"] = round(out["lm_serial_us"] - out["lm_base_us"], 2)
+    out["lm_forked_minus_base_us"] = round(out["lm_forked_us"] - out["lm_base_us"], 2)
+    out["lm_forked_verify_minus_base_us"] = round(out["lm_forked_verify_us"] - out["lm_base_us"], 2)
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
@@ -242,6 +317,8 @@ def main(argv=None):
     for bs, ctx in cases:
         rig = DecodeRig(torch, device, bs, ctx, args, layers, heads, dim, pool)
         times, kernels = time_case(torch, device, rig, iters)
+        if args.lm_head and device.type == "cuda":
+            times.update(time_lm_head(torch, device, rig, iters, args.lm_head))
         results.append({"bs": bs, "ctx": ctx, **times, "kernels": kernels})
         print(f"[{args.label}] bs={bs} ctx={ctx} {times}", flush=True)
         for name, k in kernels.items():

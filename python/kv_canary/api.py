@@ -29,6 +29,7 @@ from .memory import canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
+from .runner.early_tail import EarlyTail
 from .transfer import TransferBook, new_origin
 from .violations import INSTALLED_PREFIX, OFF_PREFIX, format_line, set_process_tags
 
@@ -115,7 +116,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if tracker is not None:
         _precompile(manager, capacities, facts)
         logger.info("kv_canary_precompiled=1 %s", tracker.describe())
-    _patch_model_forward(facts.model, manager)
+    manager.early_tail = _patch_model_forward(facts.model, manager, facts.tail_anchor)
     req_rows, context_len = (int(n) for n in facts.req_to_token.shape)
     memory = canary_memory_bytes(
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=req_rows, context_len=context_len,
@@ -347,8 +348,9 @@ def _extract_forward_batch(args: tuple, kwargs: dict) -> Any:
     raise TypeError("kv-canary: model.forward was called without a ForwardBatch argument")
 
 
-def _with_canary_bracketing(forward: Callable, manager: CanaryManager) -> Callable:
-    """Wrap ``forward``: plan + HEAD before, TAIL after; nested calls share the outer bracket."""
+def _with_canary_bracketing(forward: Callable, manager: CanaryManager, early: Optional[EarlyTail] = None) -> Callable:
+    """Wrap ``forward``: plan + HEAD before, TAIL after (or, with ``early``, at the start of the model's last stage,
+    beside it: ``runner/early_tail.py``); nested calls share the outer bracket."""
     depth = [0]
 
     @functools.wraps(forward)
@@ -357,9 +359,19 @@ def _with_canary_bracketing(forward: Callable, manager: CanaryManager) -> Callab
             return forward(*args, **kwargs)
         depth[0] += 1
         try:
-            view = manager.pre_ops_maybe_inside_graph(_extract_forward_batch(args, kwargs))
-            out = forward(*args, **kwargs)
-            manager.post_ops_maybe_inside_graph(view)
+            view = manager.pre_ops_maybe_inside_graph(_extract_forward_batch(args, kwargs),
+                                                      verify_later=early is not None)
+            if early is None or view is None:
+                out = forward(*args, **kwargs)
+                manager.post_ops_maybe_inside_graph(view)
+                return out
+            early.arm(view)
+            try:
+                out = forward(*args, **kwargs)
+            finally:
+                ran = early.finish()
+            if not ran:  # the forward never reached the anchor
+                manager.post_ops_maybe_inside_graph(view)
             return out
         finally:
             depth[0] -= 1
@@ -368,7 +380,14 @@ def _with_canary_bracketing(forward: Callable, manager: CanaryManager) -> Callab
     return bracketed
 
 
-def _patch_model_forward(model: torch.nn.Module, manager: CanaryManager) -> None:
+def _patch_model_forward(model: torch.nn.Module, manager: CanaryManager,
+                         tail_anchor: Optional[torch.nn.Module] = None) -> Optional[EarlyTail]:
+    """``tail_anchor``: the module whose start follows every K/V store of a forward (the adapter's
+    ``SglangFacts.tail_anchor``); the TAIL then runs there, beside the model's last stage."""
     if getattr(model.forward, "__kv_canary_original__", None) is not None:
         raise RuntimeError("kv-canary: model.forward is already patched (install_canary ran twice)")
-    model.forward = _with_canary_bracketing(model.forward, manager)
+    early = None
+    if tail_anchor is not None:
+        early = EarlyTail(tail_anchor, manager.post_ops_maybe_inside_graph, manager.counters.device)
+    model.forward = _with_canary_bracketing(model.forward, manager, early)
+    return early

@@ -36,6 +36,8 @@ class TinyAttentionModel(torch.nn.Module):
         self.k, self.v, self.events = k, v, events
         self.nested = False
         self.drop_lane = None  # a lane whose K/V store goes to the padding slot 0 (a dropped write)
+        self.logits_processor = None  # a LogitsStage when the harness anchors the TAIL there
+        self.skip_logits = False  # a forward path that never reaches the last stage
 
     def forward(self, input_ids, positions, forward_batch):
         self.events.append("forward")
@@ -47,11 +49,25 @@ class TinyAttentionModel(torch.nn.Module):
         if self.nested:
             self.nested = False
             self.forward(input_ids, positions, forward_batch)  # a re-entrant call: no second bracket
+        if self.logits_processor is not None and not self.skip_logits:
+            self.logits_processor(input_ids)
+        return input_ids
+
+
+class LogitsStage(torch.nn.Module):
+    """The model's last stage after every K/V store (sglang's logits processor); the early TAIL's anchor."""
+
+    def __init__(self, events):
+        super().__init__()
+        self.events = events
+
+    def forward(self, input_ids):
+        self.events.append("logits")
         return input_ids
 
 
 class Harness:
-    def __init__(self, mode=CanaryMode.RAISE, delay=0, **config_fields):
+    def __init__(self, mode=CanaryMode.RAISE, delay=0, anchor=False, **config_fields):
         self.events = []
         self.k = torch.zeros(SLOTS, 1, 4)
         self.v = torch.zeros(SLOTS, 1, 4)
@@ -78,7 +94,9 @@ class Harness:
             device=torch.device("cpu"),
         )
         self.model = TinyAttentionModel(self.k, self.v, self.events)
-        _patch_model_forward(self.model, self.manager)
+        if anchor:
+            self.model.logits_processor = LogitsStage(self.events)
+        self.manager.early_tail = _patch_model_forward(self.model, self.manager, self.model.logits_processor)
         self.next_slot = 1
         self.lens = {}
         self.own = {}  # row -> the request's tokens so far (the scheduler's record)
@@ -170,6 +188,35 @@ def test_the_write_witness_off_leaves_a_dropped_store_unseen():
     h.step(h.batch({1: [7]}, decode=True))  # raise mode: nothing to report without the witness
     h.manager.poll(drain=True)
     assert "stamp" not in h.events and int(h.manager.last_counters[fp.C_SLOTS_WITNESSED]) == 0
+
+
+def test_the_verify_and_tail_run_at_the_anchor_before_the_last_stage_or_after_a_forward_that_skips_it():
+    h = Harness(anchor=True)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
+    h.model.skip_logits = True
+    h.step(h.batch({1: [10], 2: [11]}, decode=True))
+    # anchored: HEAD stamps, the verify runs with the TAIL (the forward writes none of the slots it reads)
+    assert h.events == ["stamp", "forward", "verify", "check", "write", "logits",
+                        "stamp", "forward", "verify", "check", "write"]
+    assert int(h.manager.last_counters[fp.C_SLOTS_VERIFIED]) == 5
+    h.manager.poll(drain=True)
+    c = h.manager.last_counters
+    assert int(c[fp.C_SLOTS_WRITTEN]) == 7 and h.manager.forwards == 2 and int(c[fp.C_FORWARD_INDEX]) == 2
+    assert "tails_at_anchor=1 " in h.manager.stats_line() + " "
+
+
+def test_a_dropped_kv_store_is_reported_unwritten_by_a_tail_at_the_anchor(caplog):
+    h = Harness(mode=CanaryMode.LOG, anchor=True)
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
+    h.model.drop_lane = 1
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: [10], 2: [11]}, decode=True))
+        h.manager.poll(drain=True)
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [(v["kind"], v["rid"], v["slot"], v["forward"]) for v in found] == [("unwritten", "r2", "7", "1")]
+    assert h.events.count("logits") == 2 and h.events[-2:] == ["write", "logits"]
 
 
 def test_nested_model_forward_shares_the_outer_bracket():

@@ -618,7 +618,8 @@ def test_an_unsupported_draft_pool_is_skipped_and_said(caplog):
     values = dict(line="0.5.12", device=torch.device("cpu"), tp_rank=0, is_draft_worker=True, model=None,
                   pool=SomeOtherPool(), pool_name="SomeOtherPool", pool_context=None,
                   req_to_token=torch.zeros(2, 8, dtype=torch.int32), req_pool_size=2, cuda_graph_max_bs=0,
-                  max_prefill_tokens=64, cuda_graphs=False, pd_mode=None, spec=spec, mrope=False, reserved_bytes=None)
+                  max_prefill_tokens=64, cuda_graphs=False, pd_mode=None, spec=spec, mrope=False, reserved_bytes=None,
+                  tail_anchor=None)
     facts = SglangFacts(**{f.name: values[f.name] for f in dataclasses.fields(SglangFacts)})
     with caplog.at_level("WARNING", logger="kv_canary"):
         assert install_draft_canary(facts, CanaryConfig(mode=CanaryMode.RAISE)) is None

@@ -78,6 +78,9 @@ class SglangFacts:
     spec: Optional[SpecFacts]
     mrope: bool
     reserved_bytes: Optional[int]  # held back before sglang sized the KV pool (None: no reservation hook ran)
+    # the module whose start follows every K/V store of a forward (sglang's models: ``logits_processor``, after the
+    # last layer); the TAIL runs there, beside the LM head (runner/early_tail.py). None: after the forward
+    tail_anchor: Optional[torch.nn.Module]
 
     @property
     def tree_verify(self) -> bool:
@@ -115,4 +118,12 @@ def read_facts(server_args: Any, model_runner: Any, mode: str) -> SglangFacts:
         spec=SpecFacts.read(server_args, mode),
         mrope=bool(getattr(model_runner, "model_is_mrope", False)),
         reserved_bytes=getattr(model_runner, "kv_canary_reserved_bytes", None),
+        tail_anchor=tail_anchor(model_runner.model),
     )
+
+
+def tail_anchor(model: Any) -> Optional[torch.nn.Module]:
+    """sglang's causal LMs end ``forward`` with ``self.logits_processor(input_ids, hidden_states, self.lm_head,
+    forward_batch)``, after every layer (and so every K/V store); the canary's TAIL can start there."""
+    anchor = getattr(model, "logits_processor", None)
+    return anchor if isinstance(anchor, torch.nn.Module) else None

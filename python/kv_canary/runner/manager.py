@@ -9,15 +9,20 @@ inner forwards), the engine wiring does::
 
 and the patched ``model.forward`` (``api._with_canary_bracketing``) does::
 
-    view = manager.pre_ops_maybe_inside_graph(fb)     # plan + HEAD verify
+    view = manager.pre_ops_maybe_inside_graph(fb, verify_later=anchored)  # plan + HEAD
     out = original_forward(...)                       # attention reads / writes KV
     manager.post_ops_maybe_inside_graph(view)         # TAIL write
 
 So a forward is: outside pre-ops (bracket checks, token-oracle admissions,
-perturbation) -> plan -> HEAD (verify every read slot; the scrub's window) ->
-forward -> TAIL (fingerprint the new slots; check the positions and tokens the
-model was fed) -> outside post-ops (count the forward, queue the async counter
-copy, read copies a few forwards old, log/raise violations, stats). Everything
+perturbation) -> plan -> HEAD (verify every read slot; the scrub's window; stamp
+the slots to fill) -> forward -> TAIL (fingerprint the new slots; check the
+positions and tokens the model was fed) -> outside post-ops (count the forward,
+queue the async counter copy, read copies a few forwards old, log/raise
+violations, stats). Where the model's last stage is known (sglang's logits
+processor: ``anchored``), the TAIL runs from a pre-hook there, on a side stream
+beside the LM head, and HEAD's verify moves in front of it (the forward writes
+none of the slots it reads): HEAD keeps only the stamp on the critical path
+(``runner/early_tail.py``). Everything
 between the outside pre- and post-ops may be captured in a CUDA graph; the
 outside ops never are. After the engine samples, ``record_sampled`` copies the
 sampled ids into the token oracle (one device copy; the next forward's HEAD lands
@@ -139,6 +144,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
+        self.early_tail = None  # runner.early_tail.EarlyTail when the TAIL runs at the model's last stage (api)
         self._init_arrivals()
         self._init_deferred_writes()
         self._init_host_copies()
@@ -156,6 +162,8 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         self._swept_at = 0
         self.sweeps = 0
         self._reset_arrivals()
+        if self.early_tail is not None:
+            self.early_tail.early_tails = 0
 
     # ------------------------------------------------------------------ engine wiring and install
 
@@ -309,13 +317,14 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
                 view=lambda: self._adapter.view(fb),
             )
 
-    def pre_ops_maybe_inside_graph(self, forward_batch: object) -> Optional[ForwardView]:
-        """Plan + HEAD verify for the forward about to run; None when no manager is active."""
+    def pre_ops_maybe_inside_graph(self, forward_batch: object, *, verify_later: bool = False) -> Optional[ForwardView]:
+        """Plan + HEAD for the forward about to run (``verify_later``: its verify runs with its TAIL at the model's
+        last stage, ``SingleForwardManager``); None when no manager is active."""
         sfm = self._active_sfm()
         if sfm is None:
             return None
         view = self._adapter.view(forward_batch)
-        sfm.pre_ops_maybe_inside_graph(view)
+        sfm.pre_ops_maybe_inside_graph(view, verify_later=verify_later)
         return view
 
     def post_ops_maybe_inside_graph(self, view: Optional[ForwardView]) -> None:

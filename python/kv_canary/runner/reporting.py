@@ -261,6 +261,7 @@ class Reporting:
                 "health_violations": self.health_violations,
                 "perturbations": self.perturb.injection_count,
                 "contained_requests": self.contained_requests,
+                **({"tails_at_anchor": self.early_tail.early_tails} if self.early_tail is not None else {}),
                 **(self.transfer.stats() if self.transfer is not None else {}),
                 **(self.host_copies_stats() if self.host_records is not None else {}),
             },

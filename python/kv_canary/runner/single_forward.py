@@ -71,6 +71,7 @@ class SingleForwardManager:
         self._witness = write_witness  # stamp the slots to fill in HEAD, require every stamp gone in TAIL
         self._load_waits: Optional[LoadWaits] = None  # a HiCache load the next forward consumes
         self._defer_full_rows = False  # this forward's scrub runs after its TAIL, its first reads beside it
+        self._verify_pending = False  # HEAD left this forward's verify to its TAIL (``verify_later``)
         self.load_hashing: Optional[LoadHashing] = None  # a load's first-read hashing (``attach_load_hashing``)
 
     def attach_load_hashing(self) -> None:
@@ -94,8 +95,13 @@ class SingleForwardManager:
         for group_index, group in enumerate(self._groups):
             self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index)
 
-    def pre_ops_maybe_inside_graph(self, view: ForwardView) -> None:
-        """HEAD: verify every slot the forward's attention reads."""
+    def pre_ops_maybe_inside_graph(self, view: ForwardView, *, verify_later: bool = False) -> None:
+        """HEAD: verify every slot the forward's attention reads, then stamp the slots it fills.
+
+        ``verify_later``: the TAIL runs at the model's last stage (``runner/early_tail.py``) and the verify moves
+        there too, ahead of it: the forward writes none of the slots it reads, so their records and bytes are the
+        same there, and HEAD keeps only the stamp on the forward's critical path. Not for a forward that consumes
+        a HiCache load (its verify lists the loaded slots, hashed as the layers land)."""
         if view.batch_size == 0:
             return
         self._capacities.check(view)
@@ -105,6 +111,16 @@ class SingleForwardManager:
         self._defer_full_rows = waits is not None
         if self._scrub and not self._defer_full_rows:
             self._scrub_groups()
+        self._verify_pending = verify_later and waits is None
+        if not self._verify_pending:
+            self._verify(view)
+        if self._witness:  # after the scrub and any verify here: they read the slots' old bytes
+            for group_index, group in enumerate(self._groups):
+                self._kernels.witness_stamp(group, view, group_index=group_index)
+        if waits is not None:  # the verify above listed the loaded slots
+            self.load_hashing.start(waits)
+
+    def _verify(self, view: ForwardView) -> None:
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
         for group_index, group in enumerate(self._groups):
             self._kernels.verify(
@@ -112,16 +128,15 @@ class SingleForwardManager:
                 group_index=group_index, token_oracle=self._oracle if group_index == 0 else None,
                 defer_first_read=self._defer_full_rows,
             )
-        if self._witness:  # last: the scrub and the verify above read the slots' old bytes
-            for group_index, group in enumerate(self._groups):
-                self._kernels.witness_stamp(group, view, group_index=group_index)
-        if waits is not None:  # the verify above listed the loaded slots
-            self.load_hashing.start(waits)
 
     def post_ops_maybe_inside_graph(self, view: ForwardView) -> None:
-        """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed."""
+        """TAIL: fingerprint every slot the forward filled; check the positions and tokens it was fed (after the
+        verify HEAD left for it, which lands the oracle's pending samples the checks read)."""
         if view.batch_size == 0:
             return
+        if self._verify_pending:
+            self._verify_pending = False
+            self._verify(view)
         if view.draft_tokens_per_request and self._oracle is not None:
             # drafts are checked by verification, not against the oracle (kv_canary.speculative)
             stage_verify_tokens(self._oracle.staged, view.input_ids, view.batch_size, view.draft_tokens_per_request)

@@ -70,6 +70,9 @@ def test_mixed_workload_has_no_violation(server):
     assert log.last_stat("health_violations") == 0
     # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
+    # Each eager forward's TAIL ran at the model's logits processor, beside the LM head (runner/early_tail.py;
+    # a replayed graph holds the same fork and join, and runs no Python hook to count)
+    assert log.last_stat("tails_at_anchor") == log.last_stat("forwards_host") - log.last_stat("graph_forwards") > 0
     if e2e_device() == "cuda":
         # Verification ran inside replayed CUDA graphs, not only in eager forwards.
         assert "cuda graph: True" in log.text
