@@ -117,7 +117,7 @@ class DraftHarness:
                 sfm._kernels = triton
         for sfm in self.manager.single_forward_managers:  # which manager each forward ran on
             orig = sfm.pre_ops_maybe_inside_graph
-            sfm.pre_ops_maybe_inside_graph = lambda view, _o=orig, _i=sfm.index: (self.sfm_log.append(_i), _o(view))
+            sfm.pre_ops_maybe_inside_graph = lambda view, _o=orig, _i=sfm.index, **kw: (self.sfm_log.append(_i), _o(view, **kw))
         self.model = DraftModel(self.k, self.v)
         _patch_model_forward(self.model, self.manager)
         self.runner = SimpleNamespace(is_draft_worker=True, canary_manager=self.manager, kv_canary_draft_steps=None)
