@@ -116,7 +116,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if tracker is not None:
         _precompile(manager, capacities, facts)
         logger.info("kv_canary_precompiled=1 %s", tracker.describe())
-    manager.early_tail = _patch_model_forward(facts.model, manager, facts.tail_anchor)
+    _patch_model_forward(facts.model, manager, facts.tail_anchor)
     req_rows, context_len = (int(n) for n in facts.req_to_token.shape)
     memory = canary_memory_bytes(
         num_slots=groups[0].num_slots, num_groups=len(groups), req_rows=req_rows, context_len=context_len,
@@ -361,16 +361,14 @@ def _with_canary_bracketing(forward: Callable, manager: CanaryManager, early: Op
         try:
             view = manager.pre_ops_maybe_inside_graph(_extract_forward_batch(args, kwargs),
                                                       verify_later=early is not None)
-            if early is None or view is None:
-                out = forward(*args, **kwargs)
-                manager.post_ops_maybe_inside_graph(view)
-                return out
-            early.arm(view)
+            armed = early is not None and view is not None
+            if armed:
+                early.arm(view)
             try:
                 out = forward(*args, **kwargs)
             finally:
-                ran = early.finish()
-            if not ran:  # the forward never reached the anchor
+                ran = early.finish() if armed else False
+            if not ran:  # no anchor, or the forward never reached it
                 manager.post_ops_maybe_inside_graph(view)
             return out
         finally:
@@ -381,13 +379,13 @@ def _with_canary_bracketing(forward: Callable, manager: CanaryManager, early: Op
 
 
 def _patch_model_forward(model: torch.nn.Module, manager: CanaryManager,
-                         tail_anchor: Optional[torch.nn.Module] = None) -> Optional[EarlyTail]:
+                         tail_anchor: Optional[torch.nn.Module] = None) -> None:
     """``tail_anchor``: the module whose start follows every K/V store of a forward (the adapter's
-    ``SglangFacts.tail_anchor``); the TAIL then runs there, beside the model's last stage."""
+    ``SglangFacts.tail_anchor``); the TAIL then runs there, beside the model's last stage (``manager.early_tail``)."""
     if getattr(model.forward, "__kv_canary_original__", None) is not None:
         raise RuntimeError("kv-canary: model.forward is already patched (install_canary ran twice)")
     early = None
     if tail_anchor is not None:
         early = EarlyTail(tail_anchor, manager.post_ops_maybe_inside_graph, manager.counters.device)
+    manager.early_tail = early
     model.forward = _with_canary_bracketing(model.forward, manager, early)
-    return early

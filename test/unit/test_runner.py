@@ -96,7 +96,7 @@ class Harness:
         self.model = TinyAttentionModel(self.k, self.v, self.events)
         if anchor:
             self.model.logits_processor = LogitsStage(self.events)
-        self.manager.early_tail = _patch_model_forward(self.model, self.manager, self.model.logits_processor)
+        _patch_model_forward(self.model, self.manager, self.model.logits_processor)
         self.next_slot = 1
         self.lens = {}
         self.own = {}  # row -> the request's tokens so far (the scheduler's record)

@@ -144,7 +144,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         # the slots the prefix cache holds (sweep on only); filled once the scheduler attaches its cache
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
-        self.early_tail = None  # runner.early_tail.EarlyTail when the TAIL runs at the model's last stage (api)
+        self.early_tail = None  # runner.early_tail.EarlyTail: the TAIL at the model's last stage (_patch_model_forward)
         self._init_arrivals()
         self._init_deferred_writes()
         self._init_host_copies()

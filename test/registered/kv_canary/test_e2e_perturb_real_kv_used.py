@@ -99,6 +99,7 @@ def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub)
     env = {**PERTURB_ENV, "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "-1:k:mid"}
     if real_data == "all":  # the roomy pool: all's scrub at the same pace (its default 256 would take 128)
         scrub = SCRUB_SLOTS
+    bound = -(-ROOMY_POOL_TOKENS // scrub) if scrub else 0  # forwards the scrub takes over the pool
     if scrub:
         env["SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD"] = str(scrub)
         env["SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS"] = str(MAX_SCRUBBED_INJECTIONS)
@@ -114,7 +115,7 @@ def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub)
         # bound's forwards after it (no flip after the cap's last: these forwards only scrub)
         for seed in range(100, 110) if scrub else ():
             last = max((int(p["forward"]) for p in log.perturbations), default=0)
-            if log.last_stat("forwards_host") > last + -(-ROOMY_POOL_TOKENS // scrub) + 1:
+            if log.last_stat("forwards_host") > last + bound + 1:
                 break
             run_requests(srv.base_url, build_workload(2, seed=seed, n_aborts=0), concurrency=2, timeout=120)
             log = CanaryLog.read_settled(srv)
@@ -130,7 +131,6 @@ def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub)
     # outside the window checked at every read (all: every byte at the first read, then the scrub's)
     assert all(p["hashed"] == "0" for p in injections)
     if scrub:
-        bound = -(-ROOMY_POOL_TOKENS // scrub)
         assert f"every_slot_within_forwards={bound}" in log.text
         assert caught == len(injections) and max(latencies) <= bound
         # all: the first read after the write (its request's rid) or the scrub
