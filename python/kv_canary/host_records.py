@@ -19,6 +19,7 @@ Plain tensors only: no engine class is named here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -63,13 +64,22 @@ class HostRecordStore:
             host_idx = host_idx.to(torch.int64).pin_memory()
         return host_idx.to(self.records.device, torch.int64, non_blocking=True)
 
-    def backup(self, host_idx: torch.Tensor, rows: torch.Tensor) -> None:
+    def backup(self, host_idx: torch.Tensor, rows: torch.Tensor, *, freed: Optional[torch.Tensor] = None,
+               backups: int = 1) -> None:
         """The engine copies device slots to host slots ``host_idx`` (int[n]); ``rows`` (int64[n, RECORD_WIDTH], on the
-        store's device) are their records, written on the current stream."""
+        store's device) are their records, written on the current stream. ``freed`` (int[m], CPU, optional): host
+        slots freed before these copies, zeroed first (``free``), their ids copied to the device with ``host_idx``
+        in one copy. ``backups``: how many engine backups the call carries (batched: ``runner/host_copies``)."""
         if rows.shape != (host_idx.numel(), RECORD_WIDTH):
             raise ValueError(f"kv-canary: {tuple(rows.shape)} records for {host_idx.numel()} host slots")
-        self.records.index_copy_(0, self.index(host_idx), rows)
-        self.stats.backups += 1
+        if freed is not None and freed.numel():
+            both = self.index(torch.cat([freed.reshape(-1).to(host_idx.dtype), host_idx.reshape(-1)]))
+            self.records.index_fill_(0, both[:freed.numel()], 0)
+            dev = both[freed.numel():]
+        else:
+            dev = self.index(host_idx)
+        self.records.index_copy_(0, dev, rows)
+        self.stats.backups += backups
         self.stats.slots_backed_up += host_idx.numel()
 
     def read(self, host_dev: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,11 @@ class FakeManager:
         self.calls = []
         self.host_records = object()
 
-    def backup_records(self, device_idx, host_idx):
+    def backup_records(self, device_idx, host_idx, wait_for=None):
         self.calls.append(("backup", device_idx.tolist(), host_idx.tolist()))
+
+    def flush_host_records(self):
+        self.calls.append(("flush",))
 
     def backup_queued(self, host_idx, stream=None):
         self.calls.append(("queued", host_idx.tolist(), stream))
@@ -80,9 +83,12 @@ def test_no_load_issued_no_records_moved_and_no_manager_no_work():
 
 def test_acks_free_and_consumer_hand_over():
     m = FakeManager()
-    hicache.after_writing_check(None, SimpleNamespace(kv_canary_manager=m))
+    tree = SimpleNamespace(kv_canary_manager=m)
+    # batched backups and frees land before sglang's ack check and again after it (write-back may write in it)
+    assert hicache.around_writing_check(lambda t, *a: m.calls.append(("check", a)) or 7, tree, True) == 7
     hicache.after_host_free(2, SimpleNamespace(kv_canary_manager=m), torch.tensor([5, 6]))
-    assert m.calls == [("acked",), ("free", [5, 6])]
+    assert m.calls == [("flush",), ("check", (True,)), ("flush",), ("acked",), ("free", [5, 6])]
+    assert hicache.around_writing_check(lambda t: 3, SimpleNamespace()) == 3  # no canary: sglang's body alone
     counter = SimpleNamespace(consumer_index=-1, wait_until=lambda layer: None)
     runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter))
     hicache.note_load_consumer(m, runner)

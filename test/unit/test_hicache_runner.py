@@ -133,6 +133,7 @@ def test_a_cache_reset_drops_the_host_records_and_a_named_load():
     old = torch.arange(1, 17)
     m.forward(0, old, 0)
     m.backup_records(old, torch.arange(32, 48))
+    m.flush_host_records()
     assert bool((m.host_records.records[32:48] != 0).any())
     m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
     m.clear_host_records()
@@ -189,12 +190,15 @@ def test_the_hicache_hooks_never_wait_for_the_device():
         m.host_backups_acked()
         m.load_records(host, new, load_id=0)
         m.free_host_slots(host[:8])
+        m.backup_records(old[:4], torch.arange(60, 64))
+        m.flush_host_records()  # the batched free and backup: one copy of their host slot ids, no wait
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.equal(group.records[new], group.records[old])
     assert not bool(group.full_row.tags[new].any())
     assert not bool(m.host_records.records[32:40].any()) and bool(m.host_records.records[40:48].all())
+    assert torch.equal(m.host_records.records[60:64], group.records[old[:4]])
 
 
 def test_a_copy_is_marked_landed_once_its_event_completes_never_dropped():
@@ -235,3 +239,73 @@ def test_a_load_handed_to_a_manager_without_load_hashing_is_refused():
         bare.expect_load(LoadWaits(head=lambda: None, layer=lambda layer: None))
     bare.expect_load(None)  # forgetting a load needs none
     m.single_forward_managers[0].expect_load(LoadWaits(head=lambda: None, layer=lambda layer: None))  # attached
+
+
+def _rows(m, slots):
+    return m.groups[0].records[slots].clone()
+
+
+def test_backups_and_frees_are_batched_until_the_next_flush_in_their_order():
+    """Without a storage tier, the host-copy perturbation or the host scrub, backups and host frees wait for the
+    engine's next ack check (``flush_host_records``): nothing is written before it; the flush zeroes the freed
+    slots and writes every backup, a slot freed and backed up again ending with its new record; the stats count
+    the engine's backups."""
+    m = Manager([])
+    assert m.defer_host_ops
+    a, b = torch.arange(1, 9), torch.arange(9, 17)
+    m.forward(0, torch.arange(1, 17), 0)
+    m.backup_records(a, torch.arange(32, 40))
+    m.flush_host_records()
+    assert torch.equal(m.host_records.records[32:40], _rows(m, a))
+    m.free_host_slots(torch.arange(32, 40))  # host eviction, then the engine backs up other slots into some of them
+    m.backup_records(b[:4], torch.arange(36, 40))
+    m.backup_records(b[4:], torch.arange(44, 48))
+    assert torch.equal(m.host_records.records[32:40], _rows(m, a))  # nothing landed yet
+    assert not bool(m.host_records.records[44:48].any())
+    m.flush_host_records()
+    assert not bool(m.host_records.records[32:36].any())  # freed, not backed up again: zeroed
+    assert torch.equal(m.host_records.records[36:40], _rows(m, b[:4]))  # freed, then backed up: the new record
+    assert torch.equal(m.host_records.records[44:48], _rows(m, b[4:]))
+    assert m.host_copies_stats()["hicache_backups"] == 3
+    m.free_host_slots(torch.arange(44, 46))
+    m.flush_host_records()  # frees alone
+    assert not bool(m.host_records.records[44:46].any()) and bool(m.host_records.records[46:48].all())
+
+
+def test_a_load_and_a_forward_flush_what_is_batched_first():
+    """A load-back reads host records the flush writes (flushed first); a forward never runs with a backup or free
+    left behind it; a cache reset drops what is batched."""
+    m = Manager([])
+    old = torch.arange(1, 17)
+    m.forward(0, old, 0)
+    m.backup_records(old, torch.arange(32, 48))
+    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
+    assert torch.equal(m.groups[0].records[40:56], _rows(m, old))
+    m.free_host_slots(torch.arange(32, 40))
+    m.init_finished = True
+    m.token_oracle, m._arrivals, m.perturb = None, [], type("P", (), {"active": False})()
+    from kv_canary.runner import CanaryManager
+
+    CanaryManager._pre_ops_outside_graph(m, object())  # a forward's outside pre-ops (nothing else of them runs)
+    assert not bool(m.host_records.records[32:40].any())
+    m.backup_records(old, torch.arange(60, 76))
+    m.clear_host_records()
+    m.flush_host_records()
+    assert not bool(m.host_records.records.any())
+
+
+def test_with_the_host_copy_perturbation_backups_and_frees_are_immediate():
+    """The perturbation (and the host scrub, and a storage tier) act on host records after the engine's write ack:
+    there every backup lands ahead of the engine's copy and every free at once."""
+    import dataclasses
+
+    m = Manager([])
+    m.config = dataclasses.replace(m.config, perturb_host_copy_prob=0.5)
+    m.attach_host_records(HostRecordStore(128), {(0, "k"): torch.zeros(128, 32, dtype=torch.uint8)})
+    assert not m.defer_host_ops
+    old = torch.arange(1, 17)
+    m.forward(0, old, 0)
+    m.backup_records(old, torch.arange(32, 48))
+    assert torch.equal(m.host_records.records[32:48], _rows(m, old))
+    m.free_host_slots(torch.arange(32, 40))
+    assert not bool(m.host_records.records[32:40].any())

@@ -224,17 +224,16 @@ def _wait_for(fence) -> None:
 def start_writing_body(original, controller, args, kwargs, *, d2h_stream: Callable[[Any], Any],
                        fence: Callable[[Any], Any] = lambda controller: None):
     """Backup (every line): the records of the queued device slots go to their host slots' rows on the current
-    stream, before sglang's K/V copy is queued (its start waits for this stream, so its write ack covers them). On a
-    GPU the records' gather first waits for ``fence(controller)`` (the stream sglang fences its own copy on, None:
-    none), where a forward may still be writing the records. ``d2h_stream(controller)``: sglang's D2H stream, where
-    the host-copy perturbation learns when a copy landed."""
+    stream, before sglang's K/V copy is queued (its start waits for this stream, so its write ack covers them), or
+    batched until sglang's next ack check (``backup_records``). On a GPU the records' gather first waits for
+    ``fence(controller)`` (the stream sglang fences its own copy on, None: none), where a forward may still be
+    writing the records. ``d2h_stream(controller)``: sglang's D2H stream, where the host-copy perturbation learns
+    when a copy landed."""
     manager = _manager(controller)
     ops = _queued(controller.write_queue) if manager is not None else None
     if ops is not None:
         host_idx, device_idx = ops
-        if device_idx.is_cuda:
-            _wait_for(fence(controller))
-        manager.backup_records(device_idx, host_idx)
+        manager.backup_records(device_idx, host_idx, wait_for=fence(controller) if device_idx.is_cuda else None)
     result = original(controller, *args, **kwargs)
     if ops is not None:
         manager.backup_queued(ops[0], d2h_stream(controller) if ops[1].is_cuda else None)
@@ -267,11 +266,18 @@ def around_start_loading(original, controller, *args, **kwargs):
     return start_loading_body(original, controller, args, kwargs)
 
 
-def after_writing_check(_result, tree, *args, **kwargs) -> None:
-    """sglang processed its write acks: the host-copy perturbation may flip a byte of a copy that landed."""
+def around_writing_check(original, tree, *args, **kwargs):
+    """sglang's write-ack check (every scheduler step; write-back: blocking, before it frees evicted device slots):
+    batched backups and frees land first (``flush_host_records``), and again after it (a write-back check may start
+    queued writes itself); then the host-copy perturbation may flip a byte of a copy that landed."""
     manager = _manager(tree)
-    if manager is not None:
-        manager.host_backups_acked()
+    if manager is None:
+        return original(tree, *args, **kwargs)
+    manager.flush_host_records()
+    result = original(tree, *args, **kwargs)
+    manager.flush_host_records()
+    manager.host_backups_acked()
+    return result
 
 
 def after_host_free(_result, host_pool, indices, *args, **kwargs) -> None:

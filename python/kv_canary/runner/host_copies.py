@@ -3,8 +3,11 @@
 The engine wiring tells the manager three things, with plain tensors:
 
 * ``backup_records(device_idx, host_idx)``: the engine is about to copy these device slots' K/V to those host
-  slots; their records go to the host slots' rows on the current stream, ahead of the K/V copy, so the engine's
-  own write ack covers them (``HostRecordStore.backup``: a table on the device, indexed by host slot);
+  slots; their records go to the host slots' rows on the current stream (``HostRecordStore.backup``: a table on
+  the device, indexed by host slot), ahead of the K/V copy when a storage tier, the host-copy perturbation or the
+  host scrub reads them after the engine's write ack; otherwise batched with the host frees until the engine's
+  next ack check or load (``flush_host_records``: a few device ops for all of them, off the path from a finished
+  request to its response);
 * ``load_records(host_idx, device_idx)``: the engine loads those host copies into *new* device slots; their host
   records are written at the new indices and their first-read tag is zeroed, so the next read lists them and
   hashes every byte once (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written;
@@ -60,6 +63,12 @@ class HostCopies(StoragePages):
         # copies only): (host slots int64[n] CPU, the copy's event or None)
         self._copies_in_flight: List[Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = []
         self.host_scrub: Optional[HostScrub] = None  # SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND > 0
+        # batched bookkeeping (``defer_host_ops``): backups (device slots, host slots CPU) and frees (host slots CPU)
+        # since the last ``flush_host_records``, and the last stream a backup's gather must wait for
+        self.defer_host_ops = False
+        self._pending_backups: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_frees: List[torch.Tensor] = []
+        self._pending_fence = None
         self._init_storage_pages()
 
     def attach_host_records(self, store: HostRecordStore,
@@ -74,6 +83,10 @@ class HostCopies(StoragePages):
             raise ValueError("kv-canary: the host-copy perturbation and the host scrub need the host copies' rows")
         self.host_records = store
         self.storage_on = bool(storage)
+        # without a storage tier, the host-copy perturbation and the host scrub, nothing reads a host record before
+        # the engine's next ack check or load (``flush_host_records``): backups and frees are batched until then
+        self.defer_host_ops = not storage and self.config.perturb_host_copy_prob <= 0 and (
+            self.config.host_scrub_slots_per_second <= 0)
         if storage:  # what the records' hashes cover: a page written by a server hashing otherwise has none for us
             g = self.groups[0]
             self.storage_tag = records_tag([x for r in g.sources for x in (r.layer, r.half == "v", r.words)] + [-1]
@@ -108,17 +121,56 @@ class HostCopies(StoragePages):
 
         return HostScrub(rows, read_records, self.config.host_scrub_slots_per_second)
 
-    def backup_records(self, device_idx: torch.Tensor, host_idx: torch.Tensor) -> None:
+    def backup_records(self, device_idx: torch.Tensor, host_idx: torch.Tensor, wait_for=None) -> None:
         """The engine is about to copy device slots ``device_idx`` (int[n], device) to host slots ``host_idx`` (int[n],
-        CPU): their records go to the host slots' rows, queued on the current stream before the engine's K/V copy
-        (whose start waits for this stream, so its write ack covers them)."""
+        CPU): their records go to the host slots' rows on the current stream (first waiting for ``wait_for``, a CUDA
+        stream a forward may still write the records on, or None).
+
+        Immediate (a storage tier, the host-copy perturbation or the host scrub reads host records after the
+        engine's write ack): queued before the engine's K/V copy, whose start waits for this stream, so its ack
+        covers them. Batched (``defer_host_ops``): kept until ``flush_host_records``, which the engine wiring calls
+        before its next ack check and every load; the device slots stay the engine's until their ack (a write-through
+        lock, or write-back's blocking check), so their records are unchanged until then, and every later forward
+        and load is queued behind the flush."""
         store = self.host_records
         if store is None or device_idx.numel() == 0:
             return
+        if self.defer_host_ops:
+            self._pending_backups.append((device_idx, host_idx))
+            if wait_for is not None:
+                self._pending_fence = wait_for
+            return
+        if wait_for is not None:
+            torch.cuda.current_stream(self.counters.device).wait_stream(wait_for)
         records = self.groups[0].records
         if self.host_scrub is not None:  # before the records and the K/V change: the scrub discards what it hashes
             self.host_scrub.backup_started(host_idx.to("cpu", torch.int64).numpy())
         store.backup(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)))
+
+    def flush_host_records(self) -> None:
+        """Batched backups and frees since the last flush, in a few device ops on the current stream: the freed host
+        slots' records zeroed (after the last load's read of them), then every backup's records written (a slot freed
+        and backed up again since the last flush ends with its new record; a slot backed up and then freed within one
+        interval cannot happen: its node is locked until the ack check that flushes first)."""
+        backups, frees = self._pending_backups, self._pending_frees
+        if not backups and not frees:
+            return
+        self._pending_backups, self._pending_frees = [], []
+        fence, self._pending_fence = self._pending_fence, None
+        stream = torch.cuda.current_stream(self.counters.device) if self.counters.device.type == "cuda" else None
+        if frees and stream is not None and self._last_load_event is not None:
+            stream.wait_event(self._last_load_event)
+        freed = (frees[0] if len(frees) == 1 else torch.cat(frees)) if frees else None
+        if not backups:
+            self.host_records.free(freed)
+            return
+        if fence is not None and stream is not None:
+            stream.wait_stream(fence)
+        records = self.groups[0].records
+        dev = backups[0][0] if len(backups) == 1 else torch.cat([d.reshape(-1) for d, _ in backups])
+        host = backups[0][1] if len(backups) == 1 else torch.cat([h.reshape(-1) for _, h in backups])
+        self.host_records.backup(host, records.index_select(0, dev.reshape(-1).to(records.device, torch.int64)),
+                                 freed=freed, backups=len(backups))
 
     def backup_queued(self, host_idx: torch.Tensor, stream=None) -> None:
         """The engine queued its K/V copy to ``host_idx`` on ``stream`` (None: done already). The host-copy
@@ -155,11 +207,14 @@ class HostCopies(StoragePages):
     def free_host_slots(self, host_idx: torch.Tensor) -> None:
         """The engine freed host copies: their records go (after the last load's read of them), and so does a flip of
         one (never loaded: never read)."""
-        if self._last_load_event is not None:
-            torch.cuda.current_stream(self.counters.device).wait_event(self._last_load_event)
-        if self.host_scrub is not None:
-            self.host_scrub.freed(host_idx.to("cpu", torch.int64).numpy())
-        self.host_records.free(host_idx)
+        if self.defer_host_ops:  # zeroed with the next flush
+            self._pending_frees.append(host_idx.reshape(-1).to("cpu", torch.int64))
+        else:
+            if self._last_load_event is not None:
+                torch.cuda.current_stream(self.counters.device).wait_event(self._last_load_event)
+            if self.host_scrub is not None:
+                self.host_scrub.freed(host_idx.to("cpu", torch.int64).numpy())
+            self.host_records.free(host_idx)
         if self._flipped or self._storage_from or self._copies_in_flight:
             slots = host_idx.tolist()
             for h in slots:
@@ -177,6 +232,7 @@ class HostCopies(StoragePages):
         if self.host_scrub is not None:
             self.host_scrub.cleared()
         self.host_records.clear()
+        self._pending_backups, self._pending_frees, self._pending_fence = [], [], None
         self._flipped.clear()
         self._copies_in_flight.clear()
         self._storage_clear()
@@ -190,6 +246,7 @@ class HostCopies(StoragePages):
         store = self.host_records
         if store is None or device_idx.numel() == 0:
             return
+        self.flush_host_records()
         self._pending_load_id = int(load_id)
         group = self.groups[0]
         dev = device_idx.to(group.records.device, torch.int64)

@@ -98,7 +98,7 @@ HICACHE_HOOKS: HookTable = {
                                                                             "around"),
     "sglang.srt.managers.cache_controller.HiCacheController.start_loading": ("hicache.around_start_loading",
                                                                             "around"),
-    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check": ("hicache.after_writing_check", "after"),
+    "sglang.srt.mem_cache.hiradix_cache.HiRadixCache.writing_check": ("hicache.around_writing_check", "around"),
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.free": ("hicache.after_host_free", "after"),
     "sglang.srt.mem_cache.memory_pool_host.HostKVCache.clear": ("hicache.after_host_clear", "after"),
     # the storage tier (--hicache-storage-backend file): the records ride inside each page object; sglang's own

@@ -75,8 +75,8 @@ HICACHE_HOOKS: HookTable = {
                                                                             "around"),
     "sglang.srt.managers.cache_controller.HiCacheController.start_loading": ("hicache_0_5_23.around_start_loading",
                                                                             "around"),
-    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check": ("hicache.after_writing_check",
-                                                                                "after"),
+    "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.writing_check": ("hicache.around_writing_check",
+                                                                                "around"),
     "sglang.srt.mem_cache.pool_host.base.HostKVCache.free": ("hicache.after_host_free", "after"),
     "sglang.srt.mem_cache.pool_host.base.HostKVCache.clear": ("hicache.after_host_clear", "after"),
 }
