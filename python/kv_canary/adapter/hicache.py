@@ -174,7 +174,8 @@ def attach_hicache(scheduler, manager) -> None:
     logging.getLogger("kv_canary").info(format_line("kv_canary_hicache", 1, {
         "host_slots": int(host.size), "host_pool_bytes": host_bytes, "host_record_bytes": record_bytes,
         "host_record_device": str(store.records.device),
-        "host_record_pct_of_host_pool": f"{100.0 * record_bytes / max(1, host_bytes):.3f}", "layout": host.layout,
+        "host_record_pct_of_host_pool": f"{100.0 * record_bytes / max(1, host_bytes):.3f}",
+        "host_record_ops": "batched" if manager.defer_host_ops else "immediate", "layout": host.layout,
         "write_policy": getattr(args, "hicache_write_policy", "?"),
         "storage": getattr(args, "hicache_storage_backend", None) or "none"}))
 
