@@ -8,7 +8,9 @@ pool ``--hicache-ratio`` times the device pool), then times on the host, per cal
   stream named: what the start_writing hook calls);
 * ``acked``: ``host_backups_acked`` (the write-ack hook, every scheduler step);
 * ``load``: ``load_records`` of one load-back batch (``--load-slots``) into new device slots;
-* ``free``: ``free_host_slots`` of one node's host slots (host eviction).
+* ``free``: ``free_host_slots`` of one node's host slots (host eviction);
+* ``batch_end``: what a batch of 8 finished requests costs: 8 backups and 8 host evictions, then (since backups and
+  frees are batched) the flush at sglang's next ack check; per batch, not per call.
 
 and, for comparison, what every forward pays: ``snapshot`` (the counters' delayed D2H copy, ``d2h.snapshot`` +
 ``ready``) and ``sampled`` (``record_sampled`` of a batch of 8 tokens).
@@ -83,6 +85,7 @@ def main() -> int:
         return torch.randperm(total - 1, generator=gen)[:n] + 1
 
     nb, nl = args.backup_slots, args.load_slots
+    flush = getattr(m, "flush_host_records", lambda: None)  # batched backups and frees (absent before 2026-11-27)
     backups = [(pick(nb, slots).to(device), pick(nb, host_slots)) for _ in range(args.calls)]
     loads = [(pick(nl, host_slots), pick(nl, slots).to(device)) for _ in range(args.calls)]
 
@@ -100,6 +103,14 @@ def main() -> int:
 
     def free(i):
         m.free_host_slots(backups[i][1])
+
+    def batch_end(i):  # a batch's 8 finished requests: 8 backups, 8 host evictions, then the next ack check
+        for k in range(8):
+            dev, host = backups[(8 * i + k) % args.calls]
+            m.backup_records(dev, host)
+            m.backup_queued(host, side)
+            m.free_host_slots(backups[(8 * i + k + 1) % args.calls][1])
+        flush()
 
     def snapshot(i):
         m._d2h.snapshot(i)
@@ -144,6 +155,7 @@ def main() -> int:
                 if on_gpu:
                     torch.cuda.set_sync_debug_mode(0)
             syncs += sum("synchroniz" in str(w.message) for w in caught)
+            flush()  # untimed: what a timed op left batched (``batch_end`` times the flush)
             sync()
             rounds.append(dt / args.calls * 1e6)
         return {"host_us_per_call": round(statistics.median(rounds), 1),
@@ -160,6 +172,7 @@ def main() -> int:
               "acked": timed(acked, prepare=backed_up),
               "load": timed(load),
               "free": timed(free, prepare=backed_up),
+              "batch_end": timed(batch_end),
               "snapshot": timed(snapshot),
               "sampled": timed(record_sampled)}
     print(json.dumps(result, indent=1))
