@@ -13,7 +13,10 @@ pool ``--hicache-ratio`` times the device pool), then times on the host, per cal
   frees are batched) the flush at sglang's next ack check; per batch, not per call.
 
 and, for comparison, what every forward pays: ``snapshot`` (the counters' delayed D2H copy, ``d2h.snapshot`` +
-``ready``) and ``sampled`` (``record_sampled`` of a batch of 8 tokens).
+``ready``) and ``sampled`` (``record_sampled`` of a batch of 8 tokens). ``--primitives``: the torch calls those are
+made of instead (an H2D copy of host slot ids pageable / through ``pin_memory()`` / through a pinned arena,
+``index_select``, ``index_copy_``, ``index_fill_``, a CPU and a device ``cat``, an event record and wait,
+``record_stream``), at a node's size and a load-back's.
 
 Each is timed over ``--calls`` calls (median of 5 rounds); the device is synchronized between rounds, not inside
 them. ``syncs`` counts the device synchronizations torch reports per call (``set_sync_debug_mode("warn")``):
@@ -36,6 +39,35 @@ import time
 import warnings
 
 
+def primitive_ops(torch, records, store, dev_idx, host_dev, cpu_ids, device) -> dict:
+    """``--primitives``: call i of each torch op the hooks use. ``records``/``store``: int64[slots / host slots, 5]
+    on ``device``; ``dev_idx``/``host_dev``: n device / host slot ids on ``device``; ``cpu_ids``: CPU int64[n] per
+    call (an allocator's ids, pageable)."""
+    n = int(dev_idx.numel())
+    arena = torch.empty(n, dtype=torch.int64, pin_memory=device.type == "cuda")
+    events = [torch.cuda.Event() for _ in range(8)] if device.type == "cuda" else []
+    rows = records[:n]
+
+    def to_arena(i):
+        arena.numpy()[:] = cpu_ids[i].numpy()
+        return arena.to(device, non_blocking=True)
+
+    ops = {"h2d_pageable": lambda i: cpu_ids[i].to(device, non_blocking=True),
+           "index_select": lambda i: records.index_select(0, dev_idx),
+           "index_copy": lambda i: store.index_copy_(0, host_dev, rows),
+           "index_fill": lambda i: store.index_fill_(0, host_dev, 0),
+           "gather_scatter": lambda i: store.index_copy_(0, host_dev, records.index_select(0, dev_idx)),
+           "cat_cpu": lambda i: torch.cat([cpu_ids[i], cpu_ids[i - 1]]),
+           "cat_device_2": lambda i: torch.cat([host_dev[: n // 2], host_dev[n // 2:]])}
+    if events:  # CUDA only
+        ops.update({"h2d_pin_memory": lambda i: cpu_ids[i].pin_memory().to(device, non_blocking=True),
+                    "h2d_pinned_arena": to_arena,
+                    "event_record": lambda i: events[i % 8].record(),
+                    "wait_event": lambda i: torch.cuda.current_stream().wait_event(events[0]),
+                    "record_stream": lambda i: host_dev.record_stream(torch.cuda.current_stream())})
+    return ops
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calls", type=int, default=200)
@@ -46,6 +78,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only proves the script runs")
     p.add_argument("--busy-ms", type=float, default=0.0,
                    help="queue a GPU sleep of this many ms before each call (a forward in flight); 0: none")
+    p.add_argument("--primitives", action="store_true",
+                   help="time the torch calls the hooks are made of instead of the hooks")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -167,14 +201,22 @@ def main() -> int:
 
     result = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu (meaningless)",
               "device_slots": slots, "host_slots": host_slots, "backup_slots": nb, "load_slots": nl,
-              "calls": args.calls, "busy_ms": args.busy_ms,
-              "backup": timed(backup),
-              "acked": timed(acked, prepare=backed_up),
-              "load": timed(load),
-              "free": timed(free, prepare=backed_up),
-              "batch_end": timed(batch_end),
-              "snapshot": timed(snapshot),
-              "sampled": timed(record_sampled)}
+              "calls": args.calls, "busy_ms": args.busy_ms}
+    if args.primitives:  # the torch calls the hooks are made of, at a node's size and a load-back's
+        store = m.host_records.records
+        for n, (dev_idx, host_idx) in ((nb, backups[0]), (nl, (loads[0][1], loads[0][0]))):
+            host_dev = host_idx.to(device)
+            cpu_ids = [b[1] if n == nb else h for b, (h, _) in zip(backups, loads)]
+            for name, fn in primitive_ops(torch, group.records, store, dev_idx, host_dev, cpu_ids, device).items():
+                result[f"{name}[{n}]"] = timed(fn)
+    else:
+        result.update({"backup": timed(backup),
+                       "acked": timed(acked, prepare=backed_up),
+                       "load": timed(load),
+                       "free": timed(free, prepare=backed_up),
+                       "batch_end": timed(batch_end),
+                       "snapshot": timed(snapshot),
+                       "sampled": timed(record_sampled)})
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
