@@ -5,16 +5,17 @@ Builds a real ``CanaryManager`` on a synthetic Llama-3-8B-row pool, captures the
 canary's HEAD+TAIL for a decode batch into a CUDA graph (as sglang's decode
 graphs do), then times on the host, per step:
 
-* ``replay``: ``graph.replay()`` alone;
-* ``bracketed``: the same replay inside ``with_ops_outside_graph`` +
-  ``with_active_single_forward_manager`` (what the ModelRunner.forward hook adds):
-  bracket checks, forward accounting, the async counter copy, reading landed copies;
-* ``bracketed_sample``: the same, plus the ``ModelRunner.sample`` hook's work after it
-  (``record_sampled``: the token oracle's copy of the sampled ids).
+* ``replay``: a graph replay of one small kernel (the step without the canary);
+* ``bracketed_sample``: the canary's graph replayed inside ``with_ops_outside_graph`` +
+  ``with_active_single_forward_manager`` (what the ModelRunner.forward hook adds: bracket
+  checks, forward accounting, the async counter copy, reading landed copies), then the
+  ``ModelRunner.sample`` hook's work (``record_sampled``: the token oracle's copy of the
+  sampled ids), so every step is clean (``clean``: no violation row is read);
+* ``sample``: ``record_sampled`` alone.
 
-The differences are the canary's host work per decode step (``canary_host_us_per_step``)
-and the sample hook's (``sample_hook_us_per_step``). GPU time of the canary kernels per
-step is in ``bench_kernels.py``.
+The difference ``bracketed_sample - replay`` is the canary's host work per decode step
+(``canary_host_us_per_step``); ``sample_hook_us_per_step`` is its sample hook's share. GPU
+time of the canary kernels per step is in ``bench_kernels.py``.
 
     export PYTHONPATH=/tmp/site:$PWD/python
     python scripts/bench_host_ops.py [--steps 3000] [--bs 1] [--ctx 1536]
@@ -101,8 +102,12 @@ def main() -> int:
     # HEAD's chain compare (one lane per request) is left out so the replays stay clean (no ring reads).
     m.token_oracle.verify_reads = False
 
-    def head_tail():
+    new_rows = torch.randn(bs, 8, 128, device=device, dtype=torch.bfloat16)
+
+    def head_tail():  # HEAD, the step's K/V store (attention's, which the write witness checks), TAIL
         view = m.pre_ops_maybe_inside_graph(fb)
+        for buf in (*k, *v):
+            buf.index_copy_(0, fb.out_cache_loc, new_rows)
         m.post_ops_maybe_inside_graph(view)
 
     with m.capturing(), m.with_active_single_forward_manager(0):
@@ -123,10 +128,11 @@ def main() -> int:
             bump[c] = v
         replay = lambda: m.counters.add_(bump)  # noqa: E731
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    m.mark_init_finished()
-    # Records for the prefix (one extend-like TAIL pass per request), then the token oracle's view of each
+    # Records for the prefix (one extend-like TAIL pass per request; before init finishes, which zeroes the
+    # counters: the health check then counts only the timed forwards), then the token oracle's view of each
     # request: its own prompt (the chain) and its next (decode) token, as a PD arrival would set them.
     from kv_canary.views import ForwardView
+    prompts = []
     for i in range(bs):
         prompt = torch.randint(1, 1000, (ctx,), device=device)
         view = ForwardView(
@@ -135,47 +141,64 @@ def main() -> int:
             seq_lens=torch.tensor([ctx], device=device), new_starts=torch.zeros(1, dtype=torch.int64, device=device),
             new_lens=torch.tensor([ctx], device=device), batch_size=1, max_new_len=ctx)
         m.kernels.write(group, view, r2t, m.counters, m.ring, False, check_fed=False)
-        m.token_oracle.init_row(i + 1, prompt.tolist(), [int(fb.input_ids[i])])
+        prompts.append(prompt.tolist())
+    m.mark_init_finished()
+    for i, prompt in enumerate(prompts):
+        m.token_oracle.init_row(i + 1, prompt, [int(fb.input_ids[i])])
     m.token_oracle.stage([])
     sampled = fb.input_ids.to(torch.int32)  # what the engine "samples" each step: the token fed next
     sync()
 
-    def run(bracketed: bool, sample: bool = False) -> float:
+    # the step without the canary: a graph replay of one small kernel (the same launch, no canary state moved, so
+    # the bracketed steps stay clean: every forward counted, every fed token the sampled one, no ring reads)
+    scratch = torch.zeros(1, device=device)
+    if on_gpu and not args.host_only:
+        base_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(base_graph):
+            scratch.add_(1)
+        base_replay = base_graph.replay
+    else:
+        base_replay = lambda: scratch.add_(1)  # noqa: E731
+
+    def run(what: str) -> float:
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            if bracketed:
+            if what == "bracketed_sample":
                 with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
                     with m.with_active_single_forward_manager(0):
                         replay()
-                if sample:
-                    m.record_sampled(sampled)
+                m.record_sampled(sampled)
+            elif what == "sample":
+                m.record_sampled(sampled)
             else:
-                with m.with_active_single_forward_manager(0):
-                    replay()
+                base_replay()
         cpu = (time.perf_counter() - t0) / args.steps * 1e6
         sync()
         return cpu
 
-    samples = {"replay": [], "bracketed": [], "bracketed_sample": []}
+    m.poll(drain=True)  # the prefix's setup writes are not forwards: what the health check says of them is not timed
+    health_before = m.health_violations
+    samples = {"replay": [], "bracketed_sample": [], "sample": []}
     if on_gpu:  # the canary's per-step host path never waits for the device: any operation that would, raises
         torch.cuda.set_sync_debug_mode("error")
     for _ in range(5):
-        samples["replay"].append(run(False))
-        samples["bracketed"].append(run(True))
-        samples["bracketed_sample"].append(run(True, sample=True))
+        for what in samples:
+            samples[what].append(run(what))
     if on_gpu:
         torch.cuda.set_sync_debug_mode(0)
     m.poll(drain=True)
+    from kv_canary import fingerprint as fpc
+
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)", "bs": bs, "ctx": ctx, "steps": args.steps,
         "host_us_per_step_replay_only": round(med["replay"], 2),
-        "host_us_per_step_bracketed": round(med["bracketed"], 2),
         "host_us_per_step_bracketed_sample": round(med["bracketed_sample"], 2),
-        "canary_host_us_per_step": round(med["bracketed"] - med["replay"], 2),
-        "sample_hook_us_per_step": round(med["bracketed_sample"] - med["bracketed"], 2),
+        "canary_host_us_per_step": round(med["bracketed_sample"] - med["replay"], 2),
+        "sample_hook_us_per_step": round(med["sample"], 2),
         "stats": m.stats_line(),
-        "note": "replay-only steps are not counted by the host, so health violations are expected here",
+        "clean": int((m.last_counters or [0] * (fpc.C_VIOLATIONS + 1))[fpc.C_VIOLATIONS]) == 0
+        and m.health_violations == health_before,
     }
     print(json.dumps(result, indent=1))
     if args.out:

@@ -171,11 +171,14 @@ def after_process_input_requests(_result, scheduler, *args, **kwargs) -> None:
     export_metrics(scheduler)
 
 
-def export_metrics(scheduler) -> None:
+def export_metrics(scheduler, *, force: bool = False) -> None:
+    """Every scheduler step at most every ``metrics.EXPORT_INTERVAL_S``; ``force`` (idle): now."""
     metrics = getattr(scheduler, "kv_canary_metrics", None)
+    if metrics is None:
+        return
     manager = scheduler_canary(scheduler)
-    if metrics is not None and manager is not None:
-        metrics.update(manager, getattr(scheduler, "kv_canary_containment", None))
+    if manager is not None:
+        metrics.update(manager, getattr(scheduler, "kv_canary_containment", None), force=force)
 
 
 def after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
@@ -183,7 +186,7 @@ def after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
     manager = scheduler_canary(scheduler)
     if manager is not None and manager.init_finished:
         manager.poll(drain=True)
-        export_metrics(scheduler)
+        export_metrics(scheduler, force=True)
         from .draft import draft_manager_of_target
 
         draft = draft_manager_of_target(scheduler.tp_worker.model_runner)

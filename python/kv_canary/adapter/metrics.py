@@ -8,11 +8,21 @@ its counters the same way, with the same labels, named ``sglang:kv_canary_*``
 (exposed with prometheus' ``_total`` suffix), and ``update`` adds the increase
 of each cumulative count since the last update (host integers only, no device
 read: the device counters come from the canary's delayed copy).
+
+Cost: sglang calls the export hook every scheduler step, and a multiprocess
+counter's ``inc`` writes its mmap'd file (a few us each, several a step). While
+serving, ``update`` exports at most every ``EXPORT_INTERVAL_S`` (the counters on
+/metrics lag by at most that; a scrape every few seconds sees no difference); the
+idle hook exports with ``force`` (exact once the scheduler is idle, e.g. when a
+workload ends).
 """
 
 from __future__ import annotations
 
-from typing import Dict
+import time
+from typing import Callable, Dict
+
+EXPORT_INTERVAL_S = 1.0
 
 COUNTERS = {
     "forwards": "Forwards the canary bracketed (HEAD verify before, TAIL write after).",
@@ -29,17 +39,22 @@ COUNTERS = {
 
 
 class CanaryMetrics:
-    def __init__(self, labels: Dict[str, str]):
-        from prometheus_client import Counter  # after sglang set PROMETHEUS_MULTIPROC_DIR
+    def __init__(self, labels: Dict[str, str], *, clock: Callable[[], float] = time.monotonic, registry=None):
+        """``registry``: prometheus' default registry when None (a test passes its own)."""
+        from prometheus_client import REGISTRY, Counter  # after sglang set PROMETHEUS_MULTIPROC_DIR
 
+        reg = REGISTRY if registry is None else registry
         self._labels = dict(labels)
         self._counters = {
-            name: Counter(f"sglang:kv_canary_{name}", doc, labelnames=list(self._labels)).labels(**self._labels)
+            name: Counter(f"sglang:kv_canary_{name}", doc, labelnames=list(self._labels),
+                          registry=reg).labels(**self._labels)
             for name, doc in COUNTERS.items()
         }
         self._violations = Counter("sglang:kv_canary_violations", "KV-cache violations found (every row, "
-                                   "repeats included), by kind.", labelnames=[*self._labels, "kind"])
+                                   "repeats included), by kind.", labelnames=[*self._labels, "kind"], registry=reg)
         self._exported: Dict[str, int] = {}
+        self._clock = clock
+        self._last_export = float("-inf")
 
     def _add(self, key: str, value: int, counter) -> None:
         delta = value - self._exported.get(key, 0)
@@ -47,7 +62,12 @@ class CanaryMetrics:
             counter.inc(delta)
             self._exported[key] = value
 
-    def update(self, manager, containment=None) -> None:
+    def update(self, manager, containment=None, *, force: bool = False) -> None:
+        """Export the increase since the last export: at most every ``EXPORT_INTERVAL_S``, or now with ``force``."""
+        now = self._clock()
+        if not force and now - self._last_export < EXPORT_INTERVAL_S:
+            return
+        self._last_export = now
         values = manager.metrics_snapshot()
         if containment is not None:
             values["contain_evicted_tokens"] = containment.evicted_tokens
