@@ -15,6 +15,8 @@
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
+#   bash scripts/gpu_host.sh hc-host-ops            # host cost of the HiCache hooks, their torch calls and a decode
+#                                                   # step's canary host work at bs 8 (no server, no install, ~1 min)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
 #   bash scripts/gpu_host.sh bundle-pd              # HERE: .bundle/pd-{1,2,3} (scripts/build_pd_bundle.sh: CUDA
@@ -176,10 +178,14 @@ PY
     python3 -c 'import sglang; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, "line:", c().line.name if c().line else c().reason)' ;;
   hc-host-ops)  # the HiCache hooks' host cost per call (no server): a node's backup, a batch's load-back, an eviction;
     # then the large sizes again with one 5 ms GPU sleep in flight before each call (a forward: waits show)
-    for sz in "1088 9344 0 200" "96 1200 0 200" "1088 9344 5 40"; do set -- $sz
-      python3 scripts/bench_hicache_host_ops.py --backup-slots "$1" --load-slots "$2" --busy-ms "$3" --calls "$4" \
-        --out "$out/hc-host-ops-$1-$2-busy$3.json"
-    done 2>&1 | tee "$out/hc-host-ops.log" ;;
+    # then the torch calls they are made of, and a decode step's host work at the HiCache row's batch (bs 8)
+    { for sz in "1088 9344 0 200" "96 1200 0 200" "1088 9344 5 40"; do set -- $sz
+        python3 scripts/bench_hicache_host_ops.py --backup-slots "$1" --load-slots "$2" --busy-ms "$3" --calls "$4" \
+          --out "$out/hc-host-ops-$1-$2-busy$3.json"
+      done
+      python3 scripts/bench_hicache_host_ops.py --primitives --calls 150 --out "$out/hc-host-ops-primitives.json"
+      python3 scripts/bench_host_ops.py --bs 8 --ctx 1216 --steps 3000 --out "$out/host-ops-bs8.json"
+    } 2>&1 | tee "$out/hc-host-ops.log" ;;
   unit) python3 -m pytest -q -rs test/unit -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-unit.log" ;;
   decode-kernels)  # one decode forward's canary kernels with HiCache's settings (no sglang needed): this tree, and
     # the tree under .bench-base/python if carried (e.g. `git archive REV python | tar -x -C .bench-base`)
