@@ -204,9 +204,9 @@ def main() -> int:
               "calls": args.calls, "busy_ms": args.busy_ms}
     if args.primitives:  # the torch calls the hooks are made of, at a node's size and a load-back's
         store = m.host_records.records
-        for n, (dev_idx, host_idx) in ((nb, backups[0]), (nl, (loads[0][1], loads[0][0]))):
-            host_dev = host_idx.to(device)
-            cpu_ids = [b[1] if n == nb else h for b, (h, _) in zip(backups, loads)]
+        for n, dev_idx, cpu_ids in ((nb, backups[0][0], [h for _, h in backups]),
+                                    (nl, loads[0][1], [h for h, _ in loads])):
+            host_dev = cpu_ids[0].to(device)
             for name, fn in primitive_ops(torch, group.records, store, dev_idx, host_dev, cpu_ids, device).items():
                 result[f"{name}[{n}]"] = timed(fn)
     else:

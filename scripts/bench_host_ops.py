@@ -73,6 +73,7 @@ def main() -> int:
     import torch
 
     logging.getLogger("kv_canary").setLevel(logging.CRITICAL)  # replay-only steps desync the health check
+    from kv_canary import fingerprint as fpc
     from kv_canary.adapter.batch_adapter import SglangBatchAdapter
     from kv_canary.config import CanaryConfig, CanaryMode
     from kv_canary.kernels import select_kernels
@@ -120,8 +121,6 @@ def main() -> int:
     if args.host_only:
         # The host path of a graph replay, minus the kernels: the counters move as HEAD + TAIL would move them
         # (so the health check sees a healthy device); both timed loops pay for this one add.
-        from kv_canary import fingerprint as fpc
-
         bump = torch.zeros_like(m.counters)
         for c, v in ((fpc.C_FORWARD_INDEX, 1), (fpc.C_VERIFY_LAUNCHES, 1), (fpc.C_WRITE_LAUNCHES, 1),
                      (fpc.C_SLOTS_WRITTEN, bs), (fpc.C_SLOTS_VERIFIED, bs * ctx)):
@@ -187,8 +186,6 @@ def main() -> int:
     if on_gpu:
         torch.cuda.set_sync_debug_mode(0)
     m.poll(drain=True)
-    from kv_canary import fingerprint as fpc
-
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)", "bs": bs, "ctx": ctx, "steps": args.steps,

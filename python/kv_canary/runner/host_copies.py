@@ -132,26 +132,22 @@ class HostCopies(StoragePages):
         before its next ack check and every load; the device slots stay the engine's until their ack (a write-through
         lock, or write-back's blocking check), so their records are unchanged until then, and every later forward
         and load is queued behind the flush."""
-        store = self.host_records
-        if store is None or device_idx.numel() == 0:
+        if self.host_records is None or device_idx.numel() == 0:
             return
-        if self.defer_host_ops:
-            self._pending_backups.append((device_idx, host_idx))
-            if wait_for is not None:
-                self._pending_fence = wait_for
-            return
-        if wait_for is not None:
-            torch.cuda.current_stream(self.counters.device).wait_stream(wait_for)
-        records = self.groups[0].records
         if self.host_scrub is not None:  # before the records and the K/V change: the scrub discards what it hashes
             self.host_scrub.backup_started(host_idx.to("cpu", torch.int64).numpy())
-        store.backup(host_idx, records.index_select(0, device_idx.to(records.device, torch.int64)))
+        self._pending_backups.append((device_idx, host_idx))
+        if wait_for is not None:
+            self._pending_fence = wait_for
+        if not self.defer_host_ops:
+            self.flush_host_records()
 
     def flush_host_records(self) -> None:
-        """Batched backups and frees since the last flush, in a few device ops on the current stream: the freed host
-        slots' records zeroed (after the last load's read of them), then every backup's records written (a slot freed
-        and backed up again since the last flush ends with its new record; a slot backed up and then freed within one
-        interval cannot happen: its node is locked until the ack check that flushes first)."""
+        """Backups and frees since the last flush (batched, or the one just made when immediate), in a few device ops
+        on the current stream: the freed host slots' records zeroed (after the last load's read of them), then every
+        backup's records written (a slot freed and backed up again since the last flush ends with its new record; a
+        slot backed up and then freed within one interval cannot happen: its node is locked until the ack check that
+        flushes first)."""
         backups, frees = self._pending_backups, self._pending_frees
         if not backups and not frees:
             return
@@ -207,14 +203,11 @@ class HostCopies(StoragePages):
     def free_host_slots(self, host_idx: torch.Tensor) -> None:
         """The engine freed host copies: their records go (after the last load's read of them), and so does a flip of
         one (never loaded: never read)."""
-        if self.defer_host_ops:  # zeroed with the next flush
-            self._pending_frees.append(host_idx.reshape(-1).to("cpu", torch.int64))
-        else:
-            if self._last_load_event is not None:
-                torch.cuda.current_stream(self.counters.device).wait_event(self._last_load_event)
-            if self.host_scrub is not None:
-                self.host_scrub.freed(host_idx.to("cpu", torch.int64).numpy())
-            self.host_records.free(host_idx)
+        if self.host_scrub is not None:
+            self.host_scrub.freed(host_idx.to("cpu", torch.int64).numpy())
+        self._pending_frees.append(host_idx.reshape(-1).to("cpu", torch.int64))
+        if not self.defer_host_ops:  # batched: zeroed with the next flush
+            self.flush_host_records()
         if self._flipped or self._storage_from or self._copies_in_flight:
             slots = host_idx.tolist()
             for h in slots:
