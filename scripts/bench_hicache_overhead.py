@@ -53,6 +53,7 @@ from bench_overhead import (  # noqa: E402
     wait_settled,
 )
 from paired_rounds import paired, pooled  # noqa: E402
+from thread_cpu import busiest, snapshot as thread_snapshot  # noqa: E402
 from trace_summary import summarize as summarize_trace  # noqa: E402
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
 from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
@@ -138,6 +139,8 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
     loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
     if rep == -1 and "stacks_dir" in result:  # the samples counted from here on (after the startup and warmup)
         result["stacks_base"] = read_stacks(Path(result["stacks_dir"]))
+    if rep == -1 and server.proc is not None:  # each thread's CPU time from here on (thread_cpu)
+        result["threads_base"] = thread_snapshot(server.proc.pid)
     if rep >= 0:
         result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "turn_s": [round(t, 4) for t in turn_s],
                                "cached_tokens": cached, "load_back_tokens": int(loaded)})
@@ -149,6 +152,8 @@ def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir:
     """Profile (if asked), read the eviction counter, wait for the canary to settle, stop; the final record."""
     try:
         if result["error"] is None:
+            if "threads_base" in result and server.proc is not None:  # the timed repetitions' CPU by thread
+                result["threads"] = busiest(result.pop("threads_base"), thread_snapshot(server.proc.pid))
             if args.profile_batches:
                 try:  # a profile that fails leaves the timings standing
                     result["profile"] = profile_batches(server.base_url, args, plan,
@@ -391,6 +396,9 @@ def main(argv=None) -> int:
               + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
         if run.get("profile"):  # --profile-batches: the trace's summary (all of it in the results json)
             print("    " + profile_line(run["profile"]))
+        if run.get("threads"):  # the timed repetitions' CPU by thread (thread_cpu): the busiest four
+            print("    threads (cpu s / preempted): " + ", ".join(
+                f"{t['process'][:24]}:{t['thread'][:16]} {t['cpu_s']}/{t['preempted']}" for t in run["threads"][:4]))
         for title, st in (run.get("stacks") or {}).items():
             if "scheduler" in title:
                 print(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "

@@ -73,6 +73,32 @@ def idle_gaps(runs: List[tuple]) -> List[Dict]:
     return [{**b, "up_to_us": str(b["up_to_us"]), "us": round(b["us"], 1)} for b in out]
 
 
+def busy_run_lengths(runs: List[tuple], min_us: float = 1000.0) -> Dict:
+    """The GPU's busy runs of at least ``min_us`` (decode steps, or several merged where the host kept up) and the
+    idle gap after each: their count, median and total. A slower step is a longer run (GPU work) or a longer gap
+    after it (the host late with the next launch)."""
+    long_runs = [(i, end - start) for i, (start, end) in enumerate(runs) if end - start >= min_us]
+    gaps = [runs[i + 1][0] - runs[i][1] for i, _ in long_runs if i + 1 < len(runs)]
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1) if xs else None  # noqa: E731
+    return {"min_us": min_us, "count": len(long_runs), "median_us": med([d for _, d in long_runs]),
+            "total_us": round(sum(d for _, d in long_runs), 1), "gap_after_median_us": med(gaps),
+            "gap_after_total_us": round(sum(gaps), 1)}
+
+
+def runtime_calls(events: List[dict], top: int = 12) -> Dict[str, List[Dict]]:
+    """Per thread with CUDA runtime / driver calls: the top calls by total time (count, total us): what each
+    thread asks of the driver (a graph launch, a kernel launch, a copy, an event) and what it costs the host."""
+    per: Dict[str, Dict[str, List[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = per[f"{e.get('pid')}/{e.get('tid')}"][e.get("name", "?")]
+            c[0] += e["dur"]
+            c[1] += 1
+    return {t: [{"name": n, "us": round(v[0], 1), "count": v[1]}
+                for n, v in sorted(calls.items(), key=lambda kv: -kv[1][0])[:top]]
+            for t, calls in per.items()}
+
+
 def summarize(path: Path, top: int = 25) -> Dict:
     """The summary dict of one trace (times in microseconds, as the trace's)."""
     opener = gzip.open if str(path).endswith(".gz") else open
@@ -109,6 +135,7 @@ def summarize(path: Path, top: int = 25) -> Dict:
     return {"trace": Path(path).name, "window_us": round(t_hi - t_lo, 1),
             "gpu_us_per_stream": {k: round(v, 1) for k, v in sorted(per_stream.items())},
             "gpu_busy_us": round(busy, 1), "gpu_idle_gaps": idle_gaps(runs),
+            "gpu_long_busy_runs": busy_run_lengths(runs), "cpu_runtime_calls": runtime_calls(events),
             "gpu_canary_kernel_us": round(canary_us, 1),
             "gpu_canary_kernels": rank({n: v for n, v in per_kernel.items() if _is_canary_kernel(n)}),
             "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if _is_canary_kernel(n)),
