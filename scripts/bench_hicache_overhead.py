@@ -205,7 +205,8 @@ def stack_summary(docs: Dict[int, dict], base: Dict[int, dict], top: int = 25) -
         out[f"{doc.get('title', '?')[:60]} (pid {pid})"] = {
             "samples": samples, "canary_samples": canary, "canary_pct": round(100.0 * canary / max(1, samples), 2),
             "top_owners": dict(list(owners.items())[:top]),
-            "canary_paths": minus(doc.get("canary_paths", {}), then.get("canary_paths", {}))}
+            "canary_paths": minus(doc.get("canary_paths", {}), then.get("canary_paths", {})),
+            "canary_lines": minus(doc.get("canary_lines", {}), then.get("canary_lines", {}))}
     return out
 
 

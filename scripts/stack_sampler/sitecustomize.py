@@ -4,7 +4,8 @@ Put this directory first on ``PYTHONPATH`` and set ``KVC_STACK_SAMPLE_DIR``: eve
 daemon thread that samples its main thread's stack every ``KVC_STACK_SAMPLE_INTERVAL_S`` (default 0.002 s) and
 every 5 s rewrites ``<dir>/<pid>.json``: the process title, the sample count and, per function, how many samples
 had it as the *owner*: the innermost frame that belongs to sglang or the canary (torch, numpy, zmq frames below it
-count for it). Samples whose owner is a canary frame are the canary's host time on that thread; owners in sglang
+count for it). Samples whose owner is a canary frame are the canary's host time on that thread (by path, and by the
+line its innermost canary frame was on: ``canary_lines``); owners in sglang
 show where the rest goes (``scripts/bench_hicache_overhead.py --sample-stacks`` sums them per server). A sample
 costs the sampled process ~10-30 us of GIL time: the numbers attribute time, they do not time a row.
 """
@@ -24,10 +25,11 @@ def _start(out_dir: str) -> None:
     interval = float(os.environ.get("KVC_STACK_SAMPLE_INTERVAL_S", "0.002"))
     owners = collections.Counter()  # "pkg/module.py:function" of the innermost sglang/canary frame
     canary_paths = collections.Counter()  # canary samples: its two outermost frames and its innermost one
+    canary_lines = collections.Counter()  # canary samples: the innermost canary frame's line ("file:function:line")
     state = {"samples": 0, "no_owner": 0}
 
     def owner_of(frame):
-        chain, owner = [], None
+        chain, owner, line = [], None, None
         while frame is not None:
             path = frame.f_code.co_filename
             for pkg in ("/kv_canary/", "/sglang/"):
@@ -38,9 +40,11 @@ def _start(out_dir: str) -> None:
                         owner = name
                     if pkg == "/kv_canary/":
                         chain.append(name.replace("kv_canary/", ""))
+                        if line is None:
+                            line = f"{chain[-1]}:{frame.f_lineno}"
                     break
             frame = frame.f_back
-        return owner, chain
+        return owner, chain, line
 
     def dump() -> None:
         try:
@@ -49,7 +53,8 @@ def _start(out_dir: str) -> None:
         except OSError:
             title = "?"
         doc = {"pid": os.getpid(), "title": title, "interval_s": interval, **state,
-               "owners": dict(owners.most_common(80)), "canary_paths": dict(canary_paths.most_common(60))}
+               "owners": dict(owners.most_common(80)), "canary_paths": dict(canary_paths.most_common(60)),
+               "canary_lines": dict(canary_lines.most_common(60))}
         tmp = os.path.join(out_dir, f".{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(doc, f)
@@ -63,7 +68,7 @@ def _start(out_dir: str) -> None:
             frame = sys._current_frames().get(main)
             if frame is None:
                 continue
-            owner, chain = owner_of(frame)
+            owner, chain, line = owner_of(frame)
             state["samples"] += 1
             if owner is None:
                 state["no_owner"] += 1
@@ -72,6 +77,7 @@ def _start(out_dir: str) -> None:
                 if owner.startswith("kv_canary/"):
                     outer = list(reversed(chain[-2:]))  # the two outermost canary frames, then the innermost
                     canary_paths[" > ".join(outer + ([chain[0]] if len(chain) > 2 else []))] += 1
+                    canary_lines[line] += 1
             if time.monotonic() - last > 5.0:
                 last = time.monotonic()
                 dump()

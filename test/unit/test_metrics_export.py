@@ -47,3 +47,41 @@ def test_exports_at_most_every_interval_and_exactly_when_forced():
     metrics.update(m)
     assert _value(registry, "forwards") == 12
     assert registry.get_sample_value("sglang:kv_canary_violations_total", {"model_name": "m", "kind": "kv_hash"}) == 2
+
+
+@pytest.mark.parametrize("line", ["v0_5_12", "v0_5_23"])
+def test_idle_drain_runs_before_sglangs_idle_sleep(line):
+    """``Scheduler.on_idle`` ends in sglang's idle sleep (``--sleep-on-idle``: up to a second, or until a request
+    arrives): the line's idle hook, wrapped the way sglang's hook registry wraps it, drains the counter copies and
+    exports the metrics before that body runs, not after it."""
+    import importlib
+    from types import SimpleNamespace
+
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    from kv_canary.sglang_plugin import resolve_hook
+
+    events = []
+
+    class Manager:
+        init_finished = True
+
+        def poll(self, *, drain=False):
+            events.append(("drain", drain))
+
+    class Metrics:
+        def update(self, manager, containment=None, *, force=False):
+            events.append(("export", force))
+
+    class Scheduler:
+        def on_idle(self):
+            events.append(("sleep", None))
+
+    runner = SimpleNamespace(canary_manager=Manager(), is_draft_worker=False)
+    scheduler = Scheduler()
+    scheduler.tp_worker = SimpleNamespace(model_runner=runner)
+    scheduler.kv_canary_metrics = Metrics()
+    hooks = importlib.import_module(f"kv_canary.adapter.lines.{line}").HOOKS
+    name, kind = hooks["sglang.srt.managers.scheduler.Scheduler.on_idle"]
+    _wrap_fn(Scheduler.on_idle, resolve_hook(name), HookType(kind))(scheduler)
+    assert events == [("drain", True), ("export", True), ("sleep", None)]

@@ -181,8 +181,11 @@ def export_metrics(scheduler, *, force: bool = False) -> None:
         metrics.update(manager, getattr(scheduler, "kv_canary_containment", None), force=force)
 
 
-def after_scheduler_on_idle(_result, scheduler, *args, **kwargs) -> None:
-    """Idle: read every counter copy still in flight, so the last forwards' violations surface now."""
+def before_scheduler_on_idle(scheduler, *args, **kwargs) -> None:
+    """Idle: read every counter copy still in flight, so the last forwards' violations surface now: before sglang's
+    ``on_idle`` body, which ends in its idle sleep (``--sleep-on-idle``: up to a second, or until the next request
+    arrives), so the drain, the settled stats line and the metrics export never wait for it, nor delay that
+    request."""
     manager = scheduler_canary(scheduler)
     if manager is not None and manager.init_finished:
         manager.poll(drain=True)

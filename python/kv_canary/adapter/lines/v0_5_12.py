@@ -26,7 +26,7 @@ HOOKS: HookTable = {
     "sglang.srt.model_executor.model_runner.ModelRunner.sample": ("hooks.after_sample", "after"),
     "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size":
         ("hooks.around_capture_one_batch_size", "around"),
-    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.before_scheduler_on_idle", "before"),
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("hooks.after_scheduler_init", "after"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("hooks.after_forward_batch_init_new", "after"),

@@ -58,7 +58,7 @@ HOOKS: HookTable = {
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("hooks.after_forward_batch_init_new",
                                                                           "after"),
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("lines.v0_5_23.after_scheduler_init", "after"),
-    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.after_scheduler_on_idle", "after"),
+    "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.before_scheduler_on_idle", "before"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
 }
 # speculative decoding (adapter/spec_0_5_23): the accepted tokens join the token oracle, as on 0.5.12; the draft
