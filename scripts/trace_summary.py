@@ -99,6 +99,27 @@ def runtime_calls(events: List[dict], top: int = 12) -> Dict[str, List[Dict]]:
             for t, calls in per.items()}
 
 
+def graph_steps(events: List[dict], min_kernels: int = 50) -> Dict:
+    """The replays of the model's CUDA graphs (``cudaGraphLaunch`` calls whose kernels, matched by correlation id,
+    number ``min_kernels`` or more): the GPU span of each replay, the gap from its end to the next replay's start
+    (sampling, the next step's inputs, the host), and how far ahead of the GPU the host launched it (``lead``: the
+    launch call's start to its first kernel; a lead near 0 means the GPU waited for the host). Medians, us."""
+    kernels: Dict[object, List[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in GPU_CATS:
+            kernels[(e.get("args") or {}).get("correlation")].append(e)
+    steps = []
+    for e in sorted((e for e in events if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"]):
+        ks = kernels.get((e.get("args") or {}).get("correlation"), [])
+        if len(ks) >= min_kernels:
+            steps.append((e["ts"], min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)))
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1) if xs else None  # noqa: E731
+    gaps = [b[1] - a[2] for a, b in zip(steps, steps[1:])]
+    return {"replays": len(steps), "span_median_us": med([s[2] - s[1] for s in steps]),
+            "gap_after_median_us": med(gaps), "gap_after_max_us": round(max(gaps), 1) if gaps else None,
+            "lead_median_us": med([s[1] - s[0] for s in steps])}
+
+
 def summarize(path: Path, top: int = 25) -> Dict:
     """The summary dict of one trace (times in microseconds, as the trace's)."""
     opener = gzip.open if str(path).endswith(".gz") else open
@@ -135,7 +156,8 @@ def summarize(path: Path, top: int = 25) -> Dict:
     return {"trace": Path(path).name, "window_us": round(t_hi - t_lo, 1),
             "gpu_us_per_stream": {k: round(v, 1) for k, v in sorted(per_stream.items())},
             "gpu_busy_us": round(busy, 1), "gpu_idle_gaps": idle_gaps(runs),
-            "gpu_long_busy_runs": busy_run_lengths(runs), "cpu_runtime_calls": runtime_calls(events),
+            "gpu_long_busy_runs": busy_run_lengths(runs), "gpu_graph_steps": graph_steps(events),
+            "cpu_runtime_calls": runtime_calls(events),
             "gpu_canary_kernel_us": round(canary_us, 1),
             "gpu_canary_kernels": rank({n: v for n, v in per_kernel.items() if _is_canary_kernel(n)}),
             "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if _is_canary_kernel(n)),

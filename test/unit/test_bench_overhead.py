@@ -313,3 +313,26 @@ def test_the_stack_summary_counts_samples_after_the_base_and_the_trace_summary_u
     assert line.startswith("profile: window 1.5 ms, GPU busy 1.2 ms, canary kernels 0.0 ms in 8 launches; ")
     assert "<=20.0us 2 / 0.0 ms" in line and "<=1000.0us 1 / 0.6 ms" in line
     assert hc.profile_line({"error": "no trace"}) == "profile: ERROR no trace"
+
+
+def test_trace_summary_splits_a_step_into_the_graphs_gpu_span_the_gap_after_it_and_the_hosts_lead():
+    """trace_summary.graph_steps: a model graph's replays are the graph launches with many kernels (by correlation
+    id); per replay its GPU span, the gap to the next one, and how far ahead the host launched it. busy_run_lengths:
+    the long busy runs and the gap after each. runtime_calls: per thread, what it asked the driver."""
+    ts = _load("trace_summary")
+
+    def launch(ts_, corr, start, n=60, dur=1000.0):  # one graph launch and its n kernels back to back
+        kern = [{"ph": "X", "cat": "kernel", "name": "k", "ts": start + i * dur / n, "dur": dur / n + 0.01,
+                 "args": {"correlation": corr}} for i in range(n)]
+        return [{"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts_, "dur": 5.0, "pid": 1,
+                 "tid": 2, "args": {"correlation": corr}}] + kern
+
+    small = launch(50.0, 9, 1500.0, n=1, dur=3.0)  # a one-kernel graph (a counter publish): not a model replay
+    events = launch(0.0, 1, 400.0) + launch(500.0, 2, 1500.0) + launch(900.0, 3, 2600.0) + small
+    got = ts.graph_steps(events)
+    assert got == {"replays": 3, "span_median_us": 1000.0, "gap_after_median_us": 100.0, "gap_after_max_us": 100.0,
+                   "lead_median_us": 1000.0}
+    runs = ts._busy_runs((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel")
+    assert ts.busy_run_lengths(runs)["count"] == 3
+    calls = ts.runtime_calls(events)
+    assert calls == {"1/2": [{"name": "cudaGraphLaunch", "us": 20.0, "count": 4}]}
