@@ -11,7 +11,9 @@ graphs do), then times on the host, per step:
   checks, forward accounting, the async counter copy, reading landed copies), then the
   ``ModelRunner.sample`` hook's work (``record_sampled``: the token oracle's copy of the
   sampled ids), so every step is clean (``clean``: no violation row is read);
-* ``sample``: ``record_sampled`` alone.
+* ``sample``: ``record_sampled`` alone;
+* ``neighbour_us_per_iter``: another component's eager host ops (``NeighbourOps``) before the canary exists in the
+  process and after it ran: whether its presence slows the rest of the process's host work.
 
 The difference ``bracketed_sample - replay`` is the canary's host work per decode step
 (``canary_host_us_per_step``); ``sample_hook_us_per_step`` is its sample hook's share. GPU
@@ -55,12 +57,70 @@ class DecodeBatch:
         self.rids = [f"r{i}" for i in range(bs)]
 
 
+class NeighbourOps:
+    """Another component's eager host work in the same process (allocations, views, a small GEMM, a gather, a cat:
+    ~6 launches an iteration, like an engine's eager layer): timed before the canary exists and after it ran, to see
+    whether its presence slows the process's other host work (streams, events, graphs, mapped memory it holds)."""
+
+    def __init__(self, torch, device):
+        self.torch, self.device = torch, device
+        self.a = torch.randn(8, 1024, device=device)
+        self.w = torch.randn(1024, 256, device=device)
+        self.idx = torch.arange(8, device=device)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def _iter(self) -> None:
+        torch = self.torch
+        x = torch.empty(8, 1024, device=self.device)
+        y = x.view(-1)[:512]
+        z = torch.mm(self.a, self.w)
+        q = z.index_select(0, self.idx)
+        torch.cat([q, q]).add_(y[:1])
+
+    def pending_free_us(self, iters: int, frees: int, runs: int = 5) -> float:
+        """``median_us`` while a side stream's work is pending (a 20 ms sleep, like a load-back's transfers) and
+        ``frees`` blocks used on that stream were freed (``record_stream``: the caching allocator keeps one event
+        each until the stream passes it, and checks its events in every allocation). CUDA only."""
+        torch = self.torch
+        side = torch.cuda.Stream(device=self.device)
+        times = []
+        for _ in range(runs + 1):
+            self.sync()
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(int(20e-3 * torch.cuda.get_device_properties(self.device).clock_rate * 1e3))
+                for _ in range(frees):
+                    t = torch.empty(4096, device=self.device)
+                    t.fill_(0)
+                    t.record_stream(side)
+                    del t
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                self._iter()
+            times.append((time.perf_counter() - t0) / iters * 1e6)
+        self.sync()
+        return round(statistics.median(times[1:]), 2)
+
+    def median_us(self, iters: int, runs: int = 5) -> float:
+        """Median over ``runs`` of the host time per iteration (us), the device drained between runs."""
+        times = []
+        for _ in range(runs + 1):  # the first run warms the allocator and the kernels
+            self.sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                self._iter()
+            times.append((time.perf_counter() - t0) / iters * 1e6)
+        self.sync()
+        return round(statistics.median(times[1:]), 2)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--bs", type=int, default=1)
     p.add_argument("--ctx", type=int, default=1536)
     p.add_argument("--out", default=None)
+    p.add_argument("--neighbour-iters", type=int, default=400,
+                   help="iterations of the neighbour workload (an engine's eager host ops) timed before and after")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: eager, TRITON_INTERPRET=1, only proves the script runs")
     p.add_argument("--host-only", action="store_true",
@@ -87,6 +147,11 @@ def main() -> int:
     slots = bs * (ctx + 2) + 1
     k = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16)]
     v = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16)]
+    neighbour = NeighbourOps(torch, device)
+    neighbour_before = neighbour.median_us(args.neighbour_iters)  # no canary in the process yet
+    # torch alone: the same workload while a side stream is busy, with 0 / 1 / 16 of its blocks freed behind it
+    neighbour_pending = ({str(n): neighbour.pending_free_us(args.neighbour_iters // 4, n) for n in (0, 1, 16)}
+                         if on_gpu else {})
     config = CanaryConfig(mode=CanaryMode.LOG)
     group = build_group(PoolLayout("full", k, v), config, device)
     r2t = torch.zeros(bs + 1, 16384, dtype=torch.int32, device=device)
@@ -186,6 +251,7 @@ def main() -> int:
     if on_gpu:
         torch.cuda.set_sync_debug_mode(0)
     m.poll(drain=True)
+    neighbour_after = neighbour.median_us(args.neighbour_iters)  # the canary installed, its graphs replayed
     med = {k: statistics.median(v) for k, v in samples.items()}
     result = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)", "bs": bs, "ctx": ctx, "steps": args.steps,
@@ -193,6 +259,9 @@ def main() -> int:
         "host_us_per_step_bracketed_sample": round(med["bracketed_sample"], 2),
         "canary_host_us_per_step": round(med["bracketed_sample"] - med["replay"], 2),
         "sample_hook_us_per_step": round(med["sample"], 2),
+        # the same eager workload of other code (an engine's host ops), before and after the canary joined the process
+        "neighbour_us_per_iter": {"before": neighbour_before, "after": neighbour_after,
+                                  "side_stream_busy_by_blocks_freed_on_it": neighbour_pending},
         "stats": m.stats_line(),
         "clean": int((m.last_counters or [0] * (fpc.C_VIOLATIONS + 1))[fpc.C_VIOLATIONS]) == 0
         and m.health_violations == health_before,
