@@ -165,8 +165,8 @@ PY
     done
     [ -d "$bench_dir/logs" ] && tar czf "$out/server-logs.tgz" --exclude="*.trace.json*" -C "$bench_dir" logs
     for d in "$bench_dir"/logs/profile-*; do  # --profile-batches: each server's trace, where it is small enough
-      t=$(ls -t "$d"/*.trace.json* 2>/dev/null | head -1)
-      [ -n "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ] && cp "$t" "$out/trace-${d##*/profile-}.json.gz"
+      t=$(ls -t "$d"/*.trace.json* 2>/dev/null | head -1 || true)
+      if [ -n "$t" ] && [ "$(stat -c %s "$t")" -lt 15000000 ]; then cp "$t" "$out/trace-${d##*/profile-}.json.gz"; fi
     done
     tail -40 "$bench_dir/bench.log"
     if [ -f "$bench_dir/rc" ]; then echo "BENCH_DONE rc=$(cat "$bench_dir/rc")"; else echo "BENCH_RUNNING"; fi ;;
