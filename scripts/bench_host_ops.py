@@ -83,28 +83,26 @@ class NeighbourOps:
         each until the stream passes it, and checks its events in every allocation). CUDA only."""
         torch = self.torch
         side = torch.cuda.Stream(device=self.device)
-        times = []
-        for _ in range(runs + 1):
-            self.sync()
+        cycles = int(20e-3 * torch.cuda.get_device_properties(self.device).clock_rate * 1e3)
+
+        def busy_side_stream() -> None:
             with torch.cuda.stream(side):
-                torch.cuda._sleep(int(20e-3 * torch.cuda.get_device_properties(self.device).clock_rate * 1e3))
+                torch.cuda._sleep(cycles)
                 for _ in range(frees):
                     t = torch.empty(4096, device=self.device)
                     t.fill_(0)
                     t.record_stream(side)
                     del t
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                self._iter()
-            times.append((time.perf_counter() - t0) / iters * 1e6)
-        self.sync()
-        return round(statistics.median(times[1:]), 2)
 
-    def median_us(self, iters: int, runs: int = 5) -> float:
-        """Median over ``runs`` of the host time per iteration (us), the device drained between runs."""
+        return self.median_us(iters, runs, before_run=busy_side_stream)
+
+    def median_us(self, iters: int, runs: int = 5, before_run=lambda: None) -> float:
+        """Median over ``runs`` of the host time per iteration (us), the device drained between runs and
+        ``before_run()`` called before each (untimed)."""
         times = []
         for _ in range(runs + 1):  # the first run warms the allocator and the kernels
             self.sync()
+            before_run()
             t0 = time.perf_counter()
             for _ in range(iters):
                 self._iter()
