@@ -109,6 +109,7 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
         env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
         env["KVC_STACK_SAMPLE_DIR"] = result["stacks_dir"]
     extra = ["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else []
+    extra += [a for arg in args.server_arg for a in shlex.split(arg)]  # the same on every server, off and ours
     server = SglangServer([*canary, *plan["args"], *hicache, *extra], env=env,
                           log_path=log_dir / f"{label.replace('#', '')}.log", device=args.device,
                           model_path=plan["model_path"], max_total_tokens=args.max_total_tokens)
@@ -308,6 +309,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "host time goes, the canary's share; costs the servers a little (attribution, not timing)")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra sglang flags for every server (repeatable), e.g. '--sleep-on-idle' (idle servers "
+                        "sleep instead of spinning a core beside the one being timed) or '--decode-log-interval 8' "
+                        "(decode throughput lines inside a 32-step batch, not across its boundary)")
     p.add_argument("--seed", type=int, default=2025)
     for flag in ("conversations", "system-len", "turns", "turn-len", "output-len", "group", "max-total-tokens",
                  "hicache-ratio"):

@@ -58,6 +58,8 @@
 #      --reps 10 on an H200: they do not fit an H100's memory; keep 0.88, sglang refuses a small fraction once
 #      other servers hold memory) (add --sample-stacks for where the scheduler thread's time goes, or
 #      --profile-batches 3 for the GPU's busy / idle split), then hc-bench-wait
+#      (--server-arg '--decode-log-interval 8': sglang's decode lines inside a batch; --server-arg --sleep-on-idle:
+#      idle servers sleep instead of spinning a core each)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
