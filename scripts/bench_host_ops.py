@@ -13,7 +13,9 @@ graphs do), then times on the host, per step:
   sampled ids), so every step is clean (``clean``: no violation row is read);
 * ``sample``: ``record_sampled`` alone;
 * ``neighbour_us_per_iter``: another component's eager host ops (``NeighbourOps``) before the canary exists in the
-  process and after it ran: whether its presence slows the rest of the process's host work.
+  process and after it ran: whether its presence slows the rest of the process's host work; and, torch alone,
+  while a side stream is busy with blocks freed behind it, and while a captured graph on one stream or forked to
+  two is in flight.
 
 The difference ``bracketed_sample - replay`` is the canary's host work per decode step
 (``canary_host_us_per_step``); ``sample_hook_us_per_step`` is its sample hook's share. GPU
@@ -96,6 +98,24 @@ class NeighbourOps:
 
         return self.median_us(iters, runs, before_run=busy_side_stream)
 
+    def graph_in_flight_us(self, iters: int, forked: bool, runs: int = 5) -> float:
+        """``median_us`` while a captured graph runs (a 20 ms sleep, like a forward), its work on one stream or
+        forked to a side stream and joined back (as the canary's TAIL beside the LM head is): does a graph with two
+        streams in flight make the host's next launches dearer? CUDA only."""
+        torch = self.torch
+        cycles = int(20e-3 * torch.cuda.get_device_properties(self.device).clock_rate * 1e3)
+        side, scratch = torch.cuda.Stream(device=self.device), torch.zeros(1, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda._sleep(cycles)
+            if forked:  # fork, a small kernel on the side stream, join
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    scratch.add_(1)
+                torch.cuda.current_stream().wait_stream(side)
+            scratch.add_(1)
+        return self.median_us(iters, runs, before_run=graph.replay)
+
     def median_us(self, iters: int, runs: int = 5, before_run=lambda: None) -> float:
         """Median over ``runs`` of the host time per iteration (us), the device drained between runs and
         ``before_run()`` called before each (untimed)."""
@@ -150,6 +170,8 @@ def main() -> int:
     # torch alone: the same workload while a side stream is busy, with 0 / 1 / 16 of its blocks freed behind it
     neighbour_pending = ({str(n): neighbour.pending_free_us(args.neighbour_iters // 4, n) for n in (0, 1, 16)}
                          if on_gpu else {})
+    neighbour_graph = ({kind: neighbour.graph_in_flight_us(args.neighbour_iters // 4, kind == "forked")
+                        for kind in ("one_stream", "forked")} if on_gpu else {})
     config = CanaryConfig(mode=CanaryMode.LOG)
     group = build_group(PoolLayout("full", k, v), config, device)
     r2t = torch.zeros(bs + 1, 16384, dtype=torch.int32, device=device)
@@ -259,7 +281,8 @@ def main() -> int:
         "sample_hook_us_per_step": round(med["sample"], 2),
         # the same eager workload of other code (an engine's host ops), before and after the canary joined the process
         "neighbour_us_per_iter": {"before": neighbour_before, "after": neighbour_after,
-                                  "side_stream_busy_by_blocks_freed_on_it": neighbour_pending},
+                                  "side_stream_busy_by_blocks_freed_on_it": neighbour_pending,
+                                  "graph_in_flight": neighbour_graph},
         "stats": m.stats_line(),
         "clean": int((m.last_counters or [0] * (fpc.C_VIOLATIONS + 1))[fpc.C_VIOLATIONS]) == 0
         and m.health_violations == health_before,
