@@ -70,6 +70,9 @@ class NeighbourOps:
         self.w = torch.randn(1024, 256, device=device)
         self.idx = torch.arange(8, device=device)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        # GPU cycles of a 20 ms sleep: the busy side stream or graph the CUDA-only timings run against
+        self.sleep_cycles = (int(20e-3 * torch.cuda.get_device_properties(device).clock_rate * 1e3)
+                             if device.type == "cuda" else 0)
 
     def _iter(self) -> None:
         torch = self.torch
@@ -85,11 +88,10 @@ class NeighbourOps:
         each until the stream passes it, and checks its events in every allocation). CUDA only."""
         torch = self.torch
         side = torch.cuda.Stream(device=self.device)
-        cycles = int(20e-3 * torch.cuda.get_device_properties(self.device).clock_rate * 1e3)
 
         def busy_side_stream() -> None:
             with torch.cuda.stream(side):
-                torch.cuda._sleep(cycles)
+                torch.cuda._sleep(self.sleep_cycles)
                 for _ in range(frees):
                     t = torch.empty(4096, device=self.device)
                     t.fill_(0)
@@ -103,11 +105,10 @@ class NeighbourOps:
         forked to a side stream and joined back (as the canary's TAIL beside the LM head is): does a graph with two
         streams in flight make the host's next launches dearer? CUDA only."""
         torch = self.torch
-        cycles = int(20e-3 * torch.cuda.get_device_properties(self.device).clock_rate * 1e3)
         side, scratch = torch.cuda.Stream(device=self.device), torch.zeros(1, device=self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            torch.cuda._sleep(cycles)
+            torch.cuda._sleep(self.sleep_cycles)
             if forked:  # fork, a small kernel on the side stream, join
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):

@@ -73,15 +73,19 @@ def idle_gaps(runs: List[tuple]) -> List[Dict]:
     return [{**b, "up_to_us": str(b["up_to_us"]), "us": round(b["us"], 1)} for b in out]
 
 
+def _median(xs: List[float]):
+    """The upper median of ``xs``, rounded to 0.1 (None when empty)."""
+    return round(sorted(xs)[len(xs) // 2], 1) if xs else None
+
+
 def busy_run_lengths(runs: List[tuple], min_us: float = 1000.0) -> Dict:
     """The GPU's busy runs of at least ``min_us`` (decode steps, or several merged where the host kept up) and the
     idle gap after each: their count, median and total. A slower step is a longer run (GPU work) or a longer gap
     after it (the host late with the next launch)."""
     long_runs = [(i, end - start) for i, (start, end) in enumerate(runs) if end - start >= min_us]
     gaps = [runs[i + 1][0] - runs[i][1] for i, _ in long_runs if i + 1 < len(runs)]
-    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1) if xs else None  # noqa: E731
-    return {"min_us": min_us, "count": len(long_runs), "median_us": med([d for _, d in long_runs]),
-            "total_us": round(sum(d for _, d in long_runs), 1), "gap_after_median_us": med(gaps),
+    return {"min_us": min_us, "count": len(long_runs), "median_us": _median([d for _, d in long_runs]),
+            "total_us": round(sum(d for _, d in long_runs), 1), "gap_after_median_us": _median(gaps),
             "gap_after_total_us": round(sum(gaps), 1)}
 
 
@@ -113,11 +117,10 @@ def graph_steps(events: List[dict], min_kernels: int = 50) -> Dict:
         ks = kernels.get((e.get("args") or {}).get("correlation"), [])
         if len(ks) >= min_kernels:
             steps.append((e["ts"], min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)))
-    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1) if xs else None  # noqa: E731
     gaps = [b[1] - a[2] for a, b in zip(steps, steps[1:])]
-    return {"replays": len(steps), "span_median_us": med([s[2] - s[1] for s in steps]),
-            "gap_after_median_us": med(gaps), "gap_after_max_us": round(max(gaps), 1) if gaps else None,
-            "lead_median_us": med([s[1] - s[0] for s in steps])}
+    return {"replays": len(steps), "span_median_us": _median([s[2] - s[1] for s in steps]),
+            "gap_after_median_us": _median(gaps), "gap_after_max_us": round(max(gaps), 1) if gaps else None,
+            "lead_median_us": _median([s[1] - s[0] for s in steps])}
 
 
 def summarize(path: Path, top: int = 25) -> Dict:
