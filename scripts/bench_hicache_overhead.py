@@ -207,7 +207,9 @@ def stack_summary(docs: Dict[int, dict], base: Dict[int, dict], top: int = 25) -
             "samples": samples, "canary_samples": canary, "canary_pct": round(100.0 * canary / max(1, samples), 2),
             "top_owners": dict(list(owners.items())[:top]),
             "canary_paths": minus(doc.get("canary_paths", {}), then.get("canary_paths", {})),
-            "canary_lines": minus(doc.get("canary_lines", {}), then.get("canary_lines", {}))}
+            "canary_lines": minus(doc.get("canary_lines", {}), then.get("canary_lines", {})),
+            "gc": {g: [n - then.get("gc", {}).get(g, [0, 0.0])[0], round(t - then.get("gc", {}).get(g, [0, 0.0])[1], 4),
+                       mx] for g, (n, t, mx) in doc.get("gc", {}).items()}}
     return out
 
 
@@ -409,6 +411,9 @@ def main(argv=None) -> int:
             if "scheduler" in title:
                 print(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "
                       + ", ".join(f"{o}={n}" for o, n in list(st["top_owners"].items())[:8]))
+                if st.get("gc"):  # collections / seconds / longest, per generation, over the timed repetitions
+                    print("      gc: " + ", ".join(f"gen{g} {n}x {t:.3f}s (max {mx * 1e3:.1f} ms)"
+                                                   for g, (n, t, mx) in sorted(st["gc"].items())))
     print(f"\nresults: {out}  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")
     return 1 if any(r.get("error") for r in report["runs"]) else 0
 

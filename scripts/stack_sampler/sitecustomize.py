@@ -7,7 +7,9 @@ had it as the *owner*: the innermost frame that belongs to sglang or the canary 
 count for it). Samples whose owner is a canary frame are the canary's host time on that thread (by path, and by the
 line its innermost canary frame was on: ``canary_lines``); owners in sglang
 show where the rest goes (``scripts/bench_hicache_overhead.py --sample-stacks`` sums them per server). A sample
-costs the sampled process ~10-30 us of GIL time: the numbers attribute time, they do not time a row.
+costs the sampled process ~10-30 us of GIL time: the numbers attribute time, they do not time a row. ``gc``: the
+process's garbage collections per generation (count, seconds, longest), timed by a ``gc.callbacks`` entry (time the
+samples attribute to whatever frame triggered the collection).
 """
 
 import os
@@ -27,6 +29,23 @@ def _start(out_dir: str) -> None:
     canary_paths = collections.Counter()  # canary samples: its two outermost frames and its innermost one
     canary_lines = collections.Counter()  # canary samples: the innermost canary frame's line ("file:function:line")
     state = {"samples": 0, "no_owner": 0}
+    # Python's garbage collector in this process (any thread): per generation [collections, seconds, longest s]
+    gc_time = {g: [0, 0.0, 0.0] for g in ("0", "1", "2")}
+    gc_start = {}
+
+    def on_gc(phase, info):
+        gen = str(info.get("generation", "?"))
+        if phase == "start":
+            gc_start[gen] = time.perf_counter()
+        elif gen in gc_time and gen in gc_start:
+            dt = time.perf_counter() - gc_start.pop(gen)
+            row = gc_time[gen]
+            row[0] += 1
+            row[1] += dt
+            row[2] = max(row[2], dt)
+
+    import gc
+    gc.callbacks.append(on_gc)
 
     def owner_of(frame):
         chain, owner, line = [], None, None
@@ -54,7 +73,8 @@ def _start(out_dir: str) -> None:
             title = "?"
         doc = {"pid": os.getpid(), "title": title, "interval_s": interval, **state,
                "owners": dict(owners.most_common(80)), "canary_paths": dict(canary_paths.most_common(60)),
-               "canary_lines": dict(canary_lines.most_common(60))}
+               "canary_lines": dict(canary_lines.most_common(60)),
+               "gc": {g: [n, round(t, 6), round(m, 6)] for g, (n, t, m) in gc_time.items()}}
         tmp = os.path.join(out_dir, f".{os.getpid()}.json")
         with open(tmp, "w") as f:
             json.dump(doc, f)
