@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import requests
 
@@ -209,8 +209,28 @@ def stack_summary(docs: Dict[int, dict], base: Dict[int, dict], top: int = 25) -
             "canary_paths": minus(doc.get("canary_paths", {}), then.get("canary_paths", {})),
             "canary_lines": minus(doc.get("canary_lines", {}), then.get("canary_lines", {})),
             "gc": {g: [n - then.get("gc", {}).get(g, [0, 0.0])[0], round(t - then.get("gc", {}).get(g, [0, 0.0])[1], 4),
-                       mx] for g, (n, t, mx) in doc.get("gc", {}).items()}}
+                       mx] for g, (n, t, mx) in doc.get("gc", {}).items()},
+            "timers": timer_summary(doc.get("timers"), then.get("timers"))}
     return out
+
+
+def timer_summary(now: Optional[dict], then: Optional[dict]) -> Optional[dict]:
+    """The scheduler's host timers (``scripts/stack_sampler/host_timers.py``) since ``then``: per method calls,
+    milliseconds in all and per call; per batch-boundary segment the count, median and mean milliseconds."""
+    if not now or not now.get("calls"):
+        return None
+    then = then or {"calls": {}, "boundaries": {}}
+    calls = {}
+    for k, (n, t, _mx) in now["calls"].items():
+        n0, t0 = then["calls"].get(k, [0, 0.0])[:2]
+        if n > n0:
+            calls[k] = {"calls": n - n0, "ms": round((t - t0) * 1e3, 1), "us_per_call": round((t - t0) / (n - n0) * 1e6, 1)}
+    bounds = {}
+    for k, v in now["boundaries"].items():
+        v = v[len(then["boundaries"].get(k, [])):]
+        if v:
+            bounds[k] = {"n": len(v), "median_ms": round(statistics.median(v), 3), "mean_ms": round(statistics.fmean(v), 3)}
+    return {"calls": calls, "boundaries": bounds}
 
 
 def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
@@ -411,6 +431,12 @@ def main(argv=None) -> int:
             if "scheduler" in title:
                 print(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "
                       + ", ".join(f"{o}={n}" for o, n in list(st["top_owners"].items())[:8]))
+                tm = st.get("timers") or {}
+                if tm.get("boundaries"):  # a batch boundary's host segments (median ms)
+                    print("      boundary ms (median/mean): " + ", ".join(
+                        f"{k} {b['median_ms']}/{b['mean_ms']} (n {b['n']})" for k, b in tm["boundaries"].items()))
+                    print("      host ms: " + ", ".join(f"{k} {c['ms']} ({c['us_per_call']} us x {c['calls']})"
+                                                  for k, c in tm["calls"].items()))
                 if st.get("gc"):  # collections / seconds / longest, per generation, over the timed repetitions
                     print("      gc: " + ", ".join(f"gen{g} {n}x {t:.3f}s (max {mx * 1e3:.1f} ms)"
                                                    for g, (n, t, mx) in sorted(st["gc"].items())))
