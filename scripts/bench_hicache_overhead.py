@@ -104,7 +104,9 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     env = {**plan["env"], **canary_env}
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
-    if args.sample_stacks:  # every process of the server samples its main thread (scripts/stack_sampler)
+    if args.sample_stacks or args.host_timers:  # every process samples its main thread (scripts/stack_sampler)
+        if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
+            env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"
         result["stacks_dir"] = str(log_dir / f"stacks-{label.replace('#', '')}")
         env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
         env["KVC_STACK_SAMPLE_DIR"] = result["stacks_dir"]
@@ -139,6 +141,7 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
     wall = time.perf_counter() - t0
     loaded = sglang_counter(server.base_url, LOAD_BACK) - loaded0
     if rep == -1 and "stacks_dir" in result:  # the samples counted from here on (after the startup and warmup)
+        time.sleep(1.2)  # the sampler rewrites its file every second
         result["stacks_base"] = read_stacks(Path(result["stacks_dir"]))
     if rep == -1 and server.proc is not None:  # each thread's CPU time from here on (thread_cpu)
         result["threads_base"] = thread_snapshot(server.proc.pid)
@@ -329,6 +332,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-stacks", action="store_true",
                    help="every server process samples its main thread's stack (scripts/stack_sampler): where the "
                         "host time goes, the canary's share; costs the servers a little (attribution, not timing)")
+    p.add_argument("--host-timers", action="store_true",
+                   help="the scheduler's host timers alone (scripts/stack_sampler/host_timers.py: sglang's and the "
+                        "canary's methods, each batch boundary's segments), the stacks sampled only every 0.25 s")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--server-arg", action="append", default=[],

@@ -11,6 +11,7 @@ server with and without the canary, to say where a batch boundary's host time go
   ``extend_to_decode`` (to the next decode's launch: the extend's result and the first decode's scheduling).
 
 A method's time includes what runs inside it (the canary's hooks in ``run_batch``: HEAD and TAIL's launches).
+A method without a batch argument called inside ``run_batch`` is keyed with that batch's mode.
 """
 
 import time
@@ -27,11 +28,21 @@ TARGETS = (
     ("sglang.srt.managers.cache_controller", "HiCacheController", "start_writing", False),
     ("sglang.srt.mem_cache.hiradix_cache", "HiRadixCache", "writing_check", False),
     ("sglang.srt.mem_cache.hiradix_cache", "HiRadixCache", "init_load_back", False),
+    # the canary's per-forward host work (absent in a server without it): the outer bracket, plan + HEAD, the
+    # TAIL (at the anchor or after the forward), and parts of HEAD and of the HiCache hooks
+    ("kv_canary.runner.brackets", "OutsideBracket", "__enter__", False),
+    ("kv_canary.runner.brackets", "OutsideBracket", "__exit__", False),
+    ("kv_canary.runner.manager", "CanaryManager", "pre_ops_maybe_inside_graph", False),
+    ("kv_canary.runner.single_forward", "SingleForwardManager", "post_ops_maybe_inside_graph", False),
+    ("kv_canary.token_oracle", "TokenOracle", "stage", False),
+    ("kv_canary.runner.load_hashing", "LoadHashing", "start", False),
+    ("kv_canary.runner.host_copies", "HostCopies", "load_records", False),
+    ("kv_canary.runner.host_copies", "HostCopies", "flush_host_records", False),
 )
 
 calls = {}  # "Class.method[:mode]" -> [calls, seconds, longest]
 boundaries = {k: [] for k in ("decode_to_recv", "recv_to_extend", "extend_launch", "extend_to_decode")}
-_state = {"last_decode_end": None, "first_recv": None, "extend_end": None}
+_state = {"last_decode_end": None, "first_recv": None, "extend_end": None, "mode": None}
 _patched = set()
 
 
@@ -46,7 +57,9 @@ def _wrap(cls_name: str, name: str, fn, batch_arg: bool):
     key = f"{cls_name}.{name}"
 
     def timed(self, *args, **kwargs):
-        mode = _mode(args[0]) if batch_arg and args else None
+        mode = _mode(args[0]) if batch_arg and args else _state["mode"]
+        if name == "run_batch":
+            _state["mode"] = mode
         t0 = time.perf_counter()
         if name == "run_batch" and mode == "d" and _state["extend_end"] is not None:
             boundaries["extend_to_decode"].append(round((t0 - _state["extend_end"]) * 1e3, 3))
@@ -54,7 +67,11 @@ def _wrap(cls_name: str, name: str, fn, batch_arg: bool):
         if name == "run_batch" and mode == "e":
             if _state["first_recv"] is not None:
                 boundaries["recv_to_extend"].append(round((t0 - _state["first_recv"]) * 1e3, 3))
-        result = fn(self, *args, **kwargs)
+        try:
+            result = fn(self, *args, **kwargs)
+        finally:
+            if name == "run_batch":
+                _state["mode"] = None
         t1 = time.perf_counter()
         k = key if mode is None else f"{key}:{mode}"
         row = calls.setdefault(k, [0, 0.0, 0.0])

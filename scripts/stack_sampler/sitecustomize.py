@@ -2,7 +2,7 @@
 
 Put this directory first on ``PYTHONPATH`` and set ``KVC_STACK_SAMPLE_DIR``: every Python process then starts a
 daemon thread that samples its main thread's stack every ``KVC_STACK_SAMPLE_INTERVAL_S`` (default 0.002 s) and
-every 5 s rewrites ``<dir>/<pid>.json``: the process title, the sample count and, per function, how many samples
+every second rewrites ``<dir>/<pid>.json``: the process title, the sample count and, per function, how many samples
 had it as the *owner*: the innermost frame that belongs to sglang or the canary (torch, numpy, zmq frames below it
 count for it). Samples whose owner is a canary frame are the canary's host time on that thread (by path, and by the
 line its innermost canary frame was on: ``canary_lines``); owners in sglang
@@ -103,7 +103,7 @@ def _start(out_dir: str) -> None:
                     outer = list(reversed(chain[-2:]))  # the two outermost canary frames, then the innermost
                     canary_paths[" > ".join(outer + ([chain[0]] if len(chain) > 2 else []))] += 1
                     canary_lines[line] += 1
-            if time.monotonic() - last > 5.0:
+            if time.monotonic() - last > 1.0:
                 last = time.monotonic()
                 dump()
 
