@@ -27,10 +27,13 @@ import torch
 from ..buffer_groups import CanaryBufferGroup, KVRow
 from ..kernels import CanaryKernels
 
-# runs of whole layers a load's rows are hashed in: on a GPU, the last part (1/8 of the rows) is all that runs
-# after the last layer landed; on CPU (the Triton interpreter) two, so the split is exercised at little cost
-GPU_PARTS = 8
-CPU_PARTS = 2
+# runs of whole layers a load's rows are hashed in: on a GPU, the last part (half the rows) is all that runs
+# after the last layer landed (on CPU the parts run in order in HEAD). Each part costs the scheduler thread a
+# wait and a launch while it launches the consuming (eager) extend, that batch's critical path when its host
+# launches outlast the load: eight parts took 1,060 us of host time a load-consuming extend (H200, the HiCache
+# row, docs/results/gpu-h200-2026-11-27-host-timers/), against ~0.1 ms of GPU hashing they save after the last
+# layer
+PARTS = 2
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class LoadHashing:
         self._kernels = kernels
         self._counters = counters
         self._ring = ring
-        self._parts = [layer_parts(g.rows, GPU_PARTS if cuda else CPU_PARTS) for g in self._groups]
+        self._parts = [layer_parts(g.rows, PARTS) for g in self._groups]
         self._stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device=counters.device) if cuda else None
         self._done: Optional[torch.cuda.Event] = torch.cuda.Event() if cuda else None
         self._pending = False
