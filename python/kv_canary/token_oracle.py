@@ -34,8 +34,8 @@ decode request inside a mixed batch, keeps the device-maintained chain.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ FedRequest = Tuple[int, Hashable, int, int, Record]
 
 UNKNOWN = -1  # a staged token the host's record does not have (yet)
 CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
+CHAIN_CACHE_ENTRIES = 64  # and at most this many prefixes (a lookup compares those of the prefix's length)
 
 
 class TokenOracle:
@@ -74,7 +75,9 @@ class TokenOracle:
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
         self._sampled_views: Dict[int, torch.Tensor] = {}
-        self._chain_cache: "OrderedDict[Tuple[int, ...], int]" = OrderedDict()  # recent prefixes -> chain
+        # recent admission prefixes by length: len -> [(tokens, chain)], and all of them oldest first
+        self._chain_cache: Dict[int, List[Tuple[List[int], int]]] = {}
+        self._chain_order: "Deque[Tuple[List[int], int]]" = deque()
         self._cached_tokens = 0
 
     @property
@@ -93,6 +96,7 @@ class TokenOracle:
         self._row_owner.clear()
         self._row_inits.clear()
         self._chain_cache.clear()
+        self._chain_order.clear()
         self._cached_tokens = 0
 
     # ------------------------------------------------------------------ host side, before a forward
@@ -141,22 +145,42 @@ class TokenOracle:
 
     def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:
         """``prefix_chains_np``, remembering recent prefixes: requests sharing a system prompt are admitted with
-        the same cached prefix, whose chain is then computed once (keyed by the tokens themselves: exact)."""
-        index: Dict[Tuple[int, ...], int] = {}
-        which = [index.setdefault(tuple(p), len(index)) for p in prefixes]  # one hash per prefix
-        cache = self._chain_cache
-        unique = list(index)
-        chains: List[Optional[int]] = [cache.get(k) for k in unique]
-        missing = [i for i, c in enumerate(chains) if c is None]
-        if missing:
-            for i, chain in zip(missing, prefix_chains_np([unique[i] for i in missing])):
-                chains[i] = cache[unique[i]] = chain
-                self._cached_tokens += len(unique[i])
-        for k in unique:
-            cache.move_to_end(k)
-        while self._cached_tokens > CHAIN_CACHE_TOKENS and len(cache) > 1:
-            self._cached_tokens -= len(cache.popitem(last=False)[0])
-        return [chains[i] for i in which]
+        the same cached prefix, whose chain is then computed once. Exact and without hashing: a prefix is looked
+        up among the remembered ones of its length and compared token by token (one C-level list comparison,
+        ~10 ns a token, and only on a length match); a miss costs its conversion to numpy (~20 ns a token)."""
+        chains: List[Optional[int]] = [None] * len(prefixes)
+        todo: List[Tuple[List[int], List[int]]] = []  # (tokens, indices of the prefixes equal to them)
+        for i, p in enumerate(prefixes):
+            tokens = p if isinstance(p, list) else list(p)
+            chains[i] = next((c for t, c in self._chain_cache.get(len(tokens), ()) if t == tokens), None)
+            if chains[i] is None:
+                same = next((where for t, where in todo if len(t) == len(tokens) and t == tokens), None)
+                if same is None:
+                    todo.append((tokens, [i]))
+                else:
+                    same.append(i)
+        if todo:
+            for (tokens, where), chain in zip(todo, prefix_chains_np([t for t, _ in todo])):
+                for i in where:
+                    chains[i] = chain
+                self._remember_chain(tokens, chain)
+        return chains
+
+    def _remember_chain(self, tokens: List[int], chain: int) -> None:
+        """Keep ``tokens``' chain (the oldest go past ``CHAIN_CACHE_TOKENS`` tokens or ``CHAIN_CACHE_ENTRIES``)."""
+        entry = (tokens, chain)
+        self._chain_cache.setdefault(len(tokens), []).append(entry)
+        self._chain_order.append(entry)
+        self._cached_tokens += len(tokens)
+        while len(self._chain_order) > 1 and (self._cached_tokens > CHAIN_CACHE_TOKENS
+                                              or len(self._chain_order) > CHAIN_CACHE_ENTRIES):
+            old = self._chain_order.popleft()
+            n = len(old[0])
+            bucket = self._chain_cache[n]
+            del bucket[next(j for j, e in enumerate(bucket) if e is old)]
+            if not bucket:
+                del self._chain_cache[n]
+            self._cached_tokens -= n
 
     def init_row(self, row: int, prompt: Sequence[int], outputs: Sequence[int]) -> None:
         """A request whose KV no forward of this server wrote (PD decode side: arrived by transfer, or reloaded).

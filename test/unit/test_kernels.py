@@ -491,7 +491,27 @@ def test_admissions_sharing_a_prefix_get_exact_chains_from_the_cache(monkeypatch
         assert oracle.stage([(r, (k, round_), p, n, rec) for r, k, p, n, rec in reqs]) == 4
         want = fp.prefix_chains_np([shared, other, shared, shared[:4]])
         assert [int(oracle.row_chain[r]) for r in (1, 2, 3, 4)] == want
-        assert oracle._cached_tokens <= 8 or len(oracle._chain_cache) == 1
+        assert oracle._cached_tokens <= 8 or len(oracle._chain_order) == 1
+
+
+def test_chain_cache_tells_prefixes_of_one_length_apart(monkeypatch):
+    """Remembered prefixes are looked up by length: each prefix of one length must still get its own chain, within
+    one admission batch and across batches, and the cache keeps its entry bound (oldest out)."""
+    from kv_canary import token_oracle
+
+    monkeypatch.setattr(token_oracle, "CHAIN_CACHE_ENTRIES", 2)
+    oracle = TokenOracle(rows=6, max_batch_size=6, max_tokens_per_forward=16, device=DEVICE)
+    a, b, c, d = [3, 1, 4, 1, 5], [2, 7, 1, 8, 2], [3, 1, 4, 1, 5], [3, 1, 4, 1, 6]
+    for round_ in range(3):
+        reqs = [(1, ("a", round_), 5, 1, lambda: (a + [9], [])), (2, ("b", round_), 5, 1, lambda: (b + [9], [])),
+                (3, ("c", round_), 5, 1, lambda: (c + [9], [])), (4, ("d", round_), 5, 1, lambda: (d + [8], []))]
+        if round_ == 2:
+            reqs = reqs[::-1]
+        assert oracle.stage(reqs) == 4
+        want = dict(zip((1, 2, 3, 4), fp.prefix_chains_np([a, b, c, d])))
+        assert {r: int(oracle.row_chain[r]) for r in (1, 2, 3, 4)} == want
+        assert len(oracle._chain_order) == 2 and oracle._cached_tokens == 10
+        assert sum(len(v) for v in oracle._chain_cache.values()) == 2
 
 
 def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
