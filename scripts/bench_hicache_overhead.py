@@ -211,9 +211,17 @@ def stack_summary(docs: Dict[int, dict], base: Dict[int, dict], top: int = 25) -
             "top_owners": dict(list(owners.items())[:top]),
             "canary_paths": minus(doc.get("canary_paths", {}), then.get("canary_paths", {})),
             "canary_lines": minus(doc.get("canary_lines", {}), then.get("canary_lines", {})),
-            "gc": {g: [n - then.get("gc", {}).get(g, [0, 0.0])[0], round(t - then.get("gc", {}).get(g, [0, 0.0])[1], 4),
-                       mx] for g, (n, t, mx) in doc.get("gc", {}).items()},
+            "gc": gc_summary(doc.get("gc", {}), then.get("gc", {})),
             "timers": timer_summary(doc.get("timers"), then.get("timers"))}
+    return out
+
+
+def gc_summary(now: dict, then: dict) -> dict:
+    """The process's garbage collections since ``then``, per generation: [collections, seconds, longest ever]."""
+    out = {}
+    for g, (n, t, longest) in now.items():
+        n0, t0 = then.get(g, [0, 0.0])[:2]
+        out[g] = [n - n0, round(t - t0, 4), longest]
     return out
 
 
@@ -227,12 +235,14 @@ def timer_summary(now: Optional[dict], then: Optional[dict]) -> Optional[dict]:
     for k, (n, t, _mx) in now["calls"].items():
         n0, t0 = then["calls"].get(k, [0, 0.0])[:2]
         if n > n0:
-            calls[k] = {"calls": n - n0, "ms": round((t - t0) * 1e3, 1), "us_per_call": round((t - t0) / (n - n0) * 1e6, 1)}
+            calls[k] = {"calls": n - n0, "ms": round((t - t0) * 1e3, 1),
+                        "us_per_call": round((t - t0) / (n - n0) * 1e6, 1)}
     bounds = {}
     for k, v in now["boundaries"].items():
         v = v[len(then["boundaries"].get(k, [])):]
         if v:
-            bounds[k] = {"n": len(v), "median_ms": round(statistics.median(v), 3), "mean_ms": round(statistics.fmean(v), 3)}
+            bounds[k] = {"n": len(v), "median_ms": round(statistics.median(v), 3),
+                         "mean_ms": round(statistics.fmean(v), 3)}
     return {"calls": calls, "boundaries": bounds}
 
 

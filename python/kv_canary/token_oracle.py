@@ -154,7 +154,7 @@ class TokenOracle:
             tokens = p if isinstance(p, list) else list(p)
             chains[i] = next((c for t, c in self._chain_cache.get(len(tokens), ()) if t == tokens), None)
             if chains[i] is None:
-                same = next((where for t, where in todo if len(t) == len(tokens) and t == tokens), None)
+                same = next((where for t, where in todo if t == tokens), None)  # lists: lengths first
                 if same is None:
                     todo.append((tokens, [i]))
                 else:

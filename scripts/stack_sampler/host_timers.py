@@ -14,6 +14,7 @@ A method's time includes what runs inside it (the canary's hooks in ``run_batch`
 A method without a batch argument called inside ``run_batch`` is keyed with that batch's mode.
 """
 
+import sys
 import time
 
 # (module, class, method, the first argument is a batch with a forward_mode)
@@ -95,8 +96,6 @@ def _wrap(cls_name: str, name: str, fn, batch_arg: bool):
 
 def patch_ready() -> None:
     """Wrap every target whose module is imported by now (called from the sampler thread every second)."""
-    import sys
-
     for mod, cls_name, name, batch_arg in TARGETS:
         key = (mod, cls_name, name)
         if key in _patched or mod not in sys.modules:

@@ -336,3 +336,87 @@ def test_trace_summary_splits_a_step_into_the_graphs_gpu_span_the_gap_after_it_a
     assert ts.busy_run_lengths(runs)["count"] == 3
     calls = ts.runtime_calls(events)
     assert calls == {"1/2": [{"name": "cudaGraphLaunch", "us": 20.0, "count": 4}]}
+
+
+def test_host_timers_split_a_batch_boundary_and_the_summary_counts_what_came_after_the_base():
+    """scripts/stack_sampler/host_timers.py: a wrapped scheduler times its methods per forward mode (a method
+    without a batch inside ``run_batch`` takes that batch's mode) and each boundary's segments (last decode launch
+    -> first request -> extend launch -> first decode launch); bench_hicache_overhead sums what came after the
+    warmup's snapshot, the garbage collections too."""
+    spec = importlib.util.spec_from_file_location("host_timers", ROOT / "scripts" / "stack_sampler" / "host_timers.py")
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    clock = [0.0]
+    ht.time = type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])})
+
+    class Mode:
+        def __init__(self, extend):
+            self.extend = extend
+
+        def is_extend(self):
+            return self.extend
+
+        def is_decode(self):
+            return not self.extend
+
+    def batch(extend):
+        return type("Batch", (), {"forward_mode": Mode(extend)})()
+
+    class Oracle:
+        def stage(self):
+            clock[0] += 0.001
+
+    class Scheduler:
+        def __init__(self):
+            self.arrived = []
+
+        def run_batch(self, b):
+            if b.forward_mode.is_extend():
+                Oracle().stage()
+            clock[0] += 0.004
+
+        def recv_requests(self):
+            clock[0] += 0.0005
+            return self.arrived
+
+    module = type(sys)("sglang.srt.managers.scheduler")
+    module.Scheduler = Scheduler
+    oracle_module = type(sys)("kv_canary.token_oracle")
+    oracle_module.TokenOracle = Oracle
+    sys.modules.update({module.__name__: module, oracle_module.__name__: oracle_module})
+    try:
+        ht.patch_ready()
+        assert Scheduler.run_batch.__wrapped__ is not None and Oracle.stage.__wrapped__ is not None
+        s = Scheduler()
+
+        def boundary():
+            s.run_batch(batch(False))  # the last decode launch, 4 ms
+            s.arrived = []
+            s.recv_requests()  # nothing yet
+            clock[0] += 0.010
+            s.arrived = ["r"]
+            s.recv_requests()  # the first request, 10.5 + 0.5 ms after the decode launch ended
+            s.recv_requests()  # more: not a new first request
+            clock[0] += 0.002
+            s.run_batch(batch(True))  # 2.5 ms after the first request; a 5 ms launch (1 ms of it staging)
+            clock[0] += 0.0007
+            s.run_batch(batch(False))  # the first decode, 0.7 ms after
+
+        boundary()
+        then = ht.snapshot()
+        boundary()
+        boundary()
+        got = _load("bench_hicache_overhead").timer_summary(ht.snapshot(), then)
+    finally:
+        del sys.modules[module.__name__], sys.modules[oracle_module.__name__]
+    assert got["boundaries"] == {
+        "decode_to_recv": {"n": 2, "median_ms": 11.0, "mean_ms": 11.0},
+        "recv_to_extend": {"n": 2, "median_ms": 2.5, "mean_ms": 2.5},
+        "extend_launch": {"n": 2, "median_ms": 5.0, "mean_ms": 5.0},
+        "extend_to_decode": {"n": 2, "median_ms": 0.7, "mean_ms": 0.7}}
+    assert got["calls"]["TokenOracle.stage:e"] == {"calls": 2, "ms": 2.0, "us_per_call": 1000.0}
+    assert got["calls"]["Scheduler.run_batch:e"]["calls"] == 2 and got["calls"]["Scheduler.run_batch:d"]["calls"] == 4
+    assert got["calls"]["Scheduler.recv_requests"]["calls"] == 6
+    hc = _load("bench_hicache_overhead")
+    assert hc.gc_summary({"0": [12, 0.5, 0.01], "2": [1, 0.3, 0.3]}, {"0": [2, 0.1, 0.01]}) == {
+        "0": [10, 0.4, 0.01], "2": [1, 0.3, 0.3]}
