@@ -159,23 +159,27 @@ def chain_terms_np(tokens, positions) -> "np.ndarray":
         return mix64_np(t * np.uint64(G_TOKEN_MUL) + p * np.uint64(G_POS_MUL) + np.uint64(G_ADD))
 
 
-def prefix_chains_np(prefixes) -> "list[int]":
+def prefix_chains_np(prefixes, starts=None, bases=None) -> "list[int]":
     """CHAIN(len(s) - 1) of each token sequence s (CHAIN_ANCHOR for an empty one), as Python ints in int64 range.
 
-    One vectorized pass over all sequences (the host sets a newly admitted request's expected chain
-    over its cached prefix with it); bit-equal to the records TAIL writes for the same tokens.
+    ``starts`` / ``bases`` (optional, one per sequence): s holds the tokens at positions [start, start + len(s)) and
+    ``base`` is the chain over positions [0, start) (the chain is additive: CHAIN_ANCHOR + the sum of every position's
+    term), so a remembered prefix's chain is extended by the tokens after it only. One vectorized pass over all
+    sequences (the host sets a newly admitted request's expected chain over its cached prefix with it); bit-equal to
+    the records TAIL writes for the same tokens.
     """
     lens = [len(s) for s in prefixes]
-    total = sum(lens)
-    out = [CHAIN_ANCHOR] * len(prefixes)
-    if total == 0:
+    starts = [0] * len(prefixes) if starts is None else list(starts)
+    out = [CHAIN_ANCHOR] * len(prefixes) if bases is None else [int(b) for b in bases]
+    if sum(lens) == 0:
         return out
     tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in prefixes if len(s)])
-    positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens if n])
+    positions = np.concatenate([np.arange(a, a + n, dtype=np.int64) for a, n in zip(starts, lens) if n])
     terms = chain_terms_np(tokens, positions)
-    starts = np.cumsum([0] + [n for n in lens if n])[:-1]
+    offsets = np.cumsum([0] + [n for n in lens if n])[:-1]
+    base = np.array([b for b, n in zip(out, lens) if n], dtype=np.int64).view(np.uint64)
     with np.errstate(over="ignore"):
-        sums = np.add.reduceat(terms, starts) + np.uint64(CHAIN_ANCHOR)
+        sums = np.add.reduceat(terms, offsets) + base
     sums = sums.view(np.int64)
     k = 0
     for i, n in enumerate(lens):

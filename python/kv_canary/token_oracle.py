@@ -40,7 +40,7 @@ from typing import Callable, Deque, Dict, Hashable, List, Optional, Sequence, Tu
 import numpy as np
 import torch
 
-from .fingerprint import prefix_chains_np
+from .fingerprint import CHAIN_ANCHOR, prefix_chains_np
 from .staging import PinnedDoubleBuffer
 from .views import CanaryCapacityError
 
@@ -50,7 +50,7 @@ FedRequest = Tuple[int, Hashable, int, int, Record]
 
 UNKNOWN = -1  # a staged token the host's record does not have (yet)
 CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
-CHAIN_CACHE_ENTRIES = 64  # and at most this many prefixes (a lookup compares those of the prefix's length)
+CHAIN_CACHE_ENTRIES = 128  # and at most this many prefixes (a lookup may check each: three tokens, then a compare)
 
 
 class TokenOracle:
@@ -144,27 +144,49 @@ class TokenOracle:
         return a
 
     def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:
-        """``prefix_chains_np``, remembering recent prefixes: requests sharing a system prompt are admitted with
-        the same cached prefix, whose chain is then computed once. Exact and without hashing: a prefix is looked
-        up among the remembered ones of its length and compared token by token (one C-level list comparison,
-        ~10 ns a token, and only on a length match); a miss costs its conversion to numpy (~20 ns a token)."""
+        """``prefix_chains_np``, extending remembered prefixes: a multi-turn request's cached prefix is the previous
+        turn's admitted prefix plus that turn's tokens, and requests share a system prompt. The chain is additive, so
+        the longest remembered prefix of each (exact: compared token by token, one C-level list comparison, ~3 ns a
+        token) gives the chain over its positions and only the tokens after it are converted to numpy and hashed
+        (~20 ns a token: the cost of a miss). Prefixes equal within the batch are hashed once."""
         chains: List[Optional[int]] = [None] * len(prefixes)
-        todo: List[Tuple[List[int], List[int]]] = []  # (tokens, indices of the prefixes equal to them)
+        todo: List[Tuple[List[int], int, int, List[int]]] = []  # (tokens, remembered length, its chain, indices)
+        lengths = sorted(self._chain_cache, reverse=True)
         for i, p in enumerate(prefixes):
             tokens = p if isinstance(p, list) else list(p)
-            chains[i] = next((c for t, c in self._chain_cache.get(len(tokens), ()) if t == tokens), None)
-            if chains[i] is None:
-                same = next((where for t, where in todo if t == tokens), None)  # lists: lengths first
-                if same is None:
-                    todo.append((tokens, [i]))
-                else:
-                    same.append(i)
+            n, base = self._longest_remembered(tokens, lengths)
+            if n == len(tokens):
+                chains[i] = base
+                continue
+            same = next((where for t, _, _, where in todo  # lists compare lengths first; prefixes of one length
+                         if t[-1] == tokens[-1] and t == tokens), None)  # share a system prompt: the last token first
+            if same is None:
+                todo.append((tokens, n, base, [i]))
+            else:
+                same.append(i)
         if todo:
-            for (tokens, where), chain in zip(todo, prefix_chains_np([t for t, _ in todo])):
+            rests = prefix_chains_np([t[n:] for t, n, _, _ in todo], starts=[n for _, n, _, _ in todo],
+                                     bases=[b for _, _, b, _ in todo])
+            for (tokens, _, _, where), chain in zip(todo, rests):
                 for i in where:
                     chains[i] = chain
                 self._remember_chain(tokens, chain)
         return chains
+
+    def _longest_remembered(self, tokens: List[int], lengths: Sequence[int]) -> Tuple[int, int]:
+        """(n, chain over tokens[:n]) of the longest remembered prefix of ``tokens`` ((0, CHAIN_ANCHOR): none).
+        ``lengths``: the remembered lengths, longest first. Three single-token checks skip most other prefixes
+        before the exact comparison."""
+        size = len(tokens)
+        for n in lengths:
+            if n > size:
+                continue
+            first, mid, last = tokens[0], tokens[n // 2], tokens[n - 1]
+            for t, chain in self._chain_cache[n]:
+                if t[n - 1] == last and t[0] == first and t[n // 2] == mid \
+                        and (t == tokens if n == size else t == tokens[:n]):
+                    return n, chain
+        return 0, CHAIN_ANCHOR
 
     def _remember_chain(self, tokens: List[int], chain: int) -> None:
         """Keep ``tokens``' chain (the oldest go past ``CHAIN_CACHE_TOKENS`` tokens or ``CHAIN_CACHE_ENTRIES``)."""

@@ -514,6 +514,30 @@ def test_chain_cache_tells_prefixes_of_one_length_apart(monkeypatch):
         assert sum(len(v) for v in oracle._chain_cache.values()) == 2
 
 
+def test_admission_chains_extend_the_longest_remembered_prefix():
+    """A multi-turn request's prefix extends a remembered one (the last turn's, a shared system prompt): its chain is
+    the remembered chain plus the tokens after it, exactly the chain over all of it; a prefix that only looks like a
+    remembered one at the checked tokens (first, middle, last) gets its own; an extension starts from the longest
+    remembered prefix, not a shorter one."""
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(1, 150000, (40,), generator=g).tolist()
+    turn = lambda n: torch.randint(1, 150000, (n,), generator=g).tolist()  # noqa: E731
+    oracle = TokenOracle(rows=8, max_batch_size=8, max_tokens_per_forward=64, device=DEVICE)
+    conv = [system + turn(7) for _ in range(3)]
+    fake = list(system)
+    fake[7] += 1  # neither first, middle nor last token of the system prompt: only the compare tells it apart
+    prefixes = [system, *conv, fake]
+    for round_ in range(3):
+        reqs = [(r + 1, ("k", round_, r), len(p), 1, lambda p=p: (p + [5], [])) for r, p in enumerate(prefixes)]
+        assert oracle.stage(reqs) == len(prefixes)
+        assert [int(oracle.row_chain[r + 1]) for r in range(len(prefixes))] == fp.prefix_chains_np(prefixes)
+        prefixes = [p + turn(5) for p in prefixes]  # the next turn: each prefix extended
+    # every conversation's entries: its turns' prefixes, each found as the longest remembered one of the next
+    assert oracle._longest_remembered(prefixes[1], sorted(oracle._chain_cache, reverse=True))[0] == len(prefixes[1]) - 5
+    assert fp.prefix_chains_np([prefixes[1][6:]], starts=[6], bases=fp.prefix_chains_np([prefixes[1][:6]])) \
+        == fp.prefix_chains_np([prefixes[1]])
+
+
 def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 2**31 - 1, (3000,), generator=g)
