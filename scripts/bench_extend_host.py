@@ -5,8 +5,9 @@ An eager extend's launch is the HiCache row's critical path at a batch boundary 
 so every host microsecond the canary adds there delays the batch. This builds a real ``CanaryManager`` with the
 HiCache row's settings (``CanaryConfig.build(hicache=True)``, the variant tracker as ``install_canary`` wraps the
 kernels) on a synthetic pool (``--layers`` layers of [slots, 8, 128] bf16 K and V), then times, per extend of
-``--bs`` requests each with a ``--prefix``-token cached prefix and ``--new`` new tokens (new requests every
-iteration, half of them sharing the first ``--shared`` prefix tokens, as a system prompt):
+``--bs`` requests of the HiCache row's multi-turn workload (``--conversations`` conversations behind one
+``--system``-token system prompt, ``--turns`` turns of ``--new`` new tokens then ``--out-tokens`` generated ones;
+every turn's cached prefix is the conversation so far, each request a new admission):
 
 * ``outside_pre``: the outside bracket's entry (the token oracle's staging and admission chains);
 * ``head``: plan + HEAD (``pre_ops_maybe_inside_graph``); ``tail``: TAIL (``post_ops_maybe_inside_graph``);
@@ -112,11 +113,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--bs", type=int, default=8)
-    p.add_argument("--prefix", type=int, default=1152)
+    p.add_argument("--conversations", type=int, default=48)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--system", type=int, default=1024)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--shared", type=int, default=1024)
+    p.add_argument("--out-tokens", type=int, default=32)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only proves the script runs")
+    p.add_argument("--triton-launch", action="store_true",
+                   help="launch every canary kernel through Triton's kernel[grid] (no bound launchers)")
+    p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -138,8 +144,17 @@ def main() -> int:
 
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    bs, prefix, new = args.bs, args.prefix, args.new
-    ctx = prefix + new
+    bound = 0
+    if args.triton_launch:
+        import sys
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("kv_canary.kernels."):
+                for attr in vars(mod).values():
+                    if hasattr(attr, "_direct"):
+                        attr._direct, bound = False, bound + 1
+    bs, new = args.bs, args.new
+    ctx = args.system + args.turns * (new + args.out_tokens)
+    batches = max(1, args.conversations // bs)
     slots = bs * ctx + 1
     k = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(args.layers)]
     v = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(args.layers)]
@@ -165,27 +180,24 @@ def main() -> int:
     kernels = track(select_kernels(config.kernel_backend, device), tracker, tail_variant)
     kernels = dataclasses.replace(kernels, **{f.name: timing(f.name, getattr(kernels, f.name))
                                               for f in dataclasses.fields(kernels) if callable(getattr(kernels, f.name))})
-    caps = LaunchCapacities(max_batch_size=bs + 1, max_context_len=r2t.shape[1], max_tokens_per_forward=max(bs * new, prefix),
+    caps = LaunchCapacities(max_batch_size=bs + 1, max_context_len=r2t.shape[1], max_tokens_per_forward=max(bs * new, ctx),
                             verify_programs_target=2 * torch.cuda.get_device_properties(device).multi_processor_count
                             if on_gpu else 1)
     m = CanaryManager(config=config, groups=[group], kernels=kernels, req_to_token=r2t, capacities=caps,
                       batch_adapter=SglangBatchAdapter(max_batch_size=bs + 1, device=device), device=device,
                       variant_tracker=tracker)
     gen = torch.Generator().manual_seed(0)
-    shared = torch.randint(1, 30000, (args.shared,), generator=gen).tolist()
+    system = torch.randint(1, 150000, (args.system,), generator=gen).tolist()
+    convs = []
 
-    def prompts():  # half the batch behind one system prompt, the rest distinct
-        return [(shared if i % 2 == 0 else []) + torch.randint(1, 30000, (ctx - (args.shared if i % 2 == 0 else 0),),
-                                                               generator=gen).tolist() for i in range(bs)]
-
-    def write_prefixes(batch_prompts):  # each request's cached prefix: the records of its tokens' slots
-        for i, prompt in enumerate(batch_prompts):
+    def write_prefixes(prefixes):  # each request's cached prefix: the records of its tokens' slots
+        for i, tokens in enumerate(prefixes):
+            n = len(tokens)
             view = ForwardView(
-                input_ids=torch.tensor(prompt[:prefix], device=device), positions=torch.arange(prefix, device=device),
-                out_cache_loc=slot_of(i + 1, 0, prefix), req_pool_indices=torch.tensor([i + 1], device=device),
-                seq_lens=torch.tensor([prefix], device=device),
-                new_starts=torch.zeros(1, dtype=torch.int32, device=device),
-                new_lens=torch.tensor([prefix], dtype=torch.int32, device=device), batch_size=1, max_new_len=prefix)
+                input_ids=torch.tensor(tokens, device=device), positions=torch.arange(n, device=device),
+                out_cache_loc=slot_of(i + 1, 0, n), req_pool_indices=torch.tensor([i + 1], device=device),
+                seq_lens=torch.tensor([n], device=device), new_starts=torch.zeros(1, dtype=torch.int32, device=device),
+                new_lens=torch.tensor([n], dtype=torch.int32, device=device), batch_size=1, max_new_len=n)
             m.kernels.write(group, view, r2t, m.counters, m.ring, False, check_fed=False)
 
     m.mark_init_finished()
@@ -205,10 +217,18 @@ def main() -> int:
     phases = collections.defaultdict(list)
     launches_per_extend = []
     for it in range(args.iters + 5):
-        batch_prompts = prompts()
-        write_prefixes(batch_prompts)
-        reqs = [Req(f"it{it}-r{i}", i + 1, p_) for i, p_ in enumerate(batch_prompts)]
+        turn, b = divmod(it % (batches * args.turns), batches)
+        if turn == 0 and b == 0:  # new conversations behind the same system prompt
+            convs = [list(system) for _ in range(batches * bs)]
+        mine = convs[b * bs:(b + 1) * bs]
+        prefix = len(mine[0])
+        write_prefixes(mine)
+        for conv in mine:  # the turn's new tokens
+            conv += torch.randint(1, 150000, (new,), generator=gen).tolist()
+        reqs = [Req(f"it{it}-r{i}", i + 1, list(conv)) for i, conv in enumerate(mine)]
         fb = ExtendBatch(torch, reqs, prefix, new, slot_of, device)
+        for conv in mine:  # what the turn generates: the next turn's prefix
+            conv += torch.randint(1, 150000, (args.out_tokens,), generator=gen).tolist()
         new_rows = torch.randn(bs * new, 8, 128, device=device, dtype=torch.bfloat16)
         for c in timed_calls.values():
             c.clear() if it < 5 else None
@@ -246,7 +266,8 @@ def main() -> int:
     counters = m.last_counters or [0] * (fpc.C_VIOLATIONS + 1)
     result = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)",
-        "bs": bs, "prefix": prefix, "new": new, "layers": args.layers, "iters": args.iters,
+        "label": args.label, "bound_launchers_off": bound,
+        "bs": bs, "conversations": batches * bs, "turns": args.turns, "system": args.system, "new": new, "layers": args.layers, "iters": args.iters,
         "host_us_median": med,
         "canary_host_us_per_extend": round(sum(med.values()), 1),
         "kernel_fn_us_median": {n: round(statistics.median(xs), 1) for n, xs in timed_calls.items() if xs},

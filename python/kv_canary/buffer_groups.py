@@ -10,6 +10,8 @@ pool has no V half. Pool classes are registered by the adapter layer with a
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -91,6 +93,16 @@ class CanaryBufferGroup:
     @property
     def num_slots(self) -> int:
         return int(self.records.shape[0])
+
+    @functools.cached_property
+    def longest_source_words(self) -> int:
+        """Words of the longest hashed source (0: none); read on every launch's host path, computed once."""
+        return max((s.words for s in self.sources), default=0)
+
+    @functools.cached_property
+    def longest_row_words(self) -> int:
+        """Words of the longest whole row (0: none); read on every launch's host path, computed once."""
+        return max((r.words for r in self.rows), default=0)
 
     @property
     def hashed_word_count(self) -> int:

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..speculative import verify_table_entries
 from ..token_oracle import UNKNOWN
+from .launch import BoundKernel
 from .slot_checks import _chain_term
 
 ACCEPT_BLOCK = 16
@@ -54,7 +55,7 @@ def launch_record_accepted(*, staged: torch.Tensor, row_chain: torch.Tensor, sam
     if batch_size == 0:
         return
     verify_table_entries(staged, batch_size, n)  # the capacity check (host ints only)
-    record_accepted_kernel[(batch_size,)](staged, row_chain, sampled, req_pool_indices, committed, next_token_ids,
+    _record_accepted_kernel_bound[(batch_size,)](staged, row_chain, sampled, req_pool_indices, committed, next_token_ids,
                                           accept_lens, n, BLOCK=ACCEPT_BLOCK)
 
 
@@ -114,7 +115,12 @@ def launch_accepted_drafts(*, out, staged: torch.Tensor, req_to_token: torch.Ten
     """Same arguments and effect as ``speculative.build_accepted_drafts``; one launch of ``batch_size`` programs."""
     if batch_size == 0:
         return
-    accepted_drafts_kernel[(batch_size,)](
+    _accepted_drafts_kernel_bound[(batch_size,)](
         req_to_token, req_to_token.stride(0), rows, committed, kept_nodes, kept, n, fed_tokens, fed_positions,
         appended, out.ids, out.positions, out.out_cache_loc, out.seq_lens, out.new_starts, out.new_lens, out.bonus,
         staged, BLOCK=ACCEPT_BLOCK)
+
+
+# launched through their compiled launchers once Triton bound a variant (kernels/launch.py)
+_record_accepted_kernel_bound = BoundKernel(record_accepted_kernel)
+_accepted_drafts_kernel_bound = BoundKernel(accepted_drafts_kernel)

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import fingerprint as fp
+from .launch import BoundKernel, cdiv, next_power_of_2
 from .slot_checks import (  # noqa: F401 - read as Triton globals
     _C_FORWARD_INDEX, _C_REPORT_ENABLED, _C_SLOTS_FIRST_READ, _C_SLOTS_SCRUBBED, _HASH_SEED, _R_KV_HASH, _RW,
     _append_violations, _mix64, _translate,
@@ -274,7 +275,7 @@ def tiles(group, mode: int, run: int = 0):
 
     ``run``: a TAIL's longest new run; its SB is at most the run's next power of two (a decode TAIL, one
     new token per request, loads whole rows of one slot instead of masking all lanes but one)."""
-    longest = triton.next_power_of_2(max(1, max(r.words for r in group.rows)))
+    longest = next_power_of_2(max(1, group.longest_row_words))
     sb = max(SHAPE.slot_tile[mode], SHAPE.tile_elements // longest)
     if mode == TAIL:
         sb = min(sb, tail_tile(run))
@@ -287,7 +288,7 @@ TAIL_TILE_MAX = 1024  # the TAIL's SB cap stops growing here, where the write ke
 def tail_tile(max_new_len: int) -> int:
     """The TAIL's SB cap for a longest new run (a step function of it: one compiled variant per step, and
     one precompile launch with a run that long: in the interpreter a run of thousands of tokens costs minutes)."""
-    return min(TAIL_TILE_MAX, triton.next_power_of_2(max(1, max_new_len)))
+    return min(TAIL_TILE_MAX, next_power_of_2(max(1, max_new_len)))
 
 
 def _rows_per_program(mode: int, lanes: int) -> int:
@@ -331,15 +332,15 @@ def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
     if mode != TAIL:  # persistent slot-block programs, each looping over blocks
-        grid0 = min(SHAPE.persistent_programs[mode], triton.cdiv(max(1, lanes), sb))
+        grid0 = min(SHAPE.persistent_programs[mode], cdiv(max(1, lanes), sb))
     if fused is not None:
         grid0, rpp = SHAPE.fused_list_programs, num_rows
-    chunks = triton.cdiv(num_rows, rpp)
+    chunks = cdiv(num_rows, rpp)
     splits = 1
     if mode == TAIL:  # host-known: the batch size and the longest new run
-        splits = max(1, min(triton.cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
+        splits = max(1, min(cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
     ring, group_index = fused if fused is not None else (counters, 0)
-    row_hash_kernel[(grid0, chunks, splits)](
+    _row_hash_kernel_bound[(grid0, chunks, splits)](
         state.acc, group.full_base, table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
         ring, ring.shape[0],
@@ -350,10 +351,10 @@ def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_
 def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, lanes, per_forward, view):
     block = SHAPE.finalize_block
     if mode == TAIL:
-        grid = (view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))
+        grid = (view.batch_size, max(1, cdiv(view.max_new_len, block)))
     else:
-        grid = (min(SHAPE.finalize_programs, triton.cdiv(max(1, lanes), block)),)
-    row_finalize_kernel[grid](
+        grid = (min(SHAPE.finalize_programs, cdiv(max(1, lanes), block)),)
+    _row_finalize_kernel_bound[grid](
         state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], per_forward, state.tags,
         state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
         MODE=mode, TRANSLATE=group.slot_map is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=block,
@@ -384,3 +385,8 @@ def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, fi
     state = group.full_row
     _launch(group, state, LIST, counters, ring, group_index, lanes=int(state.work.shape[0]), rows=rows,
             finalize=finalize, fused=expect_empty)
+
+
+# launched through their compiled launchers once Triton bound a variant (kernels/launch.py)
+_row_hash_kernel_bound = BoundKernel(row_hash_kernel)
+_row_finalize_kernel_bound = BoundKernel(row_finalize_kernel)

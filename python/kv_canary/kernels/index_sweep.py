@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import fingerprint as fp
+from .launch import BoundKernel, cdiv, next_power_of_2
 from .slot_checks import _append_violations, _check_slots, _translate
 from .triton_kernels import _hash_args, _map_args, hash_word_tile
 
@@ -62,9 +63,13 @@ def index_sweep_kernel(
 
 def launch_index_sweep(group, index, counters, ring, group_index: int = 0) -> None:
     """index: ``CachedSlotIndex`` over engine slots (its pending changes already applied)."""
-    index_sweep_kernel[(triton.cdiv(index.num_slots, SWEEP_BLOCK),)](
+    _index_sweep_kernel_bound[(cdiv(index.num_slots, SWEEP_BLOCK),)](
         group.records, index.held, index.position, index.pred, index.token, index.num_slots,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, *_map_args(group),
         GROUP_BITS=group_index << fp.GROUP_SHIFT, WT=hash_word_tile(group), BLOCK=SWEEP_BLOCK,
         TRANSLATE=group.slot_map is not None,
     )
+
+
+# launched through their compiled launchers once Triton bound a variant (kernels/launch.py)
+_index_sweep_kernel_bound = BoundKernel(index_sweep_kernel)

@@ -21,6 +21,7 @@ from .slot_checks import (  # noqa: F401 - the kernels below read these as Trito
     _check_slots, _kv_hash, _live_hash, _source_tuple, _translate,
 )
 from .full_row import _list_first_reads
+from .launch import BoundKernel, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -297,7 +298,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
     HiCache load-back forward: every loaded layer has landed by then)."""
     staged, next_token, next_rows, sampled, pending, row_chain = _oracle_args(token_oracle, counters)
     del staged
-    verify_kernel[(view.batch_size, programs_per_req)](
+    _verify_kernel_bound[(view.batch_size, programs_per_req)](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens, view.new_lens,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots, programs_per_req,
         row_chain, next_token, next_rows, sampled, pending, *_map_args(group), group.window, *_first_read_args(group),
@@ -342,7 +343,7 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
     """check_fed: check the fed positions (and tokens, given a ``TokenOracle``); once per forward, as is
     ``token_oracle`` (it also announces each request's next sampled token and advances the row chains)."""
     block = block or write_block(view.max_new_len)
-    write_kernel[(view.batch_size, max(1, triton.cdiv(view.max_new_len, block)))](
+    _write_kernel_bound[(view.batch_size, max(1, cdiv(view.max_new_len, block)))](
         group.records, req_to_token, req_to_token.stride(0), view.req_pool_indices, view.seq_lens,
         view.new_lens, view.new_starts, view.input_ids, view.positions, view.out_cache_loc,
         *_hash_args(group), counters, ring, ring.shape[0], group.num_slots,
@@ -366,7 +367,7 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0) 
 
 def write_block(max_new_len: int) -> int:
     """Lanes per TAIL program: the next power of two of the longest new run, in [16, 1024]."""
-    return min(1024, max(16, triton.next_power_of_2(max(1, max_new_len))))
+    return min(1024, max(16, next_power_of_2(max(1, max_new_len))))
 
 
 def tail_variant(max_new_len: int):
@@ -380,8 +381,7 @@ HASH_WORD_TILE = 16  # most words of one row a kernel loads per step (whole-row 
 
 def hash_word_tile(group) -> int:
     """Words per hash tile: the next power of two of the longest hashed run, at most HASH_WORD_TILE."""
-    longest = max((s.words for s in group.sources), default=1)
-    return min(HASH_WORD_TILE, triton.next_power_of_2(max(1, longest)))
+    return min(HASH_WORD_TILE, next_power_of_2(max(1, group.longest_source_words)))
 
 
 FEW_SOURCES_MAX = 4  # most sources the straight-line hash unrolls (default partial hashing: 2, K and V)
@@ -394,7 +394,7 @@ def few_sources(group) -> int:
     ``--kv-canary-real-data all``, many layers, long runs). A function of the group: no extra variant."""
     n = len(group.sources)
     if 0 < n <= FEW_SOURCES_MAX and n * hash_word_tile(group) <= FEW_SOURCES_WORDS \
-            and max(s.words for s in group.sources) <= HASH_WORD_TILE:
+            and group.longest_source_words <= HASH_WORD_TILE:
         return n
     return 0
 
@@ -409,3 +409,8 @@ def _map_args(group):
     if group.slot_map is None:
         return [group.records, 0]
     return [group.slot_map, int(group.slot_map.shape[0])]
+
+
+# launched through their compiled launchers once Triton bound a variant (kernels/launch.py)
+_verify_kernel_bound = BoundKernel(verify_kernel)
+_write_kernel_bound = BoundKernel(write_kernel)

@@ -34,7 +34,7 @@ class VariantTracker:
         if self.sealed:
             self.after_startup[key] = self.after_startup.get(key, 0) + 1
             logger.warning("kv_canary_jit_after_startup=1 kernel=%s variant=%s", key[0],
-                           ",".join(str(x) for x in key[1:]))
+                           ",".join(str(x).replace("torch.", "") for x in key[1:]))
 
     def seal(self) -> None:
         self.sealed = True
@@ -56,7 +56,8 @@ def _spec(v: int) -> int:
 
 
 def _dtypes(view, *names) -> Tuple:
-    return tuple(str(getattr(view, n).dtype).replace("torch.", "") for n in names)
+    """The dtypes of ``view``'s named tensors (torch dtypes: hashable, and named only in the warning)."""
+    return tuple(getattr(view, n).dtype for n in names)
 
 
 def track(kernels, tracker: VariantTracker, write_block: Callable[[int], object]):

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import fingerprint as fp
+from .launch import BoundKernel, cdiv, next_power_of_2
 from .slot_checks import (  # noqa: F401 - read as Triton globals
     _C_CURRENT_FORWARD, _C_REPORT_ENABLED, _append_violations, _translate,
 )
@@ -46,7 +47,7 @@ WITNESS_ROWS_MAX = 128
 
 def witness_rows(group) -> int:
     """Rows per gather step of a group (a power of two, one compiled variant per group)."""
-    return min(WITNESS_ROWS_MAX, triton.next_power_of_2(max(1, len(group.rows))))
+    return min(WITNESS_ROWS_MAX, next_power_of_2(max(1, len(group.rows))))
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def check_kernel(out_cache_loc, loc_stride, positions, pos_stride, n_tokens, req
 
 
 def _grid(view):
-    return (max(1, triton.cdiv(view.store_lanes, WITNESS_BLOCK)),)
+    return (max(1, cdiv(view.store_lanes, WITNESS_BLOCK)),)
 
 
 def _map_args(group):
@@ -137,7 +138,7 @@ def _map_args(group):
 def launch_stamp(group, view, group_index: int = 0) -> None:
     """HEAD: stamp the rows of every slot of ``view.out_cache_loc`` (graph-safe: grid from its length)."""
     del group_index
-    stamp_kernel[_grid(view)](
+    _stamp_kernel_bound[_grid(view)](
         view.out_cache_loc, view.out_cache_loc.stride(0), view.store_lanes, group.full_base, group.full_table,
         len(group.rows), group.num_slots, *_map_args(group), group.witness_stamp,
         TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK, RT=witness_rows(group),
@@ -146,7 +147,7 @@ def launch_stamp(group, view, group_index: int = 0) -> None:
 
 def launch_check(group, view, counters, ring, group_index: int = 0) -> None:
     """TAIL: report every slot of ``view.out_cache_loc`` with a row its forward left unwritten."""
-    check_kernel[_grid(view)](
+    _check_kernel_bound[_grid(view)](
         view.out_cache_loc, view.out_cache_loc.stride(0), view.positions, view.positions.stride(0),
         view.store_lanes, view.req_pool_indices, view.seq_lens, view.new_starts, view.new_lens,
         min(view.batch_size, int(view.new_starts.shape[0]), int(view.new_lens.shape[0])),
@@ -155,3 +156,8 @@ def launch_check(group, view, counters, ring, group_index: int = 0) -> None:
         GROUP_BITS=group_index << fp.GROUP_SHIFT, TRANSLATE=group.slot_map is not None, BLOCK=WITNESS_BLOCK,
         RT=witness_rows(group),
     )
+
+
+# launched through their compiled launchers once Triton bound a variant (kernels/launch.py)
+_stamp_kernel_bound = BoundKernel(stamp_kernel)
+_check_kernel_bound = BoundKernel(check_kernel)

@@ -1,0 +1,85 @@
+"""``BoundKernel`` (kernels/launch.py): a bound launch runs exactly the variant Triton's own launch would.
+
+On a GPU host the compiled launcher is called directly once a variant is bound; every case compares the outputs with
+``kernel[grid]``'s and checks that a launch Triton would specialize differently (a misaligned tensor, an integer that
+becomes 1 or a multiple of 16, another constexpr, positional or keyword) gets its own variant. On CPU (the
+interpreter) every launch takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kv_canary.kernels.launch import BoundKernel  # noqa: E402
+
+
+@triton.jit
+def _scaled_copy(dst, src, n, scale, SHIFT: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr = 0):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(src + offs, mask=m, other=0)
+    tl.store(dst + offs, (x * scale << SHIFT) + ADD, mask=m)
+
+
+def _launch(kernel, dst, src, n, scale, shift, add=None):
+    kw = {} if add is None else {"ADD": add}
+    kernel[(triton.cdiv(max(n, 1), 64),)](dst, src, n, scale, shift, BLOCK=64, **kw)
+
+
+CASES = [  # (src offset, n, scale, SHIFT, ADD): each a variant Triton specializes apart from the one before
+    (0, 200, 3, 1, None),
+    (0, 100, 5, 1, None),   # same variant (n and scale: other values of one class)
+    (1, 100, 5, 1, None),   # src misaligned (8 bytes past a 16-byte boundary)
+    (0, 160, 5, 1, None),   # n a multiple of 16
+    (0, 100, 1, 1, None),   # scale 1
+    (0, 100, 5, 2, None),   # another positional constexpr
+    (0, 100, 5, 1, 7),      # a keyword constexpr given, not its default
+]
+
+
+def test_bound_launch_runs_the_variant_triton_would():
+    bound = BoundKernel(_scaled_copy)
+    src = torch.arange(1, 1001, dtype=torch.int64, device=DEVICE)
+    for offset, n, scale, shift, add in CASES:
+        s = src[offset:]
+        want = torch.zeros(1000, dtype=torch.int64, device=DEVICE)
+        got = torch.zeros_like(want)
+        _launch(_scaled_copy, want, s, n, scale, shift, add)
+        for _ in range(2):  # the first binds (or finds) the variant, the second runs it through the launcher
+            got.zero_()
+            _launch(bound, got, s, n, scale, shift, add)
+            assert torch.equal(got, want), (offset, n, scale, shift, add)
+    if DEVICE.type == "cuda":  # one variant per case but the second (the first's specialization)
+        assert bound._direct and len(bound._variants) == len(CASES) - 1
+    else:
+        assert not bound._direct and not bound._variants
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the compiled launcher needs a GPU (this runs on the GPU host)")
+def test_bound_launch_keys_integer_ranges_and_follows_the_current_stream():
+    bound = BoundKernel(_scaled_copy)
+    src = torch.arange(1, 65, dtype=torch.int64, device=DEVICE)
+    dst = torch.zeros_like(src)
+    # an n past int32 compiles an int64 variant of its own (the grid covers the buffer only: n masks nothing here)
+    bound[(1,)](dst, src, 64, 3, 0, BLOCK=64)
+    bound[(1,)](dst, src, (1 << 33) + 1, 3, 0, BLOCK=64)
+    assert len(bound._variants) == 2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the launch below must queue behind this on the side stream
+        dst.zero_()
+        bound[(1,)](dst, src, 64, 3, 0, BLOCK=64)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src * 3)
