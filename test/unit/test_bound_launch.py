@@ -83,3 +83,21 @@ def test_bound_launch_keys_integer_ranges_and_follows_the_current_stream():
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert torch.equal(dst, src * 3)
+
+
+def test_variant_key_tells_apart_what_triton_specializes_on():
+    """The key (CPU: no launch) is equal only where Triton's specialization is: a tensor's dtype and 16-byte
+    alignment, an integer's range and its == 1 / multiple-of-16 classes, bools and None by value, keywords by name and
+    value, positional constexprs by value; anything else is not keyed (Triton's own launch then)."""
+    from kv_canary.kernels.launch import _variant_key
+
+    buf = torch.zeros(64, dtype=torch.int64)
+    key = lambda *args, constexprs=(), **kw: _variant_key(args, kw, constexprs)  # noqa: E731
+    assert key(buf, 3, X=1) == key(torch.ones(8, dtype=torch.int64), 5, X=1)  # other values of one class
+    different = [key(buf[1:], 3, X=1), key(buf.to(torch.int32), 3, X=1), key(buf, 1, X=1), key(buf, 32, X=1),
+                 key(buf, 1 << 40, X=1), key(buf, 1 << 63, X=1), key(buf, 3, X=2), key(buf, 3, Y=1),
+                 key(buf, 3, None, X=1), key(buf, 3, True, X=1), key(buf, 3, 3.0, X=1)]
+    assert len({key(buf, 3, X=1), *different}) == len(different) + 1
+    assert key(buf, 3, 7, constexprs=(2,)) != key(buf, 3, 5, constexprs=(2,))  # a positional constexpr: by value
+    assert key(buf, 3, 7) == key(buf, 3, 5)
+    assert key(buf, "text") is None and key(buf, (1, 2)) is None

@@ -2,9 +2,9 @@
 
 ``kernel[grid](*args, **constexprs)`` binds every argument on every call (Triton's ``JITFunction.run``: the
 specialization of each argument, a cache key built from it and the options as a string, a check of the kernel's
-globals, the launch metadata), ~35 us of host time for a kernel of ~30 arguments on a GPU host's CPU and ~90 us
-for the canary's own kernels in an eager extend (``scripts/bench_extend_host.py``), on the scheduler thread. An
-eager extend launches ~8 of them, while its launch is the HiCache row's critical path (docs/hicache-results.md).
+globals, the launch metadata): 64-72 us a launch of the canary's ~40-argument kernels on an H200 host's CPU, 7 an
+eager extend, on the scheduler thread, while that launch is the HiCache row's critical path (docs/hicache-results.md
+7.12; ``scripts/bench_extend_host.py``). The compiled launcher called directly: ~8-14 us.
 
 ``BoundKernel`` keeps, per variant, what Triton compiled for it and calls its launcher directly. The variant key
 is a superset of what Triton specializes on: every keyword (constexprs and options such as ``num_warps``, by name),
