@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import statistics
 import time
+
+from bench_output import emit
 
 
 class _Mode:
@@ -279,11 +280,7 @@ def main() -> int:
         "stats": m.stats_line(),
         "launch_calibration": calibrate_launch(torch, triton, device) if on_gpu else {},
     }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

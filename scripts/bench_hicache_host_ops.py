@@ -33,10 +33,11 @@ in ``bench_hicache_overhead.py``'s profile.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
+
+from bench_output import emit
 
 
 def primitive_ops(torch, records, store, dev_idx, host_dev, cpu_ids, device) -> dict:
@@ -217,11 +218,7 @@ def main() -> int:
                        "batch_end": timed(batch_end),
                        "snapshot": timed(snapshot),
                        "sampled": timed(record_sampled)})
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ time of the canary kernels per step is in ``bench_kernels.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+
+from bench_output import emit
 
 
 class _Mode:
@@ -288,11 +289,7 @@ def main() -> int:
         "clean": int((m.last_counters or [0] * (fpc.C_VIOLATIONS + 1))[fpc.C_VIOLATIONS]) == 0
         and m.health_violations == health_before,
     }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

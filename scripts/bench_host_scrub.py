@@ -13,9 +13,10 @@ overhead on a GPU is a separate row).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
+
+from bench_output import emit
 
 
 def main() -> int:
@@ -56,11 +57,7 @@ def main() -> int:
               "core_share_at_1024_per_s": round(1024 * us_per_slot * 1e-6, 4),
               "core_share_at_8192_per_s": round(8192 * us_per_slot * 1e-6, 4),
               "found": len(scrub.drain()), "scrubbed": scrub.slots_scrubbed}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
