@@ -76,7 +76,8 @@ class TokenOracle:
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
         self._sampled_views: Dict[int, torch.Tensor] = {}
         # recent admission prefixes by length: len -> [(tokens, chain)], and all of them oldest first
-        self._chain_cache: Dict[int, List[Tuple[List[int], int]]] = {}
+        # by length, then by last token (a lookup finds the candidates of one length in one step)
+        self._chain_cache: Dict[int, Dict[int, List[Tuple[List[int], int]]]] = {}
         self._chain_order: "Deque[Tuple[List[int], int]]" = deque()
         self._cached_tokens = 0
 
@@ -175,33 +176,38 @@ class TokenOracle:
 
     def _longest_remembered(self, tokens: List[int], lengths: Sequence[int]) -> Tuple[int, int]:
         """(n, chain over tokens[:n]) of the longest remembered prefix of ``tokens`` ((0, CHAIN_ANCHOR): none).
-        ``lengths``: the remembered lengths, longest first. Three single-token checks skip most other prefixes
-        before the exact comparison."""
+        ``lengths``: the remembered lengths, longest first. The candidates of a length are those ending in the same
+        token; the first and middle tokens skip most look-alikes before the exact comparison."""
         size = len(tokens)
         for n in lengths:
             if n > size:
                 continue
-            first, mid, last = tokens[0], tokens[n // 2], tokens[n - 1]
-            for t, chain in self._chain_cache[n]:
-                if t[n - 1] == last and t[0] == first and t[n // 2] == mid \
-                        and (t == tokens if n == size else t == tokens[:n]):
+            candidates = self._chain_cache[n].get(tokens[n - 1])
+            if not candidates:
+                continue
+            first, mid = tokens[0], tokens[n // 2]
+            for t, chain in candidates:
+                if t[0] == first and t[n // 2] == mid and (t == tokens if n == size else t == tokens[:n]):
                     return n, chain
         return 0, CHAIN_ANCHOR
 
     def _remember_chain(self, tokens: List[int], chain: int) -> None:
         """Keep ``tokens``' chain (the oldest go past ``CHAIN_CACHE_TOKENS`` tokens or ``CHAIN_CACHE_ENTRIES``)."""
         entry = (tokens, chain)
-        self._chain_cache.setdefault(len(tokens), []).append(entry)
+        self._chain_cache.setdefault(len(tokens), {}).setdefault(tokens[-1], []).append(entry)
         self._chain_order.append(entry)
         self._cached_tokens += len(tokens)
         while len(self._chain_order) > 1 and (self._cached_tokens > CHAIN_CACHE_TOKENS
                                               or len(self._chain_order) > CHAIN_CACHE_ENTRIES):
-            old = self._chain_order.popleft()
-            n = len(old[0])
-            bucket = self._chain_cache[n]
-            del bucket[next(j for j, e in enumerate(bucket) if e is old)]
-            if not bucket:
-                del self._chain_cache[n]
+            old, _ = self._chain_order.popleft()
+            n = len(old)
+            by_last = self._chain_cache[n]
+            same = by_last[old[-1]]
+            same.pop(0)  # remembered in order, forgotten in order: the oldest of its list
+            if not same:
+                del by_last[old[-1]]
+                if not by_last:
+                    del self._chain_cache[n]
             self._cached_tokens -= n
 
     def init_row(self, row: int, prompt: Sequence[int], outputs: Sequence[int]) -> None:

@@ -511,7 +511,7 @@ def test_chain_cache_tells_prefixes_of_one_length_apart(monkeypatch):
         want = dict(zip((1, 2, 3, 4), fp.prefix_chains_np([a, b, c, d])))
         assert {r: int(oracle.row_chain[r]) for r in (1, 2, 3, 4)} == want
         assert len(oracle._chain_order) == 2 and oracle._cached_tokens == 10
-        assert sum(len(v) for v in oracle._chain_cache.values()) == 2
+        assert sum(len(same) for by_last in oracle._chain_cache.values() for same in by_last.values()) == 2
 
 
 def test_admission_chains_extend_the_longest_remembered_prefix():
