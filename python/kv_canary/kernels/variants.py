@@ -47,7 +47,7 @@ class VariantTracker:
 
 
 def _group_key(group) -> Tuple:
-    return (group.name, len(group.sources), max((src.words for src in group.sources), default=0))
+    return (group.name, len(group.sources), group.longest_source_words)
 
 
 def _spec(v: int) -> int:
