@@ -11,7 +11,6 @@ pool has no V half. Pool classes are registered by the adapter layer with a
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 

@@ -50,7 +50,7 @@ FedRequest = Tuple[int, Hashable, int, int, Record]
 
 UNKNOWN = -1  # a staged token the host's record does not have (yet)
 CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
-CHAIN_CACHE_ENTRIES = 128  # and at most this many prefixes (a lookup may check each: three tokens, then a compare)
+CHAIN_CACHE_ENTRIES = 128  # and at most this many prefixes
 
 
 class TokenOracle:
@@ -75,8 +75,8 @@ class TokenOracle:
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
         self._sampled_views: Dict[int, torch.Tensor] = {}
-        # recent admission prefixes by length: len -> [(tokens, chain)], and all of them oldest first
-        # by length, then by last token (a lookup finds the candidates of one length in one step)
+        # recent admission prefixes by length, then by last token: len -> last token -> [(tokens, chain)] (a lookup
+        # finds the candidates of one length in one step), and all of them oldest first
         self._chain_cache: Dict[int, Dict[int, List[Tuple[List[int], int]]]] = {}
         self._chain_order: "Deque[Tuple[List[int], int]]" = deque()
         self._cached_tokens = 0

@@ -55,8 +55,8 @@ def launch_record_accepted(*, staged: torch.Tensor, row_chain: torch.Tensor, sam
     if batch_size == 0:
         return
     verify_table_entries(staged, batch_size, n)  # the capacity check (host ints only)
-    _record_accepted_kernel_bound[(batch_size,)](staged, row_chain, sampled, req_pool_indices, committed, next_token_ids,
-                                          accept_lens, n, BLOCK=ACCEPT_BLOCK)
+    _record_accepted_kernel_bound[(batch_size,)](staged, row_chain, sampled, req_pool_indices, committed,
+                                                 next_token_ids, accept_lens, n, BLOCK=ACCEPT_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import fingerprint as fp
-from .launch import BoundKernel, cdiv, next_power_of_2
+from .launch import BoundKernel, cdiv
 from .slot_checks import _append_violations, _check_slots, _translate
 from .triton_kernels import _hash_args, _map_args, hash_word_tile
 
