@@ -146,12 +146,15 @@ def main() -> int:
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     bound = 0
-    if args.triton_launch:
+    if args.triton_launch:  # every bound kernel of the canary's kernel modules (all imported by now)
         import sys
+
+        from kv_canary.kernels import accept, index_sweep, witness  # noqa: F401 - imported later by select_kernels
+        from kv_canary.kernels.launch import BoundKernel
         for name, mod in list(sys.modules.items()):
             if name.startswith("kv_canary.kernels."):
                 for attr in vars(mod).values():
-                    if hasattr(attr, "_direct"):
+                    if isinstance(attr, BoundKernel):
                         attr._direct, bound = False, bound + 1
     bs, new = args.bs, args.new
     ctx = args.system + args.turns * (new + args.out_tokens)
@@ -180,8 +183,10 @@ def main() -> int:
 
     kernels = track(select_kernels(config.kernel_backend, device), tracker, tail_variant)
     kernels = dataclasses.replace(kernels, **{f.name: timing(f.name, getattr(kernels, f.name))
-                                              for f in dataclasses.fields(kernels) if callable(getattr(kernels, f.name))})
-    caps = LaunchCapacities(max_batch_size=bs + 1, max_context_len=r2t.shape[1], max_tokens_per_forward=max(bs * new, ctx),
+                                              for f in dataclasses.fields(kernels)
+                                              if callable(getattr(kernels, f.name))})
+    caps = LaunchCapacities(max_batch_size=bs + 1, max_context_len=r2t.shape[1],
+                            max_tokens_per_forward=max(bs * new, ctx),
                             verify_programs_target=2 * torch.cuda.get_device_properties(device).multi_processor_count
                             if on_gpu else 1)
     m = CanaryManager(config=config, groups=[group], kernels=kernels, req_to_token=r2t, capacities=caps,
@@ -231,8 +236,9 @@ def main() -> int:
         for conv in mine:  # what the turn generates: the next turn's prefix
             conv += torch.randint(1, 150000, (args.out_tokens,), generator=gen).tolist()
         new_rows = torch.randn(bs * new, 8, 128, device=device, dtype=torch.bfloat16)
-        for c in timed_calls.values():
-            c.clear() if it < 5 else None
+        if it < 5:  # warmup iterations: not timed
+            for c in timed_calls.values():
+                c.clear()
         sync()
         triton.runtime.jit.JITFunction.run = timed_run
         n0 = run_time["n"]
@@ -255,9 +261,9 @@ def main() -> int:
         triton.runtime.jit.JITFunction.run = jit_run
         launches_per_extend.append(run_time["n"] - n0)
         if it >= 5:
-            for name, a, b in (("outside_pre", 0, 1), ("head", 1, 2), ("tail", 3, 4), ("outside_post", 4, 5),
-                               ("sample", 5, 6)):
-                phases[name].append((t[b] - t[a]) * 1e6)
+            for name, start, end in (("outside_pre", 0, 1), ("head", 1, 2), ("tail", 3, 4), ("outside_post", 4, 5),
+                                     ("sample", 5, 6)):
+                phases[name].append((t[end] - t[start]) * 1e6)
         else:
             run_time.update(us=0.0, n=0)
         m.poll(drain=True)
@@ -268,7 +274,8 @@ def main() -> int:
     result = {
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu (interpreter: meaningless)",
         "label": args.label, "bound_launchers_off": bound,
-        "bs": bs, "conversations": batches * bs, "turns": args.turns, "system": args.system, "new": new, "layers": args.layers, "iters": args.iters,
+        "bs": bs, "conversations": batches * bs, "turns": args.turns, "system": args.system, "new": new,
+        "layers": args.layers, "iters": args.iters,
         "host_us_median": med,
         "canary_host_us_per_extend": round(sum(med.values()), 1),
         "kernel_fn_us_median": {n: round(statistics.median(xs), 1) for n, xs in timed_calls.items() if xs},
