@@ -7,7 +7,9 @@ HiCache row's settings (``CanaryConfig.build(hicache=True)``, the variant tracke
 kernels) on a synthetic pool (``--layers`` layers of [slots, 8, 128] bf16 K and V), then times, per extend of
 ``--bs`` requests of the HiCache row's multi-turn workload (``--conversations`` conversations behind one
 ``--system``-token system prompt, ``--turns`` turns of ``--new`` new tokens then ``--out-tokens`` generated ones;
-every turn's cached prefix is the conversation so far, each request a new admission):
+every turn's cached prefix is the conversation so far, each request a new admission; ``--workload row``: the
+HiCache row's exact shape instead, each conversation its own fresh system prompt, a turn's prompt the system prompt
+and the turns so far without the generated tokens, turn 0 uncached):
 
 * ``outside_pre``: the outside bracket's entry (the token oracle's staging and admission chains);
 * ``head``: plan + HEAD (``pre_ops_maybe_inside_graph``); ``tail``: TAIL (``post_ops_maybe_inside_graph``);
@@ -120,6 +122,8 @@ def main() -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--out-tokens", type=int, default=32)
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--workload", default="shared", choices=["shared", "row"],
+                   help="shared: one system prompt, outputs in the next prefix; row: bench_hicache_overhead's prompts")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only proves the script runs")
     p.add_argument("--triton-launch", action="store_true",
                    help="launch every canary kernel through Triton's kernel[grid] (no bound launchers)")
@@ -158,6 +162,7 @@ def main() -> int:
                         attr._direct, bound = False, bound + 1
     bs, new = args.bs, args.new
     ctx = args.system + args.turns * (new + args.out_tokens)
+    row_mode = args.workload == "row"
     batches = max(1, args.conversations // bs)
     slots = bs * ctx + 1
     k = [torch.randn(slots, 8, 128, device=device, dtype=torch.bfloat16) for _ in range(args.layers)]
@@ -186,7 +191,7 @@ def main() -> int:
                                               for f in dataclasses.fields(kernels)
                                               if callable(getattr(kernels, f.name))})
     caps = LaunchCapacities(max_batch_size=bs + 1, max_context_len=r2t.shape[1],
-                            max_tokens_per_forward=max(bs * new, ctx),
+                            max_tokens_per_forward=max(bs * new, ctx, bs * (args.system + new) if row_mode else 0),
                             verify_programs_target=2 * torch.cuda.get_device_properties(device).multi_processor_count
                             if on_gpu else 1)
     m = CanaryManager(config=config, groups=[group], kernels=kernels, req_to_token=r2t, capacities=caps,
@@ -221,21 +226,26 @@ def main() -> int:
             run_time["n"] += 1
 
     phases = collections.defaultdict(list)
+    by_turn = collections.defaultdict(list)  # turn -> the canary's host us of each extend (all phases)
     launches_per_extend = []
     for it in range(args.iters + 5):
         turn, b = divmod(it % (batches * args.turns), batches)
-        if turn == 0 and b == 0:  # new conversations behind the same system prompt
-            convs = [list(system) for _ in range(batches * bs)]
+        if turn == 0 and b == 0:  # new conversations: behind one system prompt, or (row) each behind its own
+            convs = [torch.randint(1, 150000, (args.system,), generator=gen).tolist() if row_mode else list(system)
+                     for _ in range(batches * bs)]
         mine = convs[b * bs:(b + 1) * bs]
-        prefix = len(mine[0])
-        write_prefixes(mine)
+        prefix = 0 if row_mode and turn == 0 else len(mine[0])
+        if prefix:
+            write_prefixes(mine)
         for conv in mine:  # the turn's new tokens
             conv += torch.randint(1, 150000, (new,), generator=gen).tolist()
+        fed = len(mine[0]) - prefix
         reqs = [Req(f"it{it}-r{i}", i + 1, list(conv)) for i, conv in enumerate(mine)]
-        fb = ExtendBatch(torch, reqs, prefix, new, slot_of, device)
-        for conv in mine:  # what the turn generates: the next turn's prefix
-            conv += torch.randint(1, 150000, (args.out_tokens,), generator=gen).tolist()
-        new_rows = torch.randn(bs * new, 8, 128, device=device, dtype=torch.bfloat16)
+        fb = ExtendBatch(torch, reqs, prefix, fed, slot_of, device)
+        if not row_mode:  # what the turn generates: the next turn's prefix (row: the next prompt leaves it out)
+            for conv in mine:
+                conv += torch.randint(1, 150000, (args.out_tokens,), generator=gen).tolist()
+        new_rows = torch.randn(bs * fed, 8, 128, device=device, dtype=torch.bfloat16)
         if it < 5:  # warmup iterations: not timed
             for c in timed_calls.values():
                 c.clear()
@@ -264,6 +274,7 @@ def main() -> int:
             for name, start, end in (("outside_pre", 0, 1), ("head", 1, 2), ("tail", 3, 4), ("outside_post", 4, 5),
                                      ("sample", 5, 6)):
                 phases[name].append((t[end] - t[start]) * 1e6)
+            by_turn[turn].append((t[6] - t[0] - (t[3] - t[2])) * 1e6)  # less the untimed K/V stores
         else:
             run_time.update(us=0.0, n=0)
         m.poll(drain=True)
@@ -278,6 +289,8 @@ def main() -> int:
         "layers": args.layers, "iters": args.iters,
         "host_us_median": med,
         "canary_host_us_per_extend": round(sum(med.values()), 1),
+        "workload": args.workload,
+        "canary_host_us_per_extend_by_turn": {t: round(statistics.median(xs), 1) for t, xs in sorted(by_turn.items())},
         "kernel_fn_us_median": {n: round(statistics.median(xs), 1) for n, xs in timed_calls.items() if xs},
         "kernel_fn_calls_per_extend": {n: round(len(xs) / args.iters, 2) for n, xs in timed_calls.items() if xs},
         "triton_launches_per_extend": statistics.median(launches_per_extend),

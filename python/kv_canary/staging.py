@@ -19,7 +19,9 @@ class PinnedDoubleBuffer:
         self.is_cuda = device.type == "cuda"
         self._bufs = [torch.zeros(tuple(shape), dtype=dtype, pin_memory=self.is_cuda) for _ in range(2)]
         self._arrs = [b.numpy() for b in self._bufs]
-        self._events: List[Optional[object]] = [None, None]
+        # one event per buffer, made once (a new event a use cost the oracle's staging ~10x its record)
+        self._events: List[Optional[object]] = [torch.cuda.Event(), torch.cuda.Event()] if self.is_cuda else [None, None]
+        self._recorded = [False, False]  # copies were issued from the buffer since its last take
         self._cur = 0
 
     @property
@@ -30,15 +32,13 @@ class PinnedDoubleBuffer:
     def take(self) -> Tuple[torch.Tensor, np.ndarray]:
         """The next buffer and its numpy view (waiting only for the copies issued from it two uses ago)."""
         self._cur ^= 1
-        event = self._events[self._cur]
-        if event is not None:
-            event.synchronize()
-            self._events[self._cur] = None
+        if self._recorded[self._cur]:
+            self._events[self._cur].synchronize()
+            self._recorded[self._cur] = False
         return self._bufs[self._cur], self._arrs[self._cur]
 
     def done(self) -> None:
         """Mark the copies issued from the current buffer (an event on the current stream)."""
         if self.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[self._cur] = event
+            self._events[self._cur].record()
+            self._recorded[self._cur] = True

@@ -51,6 +51,7 @@ FedRequest = Tuple[int, Hashable, int, int, Record]
 UNKNOWN = -1  # a staged token the host's record does not have (yet)
 CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
 CHAIN_CACHE_ENTRIES = 128  # and at most this many prefixes
+FED_REMEMBER_MIN_TOKENS = 256  # an extend feeding fewer is not remembered (an admission's miss on them costs < ~10 us)
 
 
 class TokenOracle:
@@ -80,6 +81,9 @@ class TokenOracle:
         self._chain_cache: Dict[int, Dict[int, List[Tuple[List[int], int]]]] = {}
         self._chain_order: "Deque[Tuple[List[int], int]]" = deque()
         self._cached_tokens = 0
+        # extends whose fed tokens' chain ``remember_fed`` computes after the forward's launch: (record, prefix, fed
+        # tokens int64[n] (a copy of the staged ones), the chain over positions [0, prefix))
+        self._fed_pending: List[Tuple[Record, int, np.ndarray, int]] = []
 
     @property
     def memory_bytes(self) -> int:
@@ -99,6 +103,7 @@ class TokenOracle:
         self._chain_cache.clear()
         self._chain_order.clear()
         self._cached_tokens = 0
+        self._fed_pending.clear()
 
     # ------------------------------------------------------------------ host side, before a forward
 
@@ -118,31 +123,61 @@ class TokenOracle:
                 f"token oracle holds {self.max_tokens_per_forward} tokens / {self.max_batch_size} requests per forward "
                 "(sized at startup from --max-prefill-tokens, the context length and --max-running-requests)"
             )
+        if self._fed_pending:  # the last forward's post-ops did not run
+            self.remember_fed()
         buf, arr = self._staging.take()
         at = 0
         admit_rows: List[int] = []
         admit_prefixes: List[Sequence[int]] = []
+        fed: List[Tuple[Record, int, np.ndarray, int]] = []  # the last element: admission index, or -1 (anchor)
         for row, key, prefix, n, record in requests:
             prompt, outputs = record()
-            _fill(arr, at, prompt, outputs, prefix, n + 1)
-            at += n + 1
-            if self._row_owner.get(row) != key:  # a new request in this row: its cached prefix's chain
+            known = _fill(arr, at, prompt, outputs, prefix, n + 1)
+            admitted = self._row_owner.get(row) != key
+            if admitted:  # a new request in this row: its cached prefix's chain
                 self._row_owner[row] = key
                 if prefix > 0:
                     admit_rows.append(row)
                     admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
+            if admitted and known >= n >= FED_REMEMBER_MIN_TOKENS:  # the chain before its fed tokens is known
+                fed.append((record, prefix, arr[at:at + n].copy(), len(admit_rows) - 1 if prefix > 0 else -1))
+            at += n + 1
         cuda = self._staging.is_cuda
         self.staged[:at].copy_(buf[:at], non_blocking=cuda)
         a = len(admit_rows)
+        chains: List[int] = []
         if a:
             base = self._admit_at
+            chains = self._prefix_chains(admit_prefixes)
             arr[base:base + a] = admit_rows
-            arr[base + a:base + 2 * a] = self._prefix_chains(admit_prefixes)
+            arr[base + a:base + 2 * a] = chains
             dev = self.staged[base:base + 2 * a]
             dev.copy_(buf[base:base + 2 * a], non_blocking=cuda)
             self.row_chain.index_copy_(0, dev[:a], dev[a:])
         self._staging.done()
+        self._fed_pending.extend((record, prefix, tokens, CHAIN_ANCHOR if k < 0 else chains[k])
+                                 for record, prefix, tokens, k in fed)
         return a
+
+    def remember_fed(self) -> None:
+        """After an extend's launch (outside post-ops): remember the chain over each newly admitted request's cached
+        prefix and fed tokens, [0, prefix + fed), computed from the staged tokens (no list conversion). A multi-turn
+        request's next turn has this turn's prompt as its cached prefix: its admission then finds it remembered
+        instead of converting and hashing it before that forward (``_prefix_chains``); here the host work runs
+        while the device computes the forward that was just launched."""
+        pending, self._fed_pending = self._fed_pending, []
+        if not pending:
+            return
+        chains = prefix_chains_np([t for _, _, t, _ in pending], starts=[p for _, p, _, _ in pending],
+                                  bases=[b for _, _, _, b in pending])
+        for (record, prefix, fed, _), chain in zip(pending, chains):
+            prompt, outputs = record()
+            tokens = _slice(prompt, outputs, 0, prefix + len(fed))
+            tokens = tokens if isinstance(tokens, list) else list(tokens)
+            n = len(tokens)
+            if self._longest_remembered(tokens, (n,) if n in self._chain_cache else ())[0] != n:
+                # not remembered yet (a batch may feed one prompt twice)
+                self._remember_chain(tokens, chain)
 
     def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:
         """``prefix_chains_np``, extending remembered prefixes: a multi-turn request's cached prefix is the previous
@@ -271,10 +306,12 @@ def _slice(prompt: Sequence[int], outputs: Sequence[int], a: int, b: int) -> Seq
     return list(prompt[a:]) + list(outputs[:b - p])
 
 
-def _fill(arr: np.ndarray, at: int, prompt: Sequence[int], outputs: Sequence[int], start: int, count: int) -> None:
-    """arr[at:at + count] = tokens [start, start + count) of prompt + outputs, UNKNOWN past their end."""
+def _fill(arr: np.ndarray, at: int, prompt: Sequence[int], outputs: Sequence[int], start: int, count: int) -> int:
+    """arr[at:at + count] = tokens [start, start + count) of prompt + outputs, UNKNOWN past their end; returns how
+    many are known."""
     known = max(0, min(count, len(prompt) + len(outputs) - start))
     if known:
         arr[at:at + known] = np.asarray(_slice(prompt, outputs, start, start + known), dtype=np.int64)
     if known < count:
         arr[at + known:at + count] = UNKNOWN
+    return known

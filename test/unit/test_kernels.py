@@ -538,6 +538,51 @@ def test_admission_chains_extend_the_longest_remembered_prefix():
         == fp.prefix_chains_np([prefixes[1]])
 
 
+def test_fed_prompts_are_remembered_for_the_next_turns_admission(monkeypatch):
+    """After an admitted request's extend, ``remember_fed`` keeps the chain over its cached prefix and fed tokens: the
+    next turn, whose cached prefix is this turn's prompt, is admitted without hashing it (only what follows), with
+    the exact chain; a short extend or one whose tokens the record lacks is not remembered."""
+    from kv_canary import token_oracle
+
+    hashed = []
+    real = token_oracle.prefix_chains_np
+
+    def counting(prefixes, starts=None, bases=None):
+        hashed.append(sum(len(p) for p in prefixes))
+        return real(prefixes, starts=starts, bases=bases)
+
+    monkeypatch.setattr(token_oracle, "prefix_chains_np", counting)
+    g = torch.Generator().manual_seed(3)
+    draw = lambda n: torch.randint(1, 150000, (n,), generator=g).tolist()  # noqa: E731
+    oracle = TokenOracle(rows=8, max_batch_size=4, max_tokens_per_forward=2048, device=DEVICE)
+    turn0 = [draw(300), draw(400)]
+    assert oracle.stage([(1, "a0", 0, 300, lambda: (turn0[0], [])), (2, "b0", 0, 400, lambda: (turn0[1], []))]) == 0
+    oracle.remember_fed()
+    assert hashed == [700]  # the two prompts, from the staged tokens, after the launch
+    turn1 = [turn0[0] + draw(260), turn0[1] + draw(10)]
+    hashed.clear()
+    assert oracle.stage([(3, "a1", 300, 260, lambda: (turn1[0], [7])), (4, "b1", 400, 10, lambda: (turn1[1], []))]) == 2
+    assert hashed == []  # both cached prefixes were remembered: nothing hashed before the forward
+    assert [int(oracle.row_chain[r]) for r in (3, 4)] == real(turn0)
+    oracle.remember_fed()  # a1 (260 fed after a remembered prefix) is remembered, b1 (10 fed) is not
+    assert hashed == [260]
+    turn2 = [turn1[0] + [7] + draw(5), turn1[1] + draw(3)]
+    hashed.clear()
+    assert oracle.stage([(5, "a2", 560, 6, lambda: (turn2[0], [])), (6, "b2", 410, 3, lambda: (turn2[1], []))]) == 2
+    assert hashed == [10]  # b2's 10 tokens after its remembered 400; a2's 560 remembered whole
+    assert [int(oracle.row_chain[r]) for r in (5, 6)] == real([turn1[0], turn1[1]])
+    # a request whose record does not hold its fed tokens yet is not remembered
+    oracle.stage([(7, "c0", 0, 300, lambda: (draw(299), []))])
+    oracle.remember_fed()
+    assert len(oracle._chain_order) == 4  # turn0's two prompts, a1's prompt, b2's admitted prefix
+    # a pending remember whose post-ops never ran is done by the next stage
+    hashed.clear()
+    again = draw(256)
+    oracle.stage([(1, "d0", 0, 256, lambda: (again, []))])
+    oracle.stage([(2, "e0", 256, 1, lambda: (again + [1], []))])
+    assert hashed == [256] and int(oracle.row_chain[2]) == real([again])[0]
+
+
 def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 2**31 - 1, (3000,), generator=g)

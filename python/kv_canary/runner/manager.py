@@ -16,8 +16,9 @@ and the patched ``model.forward`` (``api._with_canary_bracketing``) does::
 So a forward is: outside pre-ops (bracket checks, token-oracle admissions,
 perturbation) -> plan -> HEAD (verify every read slot; the scrub's window; stamp
 the slots to fill) -> forward -> TAIL (fingerprint the new slots; check the
-positions and tokens the model was fed) -> outside post-ops (count the forward,
-queue the async counter copy, read copies a few forwards old, log/raise
+positions and tokens the model was fed) -> outside post-ops (the token oracle
+remembers the new admissions' fed prompts' chains for their next turns, count the
+forward, queue the async counter copy, read copies a few forwards old, log/raise
 violations, stats). Where the model's last stage is known (sglang's logits
 processor: ``anchored``), the TAIL runs from a pre-hook there, on a side stream
 beside the LM head, and HEAD's verify moves in front of it (the forward writes
@@ -353,6 +354,8 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
             return
+        if self.token_oracle is not None:  # while the device runs the forward just launched
+            self.token_oracle.remember_fed()
         if self.host_records is not None:
             self._check_load_consumed()
         if self.perturb.active:
