@@ -51,7 +51,9 @@ FedRequest = Tuple[int, Hashable, int, int, Record]
 UNKNOWN = -1  # a staged token the host's record does not have (yet)
 CHAIN_CACHE_TOKENS = 1 << 20  # tokens of recent admission prefixes whose chains are remembered (host memory)
 CHAIN_CACHE_ENTRIES = 128  # and at most this many prefixes
-FED_REMEMBER_MIN_TOKENS = 256  # an extend feeding fewer is not remembered (an admission's miss on them costs < ~10 us)
+# an admission feeding fewer tokens is not remembered after its extend: remembered, they would save the next turn's
+# admission < ~1 us of hashing (~30 ns a token), less than the entry's bookkeeping
+FED_REMEMBER_MIN_TOKENS = 32
 
 
 class TokenOracle:
@@ -81,9 +83,12 @@ class TokenOracle:
         self._chain_cache: Dict[int, Dict[int, List[Tuple[List[int], int]]]] = {}
         self._chain_order: "Deque[Tuple[List[int], int]]" = deque()
         self._cached_tokens = 0
-        # extends whose fed tokens' chain ``remember_fed`` computes after the forward's launch: (record, prefix, fed
-        # tokens int64[n] (a copy of the staged ones), the chain over positions [0, prefix))
-        self._fed_pending: List[Tuple[Record, int, np.ndarray, int]] = []
+        # extends whose fed tokens' chain ``remember_fed`` computes after the forward's launch: (row, admission key,
+        # record, prefix, fed tokens int64[n] (a copy of the staged ones), the chain over positions [0, prefix))
+        self._fed_pending: List[Tuple[int, Hashable, Record, int, np.ndarray, int]] = []
+        # row -> (admission key, positions, chain over them) of its request's last remembered extend: the base of
+        # its next chunk (a chunked prefill's prompt is remembered whole)
+        self._row_fed: Dict[int, Tuple[Hashable, int, int]] = {}
 
     @property
     def memory_bytes(self) -> int:
@@ -104,6 +109,7 @@ class TokenOracle:
         self._chain_order.clear()
         self._cached_tokens = 0
         self._fed_pending.clear()
+        self._row_fed.clear()
 
     # ------------------------------------------------------------------ host side, before a forward
 
@@ -129,7 +135,7 @@ class TokenOracle:
         at = 0
         admit_rows: List[int] = []
         admit_prefixes: List[Sequence[int]] = []
-        fed: List[Tuple[Record, int, np.ndarray, int]] = []  # the last element: admission index, or -1 (anchor)
+        fed: List[Tuple[int, Hashable, Record, int, np.ndarray, int, int]] = []  # ..., admission index or -1, base
         for row, key, prefix, n, record in requests:
             prompt, outputs = record()
             known = _fill(arr, at, prompt, outputs, prefix, n + 1)
@@ -139,8 +145,14 @@ class TokenOracle:
                 if prefix > 0:
                     admit_rows.append(row)
                     admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
-            if admitted and known >= n >= FED_REMEMBER_MIN_TOKENS:  # the chain before its fed tokens is known
-                fed.append((record, prefix, arr[at:at + n].copy(), len(admit_rows) - 1 if prefix > 0 else -1))
+            if known >= n >= FED_REMEMBER_MIN_TOKENS:  # remembered if the chain before its fed tokens is known
+                if admitted:  # the anchor, or its admission chain
+                    fed.append((row, key, record, prefix, arr[at:at + n].copy(), len(admit_rows) - 1 if prefix else -1,
+                                CHAIN_ANCHOR))
+                else:  # a continuation chunk after a remembered one
+                    last = self._row_fed.get(row)
+                    if last is not None and last[0] == key and last[1] == prefix:
+                        fed.append((row, key, record, prefix, arr[at:at + n].copy(), -1, last[2]))
             at += n + 1
         cuda = self._staging.is_cuda
         self.staged[:at].copy_(buf[:at], non_blocking=cuda)
@@ -155,22 +167,24 @@ class TokenOracle:
             dev.copy_(buf[base:base + 2 * a], non_blocking=cuda)
             self.row_chain.index_copy_(0, dev[:a], dev[a:])
         self._staging.done()
-        self._fed_pending.extend((record, prefix, tokens, CHAIN_ANCHOR if k < 0 else chains[k])
-                                 for record, prefix, tokens, k in fed)
+        self._fed_pending.extend((row, key, record, prefix, tokens, chains[k] if k >= 0 else before)
+                                 for row, key, record, prefix, tokens, k, before in fed)
         return a
 
     def remember_fed(self) -> None:
         """After an extend's launch (outside post-ops): remember the chain over each newly admitted request's cached
-        prefix and fed tokens, [0, prefix + fed), computed from the staged tokens (no list conversion). A multi-turn
+        prefix and fed tokens, [0, prefix + fed), computed from the staged tokens (no list conversion); a chunked
+        prefill's next chunk extends it, so its whole prompt is remembered. A multi-turn
         request's next turn has this turn's prompt as its cached prefix: its admission then finds it remembered
         instead of converting and hashing it before that forward (``_prefix_chains``); here the host work runs
         while the device computes the forward that was just launched."""
         pending, self._fed_pending = self._fed_pending, []
         if not pending:
             return
-        chains = prefix_chains_np([t for _, _, t, _ in pending], starts=[p for _, p, _, _ in pending],
-                                  bases=[b for _, _, _, b in pending])
-        for (record, prefix, fed, _), chain in zip(pending, chains):
+        chains = prefix_chains_np([p[4] for p in pending], starts=[p[3] for p in pending],
+                                  bases=[p[5] for p in pending])
+        for (row, key, record, prefix, fed, _), chain in zip(pending, chains):
+            self._row_fed[row] = (key, prefix + len(fed), chain)
             prompt, outputs = record()
             tokens = _slice(prompt, outputs, 0, prefix + len(fed))
             tokens = tokens if isinstance(tokens, list) else list(tokens)

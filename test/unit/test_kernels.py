@@ -581,6 +581,20 @@ def test_fed_prompts_are_remembered_for_the_next_turns_admission(monkeypatch):
     oracle.stage([(1, "d0", 0, 256, lambda: (again, []))])
     oracle.stage([(2, "e0", 256, 1, lambda: (again + [1], []))])
     assert hashed == [256] and int(oracle.row_chain[2]) == real([again])[0]
+    # a chunked prefill: each chunk extends the last one's remembered chain, the whole prompt is remembered
+    long = draw(500)
+    oracle.stage([(3, "f0", 0, 300, lambda: (long, []))])
+    oracle.remember_fed()
+    oracle.stage([(3, "f0", 300, 200, lambda: (long, []))])
+    oracle.remember_fed()
+    hashed.clear()
+    assert oracle.stage([(4, "f1", 500, 4, lambda: (long + draw(4), []))]) == 1
+    assert hashed == [] and int(oracle.row_chain[4]) == real([long])[0]
+    # a continuation after an unremembered chunk (another request's chain in the row) is not remembered
+    other = draw(310)
+    oracle.stage([(3, "g0", 0, 10, lambda: (other, []))])
+    oracle.stage([(3, "g0", 10, 300, lambda: (other, []))])
+    assert oracle._fed_pending == []
 
 
 def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
