@@ -104,12 +104,15 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     env = {**plan["env"], **canary_env}
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
-    if args.sample_stacks or args.host_timers:  # every process samples its main thread (scripts/stack_sampler)
+    if args.sample_stacks or args.host_timers or args.sync_debug:  # every process samples its main thread
+        # (scripts/stack_sampler)
         if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
             env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"
         result["stacks_dir"] = str(log_dir / f"stacks-{label.replace('#', '')}")
         env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
         env["KVC_STACK_SAMPLE_DIR"] = result["stacks_dir"]
+        if args.sync_debug:
+            env["KVC_SYNC_DEBUG"] = "1"
     extra = ["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else []
     extra += [a for arg in args.server_arg for a in shlex.split(arg)]  # the same on every server, off and ours
     server = SglangServer([*canary, *plan["args"], *hicache, *extra], env=env,
@@ -243,7 +246,14 @@ def timer_summary(now: Optional[dict], then: Optional[dict]) -> Optional[dict]:
         if v:
             bounds[k] = {"n": len(v), "median_ms": round(statistics.median(v), 3),
                          "mean_ms": round(statistics.fmean(v), 3)}
-    return {"calls": calls, "boundaries": bounds}
+    syncs = {k: n - then.get("syncs", {}).get(k, 0) for k, n in now.get("syncs", {}).items()}
+    spans = {}
+    for k, (n, ms) in now.get("gpu_spans", {}).items():
+        n0, ms0 = then.get("gpu_spans", {}).get(k, [0, 0.0])
+        if n > n0:
+            spans[k] = {"spans": n - n0, "ms_per_span": round((ms - ms0) / (n - n0), 3)}
+    return {"calls": calls, "boundaries": bounds, "syncs": {k: n for k, n in syncs.items() if n > 0},
+            "gpu_spans": spans}
 
 
 def run_server(label: str, name: str, plan: dict, args, log_dir: Path) -> dict:
@@ -342,6 +352,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-stacks", action="store_true",
                    help="every server process samples its main thread's stack (scripts/stack_sampler): where the "
                         "host time goes, the canary's share; costs the servers a little (attribution, not timing)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="--host-timers, and the synchronizing torch calls inside the scheduler's run_batch and "
+                        "get_next_batch_to_run counted by call site (torch's sync debug mode; bench only)")
     p.add_argument("--host-timers", action="store_true",
                    help="the scheduler's host timers alone (scripts/stack_sampler/host_timers.py: sglang's and the "
                         "canary's methods, each batch boundary's segments), the stacks sampled only every 0.25 s")
@@ -453,6 +466,11 @@ def main(argv=None) -> int:
                         f"{k} {b['median_ms']}/{b['mean_ms']} (n {b['n']})" for k, b in tm["boundaries"].items()))
                     print("      host ms: " + ", ".join(f"{k} {c['ms']} ({c['us_per_call']} us x {c['calls']})"
                                                   for k, c in tm["calls"].items()))
+                if tm.get("gpu_spans"):
+                    print("      gpu ms per span: " + ", ".join(f"{k} {v['ms_per_span']} (n {v['spans']})"
+                                                           for k, v in tm["gpu_spans"].items()))
+                for site, n in sorted((tm.get("syncs") or {}).items(), key=lambda kv: -kv[1])[:25]:
+                    print(f"      sync {n}x {site}")
                 if st.get("gc"):  # collections / seconds / longest, per generation, over the timed repetitions
                     print("      gc: " + ", ".join(f"gen{g} {n}x {t:.3f}s (max {mx * 1e3:.1f} ms)"
                                                    for g, (n, t, mx) in sorted(st["gc"].items())))

@@ -420,3 +420,23 @@ def test_host_timers_split_a_batch_boundary_and_the_summary_counts_what_came_aft
     hc = _load("bench_hicache_overhead")
     assert hc.gc_summary({"0": [12, 0.5, 0.01], "2": [1, 0.3, 0.3]}, {"0": [2, 0.1, 0.01]}) == {
         "0": [10, 0.4, 0.01], "2": [1, 0.3, 0.3]}
+
+
+def test_host_timers_key_the_layers_span_by_prefix_and_the_summary_subtracts_syncs_and_spans():
+    """--sync-debug / the layers' GPU span (bench only): an extend's span is keyed by whether it has a cached prefix
+    (a load-back turn), a sync by its innermost sglang / canary frames, and the summary counts what came after the
+    warmup's snapshot (the CUDA parts run on the GPU host only)."""
+    spec = importlib.util.spec_from_file_location("host_timers", ROOT / "scripts" / "stack_sampler" / "host_timers.py")
+    ht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ht)
+    fb = lambda prefix: type("FB", (), {"extend_prefix_lens_cpu": prefix})()  # noqa: E731
+    assert ht._span_key("LlamaModel.forward", "e", (None, None, fb([0, 0])), {}) == "LlamaModel.forward:e0"
+    assert ht._span_key("LlamaModel.forward", "e", (None, None), {"forward_batch": fb([0, 1088])}) == \
+        "LlamaModel.forward:ep"
+    assert ht._span_key("LlamaModel.forward", "d", (), {}) == "LlamaModel.forward:d"
+    then = {"calls": {}, "boundaries": {}, "syncs": {"e|a:f:1": 2}, "gpu_spans": {"L:ep": [2, 50.0]}}
+    now = {"calls": {"x": [1, 0.001, 0.001]}, "boundaries": {}, "syncs": {"e|a:f:1": 5, "-|b:g:2": 1},
+           "gpu_spans": {"L:ep": [4, 110.0], "L:e0": [1, 186.0]}}
+    got = _load("bench_hicache_overhead").timer_summary(now, then)
+    assert got["syncs"] == {"e|a:f:1": 3, "-|b:g:2": 1}
+    assert got["gpu_spans"] == {"L:ep": {"spans": 2, "ms_per_span": 30.0}, "L:e0": {"spans": 1, "ms_per_span": 186.0}}
