@@ -94,6 +94,44 @@ def repetition(args, token_range, rep: int) -> List[List[List[int]]]:
     return batches
 
 
+def pin_process_tree(root_pid: int, cpus: set) -> int:
+    """Every thread of ``root_pid`` and its descendants runs on ``cpus`` only (``--cpu-sets``); threads made later
+    inherit it. Returns how many threads were pinned."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    pinned, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                pinned += 1
+            except OSError:
+                pass
+    return pinned
+
+
+def parse_cpu_set(text: str) -> set:
+    """'0-3,8' -> {0, 1, 2, 3, 8}."""
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tuple:
     """Start one HiCache server; (server, its result record: ``error`` set when the start failed)."""
     role, canary, canary_env = CONFIGS[name]
@@ -122,6 +160,11 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     _progress(f"[{label}] starting a HiCache server ({result['describe']}) ...")
     try:
         server.start(timeout=plan["startup_timeout"])
+        if args.cpu_sets:  # the server's processes on the next CPU set (one per server, in start order)
+            cpus = parse_cpu_set(args.cpu_sets[args.cpu_set_next % len(args.cpu_sets)])
+            args.cpu_set_next += 1
+            result["cpus"] = sorted(cpus)
+            result["threads_pinned"] = pin_process_tree(server.proc.pid, cpus)
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
     except Exception as exc:
@@ -358,6 +401,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-timers", action="store_true",
                    help="the scheduler's host timers alone (scripts/stack_sampler/host_timers.py: sglang's and the "
                         "canary's methods, each batch boundary's segments), the stacks sampled only every 0.25 s")
+    p.add_argument("--cpu-sets", type=lambda v: v.split(":"), default=None,
+                   help="bench only: CPU sets separated by ':' ('0-7:8-15'), one per server in start order (cycled): "
+                        "every thread of a server's process tree pinned to its set once it is up")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -402,6 +448,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.cpu_set_next = 0  # --cpu-sets: the next server's set
     out = Path(args.out).resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else out.with_name(out.stem + "_logs")
     plan = server_plan(args.device, 1.0, [ROWS["decode_bs1"]])  # flags, model and token range (its pool: ours)
