@@ -406,7 +406,7 @@ def test_host_timers_split_a_batch_boundary_and_the_summary_counts_what_came_aft
         then = ht.snapshot()
         boundary()
         boundary()
-        got = _load("bench_hicache_overhead").timer_summary(ht.snapshot(), then)
+        got = _load("server_probes").timer_summary(ht.snapshot(), then)
     finally:
         del sys.modules[module.__name__], sys.modules[oracle_module.__name__]
     assert got["boundaries"] == {
@@ -417,7 +417,7 @@ def test_host_timers_split_a_batch_boundary_and_the_summary_counts_what_came_aft
     assert got["calls"]["TokenOracle.stage:e"] == {"calls": 2, "ms": 2.0, "us_per_call": 1000.0}
     assert got["calls"]["Scheduler.run_batch:e"]["calls"] == 2 and got["calls"]["Scheduler.run_batch:d"]["calls"] == 4
     assert got["calls"]["Scheduler.recv_requests"]["calls"] == 6
-    hc = _load("bench_hicache_overhead")
+    hc = _load("server_probes")
     assert hc.gc_summary({"0": [12, 0.5, 0.01], "2": [1, 0.3, 0.3]}, {"0": [2, 0.1, 0.01]}) == {
         "0": [10, 0.4, 0.01], "2": [1, 0.3, 0.3]}
 
@@ -437,6 +437,6 @@ def test_host_timers_key_the_layers_span_by_prefix_and_the_summary_subtracts_syn
     then = {"calls": {}, "boundaries": {}, "syncs": {"e|a:f:1": 2}, "gpu_spans": {"L:ep": [2, 50.0]}}
     now = {"calls": {"x": [1, 0.001, 0.001]}, "boundaries": {}, "syncs": {"e|a:f:1": 5, "-|b:g:2": 1},
            "gpu_spans": {"L:ep": [4, 110.0], "L:e0": [1, 186.0]}}
-    got = _load("bench_hicache_overhead").timer_summary(now, then)
+    got = _load("server_probes").timer_summary(now, then)
     assert got["syncs"] == {"e|a:f:1": 3, "-|b:g:2": 1}
     assert got["gpu_spans"] == {"L:ep": {"spans": 2, "ms_per_span": 30.0}, "L:e0": {"spans": 1, "ms_per_span": 186.0}}
