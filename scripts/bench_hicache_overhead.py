@@ -105,8 +105,7 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     env = {**plan["env"], **canary_env}
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
-    if args.sample_stacks or args.host_timers or args.sync_debug:  # every process samples its main thread
-        # (scripts/stack_sampler)
+    if args.sample_stacks or args.host_timers or args.sync_debug:  # each process samples its main thread
         if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
             env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"
         result["stacks_dir"] = str(log_dir / f"stacks-{label.replace('#', '')}")
@@ -123,9 +122,8 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     _progress(f"[{label}] starting a HiCache server ({result['describe']}) ...")
     try:
         server.start(timeout=plan["startup_timeout"])
-        if args.cpu_sets:  # the server's processes on the next CPU set (one per server, in start order)
-            cpus = parse_cpu_set(args.cpu_sets[args.cpu_set_next % len(args.cpu_sets)])
-            args.cpu_set_next += 1
+        cpus = args.cpu_set_of.get(label)
+        if cpus is not None:  # --cpu-sets: the server's processes on its CPU set
             result["cpus"] = sorted(cpus)
             result["threads_pinned"] = pin_process_tree(server.proc.pid, cpus)
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
@@ -341,7 +339,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.cpu_set_next = 0  # --cpu-sets: the next server's set
     out = Path(args.out).resolve()
     log_dir = Path(args.log_dir).resolve() if args.log_dir else out.with_name(out.stem + "_logs")
     plan = server_plan(args.device, 1.0, [ROWS["decode_bs1"]])  # flags, model and token range (its pool: ours)
@@ -361,6 +358,8 @@ def main(argv=None) -> int:
     for name in args.config_names:
         counts[name] = counts.get(name, 0) + 1
         labels.append((f"{name}#{counts[name]}", name))
+    sets = [parse_cpu_set(text) for text in args.cpu_sets or ()]  # --cpu-sets: one per server in start order
+    args.cpu_set_of = {label: sets[i % len(sets)] for i, (label, _) in enumerate(labels)} if sets else {}
     report["interleaved"] = args.interleave
 
     def save(runs: Sequence[dict]) -> None:  # after each server (all at once when interleaved): partial results

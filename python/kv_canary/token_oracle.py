@@ -189,8 +189,8 @@ class TokenOracle:
             tokens = _slice(prompt, outputs, 0, prefix + len(fed))
             tokens = tokens if isinstance(tokens, list) else list(tokens)
             n = len(tokens)
-            if self._longest_remembered(tokens, (n,) if n in self._chain_cache else ())[0] != n:
-                # not remembered yet (a batch may feed one prompt twice)
+            known = n in self._chain_cache and self._longest_remembered(tokens, (n,))[0] == n
+            if not known:  # a batch may feed one prompt twice
                 self._remember_chain(tokens, chain)
 
     def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:

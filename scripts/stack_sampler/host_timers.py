@@ -47,9 +47,11 @@ def _resolve_spans() -> None:
 
 
 def _span_key(key: str, mode, args, kwargs) -> str:
+    if mode != "e":
+        return f"{key}:{mode}"
     fb = args[2] if len(args) > 2 else kwargs.get("forward_batch")
-    prefix = getattr(fb, "extend_prefix_lens_cpu", None) if mode == "e" else None
-    return f"{key}:{mode}{'p' if prefix and sum(prefix) else '0'}" if mode == "e" else f"{key}:{mode}"
+    prefix = getattr(fb, "extend_prefix_lens_cpu", None)
+    return f"{key}:e{'p' if prefix and sum(prefix) else '0'}"
 
 # (module, class, method, the first argument is a batch with a forward_mode)
 TARGETS = (
