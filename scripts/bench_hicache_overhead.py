@@ -220,6 +220,11 @@ def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) ->
     try:
         if len(live) == len(started):
             for rep in range(-1, args.reps):
+                if args.rotate_cpu_sets:  # server i on set (i + round) % n: each on each set equally often
+                    for i, (server, result) in enumerate(live):
+                        k = (i + rep) % len(args.cpu_set_list)
+                        pin_process_tree(server.proc.pid, args.cpu_set_list[k])
+                        result.setdefault("cpu_set_by_rep", []).append(k)
                 for server, result in round_order(live, rep):
                     time_repetition(server, result, args, plan, rep)
     except Exception as exc:
@@ -295,6 +300,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-sets", type=lambda v: v.split(":"), default=None,
                    help="bench only: CPU sets separated by ':' ('0-7:8-15'), one per server in start order (cycled): "
                         "every thread of a server's process tree pinned to its set once it is up")
+    p.add_argument("--rotate-cpu-sets", action="store_true",
+                   help="with --interleave --cpu-sets: before each round server i's tree is pinned to set "
+                        "(i + round) mod n, so every server runs on every set equally often")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -359,6 +367,9 @@ def main(argv=None) -> int:
         counts[name] = counts.get(name, 0) + 1
         labels.append((f"{name}#{counts[name]}", name))
     sets = [parse_cpu_set(text) for text in args.cpu_sets or ()]  # --cpu-sets: one per server in start order
+    if args.rotate_cpu_sets and not (args.interleave and len(sets) >= 2):
+        raise SystemExit("--rotate-cpu-sets: needs --interleave and --cpu-sets with two sets or more")
+    args.cpu_set_list = sets
     args.cpu_set_of = {label: sets[i % len(sets)] for i, (label, _) in enumerate(labels)} if sets else {}
     report["interleaved"] = args.interleave
 
