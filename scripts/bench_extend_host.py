@@ -71,6 +71,44 @@ class ExtendBatch:
         self.seq_lens = torch.full((bs,), prefix + new, device=device)
 
 
+class _OpCounter:
+    """``--count-ops``: the aten ops dispatched per phase (a TorchDispatchMode; phase set by ``_PhaseClock``)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Counter(TorchDispatchMode):
+            phase, counts = None, collections.defaultdict(collections.Counter)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if self.phase is not None:
+                    self.counts[self.phase][str(func.overloadpacket.__name__)] += 1
+                return func(*args, **(kwargs or {}))
+
+            def per_extend(self, iters):
+                return {ph: {"total": round(sum(c.values()) / iters, 2),
+                             **{op: round(n / iters, 2) for op, n in c.most_common(12)}}
+                        for ph, c in self.counts.items() if ph != "forward"}
+        return Counter()
+
+
+class _PhaseClock(list):
+    """The phase boundaries' ``perf_counter`` stamps; with ``--count-ops`` each stamp starts the next phase."""
+
+    def __init__(self, ops, names, timed):
+        super().__init__([time.perf_counter()])
+        self.ops, self.names, self.timed = ops, names, timed
+        self._set(0)
+
+    def _set(self, i):
+        if self.ops is not None:
+            self.ops.phase = self.names[i] if self.timed and i < len(self.names) else None
+
+    def append(self, stamp):
+        super().append(stamp)
+        self._set(len(self) - 1)
+
+
 def calibrate_launch(torch, triton, device, calls: int = 2000) -> dict:
     """Host us per launch of a kernel with the write kernel's shape of arguments (14 tensors, 10 ints, 4
     constexprs): ``kernel[grid](...)``, and the compiled kernel's launcher called directly with the same bound
@@ -127,6 +165,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: only proves the script runs")
     p.add_argument("--triton-launch", action="store_true",
                    help="launch every canary kernel through Triton's kernel[grid] (no bound launchers)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="count the aten ops each phase dispatches (a GPU launch or a copy each; adds host time)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -225,6 +265,7 @@ def main() -> int:
             run_time["us"] += (time.perf_counter() - t0) * 1e6
             run_time["n"] += 1
 
+    ops = _OpCounter() if args.count_ops else None
     phases = collections.defaultdict(list)
     by_turn = collections.defaultdict(list)  # turn -> the canary's host us of each extend (all phases)
     launches_per_extend = []
@@ -252,7 +293,9 @@ def main() -> int:
         sync()
         triton.runtime.jit.JITFunction.run = timed_run
         n0 = run_time["n"]
-        t = [time.perf_counter()]
+        t = _PhaseClock(ops, ("outside_pre", "head", "forward", "tail", "outside_post", "sample"), it >= 5)
+        if ops is not None:
+            ops.__enter__()
         bracket = m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb)
         bracket.__enter__()
         t.append(time.perf_counter())
@@ -268,6 +311,8 @@ def main() -> int:
         t.append(time.perf_counter())
         m.record_sampled(sampled)
         t.append(time.perf_counter())
+        if ops is not None:
+            ops.__exit__(None, None, None)
         triton.runtime.jit.JITFunction.run = jit_run
         launches_per_extend.append(run_time["n"] - n0)
         if it >= 5:
@@ -298,6 +343,7 @@ def main() -> int:
         "violations": int(counters[fpc.C_VIOLATIONS]),
         "jit_after_startup": sum(tracker.after_startup.values()),
         "stats": m.stats_line(),
+        **({"aten_ops_per_extend": ops.per_extend(args.iters)} if ops is not None else {}),
         "launch_calibration": calibrate_launch(torch, triton, device) if on_gpu else {},
     }
     return emit(result, args.out)
