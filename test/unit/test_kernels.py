@@ -614,6 +614,27 @@ def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
             assert int(s.group.records[int(s.r2t[row, n - 1]), fp.F_CHAIN]) == want == int(s.oracle.row_chain[row])
 
 
+def test_numpy_prefix_chains_extend_from_starts_and_bases_and_skip_empty_sequences():
+    """prefix_chains_np's one vectorized pass: sequences of any length (empty ones too) at any start position, each
+    extended from its base, equal the torch chain over the whole prefix."""
+    g = torch.Generator().manual_seed(7)
+    whole = [torch.randint(0, 2**31 - 1, (n,), generator=g) for n in (1, 0, 300, 65, 0, 1088)]
+
+    def chain(tokens):  # CHAIN over positions [0, len): the anchor plus every term (int64, wrapping)
+        if not tokens.numel():
+            return fp.CHAIN_ANCHOR
+        return int((torch.tensor(fp.CHAIN_ANCHOR) + fp.chain_term(tokens, torch.arange(tokens.numel())).sum()).item())
+
+    want = [chain(t) for t in whole]
+    assert fp.prefix_chains_np([t.tolist() for t in whole]) == want
+    cuts = [0, 0, 123, 64, 0, 1000]
+    bases = fp.prefix_chains_np([t[:c].tolist() for t, c in zip(whole, cuts)])
+    rests = [t[c:].numpy() for t, c in zip(whole, cuts)]
+    assert fp.prefix_chains_np(rests, starts=cuts, bases=bases) == want
+    assert fp.prefix_chains_np([rests[3]], starts=[64], bases=[bases[3]]) == [want[3]]
+    assert fp.prefix_chains_np([[], []]) == [fp.CHAIN_ANCHOR] * 2
+
+
 def test_scrub_checks_every_byte_of_a_round_robin_window():
     """partial HEAD misses a flip in the last layer; the scrub (FULL_HASH) finds it within the stated bound."""
     sims = [Sim(tk, full_hash=True), Sim(ref, full_hash=True)]
