@@ -61,6 +61,7 @@ from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
 from kv_canary_testing.server import PACKAGE_PARENT, SglangServer  # noqa: E402
 
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
+IDLE_ENV = "KVC_DIAG_CANARY_IDLE"  # read by the sampler directory's sitecustomize (canary_idle.py)
 
 # name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward
 CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none"), {}),
@@ -70,7 +71,9 @@ CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none"), {}),
                              "hc_ours_lean": ("ours", ("--kv-canary", "raise"),
                                               {"SGLANG_KV_CANARY_D2H_INTERVAL": "4",
                                                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "0",
-                                               "SGLANG_KV_CANARY_WRITE_WITNESS": "0"})}
+                                               "SGLANG_KV_CANARY_WRITE_WITNESS": "0"}),
+                             # ablation: installed, its per-forward work skipped (stack_sampler/canary_idle.py)
+                             "hc_ours_idle": ("ours", ("--kv-canary", "raise"), {IDLE_ENV: "1"})}
 DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
 # (conversations, system_len, turns, turn_len, output_len, group, max_total_tokens, hicache_ratio) per device:
 # on the GPU 48 x ~1.3k tokens of prefixes against a 16k-token device pool and a 5x host pool
@@ -105,6 +108,8 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     env = {**plan["env"], **canary_env}
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
+    if IDLE_ENV in canary_env:  # the sampler directory's sitecustomize makes the canary idle
+        env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
     if args.sample_stacks or args.host_timers or args.sync_debug:  # each process samples its main thread
         if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
             env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"
@@ -173,7 +178,7 @@ def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir:
                     result["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
                     _progress(f"[{result['label']}] profile FAILED: {result['profile']['error']}")
             result["evicted_tokens"] = int(sglang_counter(server.base_url, EVICTED))
-            if result["role"] == "ours":
+            if result["role"] == "ours" and IDLE_ENV not in CONFIGS[result["config"]][2]:  # idle: never settles
                 wait_settled(server, SETTLE_TIMEOUT_S)
     except Exception as exc:  # keep the other servers' results: record and go on
         result["error"] = f"{type(exc).__name__}: {exc}"[:3000]

@@ -59,7 +59,8 @@
 #      other servers hold memory) (add --sample-stacks for where the scheduler thread's time goes, or
 #      --profile-batches 3 for the GPU's busy / idle split), then hc-bench-wait
 #      (--server-arg '--decode-log-interval 8': sglang's decode lines inside a batch; --server-arg --sleep-on-idle:
-#      idle servers sleep instead of spinning a core each)
+#      idle servers sleep instead of spinning a core each) (--cpu-sets A:B:.. --rotate-cpu-sets: each server's process
+#      tree on set (i + round) mod n; config hc_ours_idle: the canary installed, its per-forward work skipped)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300

@@ -10,6 +10,9 @@ show where the rest goes (``scripts/bench_hicache_overhead.py --sample-stacks`` 
 costs the sampled process ~10-30 us of GIL time: the numbers attribute time, they do not time a row. ``gc``: the
 process's garbage collections per generation (count, seconds, longest), timed by a ``gc.callbacks`` entry (time the
 samples attribute to whatever frame triggered the collection).
+
+``KVC_DIAG_CANARY_IDLE=1`` (no sampling needed): the bench ablation ``hc_ours_idle``, the canary installed with its
+per-forward work skipped (``canary_idle.py``).
 """
 
 import os
@@ -110,6 +113,11 @@ def _start(out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     threading.Thread(target=run, name="kvc-stack-sampler", daemon=True).start()
 
+
+if os.environ.get("KVC_DIAG_CANARY_IDLE") == "1":  # bench ablation hc_ours_idle: the canary's per-forward work off
+    import canary_idle
+
+    canary_idle.install()
 
 if _DIR:
     _start(_DIR)

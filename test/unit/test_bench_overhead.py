@@ -440,3 +440,28 @@ def test_host_timers_key_the_layers_span_by_prefix_and_the_summary_subtracts_syn
     got = _load("server_probes").timer_summary(now, then)
     assert got["syncs"] == {"e|a:f:1": 3, "-|b:g:2": 1}
     assert got["gpu_spans"] == {"L:ep": {"spans": 2, "ms_per_span": 30.0}, "L:e0": {"spans": 1, "ms_per_span": 186.0}}
+
+
+def test_idle_ablation_skips_the_managers_per_forward_work_only_when_asked():
+    """``hc_ours_idle``: with KVC_DIAG_CANARY_IDLE=1 the sampler directory's sitecustomize makes a fresh
+    interpreter's CanaryManager skip its per-forward flow once its module is imported; without it, nothing changes."""
+    import os
+    import subprocess
+
+    hc = _load("bench_hicache_overhead")
+    role, args, env = hc.CONFIGS["hc_ours_idle"]
+    assert role == "ours" and args == ("--kv-canary", "raise") and env == {hc.IDLE_ENV: "1"}
+    probe = ("from kv_canary.runner.manager import CanaryManager as M; "
+             "print(getattr(M, 'kvc_diag_idle', False), M.pre_ops_maybe_inside_graph(None, None), "
+             "M.record_sampled(None, None), M.post_ops_maybe_inside_graph.__name__)")
+    path = os.pathsep.join([str(ROOT / "scripts" / "stack_sampler"), str(ROOT / "python")])
+    base = {k: v for k, v in os.environ.items() if k not in (hc.IDLE_ENV, "KVC_STACK_SAMPLE_DIR")}
+    idle = subprocess.run([sys.executable, "-c", probe], env={**base, "PYTHONPATH": path, hc.IDLE_ENV: "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert idle.returncode == 0, idle.stderr[-2000:]
+    assert idle.stdout.split() == ["True", "None", "None", "_idle"]
+    busy = subprocess.run([sys.executable, "-c", "from kv_canary.runner.manager import CanaryManager as M; "
+                           "print(getattr(M, 'kvc_diag_idle', False), M.post_ops_maybe_inside_graph.__name__)"],
+                          env={**base, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300)
+    assert busy.returncode == 0, busy.stderr[-2000:]
+    assert busy.stdout.split() == ["False", "post_ops_maybe_inside_graph"]
