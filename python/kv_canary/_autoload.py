@@ -16,9 +16,15 @@ import sys
 _TARGET = "sglang.cli.serve"
 
 
-class _LoadPluginsAfterServe(importlib.abc.MetaPathFinder):
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after module ``target`` executes (the other finders find it); no other import
+    is affected. Also used by the benches' ``scripts/stack_sampler/canary_idle.py``."""
+
+    def __init__(self, target: str, callback):
+        self.target, self.callback = target, callback
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        if fullname != self.target:
             return None
         sys.meta_path.remove(self)
         try:
@@ -29,22 +35,31 @@ class _LoadPluginsAfterServe(importlib.abc.MetaPathFinder):
             return None
         exec_module = spec.loader.exec_module
 
-        def exec_then_load_plugins(module):
+        def exec_then_callback(module):
             exec_module(module)
-            try:
-                from sglang.srt.plugins import load_plugins
+            self.callback(module)
 
-                load_plugins()
-            except Exception as exc:  # never break sglang's CLI because of the canary
-                print(f"kv_canary: could not pre-load sglang plugins for 'sglang serve': {exc}", file=sys.stderr)
-
-        spec.loader.exec_module = exec_then_load_plugins
+        spec.loader.exec_module = exec_then_callback
         return spec
 
 
+def install_after_import(target: str, callback) -> None:
+    """``AfterImport(target, callback)`` first on ``sys.meta_path``, once per target."""
+    if not any(isinstance(f, AfterImport) and f.target == target for f in sys.meta_path):
+        sys.meta_path.insert(0, AfterImport(target, callback))
+
+
+def _load_plugins(_serve_module) -> None:
+    try:
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+    except Exception as exc:  # never break sglang's CLI because of the canary
+        print(f"kv_canary: could not pre-load sglang plugins for 'sglang serve': {exc}", file=sys.stderr)
+
+
 def install() -> None:
-    if not any(isinstance(f, _LoadPluginsAfterServe) for f in sys.meta_path):
-        sys.meta_path.insert(0, _LoadPluginsAfterServe())
+    install_after_import(_TARGET, _load_plugins)
 
 
 install()

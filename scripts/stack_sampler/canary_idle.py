@@ -12,8 +12,6 @@ Applied when ``kv_canary.runner.manager`` is imported (an import hook installed 
 ``sitecustomize``), before any manager exists.
 """
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 
@@ -36,32 +34,11 @@ def _idle(*_args, **_kwargs):
     return None
 
 
-class _IdleAfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``TARGET`` with the other finders, then runs ``make_idle`` on its ``CanaryManager`` once executed."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_then_idle(module):
-            run(module)
-            make_idle(module.CanaryManager)
-
-        spec.loader.exec_module = exec_then_idle
-        return spec
-
-
 def install() -> None:
-    """The import hook (or the patch now, if the module is imported already)."""
+    """Patch ``CanaryManager`` once its module is imported (now, if it is already)."""
     if TARGET in sys.modules:
         make_idle(sys.modules[TARGET].CanaryManager)
-    elif not any(isinstance(f, _IdleAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _IdleAfterImport())
+    else:
+        from kv_canary._autoload import install_after_import
+
+        install_after_import(TARGET, lambda module: make_idle(module.CanaryManager))
