@@ -71,25 +71,27 @@ class ExtendBatch:
         self.seq_lens = torch.full((bs,), prefix + new, device=device)
 
 
-class _OpCounter:
-    """``--count-ops``: the aten ops dispatched per phase (a TorchDispatchMode; phase set by ``_PhaseClock``)."""
+def _op_counter():
+    """``--count-ops``: a TorchDispatchMode counting the aten ops dispatched per phase (``phase``, set by
+    ``_PhaseClock``; None: not counted)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class OpCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.phase, self.counts = None, collections.defaultdict(collections.Counter)
 
-        class Counter(TorchDispatchMode):
-            phase, counts = None, collections.defaultdict(collections.Counter)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.phase is not None:
+                self.counts[self.phase][str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if self.phase is not None:
-                    self.counts[self.phase][str(func.overloadpacket.__name__)] += 1
-                return func(*args, **(kwargs or {}))
+        def per_extend(self, iters):
+            return {ph: {"total": round(sum(c.values()) / iters, 2),
+                         **{op: round(n / iters, 2) for op, n in c.most_common(12)}}
+                    for ph, c in self.counts.items() if ph != "forward"}
 
-            def per_extend(self, iters):
-                return {ph: {"total": round(sum(c.values()) / iters, 2),
-                             **{op: round(n / iters, 2) for op, n in c.most_common(12)}}
-                        for ph, c in self.counts.items() if ph != "forward"}
-        return Counter()
+    return OpCounter()
 
 
 class _PhaseClock(list):
@@ -265,7 +267,7 @@ def main() -> int:
             run_time["us"] += (time.perf_counter() - t0) * 1e6
             run_time["n"] += 1
 
-    ops = _OpCounter() if args.count_ops else None
+    ops = _op_counter() if args.count_ops else None
     phases = collections.defaultdict(list)
     by_turn = collections.defaultdict(list)  # turn -> the canary's host us of each extend (all phases)
     launches_per_extend = []

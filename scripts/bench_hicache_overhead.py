@@ -108,13 +108,13 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     env = {**plan["env"], **canary_env}
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
-    if IDLE_ENV in canary_env:  # the sampler directory's sitecustomize makes the canary idle
+    sampling = args.sample_stacks or args.host_timers or args.sync_debug  # each process samples its main thread
+    if sampling or IDLE_ENV in canary_env:  # the sampler directory's sitecustomize samples / makes the canary idle
         env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
-    if args.sample_stacks or args.host_timers or args.sync_debug:  # each process samples its main thread
+    if sampling:
         if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
             env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"
         result["stacks_dir"] = str(log_dir / f"stacks-{label.replace('#', '')}")
-        env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
         env["KVC_STACK_SAMPLE_DIR"] = result["stacks_dir"]
         if args.sync_debug:
             env["KVC_SYNC_DEBUG"] = "1"

@@ -143,11 +143,6 @@ def full_hash_from_words(words: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- numpy twin (host side of the token oracle)
 
 
-def mix64_np(x: "np.ndarray") -> "np.ndarray":
-    """``mix64`` on a uint64 numpy array (wrapping; logical shifts are plain uint64 shifts)."""
-    return _mix64_np_inplace(np.array(x, dtype=np.uint64))
-
-
 # the numpy twin's constants as numpy scalars, made once (an array op with a Python int converts it each call)
 _U64 = {name: np.uint64(value) for name, value in (
     ("t", G_TOKEN_MUL), ("p", G_POS_MUL), ("a", G_ADD), ("m1", MIX_M1), ("m2", MIX_M2), ("s29", 29), ("s32", 32),
@@ -155,8 +150,9 @@ _U64 = {name: np.uint64(value) for name, value in (
 
 
 def _mix64_np_inplace(x: "np.ndarray") -> "np.ndarray":
-    """``mix64`` over a uint64 array the caller owns, in place (array ops wrap silently: no errstate needed); ~half the
-    host time of the allocating form at the oracle's sizes (tens to thousands of tokens)."""
+    """``mix64`` over a uint64 array the caller owns, in place (wrapping; logical shifts are plain uint64 shifts; array
+    ops wrap silently: no errstate needed); ~half the host time of an allocating form at the oracle's sizes (tens to
+    thousands of tokens)."""
     c, y = _U64, np.empty_like(x)
     np.right_shift(x, c["s29"], out=y)
     x ^= y
@@ -234,5 +230,4 @@ def full_hash_terms_np(words: "np.ndarray", first_word: int = 0) -> "np.ndarray"
 
 def full_hash_finalize_np(sums: "np.ndarray") -> "np.ndarray":
     """uint64[n] sums of ``full_hash_terms_np`` -> int64[n] FULL_HASH, bit-equal to ``full_hash_from_words``."""
-    with np.errstate(over="ignore"):
-        return mix64_np(sums ^ np.uint64(HASH_SEED)).view(np.int64)
+    return _mix64_np_inplace(sums ^ np.uint64(HASH_SEED)).view(np.int64)  # a fresh array: mixed in place
