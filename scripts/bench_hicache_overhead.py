@@ -42,6 +42,7 @@ import shlex
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -220,7 +221,11 @@ def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) ->
     """Every server up at once (started one after the other), then round r times repetition r on each in
     ``round_order`` (each server in each position equally often): a round's repetitions run the same prompts
     within seconds of each other, so drift between them (clocks, the host's other load) cancels."""
-    started = [start_server(label, name, plan, args, log_dir) for label, name in labels]
+    if args.parallel_start:  # all starts at once: the row's startup takes the slowest start, not their sum
+        with ThreadPoolExecutor(max_workers=len(labels)) as pool:
+            started = list(pool.map(lambda ln: start_server(ln[0], ln[1], plan, args, log_dir), labels))
+    else:
+        started = [start_server(label, name, plan, args, log_dir) for label, name in labels]
     live = [(srv, res) for srv, res in started if res["error"] is None]
     try:
         if len(live) == len(started):
@@ -308,6 +313,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rotate-cpu-sets", action="store_true",
                    help="with --interleave --cpu-sets: before each round server i's tree is pinned to set "
                         "(i + round) mod n, so every server runs on every set equally often")
+    p.add_argument("--parallel-start", action="store_true",
+                   help="with --interleave: start every server at once (each still gets --max-total-tokens; "
+                        "with --mem-fraction-static the last to profile its memory must find room for it)")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -374,6 +382,8 @@ def main(argv=None) -> int:
     sets = [parse_cpu_set(text) for text in args.cpu_sets or ()]  # --cpu-sets: one per server in start order
     if args.rotate_cpu_sets and not (args.interleave and len(sets) >= 2):
         raise SystemExit("--rotate-cpu-sets: needs --interleave and --cpu-sets with two sets or more")
+    if args.parallel_start and not args.interleave:
+        raise SystemExit("--parallel-start: needs --interleave (one server after the other otherwise)")
     args.cpu_set_list = sets
     args.cpu_set_of = {label: sets[i % len(sets)] for i, (label, _) in enumerate(labels)} if sets else {}
     report["interleaved"] = args.interleave
@@ -397,7 +407,8 @@ def main(argv=None) -> int:
               f"mean {p['mean_pct']}%, rounds {p['pair_pct']}; per turn (median) {p['turn_median_pct']}")
     for name, p in v["pooled"].items():
         print(f"  pooled, {name}'s servers' mean vs the off servers' mean per round ({p['servers']}): median "
-              f"{p['median_pct']}% (90% CI {p['ci90_pct']}), rounds {p['pair_pct']}")
+              f"{p['median_pct']}% (90% CI {p['ci90_pct']}), rounds {p['pair_pct']}; per turn (median) "
+              f"{p['turn_median_pct']}")
     for run in report["runs"]:
         st = run.get("canary_stats_last") or {}
         print(f"- {run['label']} ({run['describe']}): startup {run.get('startup_s', 'n/a')}s; median "

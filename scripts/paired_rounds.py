@@ -63,7 +63,25 @@ def pooled(runs: Sequence[dict], seed: int) -> dict:
         boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
         out[name] = {"servers": {"off": [r["label"] for r in offs], name: [r["label"] for r in group]},
                      "pair_pct": [round(d, 3) for d in diffs], "median_pct": round(statistics.median(diffs), 3),
-                     "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)]}
+                     "ci90_pct": [round(boots[100], 3), round(boots[1899], 3)],
+                     "turn_median_pct": _pooled_turn_medians(offs, group, rounds)}
+    return out
+
+
+def _pooled_turn_medians(offs: Sequence[dict], group: Sequence[dict], rounds: Sequence[int]) -> List[float]:
+    """Per turn, the median over ``rounds`` of the configuration's servers' mean turn time against the off
+    servers' mean (percent): which turns carry the difference (the HiCache row's first turn writes fresh prompts,
+    the later ones load prefixes back from the host). [] when a repetition carries no per-turn times."""
+    turns = [{x["rep"]: x.get("turn_s") for x in r["reps"]} for r in list(offs) + list(group)]
+    if any(not t.get(rep) for t in turns for rep in rounds) or not rounds:
+        return []
+    out = []
+    for i in range(len(turns[0][rounds[0]])):
+        diffs = []
+        for rep in rounds:
+            off = statistics.fmean(t[rep][i] for t in turns[:len(offs)])
+            diffs.append(100.0 * (statistics.fmean(t[rep][i] for t in turns[len(offs):]) - off) / off)
+        out.append(round(statistics.median(diffs), 3))
     return out
 
 

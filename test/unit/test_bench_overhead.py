@@ -279,6 +279,13 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
     assert pool["servers"] == {"off": ["hc_off#1", "hc_off#2"], "hc_ours": ["hc_ours#1", "hc_ours#2"]}
     assert pool["pair_pct"] == [0.476, 1.0, -0.452] and pool["median_pct"] == 0.476
     assert -0.452 <= pool["ci90_pct"][0] <= 0.476 <= pool["ci90_pct"][1] <= 1.0
+    assert pool["turn_median_pct"] == []  # the repetitions carry no per-turn times
+    for r in runs:  # per turn: the offs' mean against the ours servers' mean; the second turn carries it
+        slow = 1.1 if r["config"] == "hc_ours" else 1.0
+        for x in r["reps"]:
+            x["turn_s"] = [1.0, slow + 0.1 * (r["label"] == "hc_off#2")]
+    assert hc.summarize(runs)["pooled"]["hc_ours"]["turn_median_pct"] == [0.0, 4.762]  # 1.1 against 1.05
+    assert hc.parse_args(["--interleave", "--parallel-start"]).parallel_start
     assert hc.parse_args(["--interleave", "--mem-fraction-static", "0.3"]).interleave
     assert hc.parse_args(["--configs", "hc_off,hc_ours_d2h4"]).config_names == ["hc_off", "hc_ours_d2h4"]
     orders = ["".join(hc.round_order("ABC", r)) for r in range(6)]
