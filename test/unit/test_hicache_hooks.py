@@ -25,7 +25,13 @@ class FakeManager:
     def backup_queued(self, host_idx, stream=None):
         self.calls.append(("queued", host_idx.tolist(), stream))
 
-    def load_records(self, host_idx, device_idx, load_id=0):
+    def stage_load(self, host_idx):
+        self.calls.append(("stage", host_idx.tolist()))
+        return ("staged", tuple(host_idx.tolist()))
+
+    def load_records(self, host_idx, device_idx, load_id=0, host_dev=None):
+        if host_dev != ("staged", tuple(host_idx.tolist())):
+            raise AssertionError(f"load_records without its staged host ids: {host_dev}")
         self.calls.append(("load", host_idx.tolist(), device_idx.tolist(), load_id))
 
     def host_backups_acked(self):
@@ -63,19 +69,24 @@ def test_backup_and_load_follow_the_queued_operations():
     # the records first; then sglang's copy is queued (CPU indices: done already, no stream to watch)
     assert m.calls == [("backup", [3, 4, 7], [8, 9, 10]), ("queued", [8, 9, 10], None)]
 
-    def start_loading(controller):
+    def start_loading(controller):  # sglang's: queues the K/V copy, clears the queue
+        # the host ids went to the device first: behind sglang's copy they would hold the forward for all of it
+        assert m.calls[-1] == ("stage", [8, 9])
         controller.load_queue.clear()
         return 1
 
     assert hicache.around_start_loading(start_loading, c) == 1
-    assert m.calls[-1] == ("load", [8, 9], [20, 21], 1)  # named by sglang's producer index
+    assert m.calls[-2:] == [("stage", [8, 9]), ("load", [8, 9], [20, 21], 1)]  # named by sglang's producer index
 
 
 def test_no_load_issued_no_records_moved_and_no_manager_no_work():
     m = FakeManager()
     c = _controller(m)
     assert hicache.around_start_loading(lambda controller: -1, c) == -1
-    assert m.calls == []
+    assert [call[0] for call in m.calls] == ["stage"]  # staged ahead, no records moved
+    c.load_queue.clear()
+    assert hicache.around_start_loading(lambda controller: -1, c) == -1 and len(m.calls) == 1  # an empty queue
+    m.calls.clear()
     c.kv_canary_manager = None
     hicache.around_start_writing(lambda controller: None, c)
     assert m.calls == []
@@ -122,8 +133,8 @@ def test_0_5_23_backup_and_load_follow_the_queued_operations():
     assert m.calls == [("backup", [3, 4], [8, 9]), ("queued", [8, 9], None)]  # CPU: no fence, no stream
     assert h23.d2h_stream(c) == "d2h" and h23.write_fence(c) == h23.load_fence(c) == "fwd"
     assert h23.around_start_loading(lambda controller: (controller.load_queue.clear(), 2)[1], c) == 2
-    assert m.calls[-1] == ("load", [12, 13], [30, 31], 2)
-    assert h23.around_start_loading(lambda controller: -1, c) == -1 and len(m.calls) == 3  # no load issued
+    assert m.calls[-2:] == [("stage", [12, 13]), ("load", [12, 13], [30, 31], 2)]
+    assert h23.around_start_loading(lambda controller: -1, c) == -1 and len(m.calls) == 4  # empty queue: no load
 
 
 def _group(*entries):

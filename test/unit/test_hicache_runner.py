@@ -188,7 +188,7 @@ def test_the_hicache_hooks_never_wait_for_the_device():
         m.backup_records(old, host)
         m.backup_queued(host, side)
         m.host_backups_acked()
-        m.load_records(host, new, load_id=0)
+        m.load_records(host, new, load_id=0, host_dev=m.stage_load(host))
         m.free_host_slots(host[:8])
         m.backup_records(old[:4], torch.arange(60, 64))
         m.flush_host_records()  # the batched free and backup: one copy of their host slot ids, no wait
@@ -292,6 +292,28 @@ def test_a_load_and_a_forward_flush_what_is_batched_first():
     m.clear_host_records()
     m.flush_host_records()
     assert not bool(m.host_records.records.any())
+
+
+def test_a_load_staged_before_the_engine_queues_its_copy_moves_the_same_records():
+    """``stage_load`` (called before sglang queues the load's K/V copy) flushes what is batched and returns the host
+    ids on the device; ``load_records`` with them moves exactly what it moves copying the ids itself."""
+    staged, direct = Manager([]), Manager([])
+    old = torch.arange(1, 17)
+    for m in (staged, direct):
+        m.forward(0, old, 0)
+        m.backup_records(old, torch.arange(32, 48))
+        m.free_host_slots(torch.arange(60, 62))
+    host_dev = staged.stage_load(torch.arange(32, 48))
+    assert not staged._pending_backups and not staged._pending_frees  # flushed ahead of the engine's copy
+    assert torch.equal(host_dev, torch.arange(32, 48))
+    staged.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=3, host_dev=host_dev)
+    direct.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=3)
+    for a, b in ((staged.groups[0].records, direct.groups[0].records),
+                 (staged.groups[0].full_row.tags, direct.groups[0].full_row.tags),
+                 (staged._loaded_from, direct._loaded_from), (staged.host_records.records, direct.host_records.records)):
+        assert torch.equal(a, b)
+    assert torch.equal(staged.groups[0].records[40:56], _rows(staged, old)) and staged._pending_load_id == 3
+    assert Manager([]).stage_load(torch.zeros(0, dtype=torch.int64)) is None
 
 
 def test_with_the_host_copy_perturbation_backups_and_frees_are_immediate():

@@ -244,16 +244,19 @@ def start_writing_body(original, controller, args, kwargs, *, d2h_stream: Callab
 def start_loading_body(original, controller, args, kwargs, *,
                        fence: Callable[[Any], Any] = lambda controller: None):
     """Load-back (every line): after sglang queued the K/V copy into new device slots, their records follow from the
-    host store and their first-read tags are zeroed (the consumer forward hashes every byte once). On a GPU the
-    records' copy (queued behind the current stream) first waits for ``fence(controller)``, as sglang's copy does."""
+    host store and their first-read tags are zeroed (the consumer forward hashes every byte once). The host slot
+    ids go to the device before sglang queues its copy (``stage_load``: behind it they would hold the forward for
+    the whole load). On a GPU the records' copy (queued behind the current stream) first waits for
+    ``fence(controller)``, as sglang's copy does."""
     manager = _manager(controller)
     ops = _queued(controller.load_queue) if manager is not None else None
+    host_dev = manager.stage_load(ops[0]) if ops is not None else None
     producer_id = original(controller, *args, **kwargs)
     if ops is not None and producer_id is not None and producer_id >= 0:
         host_idx, device_idx = ops
         if device_idx.is_cuda:
             _wait_for(fence(controller))
-        manager.load_records(host_idx, device_idx, load_id=producer_id)
+        manager.load_records(host_idx, device_idx, load_id=producer_id, host_dev=host_dev)
     return producer_id
 
 

@@ -232,9 +232,26 @@ class HostCopies(StoragePages):
         self._pending_load_id = None
         self._loaded_from.fill_(-1)
 
-    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, load_id: int = 0) -> None:
+    def stage_load(self, host_idx: torch.Tensor) -> Optional[torch.Tensor]:
+        """Before the engine queues a load's K/V copy (its start of the load): what is batched flushed and the host
+        slot ids ``host_idx`` (int[n], CPU) copied to the device now, on the current stream; int64[n] on the device
+        for ``load_records(host_dev=...)``, or None (no host records, nothing loaded).
+
+        Queued after the engine's load, a host-to-device copy of more than a few KiB waits on the copy engine for
+        the whole load, and the forward queued behind it on the same stream with it: that forward loses the
+        engine's layer-by-layer overlap with its load (a 1 GiB load of 32 layers on an H100: the first layer's
+        compute done at 19.8 ms instead of 1.0 ms behind a 72 KiB copy; an 8 KiB one is not held,
+        ``scripts/bench_copy_order.py``)."""
+        if self.host_records is None or host_idx.numel() == 0:
+            return None
+        self.flush_host_records()
+        return self.host_records.index(host_idx)
+
+    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, load_id: int = 0,
+                     host_dev: Optional[torch.Tensor] = None) -> None:
         """The engine loads host copies ``host_idx`` (int[n], CPU) into new device slots ``device_idx`` (int[n],
-        device); ``load_id``: the engine's name of this load, which the consuming forward names (``load_in_flight``).
+        device); ``load_id``: the engine's name of this load, which the consuming forward names (``load_in_flight``);
+        ``host_dev``: ``stage_load(host_idx)``'s result, made before the engine queued the load (None: copied now).
         No wait on the host: a few device ops on the canary's load stream, behind the current one."""
         store = self.host_records
         if store is None or device_idx.numel() == 0:
@@ -243,7 +260,7 @@ class HostCopies(StoragePages):
         self._pending_load_id = int(load_id)
         group = self.groups[0]
         dev = device_idx.to(group.records.device, torch.int64)
-        host = store.index(host_idx)  # on the current stream, which the load stream waits for
+        host = store.index(host_idx) if host_dev is None else host_dev  # on the current stream (the load's waits)
         if self._flipped or self._storage_flipped_slots:
             slots = host_idx.tolist()
             for h in slots:
