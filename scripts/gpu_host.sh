@@ -61,6 +61,9 @@
 #      (--server-arg '--decode-log-interval 8': sglang's decode lines inside a batch; --server-arg --sleep-on-idle:
 #      idle servers sleep instead of spinning a core each) (--cpu-sets A:B:.. --rotate-cpu-sets: each server's process
 #      tree on set (i + round) mod n; config hc_ours_idle: the canary installed, its per-forward work skipped)
+#   The ablation row (H200, needs_h200; six servers up at once in ~190 s with --parallel-start, 16 rounds ~8.5 min):
+#      hc-bench-start --interleave --parallel-start --configs hc_off,hc_ours_idle,hc_ours,hc_off,hc_ours_idle,hc_ours
+#      --reps 16 --mem-fraction-static 0.88, then hc-bench-wait 560 at once (the host goes back 30 s after a call)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
