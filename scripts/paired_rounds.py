@@ -55,10 +55,7 @@ def pooled(runs: Sequence[dict], seed: int) -> dict:
         rounds = sorted(set.intersection(*(set(w) for w in walls)))
         if not rounds:
             continue
-        diffs = []
-        for rep in rounds:
-            off_mean = statistics.fmean(w[rep] for w in walls[:len(offs)])
-            diffs.append(100.0 * (statistics.fmean(w[rep] for w in walls[len(offs):]) - off_mean) / off_mean)
+        diffs = _pooled_pct(walls, len(offs), rounds)
         rng = random.Random(seed)
         boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(2000))
         out[name] = {"servers": {"off": [r["label"] for r in offs], name: [r["label"] for r in group]},
@@ -75,13 +72,18 @@ def _pooled_turn_medians(offs: Sequence[dict], group: Sequence[dict], rounds: Se
     turns = [{x["rep"]: x.get("turn_s") for x in r["reps"]} for r in list(offs) + list(group)]
     if any(not t.get(rep) for t in turns for rep in rounds) or not rounds:
         return []
+    return [round(statistics.median(_pooled_pct([{rep: t[rep][i] for rep in rounds} for t in turns], len(offs),
+                                                rounds)), 3)
+            for i in range(len(turns[0][rounds[0]]))]
+
+
+def _pooled_pct(times: Sequence[Dict[int, float]], n_offs: int, rounds: Sequence[int]) -> List[float]:
+    """Per round, the mean of ``times[n_offs:]`` (a configuration's servers, round -> seconds) against the mean of
+    ``times[:n_offs]`` (the off servers'), percent."""
     out = []
-    for i in range(len(turns[0][rounds[0]])):
-        diffs = []
-        for rep in rounds:
-            off = statistics.fmean(t[rep][i] for t in turns[:len(offs)])
-            diffs.append(100.0 * (statistics.fmean(t[rep][i] for t in turns[len(offs):]) - off) / off)
-        out.append(round(statistics.median(diffs), 3))
+    for rep in rounds:
+        off = statistics.fmean(t[rep] for t in times[:n_offs])
+        out.append(100.0 * (statistics.fmean(t[rep] for t in times[n_offs:]) - off) / off)
     return out
 
 
