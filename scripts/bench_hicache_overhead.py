@@ -162,7 +162,8 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
         result["reps"].append({"rep": rep, "wall_s": round(wall, 4), "turn_s": [round(t, 4) for t in turn_s],
                                "cached_tokens": cached, "load_back_tokens": int(loaded)})
     _progress(f"[{result['label']}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
-              f"load_back_tokens={loaded:.0f}")
+              f"load_back_tokens={loaded:.0f} turn_s={','.join(f'{t:.4f}' for t in turn_s)}")  # a cut-off run's log
+    # still holds every repetition's turns (parse_progress_log)
 
 
 def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir: Path) -> dict:
@@ -227,9 +228,15 @@ def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) ->
     else:
         started = [start_server(label, name, plan, args, log_dir) for label, name in labels]
     live = [(srv, res) for srv, res in started if res["error"] is None]
+    round_s = 0.0
     try:
         if len(live) == len(started):
             for rep in range(-1, args.reps):
+                if args.time_budget_s and time.monotonic() - args.t0 + round_s > args.time_budget_s:
+                    _progress(f"--time-budget-s {args.time_budget_s:.0f}: stopping before round {rep} (the last "
+                              f"took {round_s:.0f}s); {max(rep, 0)} rounds timed")
+                    break
+                t_round = time.monotonic()
                 if args.rotate_cpu_sets:  # server i on set (i + round) % n: each on each set equally often
                     for i, (server, result) in enumerate(live):
                         k = (i + rep) % len(args.cpu_set_list)
@@ -237,6 +244,7 @@ def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) ->
                         result.setdefault("cpu_set_by_rep", []).append(k)
                 for server, result in round_order(live, rep):
                     time_repetition(server, result, args, plan, rep)
+                round_s = time.monotonic() - t_round
     except Exception as exc:
         for _, result in live:
             result["error"] = result["error"] or f"{type(exc).__name__}: {exc}"[:3000]
@@ -316,6 +324,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parallel-start", action="store_true",
                    help="with --interleave: start every server at once (each still gets --max-total-tokens; "
                         "with --mem-fraction-static the last to profile its memory must find room for it)")
+    p.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="with --interleave: no round starts once the time since the bench started plus the last "
+                        "round's length would pass this (the row ends, stops its servers and writes its report "
+                        "inside one device call); 0: every --reps round")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="each server's --mem-fraction-static (with --interleave several share the GPU)")
     p.add_argument("--server-arg", action="append", default=[],
@@ -349,6 +361,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--configs: unknown or empty {bad}; choose from {', '.join(CONFIGS)}")
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.time_budget_s < 0 or (args.time_budget_s and not args.interleave):
+        p.error(f"--time-budget-s: needs --interleave (it cuts rounds) and a value >= 0, got {args.time_budget_s}")
     if not 0 <= args.profile_turn < args.turns:
         p.error(f"--profile-turn must be within 0..{args.turns - 1} (--turns {args.turns}), got {args.profile_turn}")
     per_turn = args.conversations // args.group
@@ -366,7 +380,7 @@ def main(argv=None) -> int:
     host = probe_environment(args.device)
     shape = {k: getattr(args, k) for k in ("conversations", "system_len", "turns", "turn_len", "output_len", "group",
                                             "max_total_tokens", "hicache_ratio")}
-    t0 = time.monotonic()
+    t0 = args.t0 = time.monotonic()
     _progress(f"device={host.get('device_name')} sglang={host.get('sglang')} configs={','.join(args.config_names)} "
               f"reps={args.reps} shape={shape}")
     report = {"benchmark": "kv_canary serving overhead with HiCache (multi-turn, prefixes loaded back from the host)",

@@ -64,6 +64,10 @@
 #   The ablation row (H200, needs_h200; six servers up at once in ~190 s with --parallel-start, 16 rounds ~8.5 min):
 #      hc-bench-start --interleave --parallel-start --configs hc_off,hc_ours_idle,hc_ours,hc_off,hc_ours_idle,hc_ours
 #      --reps 16 --mem-fraction-static 0.88, then hc-bench-wait 560 at once (the host goes back 30 s after a call)
+#      In ONE call (a later call can land on a fresh host: hc-bench-wait then says NO_BENCH at once): after
+#      install-b, hc-bench-start ... --time-budget-s 500, then hc-bench-wait 560: the rounds that fit (~190 s up,
+#      ~5 s a repetition: four servers ~16 rounds, six ~10), stopped and reported inside the call. A cut-off run's bench.log still pairs: python3 scripts/paired_rounds.py
+#      bench.log (each repetition's line carries its turns' seconds)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
@@ -165,6 +169,10 @@ PY
     [ "$step" != pd-bench-wait ] || bench_dir=/tmp/kvc-pd-bench
     [ "$step" != hc-bench-wait ] || bench_dir=/tmp/kvc-hc-bench
     limit="${1:-570}"; t0=$SECONDS
+    if [ ! -f "$bench_dir/pid" ]; then  # a fresh host: the one that ran the bench went back (30 s idle); say so now
+      echo "NO_BENCH: no bench was started on this host ($bench_dir/pid missing): the host that ran it went back" >&2
+      exit 3
+    fi
     while [ ! -f "$bench_dir/rc" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
     for f in overhead.json overhead_extra.json bench_overhead.json bench.log gpu-info.txt; do
       [ -f "$bench_dir/$f" ] && cp "$bench_dir/$f" "$out/"

@@ -7,9 +7,15 @@ and, optionally, ``turn_s``: each turn's seconds).
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import statistics
+import sys
 from typing import Dict, List, Sequence
+
+_START = re.compile(r"\[(?P<label>(?P<config>\w+)#\d+)\] starting a HiCache server \(--kv-canary (?P<mode>\w+)")
+_REP = re.compile(r"\[(?P<label>\w+#\d+)\] rep (?P<rep>\d+):\s+(?P<wall>[\d.]+)s.*?(?: turn_s=(?P<turns>[\d.,]+))?$")
 
 
 def paired(runs: Sequence[dict], seed: int) -> dict:
@@ -96,3 +102,31 @@ def _turn_medians(reps: Sequence[dict], base_reps: Sequence[dict]) -> List[float
         return []
     return [round(statistics.median(100.0 * (t[i] - b[i]) / b[i] for t, b in pairs), 3)
             for i in range(len(pairs[0][0]))]
+
+
+def runs_from_log(text: str) -> List[dict]:
+    """The runs of a bench log (``bench_hicache_overhead.py``'s progress lines): a run cut off before its report
+    (a device call that ended) still pairs its complete rounds. A server is ``off`` when it ran ``--kv-canary
+    none``; a repetition's ``turn_s`` when the line has it; only rounds every server finished are kept."""
+    runs: Dict[str, dict] = {}
+    for line in text.splitlines():
+        m = _START.search(line)
+        if m:
+            runs[m["label"]] = {"label": m["label"], "config": m["config"], "reps": [],
+                                "role": "off" if m["mode"] == "none" else "ours"}
+        m = _REP.search(line.rstrip())
+        if m and m["label"] in runs:
+            rep = {"rep": int(m["rep"]), "wall_s": float(m["wall"])}
+            if m["turns"]:
+                rep["turn_s"] = [float(t) for t in m["turns"].split(",")]
+            runs[m["label"]]["reps"].append(rep)
+    done = set.intersection(*({x["rep"] for x in r["reps"]} for r in runs.values())) if runs else set()
+    for r in runs.values():
+        r["reps"] = [x for x in r["reps"] if x["rep"] in done]
+    return list(runs.values())
+
+
+if __name__ == "__main__":  # python3 scripts/paired_rounds.py BENCH_LOG: the pooled rows of a (cut-off) run
+    logged = runs_from_log(open(sys.argv[1], encoding="utf-8").read())
+    rounds = len(logged[0]["reps"]) if logged else 0
+    print(json.dumps({"rounds": rounds, "pooled": pooled(logged, seed=len(logged))}, indent=1))  # the bench's seed

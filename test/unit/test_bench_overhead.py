@@ -296,6 +296,47 @@ def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes
             hc.parse_args(bad)
 
 
+def test_a_cut_off_hicache_row_still_pairs_its_complete_rounds_and_a_time_budget_stops_between_rounds(monkeypatch):
+    """A device call can end before the bench's report: its progress log alone gives the pooled rows
+    (``paired_rounds.runs_from_log``: roles from ``--kv-canary``, each repetition's turns, only rounds every server
+    finished); ``--time-budget-s`` starts no round that would end past it, so the report is written in time."""
+    hc = _load("bench_hicache_overhead")
+    pr = sys.modules["paired_rounds"]
+    lines = ["[00:00:00] [hc_off#1] starting a HiCache server (--kv-canary none) ...",
+             "[00:00:00] [hc_ours#1] starting a HiCache server (--kv-canary raise) ...",
+             "[00:00:00] [hc_off#2] starting a HiCache server (--kv-canary none) ...",
+             "[00:00:01] [hc_ours#1] rep warmup:    9.000s cached_tokens=1 load_back_tokens=1 turn_s=3.0,3.0,3.0"]
+    walls = {"hc_off#1": (2.0, 2.0, 2.0), "hc_off#2": (2.2, 2.2), "hc_ours#1": (2.2, 2.31, 2.0)}
+    for label, ws in walls.items():
+        for rep, w in enumerate(ws):
+            lines.append(f"[00:00:02] [{label}] rep {rep}:    {w:.3f}s cached_tokens=5 load_back_tokens=5 "
+                         f"turn_s={w / 2:.4f},{w / 2:.4f}")
+    lines.append("[00:00:03] [hc_off#1] rep 3:    2.000s cached_tokens=5 load_back_tokens=5")  # an older log line
+    runs = pr.runs_from_log("\n".join(lines))
+    assert [(r["label"], r["role"], [x["rep"] for x in r["reps"]]) for r in runs] == [
+        ("hc_off#1", "off", [0, 1]), ("hc_ours#1", "ours", [0, 1]), ("hc_off#2", "off", [0, 1])]
+    got = pr.pooled(runs, seed=len(runs))["hc_ours"]
+    assert got["pair_pct"] == [4.762, 10.0] and got["turn_median_pct"] == [7.381, 7.381]
+
+    clock = [0.0]  # each repetition takes 10 s; the servers are up at 100 s
+    monkeypatch.setattr(hc.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hc, "start_server", lambda label, name, plan, args, log_dir: (
+        object(), {"label": label, "error": None, "reps": []}))
+
+    def rep_of(server, result, args, plan, rep):
+        clock[0] += 10.0
+        result["reps"].append(rep)
+    monkeypatch.setattr(hc, "time_repetition", rep_of)
+    monkeypatch.setattr(hc, "finish_server", lambda server, result, args, plan, log_dir: result)
+    args = hc.parse_args(["--interleave", "--reps", "50", "--time-budget-s", "175"])
+    args.t0, clock[0] = 0.0, 100.0
+    done = hc.run_interleaved([("hc_off#1", "hc_off"), ("hc_ours#1", "hc_ours")], {}, args, None)
+    assert [r["reps"] for r in done] == [[-1, 0, 1]] * 2  # 100 + 3 rounds of 20 s = 160; a fourth would end at 180
+    for bad in (["--time-budget-s", "100"], ["--interleave", "--time-budget-s", "-1"]):
+        with pytest.raises(SystemExit):
+            hc.parse_args(bad)
+
+
 def test_the_stack_summary_counts_samples_after_the_base_and_the_trace_summary_unions_busy_time(tmp_path):
     """bench_hicache_overhead --sample-stacks: per process, the samples after the warmup's base; the canary's share is
     the samples whose innermost sglang/canary frame is the canary's. trace_summary: the GPU's busy time is the union
