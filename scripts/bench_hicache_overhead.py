@@ -54,7 +54,7 @@ from bench_overhead import (  # noqa: E402
     wait_settled,
 )
 from paired_rounds import paired, pooled  # noqa: E402
-from server_probes import parse_cpu_set, pin_process_tree, read_stacks, stack_summary  # noqa: E402
+from server_probes import parse_cpu_set, pin_process_tree, read_stacks, stack_lines, stack_summary  # noqa: E402
 from thread_cpu import busiest, snapshot as thread_snapshot  # noqa: E402
 from trace_summary import summarize as summarize_trace  # noqa: E402
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
@@ -436,24 +436,8 @@ def main(argv=None) -> int:
         if run.get("threads"):  # the timed repetitions' CPU by thread (thread_cpu): the busiest four
             print("    threads (cpu s / preempted): " + ", ".join(
                 f"{t['process'][:24]}:{t['thread'][:16]} {t['cpu_s']}/{t['preempted']}" for t in run["threads"][:4]))
-        for title, st in (run.get("stacks") or {}).items():
-            if "scheduler" in title:
-                print(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "
-                      + ", ".join(f"{o}={n}" for o, n in list(st["top_owners"].items())[:8]))
-                tm = st.get("timers") or {}
-                if tm.get("boundaries"):  # a batch boundary's host segments (median ms)
-                    print("      boundary ms (median/mean): " + ", ".join(
-                        f"{k} {b['median_ms']}/{b['mean_ms']} (n {b['n']})" for k, b in tm["boundaries"].items()))
-                    print("      host ms: " + ", ".join(f"{k} {c['ms']} ({c['us_per_call']} us x {c['calls']})"
-                                                  for k, c in tm["calls"].items()))
-                if tm.get("gpu_spans"):
-                    print("      gpu ms per span: " + ", ".join(f"{k} {v['ms_per_span']} (n {v['spans']})"
-                                                           for k, v in tm["gpu_spans"].items()))
-                for site, n in sorted((tm.get("syncs") or {}).items(), key=lambda kv: -kv[1])[:25]:
-                    print(f"      sync {n}x {site}")
-                if st.get("gc"):  # collections / seconds / longest, per generation, over the timed repetitions
-                    print("      gc: " + ", ".join(f"gen{g} {n}x {t:.3f}s (max {mx * 1e3:.1f} ms)"
-                                                   for g, (n, t, mx) in sorted(st["gc"].items())))
+        for line in stack_lines(run.get("stacks") or {}):  # --sample-stacks / --host-timers: the scheduler's
+            print(line)
     print(f"\nresults: {out}  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")
     return 1 if any(r.get("error") for r in report["runs"]) else 0
 

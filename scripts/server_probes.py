@@ -117,3 +117,29 @@ def timer_summary(now: Optional[dict], then: Optional[dict]) -> Optional[dict]:
             spans[k] = {"spans": n - n0, "ms_per_span": round((ms - ms0) / (n - n0), 3)}
     return {"calls": calls, "boundaries": bounds, "syncs": {k: n for k, n in syncs.items() if n > 0},
             "gpu_spans": spans}
+
+
+def stack_lines(stacks: Dict[str, dict]) -> List[str]:
+    """The report lines of ``stack_summary`` results by process title: the scheduler's samples, its host timers
+    (a batch boundary's segments, the calls, the GPU spans), the syncs and the collections."""
+    out: List[str] = []
+    for title, st in stacks.items():
+        if "scheduler" not in title:
+            continue
+        out.append(f"    stacks {title}: {st['samples']} samples, canary {st['canary_pct']}%; top "
+                   + ", ".join(f"{o}={n}" for o, n in list(st["top_owners"].items())[:8]))
+        tm = st.get("timers") or {}
+        if tm.get("boundaries"):  # a batch boundary's host segments (median ms)
+            out.append("      boundary ms (median/mean): " + ", ".join(
+                f"{k} {b['median_ms']}/{b['mean_ms']} (n {b['n']})" for k, b in tm["boundaries"].items()))
+            out.append("      host ms: " + ", ".join(f"{k} {c['ms']} ({c['us_per_call']} us x {c['calls']})"
+                                             for k, c in tm["calls"].items()))
+        if tm.get("gpu_spans"):
+            out.append("      gpu ms per span: " + ", ".join(f"{k} {v['ms_per_span']} (n {v['spans']})"
+                                                    for k, v in tm["gpu_spans"].items()))
+        for site, n in sorted((tm.get("syncs") or {}).items(), key=lambda kv: -kv[1])[:25]:
+            out.append(f"      sync {n}x {site}")
+        if st.get("gc"):  # collections / seconds / longest, per generation, over the timed repetitions
+            out.append("      gc: " + ", ".join(f"gen{g} {n}x {t:.3f}s (max {mx * 1e3:.1f} ms)"
+                                             for g, (n, t, mx) in sorted(st["gc"].items())))
+    return out
