@@ -76,6 +76,11 @@ class Manager(HostCopies):
         return [tuple(self.ring[i].tolist()) for i in range(int(self.counters[fp.C_VIOLATIONS]))]
 
 
+def _load(m, host_idx, device_idx, load_id):
+    """A load as the engine hook makes it: the ids staged before, the records moved after sglang queued it."""
+    m.load_records(host_idx, device_idx, load_id=load_id, host_dev=m.stage_load(host_idx))
+
+
 @pytest.mark.parametrize("flip", [False, True])
 def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_by_layer_before_its_write(flip):
     events = []
@@ -87,7 +92,7 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_by_layer_bef
     new = torch.arange(40, 56)  # the engine evicts the device copy and loads it back into other slots
     for buf in (*m.k, *m.v):
         buf[new] = buf[old]
-    m.load_records(torch.arange(32, 48), new, load_id=2)
+    _load(m, torch.arange(32, 48), new, 2)
     assert torch.equal(m.groups[0].records[new], m.groups[0].records[old])
     assert m.groups[0].full_row.tags[new].abs().sum() == 0
     if flip:
@@ -119,7 +124,7 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_by_layer_bef
 
 def test_a_load_no_head_consumed_is_an_error():
     m = Manager([])
-    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
+    _load(m, torch.arange(32, 48), torch.arange(40, 56), 0)
     assert m.load_in_flight(lambda layer: None)
     with pytest.raises(CanaryBracketError, match="load-back"):
         m._check_load_consumed()
@@ -135,7 +140,7 @@ def test_a_cache_reset_drops_the_host_records_and_a_named_load():
     m.backup_records(old, torch.arange(32, 48))
     m.flush_host_records()
     assert bool((m.host_records.records[32:48] != 0).any())
-    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
+    _load(m, torch.arange(32, 48), torch.arange(40, 56), 0)
     m.clear_host_records()
     assert not bool((m.host_records.records != 0).any())
     assert not m.load_in_flight(lambda layer: None, load_id=0)  # the reset forgot it: nothing handed over
@@ -153,8 +158,8 @@ def test_a_flipped_copy_loaded_back_stays_counted_after_its_host_copy_is_freed()
     m.backup_records(old, torch.arange(32, 48))
     m.config = dataclasses.replace(m.config, perturb_host_copy_prob=0.5)
     m._flipped.update({33: False, 40: False})  # what the host-copy perturbation records at its flips
-    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
-    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=1)  # loaded again: still one load each
+    _load(m, torch.arange(32, 48), torch.arange(40, 56), 0)
+    _load(m, torch.arange(32, 48), torch.arange(40, 56), 1)  # loaded again: still one load each
     assert m.host_copies_stats()["hicache_flipped_copies_loaded"] == 2
     m.free_host_slots(torch.arange(32, 48))
     assert m.host_copies_stats()["hicache_flipped_copies_loaded"] == 2
@@ -279,7 +284,7 @@ def test_a_load_and_a_forward_flush_what_is_batched_first():
     old = torch.arange(1, 17)
     m.forward(0, old, 0)
     m.backup_records(old, torch.arange(32, 48))
-    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=0)
+    _load(m, torch.arange(32, 48), torch.arange(40, 56), 0)
     assert torch.equal(m.groups[0].records[40:56], _rows(m, old))
     m.free_host_slots(torch.arange(32, 40))
     m.init_finished = True
@@ -294,26 +299,26 @@ def test_a_load_and_a_forward_flush_what_is_batched_first():
     assert not bool(m.host_records.records.any())
 
 
-def test_a_load_staged_before_the_engine_queues_its_copy_moves_the_same_records():
+def test_a_load_staged_before_the_engine_queues_its_copy_moves_its_records_and_an_unstaged_one_is_refused():
     """``stage_load`` (called before sglang queues the load's K/V copy) flushes what is batched and returns the host
-    ids on the device; ``load_records`` with them moves exactly what it moves copying the ids itself."""
-    staged, direct = Manager([]), Manager([])
+    ids on the device; ``load_records`` moves the records with them, and refuses a load without them (a copy made
+    after the engine's load would wait for all of it)."""
+    m = Manager([])
     old = torch.arange(1, 17)
-    for m in (staged, direct):
-        m.forward(0, old, 0)
-        m.backup_records(old, torch.arange(32, 48))
-        m.free_host_slots(torch.arange(60, 62))
-    host_dev = staged.stage_load(torch.arange(32, 48))
-    assert not staged._pending_backups and not staged._pending_frees  # flushed ahead of the engine's copy
+    m.forward(0, old, 0)
+    m.backup_records(old, torch.arange(32, 48))
+    m.free_host_slots(torch.arange(60, 62))
+    host_dev = m.stage_load(torch.arange(32, 48))
+    assert not m._pending_backups and not m._pending_frees  # flushed ahead of the engine's copy
     assert torch.equal(host_dev, torch.arange(32, 48))
-    staged.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=3, host_dev=host_dev)
-    direct.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=3)
-    for a, b in ((staged.groups[0].records, direct.groups[0].records),
-                 (staged.groups[0].full_row.tags, direct.groups[0].full_row.tags),
-                 (staged._loaded_from, direct._loaded_from), (staged.host_records.records, direct.host_records.records)):
-        assert torch.equal(a, b)
-    assert torch.equal(staged.groups[0].records[40:56], _rows(staged, old)) and staged._pending_load_id == 3
-    assert Manager([]).stage_load(torch.zeros(0, dtype=torch.int64)) is None
+    with pytest.raises(ValueError, match="stage_load"):
+        m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=3, host_dev=None)
+    assert m._pending_load_id is None  # refused before anything moved
+    m.load_records(torch.arange(32, 48), torch.arange(40, 56), load_id=3, host_dev=host_dev)
+    assert torch.equal(m.groups[0].records[40:56], _rows(m, old)) and m._pending_load_id == 3
+    assert not m.groups[0].full_row.tags[40:56].any()  # first reads pending
+    assert torch.equal(m._loaded_from[40:56, 0], torch.arange(32, 48))
+    assert Manager([]).stage_load(torch.zeros(0, dtype=torch.int64)) is None  # nothing to load: nothing staged
 
 
 def test_with_the_host_copy_perturbation_backups_and_frees_are_immediate():

@@ -247,20 +247,24 @@ class HostCopies(StoragePages):
         self.flush_host_records()
         return self.host_records.index(host_idx)
 
-    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, load_id: int = 0,
-                     host_dev: Optional[torch.Tensor] = None) -> None:
+    def load_records(self, host_idx: torch.Tensor, device_idx: torch.Tensor, *, host_dev: Optional[torch.Tensor],
+                     load_id: int = 0) -> None:
         """The engine loads host copies ``host_idx`` (int[n], CPU) into new device slots ``device_idx`` (int[n],
-        device); ``load_id``: the engine's name of this load, which the consuming forward names (``load_in_flight``);
-        ``host_dev``: ``stage_load(host_idx)``'s result, made before the engine queued the load (None: copied now).
-        No wait on the host: a few device ops on the canary's load stream, behind the current one."""
+        device); ``host_dev``: ``stage_load(host_idx)``'s result, made before the engine queued the load (int64[n],
+        device; None only when there is nothing to load); ``load_id``: the engine's name of this load, which the
+        consuming forward names (``load_in_flight``). No wait on the host: a few device ops on the canary's load
+        stream, behind the current one."""
         store = self.host_records
         if store is None or device_idx.numel() == 0:
             return
+        if host_dev is None:
+            raise ValueError("kv-canary: load_records needs stage_load(host_idx)'s ids, staged before the engine "
+                             "queued its load (a copy after it waits for the whole load)")
         self.flush_host_records()
         self._pending_load_id = int(load_id)
         group = self.groups[0]
         dev = device_idx.to(group.records.device, torch.int64)
-        host = store.index(host_idx) if host_dev is None else host_dev  # on the current stream (the load's waits)
+        host = host_dev  # staged on the current stream before the engine's load
         if self._flipped or self._storage_flipped_slots:
             slots = host_idx.tolist()
             for h in slots:
