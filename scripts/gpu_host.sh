@@ -158,6 +158,9 @@ PY
       script=scripts/bench_hicache_overhead.py; bench_dir=/tmp/kvc-hc-bench
     fi
     [ ! -f "$bench_dir/pid" ] || ! kill -0 "$(cat "$bench_dir/pid")" 2>/dev/null || { echo "a bench is running" >&2; exit 1; }
+    python3 -c 'import sglang' 2>/dev/null || {  # a fresh host (the installed one went back): say so, at once
+      echo "NO_INSTALL: sglang is not importable from /tmp/site: run install-a and install-b on this host first" >&2
+      exit 3; }
     mkdir -p "$bench_dir"; rm -f "$bench_dir/rc"
     (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true) | tee "$bench_dir/gpu-info.txt"
     extra=(--results-dir "$bench_dir"); [ "$step" = bench-start ] || extra=()
