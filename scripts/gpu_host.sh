@@ -68,6 +68,11 @@
 #      install-b, hc-bench-start ... --time-budget-s 500, then hc-bench-wait 560: the rounds that fit (~190 s up,
 #      ~5 s a repetition: four servers ~16 rounds, six ~10), stopped and reported inside the call. A cut-off run's bench.log still pairs: python3 scripts/paired_rounds.py
 #      bench.log (each repetition's line carries its turns' seconds)
+#   The pair row in one call (H200): install-b >/dev/null 2>&1; hc-bench-start --interleave --parallel-start
+#      --configs hc_off,hc_ours,hc_off,hc_ours --reps 16 --time-budget-s 500 --mem-fraction-static 0.88
+#      >/dev/null; sleep 5; hc-bench-wait 560. Then, same host at once: hc-bench-start --interleave --parallel-start
+#      --configs hc_off,hc_ours --reps 1 --profile-batches 2 --profile-turn 0 (1: the load-back turn); hc-bench-wait
+#      (the profiled batches' GPU split and the canary's kernels, trace_summary, in bench_overhead.json)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
