@@ -7,7 +7,7 @@ pool ``--hicache-ratio`` times the device pool), then times on the host, per cal
 * ``backup``: ``backup_records`` of one radix node (``--backup-slots``), then ``backup_queued`` (sglang's D2H
   stream named: what the start_writing hook calls);
 * ``acked``: ``host_backups_acked`` (the write-ack hook, every scheduler step);
-* ``load``: ``load_records`` of one load-back batch (``--load-slots``) into new device slots;
+* ``load``: ``stage_load`` + ``load_records`` of one load-back batch (``--load-slots``) into new device slots;
 * ``free``: ``free_host_slots`` of one node's host slots (host eviction);
 * ``batch_end``: what a batch of 8 finished requests costs: 8 backups and 8 host evictions, then (since backups and
   frees are batched) the flush at sglang's next ack check; per batch, not per call.
@@ -132,9 +132,9 @@ def main() -> int:
     def acked(i):
         m.host_backups_acked()
 
-    def load(i):
+    def load(i):  # what the start_loading hook calls: the ids staged before sglang's copy, the records after it
         host, dev = loads[i]
-        m.load_records(host, dev, load_id=i)
+        m.load_records(host, dev, load_id=i, host_dev=m.stage_load(host))
 
     def free(i):
         m.free_host_slots(backups[i][1])

@@ -8,10 +8,11 @@ The engine wiring tells the manager three things, with plain tensors:
   host scrub reads them after the engine's write ack; otherwise batched with the host frees until the engine's
   next ack check or load (``flush_host_records``: a few device ops for all of them, off the path from a finished
   request to its response);
-* ``load_records(host_idx, device_idx)``: the engine loads those host copies into *new* device slots; their host
-  records are written at the new indices and their first-read tag is zeroed, so the next read lists them and
-  hashes every byte once (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written;
-  device ops only (the scheduler thread never waits for the device here);
+* ``stage_load(host_idx)`` before the engine queues a load, then ``load_records(host_idx, device_idx, host_dev=)``:
+  the engine loads those host copies into *new* device slots; their host records are written at the new indices
+  and their first-read tag is zeroed, so the next read lists them and hashes every byte once
+  (``kernels.first_read``), against the FULL_HASH TAIL stored when they were written; device ops only (the
+  scheduler thread never waits for the device here);
 * ``load_in_flight(wait_until_layer, load_id)``: the next forward consumes load ``load_id``; its HEAD first waits
   for the records and for the hashed layers' K/V (``wait_until_layer(layer)`` makes the current stream wait for one
   layer), and its first-read hashing runs layer by layer as the layers land, beside the forward
