@@ -163,7 +163,7 @@ def time_repetition(server: SglangServer, result: dict, args, plan: dict, rep: i
                                "cached_tokens": cached, "load_back_tokens": int(loaded)})
     _progress(f"[{result['label']}] rep {rep if rep >= 0 else 'warmup'}: {wall:8.3f}s cached_tokens={cached} "
               f"load_back_tokens={loaded:.0f} turn_s={','.join(f'{t:.4f}' for t in turn_s)}")  # a cut-off run's log
-    # still holds every repetition's turns (parse_progress_log)
+    # still holds every repetition's turns (paired_rounds.runs_from_log)
 
 
 def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir: Path) -> dict:

@@ -64,10 +64,9 @@
 #   The ablation row (H200, needs_h200; six servers up at once in ~190 s with --parallel-start, 16 rounds ~8.5 min):
 #      hc-bench-start --interleave --parallel-start --configs hc_off,hc_ours_idle,hc_ours,hc_off,hc_ours_idle,hc_ours
 #      --reps 16 --mem-fraction-static 0.88, then hc-bench-wait 560 at once (the host goes back 30 s after a call)
-#      In ONE call (a later call can land on a fresh host: hc-bench-wait then says NO_BENCH at once): after
-#      install-b, hc-bench-start ... --time-budget-s 500, then hc-bench-wait 560: the rounds that fit (~190 s up,
-#      ~5 s a repetition: four servers ~16 rounds, six ~10), stopped and reported inside the call. A cut-off run's bench.log still pairs: python3 scripts/paired_rounds.py
-#      bench.log (each repetition's line carries its turns' seconds)
+#      A later call can land on a fresh host (hc-bench-wait then says NO_BENCH at once): prefer one call with
+#      --time-budget-s (the rounds that fit: ~190 s up, ~5 s a repetition, six servers ~10 rounds, four ~16), as
+#      below. A cut-off run's bench.log still pairs: python3 scripts/paired_rounds.py bench.log
 #   The pair row in one call (H200): install-b >/dev/null 2>&1; hc-bench-start --interleave --parallel-start
 #      --configs hc_off,hc_ours,hc_off,hc_ours --reps 16 --time-budget-s 500 --mem-fraction-static 0.88
 #      >/dev/null; sleep 5; hc-bench-wait 560. Then, same host at once: hc-bench-start --interleave --parallel-start
