@@ -172,13 +172,16 @@ def finish_server(server: SglangServer, result: dict, args, plan: dict, log_dir:
         if result["error"] is None:
             if "threads_base" in result and server.proc is not None:  # the timed repetitions' CPU by thread
                 result["threads"] = busiest(result.pop("threads_base"), thread_snapshot(server.proc.pid))
-            if args.profile_batches:
-                try:  # a profile that fails leaves the timings standing
-                    result["profile"] = profile_batches(server.base_url, args, plan,
-                                                        log_dir / f"profile-{result['label'].replace('#', '')}")
-                except Exception as exc:
-                    result["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-                    _progress(f"[{result['label']}] profile FAILED: {result['profile']['error']}")
+            if args.profile_batches and result["label"].endswith("#1"):  # the first server of each config
+                for turn in args.profile_turns:  # a profile that fails leaves the timings standing
+                    key = f"turn{turn}"
+                    try:
+                        prof = profile_batches(server.base_url, args, plan, turn, log_dir
+                                               / f"profile-{result['label'].replace('#', '')}-{key}")
+                    except Exception as exc:
+                        prof = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+                        _progress(f"[{result['label']}] profile of {key} FAILED: {prof['error']}")
+                    result.setdefault("profile", {})[key] = prof
             result["evicted_tokens"] = int(sglang_counter(server.base_url, EVICTED))
             if result["role"] == "ours" and IDLE_ENV not in CONFIGS[result["config"]][2]:  # idle: never settles
                 wait_settled(server, SETTLE_TIMEOUT_S)
@@ -252,22 +255,21 @@ def run_interleaved(labels: Sequence[tuple], plan: dict, args, log_dir: Path) ->
     return [finish_server(srv, res, args, plan, log_dir) for srv, res in started]
 
 
-def profile_batches(base_url: str, args, plan: dict, out_dir: Path) -> dict:
-    """One more (fresh, untimed) repetition with sglang's torch profiler on around ``--profile-batches`` batches of
-    its turn ``--profile-turn`` (default the second: prefixes loaded back from the host; 0: the first, fresh
-    prompts written and backed up); the trace's summary (``trace_summary``)."""
-    batches = repetition(args, plan["token_range"], args.reps)
-    first = args.profile_turn * (len(batches) // args.turns)  # the turn's first batch
+def profile_batches(base_url: str, args, plan: dict, turn: int, out_dir: Path) -> dict:
+    """One more (fresh, untimed) repetition with sglang's torch profiler on ``--profile-batches`` batches from the
+    first of turn ``turn`` on (0: fresh prompts written and backed up; 1: prefixes loaded back from the host); the
+    trace's summary (``trace_summary``)."""
+    batches = repetition(args, plan["token_range"], args.reps + turn)  # prompts no timed or profiled run sent
+    first = turn * (len(batches) // args.turns)  # the turn's first batch
     session = requests.Session()
     session.trust_env = False  # loopback only
     out_dir.mkdir(parents=True, exist_ok=True)
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(batches[:first + args.profile_batches]):  # the turns before it fill the host tier
         if i == first:
             body = {"output_dir": str(out_dir), "activities": ["CPU", "GPU"], "with_stack": args.profile_stack}
             session.post(base_url + "/start_profile", json=body, timeout=60).raise_for_status()
         run_batch(base_url, batch, args.output_len)
-        if i == first + args.profile_batches - 1:
-            session.post(base_url + "/stop_profile", timeout=300).raise_for_status()
+    session.post(base_url + "/stop_profile", timeout=300).raise_for_status()
     traces = sorted(out_dir.glob("*.trace.json*"), key=lambda f: f.stat().st_mtime)
     if not traces:
         return {"error": f"no trace written under {out_dir}"}
@@ -341,9 +343,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-batches", type=int, default=0,
                    help="after the timed repetitions, profile this many load-back batches (sglang's /start_profile) "
                         "and summarize the trace (scripts/trace_summary.py); 0: off")
-    p.add_argument("--profile-turn", type=int, default=1,
-                   help="the turn whose first batches --profile-batches profiles (0: fresh prompts; 1: the first "
-                        "load-backs)")
+    p.add_argument("--profile-turn", default="1",
+                   help="the turns (comma-separated, one trace each) whose first batches --profile-batches profiles "
+                        "(0: fresh prompts; 1: the first load-backs), on the first server of each config")
     p.add_argument("--out", default="hicache_overhead.json")
     p.add_argument("--log-dir", default=None)
     args = p.parse_args(argv)
@@ -363,11 +365,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--reps must be >= 1")
     if args.time_budget_s < 0 or (args.time_budget_s and not args.interleave):
         p.error(f"--time-budget-s: needs --interleave (it cuts rounds) and a value >= 0, got {args.time_budget_s}")
-    if not 0 <= args.profile_turn < args.turns:
+    turns = [t.strip() for t in str(args.profile_turn).split(",") if t.strip()]
+    args.profile_turns = sorted({int(t) for t in turns if t.isdigit()})
+    if not turns or len(args.profile_turns) < len(set(turns)) or max(args.profile_turns) >= args.turns:
         p.error(f"--profile-turn must be within 0..{args.turns - 1} (--turns {args.turns}), got {args.profile_turn}")
     per_turn = args.conversations // args.group
-    if args.profile_batches < 0 or args.profile_batches > per_turn * (args.turns - args.profile_turn):
-        p.error(f"--profile-batches must be within 0..(the batches from --profile-turn {args.profile_turn} on), got "
+    last = max(args.profile_turns)
+    if args.profile_batches < 0 or args.profile_batches > per_turn * (args.turns - last):
+        p.error(f"--profile-batches must be within 0..(the batches from --profile-turn {last} on), got "
                 f"{args.profile_batches}")
     return args
 
@@ -431,8 +436,8 @@ def main(argv=None) -> int:
               f"slots_first_read={st.get('slots_first_read')} violations={st.get('violations')} "
               f"violation_lines={run.get('violation_lines')}"
               + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
-        if run.get("profile"):  # --profile-batches: the trace's summary (all of it in the results json)
-            print("    " + profile_line(run["profile"]))
+        for key, prof in (run.get("profile") or {}).items():  # --profile-batches: each turn's trace's summary
+            print(f"    {key} " + profile_line(prof))
         if run.get("threads"):  # the timed repetitions' CPU by thread (thread_cpu): the busiest four
             print("    threads (cpu s / preempted): " + ", ".join(
                 f"{t['process'][:24]}:{t['thread'][:16]} {t['cpu_s']}/{t['preempted']}" for t in run["threads"][:4]))

@@ -67,11 +67,11 @@
 #      A later call can land on a fresh host (hc-bench-wait then says NO_BENCH at once): prefer one call with
 #      --time-budget-s (the rounds that fit: ~190 s up, ~5 s a repetition, six servers ~10 rounds, four ~16), as
 #      below. A cut-off run's bench.log still pairs: python3 scripts/paired_rounds.py bench.log
-#   The pair row in one call (H200): install-b >/dev/null 2>&1; hc-bench-start --interleave --parallel-start
-#      --configs hc_off,hc_ours,hc_off,hc_ours --reps 16 --time-budget-s 500 --mem-fraction-static 0.88
-#      >/dev/null; sleep 5; hc-bench-wait 560. Then, same host at once: hc-bench-start --interleave --parallel-start
-#      --configs hc_off,hc_ours --reps 1 --profile-batches 2 --profile-turn 0 (1: the load-back turn); hc-bench-wait
-#      (the profiled batches' GPU split and the canary's kernels, trace_summary, in bench_overhead.json)
+#   The pair row in one call (H200), with each turn's profile after it: install-b >/dev/null 2>&1; hc-bench-start
+#      --interleave --parallel-start --configs hc_off,hc_ours,hc_off,hc_ours --reps 16 --time-budget-s 400
+#      --mem-fraction-static 0.88 --profile-batches 2 --profile-turn 0,1 >/dev/null; sleep 5; hc-bench-wait 560
+#      (the first server of each config profiles 2 batches of turn 0, fresh, and of turn 1, load-backs, after the
+#      rounds: trace_summary in bench_overhead.json, the traces as trace-<server>-turn<N>.json.gz)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
