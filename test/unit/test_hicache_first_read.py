@@ -17,7 +17,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TR
 import pytest  # noqa: E402
 
 from kv_canary import fingerprint as fp  # noqa: E402
-from kv_canary.buffer_groups import PoolLayout, build_group  # noqa: E402
+from kv_canary.buffer_groups import KVRow, PoolLayout, build_group  # noqa: E402
 from kv_canary.config import CanaryConfig, CanaryMode, RealData  # noqa: E402
 from kv_canary.host_records import HostRecordStore  # noqa: E402
 from kv_canary.kernels import reference as ref  # noqa: E402
@@ -80,10 +80,10 @@ def test_config_turns_on_full_rows_and_first_reads_without_clearing_tags():
     assert "hicache=1" in config.describe()
 
 
-@pytest.mark.parametrize("flip,parts", [(None, 0), (-1, 0), (None, 3), (-1, 2), (1, 2), (3, 3)])
+@pytest.mark.parametrize("flip,parts", [(None, 0), (-1, 0), (None, (1, 1)), (-1, (1,)), (1, (1,)), (3, (4, 1))])
 def test_loaded_slots_are_listed_once_and_hashed_after_the_forward(flip, parts):
     """``flip``: the row (of ``group.rows``) a loaded slot's byte is flipped in, None: none; ``parts``: the LIST
-    hashed in that many runs of layers then finalized (``load_hashing``), 0: in one launch."""
+    hashed in runs of layers (``layer_parts``' last runs) then finalized (``load_hashing``), 0: in one launch."""
     config = _config()
     groups = [_group(config, seed=1) for _ in BACKENDS]
     states = [_state() for _ in BACKENDS]
@@ -176,12 +176,20 @@ def test_a_load_larger_than_all_modes_list_is_listed_whole_by_its_forward():
     assert int(counters[fp.C_SLOTS_FIRST_READ]) == n and int(counters[fp.C_VIOLATIONS]) == 0
 
 
-def test_layer_parts_cover_every_row_once_in_runs_of_whole_layers():
-    group = _group(_config())
-    assert layer_parts(group.rows, 1) == ((0, 6, 2),)
-    assert layer_parts(group.rows, 2) == ((0, 2, 0), (2, 6, 2))
-    assert layer_parts(group.rows, 3) == ((0, 2, 0), (2, 4, 1), (4, 6, 2))
-    assert layer_parts(group.rows, 8) == layer_parts(group.rows, 3)  # at most one part a layer
+def test_layer_parts_cover_every_row_once_in_runs_of_whole_layers_the_last_runs_short():
+    """The last runs hold the given layer counts (the last one after the whole load landed: one layer by default),
+    the first run the layers before them; runs a small model leaves empty are dropped."""
+    group = _group(_config())  # 3 layers, K and V rows each
+    assert layer_parts(group.rows) == ((0, 4, 1), (4, 6, 2))  # (4, 1): the 4 before the last are just 2 here
+    assert layer_parts(group.rows, (1,)) == ((0, 4, 1), (4, 6, 2))
+    assert layer_parts(group.rows, (1, 1)) == ((0, 2, 0), (2, 4, 1), (4, 6, 2))
+    assert layer_parts(group.rows, (3,)) == ((0, 6, 2),)
+    assert layer_parts(group.rows, (9, 9, 1)) == ((0, 4, 1), (4, 6, 2))
+    rows = [KVRow(layer=i, half=h, view=torch.zeros(1, 1), words=1) for i in range(32) for h in ("k", "v")]
+    assert [(r0 // 2, r1 // 2, last) for r0, r1, last in layer_parts(rows)] == [(0, 27, 26), (27, 31, 30),
+                                                                                 (31, 32, 31)]
+    with pytest.raises(ValueError, match="at least one layer"):
+        layer_parts(group.rows, (2, 0))
 
 
 @pytest.mark.parametrize("flip_row", [2, -1])  # outside the window HEAD's verify hashes (layer 0)
