@@ -55,7 +55,8 @@ class LaunchShape:
     slot_tile: Tuple[int, int, int]  # SB floor (unless rows are short); a TAIL's SB is capped by its run
     rows_per_program: Tuple[int, int, int]  # a TAIL of <= 16 slots: one
     persistent_programs: Tuple[int, int, int]  # slot-block programs of a SCRUB / LIST launch (each loops)
-    target_programs: int  # a TAIL over a long run splits its tokens until about this many programs
+    target_programs: int  # a TAIL over a long run splits its tokens until about this many programs; a LIST of
+    # a few rows gets about this many programs
     warps: int
     finalize_block: int  # slots a finalize program mixes
     finalize_programs: int  # most finalize programs of a SCRUB / LIST launch (each loops)
@@ -331,11 +332,17 @@ def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_
     num_rows = int(table.shape[0])
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
-    if mode != TAIL:  # persistent slot-block programs, each looping over blocks
-        grid0 = min(SHAPE.persistent_programs[mode], cdiv(max(1, lanes), sb))
+    chunks = cdiv(num_rows, rpp)
+    if mode != TAIL:  # persistent slot-block programs, each looping over blocks; a LIST of a few rows (a load's
+        # last layers) gets more of them, about ``target_programs`` in all (one layer of a 9.3k-slot load on an
+        # H200: 199 us in 64 x 2 programs, the whole GPU's memory idle but for them)
+        programs = SHAPE.persistent_programs[mode]
+        if mode == LIST:
+            programs = max(programs, SHAPE.target_programs // chunks)
+        grid0 = min(programs, cdiv(max(1, lanes), sb))
     if fused is not None:
         grid0, rpp = SHAPE.fused_list_programs, num_rows
-    chunks = cdiv(num_rows, rpp)
+        chunks = 1
     splits = 1
     if mode == TAIL:  # host-known: the batch size and the longest new run
         splits = max(1, min(cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
