@@ -94,16 +94,31 @@ def test_no_load_issued_no_records_moved_and_no_manager_no_work():
 
 def test_acks_free_and_consumer_hand_over():
     m = FakeManager()
-    tree = SimpleNamespace(kv_canary_manager=m)
-    # batched backups and frees land before sglang's ack check and again after it (write-back may write in it)
-    assert hicache.around_writing_check(lambda t, *a: m.calls.append(("check", a)) or 7, tree, True) == 7
+    queue = [object(), object()]  # sglang's ack_write_queue: (start, finish event, node ids) per backup
+    tree = SimpleNamespace(kv_canary_manager=m, cache_controller=SimpleNamespace(ack_write_queue=queue))
+
+    def check(t, *a, acks=0, **kw):
+        m.calls.append(("check", a, kw))
+        del queue[:acks]
+        return 7
+    # batched backups and frees land right after a check that acked a backup (before the scheduler can reuse the
+    # acked device slots), or a blocking write-back check (it may write and ack in it)
+    assert hicache.around_writing_check(check, tree) == 7  # nothing acked: they stay batched
+    assert hicache.around_writing_check(lambda t, *a: check(t, *a, acks=1), tree) == 7
+    assert hicache.around_writing_check(check, tree, True) == 7
+    assert hicache.around_writing_check(check, tree, write_back=True) == 7
     hicache.after_host_free(2, SimpleNamespace(kv_canary_manager=m), torch.tensor([5, 6]))
-    assert m.calls == [("flush",), ("check", (True,)), ("flush",), ("acked",), ("free", [5, 6])]
+    assert m.calls == [("check", (), {}), ("acked",), ("check", (), {}), ("flush",), ("acked",),
+                       ("check", (True,), {}), ("flush",), ("acked",), ("check", (), {"write_back": True}),
+                       ("flush",), ("acked",), ("free", [5, 6])]
+    m.calls.clear()  # a tree without the controller's queue: every check flushes
+    assert hicache.around_writing_check(check, SimpleNamespace(kv_canary_manager=m)) == 7
+    assert m.calls == [("check", (), {}), ("flush",), ("acked",)]
     assert hicache.around_writing_check(lambda t: 3, SimpleNamespace()) == 3  # no canary: sglang's body alone
     counter = SimpleNamespace(consumer_index=-1, wait_until=lambda layer: None)
     runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(layer_transfer_counter=counter))
     hicache.note_load_consumer(m, runner)
-    assert m.calls[-1][0] == "free"  # no load consumed: nothing handed over
+    assert m.calls[-1][0] == "acked"  # no load consumed: nothing handed over
     counter.consumer_index = 2
     hicache.note_load_consumer(m, runner)
     assert m.calls[-1] == ("load_in_flight", counter.wait_until, 2)

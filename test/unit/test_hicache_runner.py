@@ -277,9 +277,13 @@ def test_backups_and_frees_are_batched_until_the_next_flush_in_their_order():
     assert not bool(m.host_records.records[44:46].any()) and bool(m.host_records.records[46:48].all())
 
 
-def test_a_load_and_a_forward_flush_what_is_batched_first():
-    """A load-back reads host records the flush writes (flushed first); a forward never runs with a backup or free
-    left behind it; a cache reset drops what is batched."""
+def test_a_load_flushes_what_is_batched_first_a_forward_only_past_the_bound():
+    """A load-back reads host records the flush writes (flushed first); a forward leaves a few batched backups and
+    frees batched (nothing it runs reads them), and flushes them past ``MAX_BATCHED_HOST_OPS``; a cache reset
+    drops what is batched."""
+    from kv_canary.runner import CanaryManager
+    from kv_canary.runner import host_copies
+
     m = Manager([])
     old = torch.arange(1, 17)
     m.forward(0, old, 0)
@@ -289,10 +293,12 @@ def test_a_load_and_a_forward_flush_what_is_batched_first():
     m.free_host_slots(torch.arange(32, 40))
     m.init_finished = True
     m.token_oracle, m._arrivals, m.perturb = None, [], type("P", (), {"active": False})()
-    from kv_canary.runner import CanaryManager
-
     CanaryManager._pre_ops_outside_graph(m, object())  # a forward's outside pre-ops (nothing else of them runs)
-    assert not bool(m.host_records.records[32:40].any())
+    assert bool(m.host_records.records[32:40].any())  # one free batched: left for the next ack or load
+    for h in range(host_copies.MAX_BATCHED_HOST_OPS):
+        m.free_host_slots(torch.tensor([100 + h % 20]))
+    CanaryManager._pre_ops_outside_graph(m, object())  # past the bound: flushed
+    assert not bool(m.host_records.records[32:40].any()) and not (m._pending_frees or m._pending_backups)
     m.backup_records(old, torch.arange(60, 76))
     m.clear_host_records()
     m.flush_host_records()

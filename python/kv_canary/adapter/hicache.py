@@ -272,14 +272,21 @@ def around_start_loading(original, controller, *args, **kwargs):
 
 def around_writing_check(original, tree, *args, **kwargs):
     """sglang's write-ack check (every scheduler step; write-back: blocking, before it frees evicted device slots):
-    batched backups and frees land first (``flush_host_records``), and again after it (a write-back check may start
-    queued writes itself); then the host-copy perturbation may flip a byte of a copy that landed."""
+    when it acked a backup (its controller's ``ack_write_queue`` shrank) or blocked on them all (``write_back``),
+    the batched backups and frees land right after it (``flush_host_records``), before the scheduler can evict
+    and reuse the acked device slots (until the ack they stay locked, their records unchanged); then the host-copy
+    perturbation may flip a byte of a copy that landed. A check that acked nothing leaves them batched: the step
+    after a prefill, whose host work is the GPU's critical path, no longer pays the flush for backups whose copy
+    has not landed (a fresh batch's ~8.7k slots: ~20 ms over PCIe)."""
     manager = _manager(tree)
     if manager is None:
         return original(tree, *args, **kwargs)
-    manager.flush_host_records()
+    queue = getattr(getattr(tree, "cache_controller", None), "ack_write_queue", None)
+    before = len(queue) if queue is not None else -1
     result = original(tree, *args, **kwargs)
-    manager.flush_host_records()
+    write_back = kwargs.get("write_back", args[0] if args else False)
+    if write_back or queue is None or len(queue) < before:  # unknown queue: every check flushes
+        manager.flush_host_records()
     manager.host_backups_acked()
     return result
 

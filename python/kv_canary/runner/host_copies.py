@@ -5,9 +5,9 @@ The engine wiring tells the manager three things, with plain tensors:
 * ``backup_records(device_idx, host_idx)``: the engine is about to copy these device slots' K/V to those host
   slots; their records go to the host slots' rows on the current stream (``HostRecordStore.backup``: a table on
   the device, indexed by host slot), ahead of the K/V copy when a storage tier, the host-copy perturbation or the
-  host scrub reads them after the engine's write ack; otherwise batched with the host frees until the engine's
-  next ack check or load (``flush_host_records``: a few device ops for all of them, off the path from a finished
-  request to its response);
+  host scrub reads them after the engine's write ack; otherwise batched with the host frees until the engine
+  acks a backup or loads (``flush_host_records``: a few device ops for all of them, off the path from a finished
+  request to its response and from a prefill to its next decode step);
 * ``stage_load(host_idx)`` before the engine queues a load, then ``load_records(host_idx, device_idx, host_dev=)``:
   the engine loads those host copies into *new* device slots; their host records are written at the new indices
   and their first-read tag is zeroed, so the next read lists them and hashes every byte once
@@ -40,6 +40,10 @@ from ..violations import Violation
 from .brackets import CanaryBracketError
 from .load_hashing import LoadWaits
 from .storage_pages import StoragePages
+
+# batched backups and host frees past which a forward's outside pre-ops flush them (``bound_host_batch``): a bound
+# on the batch's size, not a point the records need (an ack of a backup, or a load, flushes them)
+MAX_BATCHED_HOST_OPS = 512
 
 
 class HostCopies(StoragePages):
@@ -85,7 +89,7 @@ class HostCopies(StoragePages):
         self.host_records = store
         self.storage_on = bool(storage)
         # without a storage tier, the host-copy perturbation and the host scrub, nothing reads a host record before
-        # the engine's next ack check or load (``flush_host_records``): backups and frees are batched until then
+        # the engine's next load (``flush_host_records``): backups and frees are batched until an ack or a load
         self.defer_host_ops = not storage and self.config.perturb_host_copy_prob <= 0 and (
             self.config.host_scrub_slots_per_second <= 0)
         if storage:  # what the records' hashes cover: a page written by a server hashing otherwise has none for us
@@ -130,9 +134,10 @@ class HostCopies(StoragePages):
         Immediate (a storage tier, the host-copy perturbation or the host scrub reads host records after the
         engine's write ack): queued before the engine's K/V copy, whose start waits for this stream, so its ack
         covers them. Batched (``defer_host_ops``): kept until ``flush_host_records``, which the engine wiring calls
-        before its next ack check and every load; the device slots stay the engine's until their ack (a write-through
-        lock, or write-back's blocking check), so their records are unchanged until then, and every later forward
-        and load is queued behind the flush."""
+        right after an ack check that acked a backup (before the scheduler can free the acked device slots) and
+        before every load; the device slots stay the engine's until their ack (a write-through lock, or
+        write-back's blocking check), so their records are unchanged until then, and every later load is queued
+        behind the flush (no forward reads a host record)."""
         if self.host_records is None or device_idx.numel() == 0:
             return
         if self.host_scrub is not None:  # before the records and the K/V change: the scrub discards what it hashes
@@ -147,8 +152,8 @@ class HostCopies(StoragePages):
         """Backups and frees since the last flush (batched, or the one just made when immediate), in a few device ops
         on the current stream: the freed host slots' records zeroed (after the last load's read of them), then every
         backup's records written (a slot freed and backed up again since the last flush ends with its new record; a
-        slot backed up and then freed within one interval cannot happen: its node is locked until the ack check that
-        flushes first)."""
+        slot backed up and then freed within one interval cannot happen: its node is locked until its ack, which
+        flushes before the scheduler goes on)."""
         backups, frees = self._pending_backups, self._pending_frees
         if not backups and not frees:
             return
@@ -168,6 +173,11 @@ class HostCopies(StoragePages):
         host = backups[0][1] if len(backups) == 1 else torch.cat([h.reshape(-1) for _, h in backups])
         self.host_records.backup(host, records.index_select(0, dev.reshape(-1).to(records.device, torch.int64)),
                                  freed=freed, backups=len(backups))
+
+    def bound_host_batch(self) -> None:
+        """Before a forward (outside a graph): flush when more than ``MAX_BATCHED_HOST_OPS`` are batched."""
+        if len(self._pending_backups) + len(self._pending_frees) > MAX_BATCHED_HOST_OPS:
+            self.flush_host_records()
 
     def backup_queued(self, host_idx: torch.Tensor, stream=None) -> None:
         """The engine queued its K/V copy to ``host_idx`` on ``stream`` (None: done already). The host-copy

@@ -306,8 +306,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     def _pre_ops_outside_graph(self, fb: object) -> None:
         if not self.init_finished:
             return
-        if self._pending_backups or self._pending_frees:  # HiCache: nothing batched stays behind a forward
-            self.flush_host_records()
+        self.bound_host_batch()  # HiCache: what is batched stays bounded
         if self.token_oracle is not None:
             # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
             # a newly admitted request's expected chain over its cached prefix.
