@@ -548,3 +548,57 @@ def test_idle_ablation_skips_the_managers_per_forward_work_only_when_asked():
                           env={**base, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300)
     assert busy.returncode == 0, busy.stderr[-2000:]
     assert busy.stdout.split() == ["False", "post_ops_maybe_inside_graph"]
+
+
+def test_trace_boundaries_finds_each_batchs_load_tail_and_first_decode_gap(tmp_path):
+    """scripts/trace_boundaries.py on a synthetic trace: two batches (a prefill of two layers, then decode
+    replays of > 100 kernels each); the second loads two layers from the host, its first layer launched after
+    that layer's load landed (host-bound), its last layer's load ending 50 us before the attention; the canary's
+    kernels of its eager part listed from the load's start."""
+    tb = _load("trace_boundaries")
+    events, corr = [], [0]
+
+    def kernel(name, ts, dur, launch_ts=None, graph=None, stream=7):
+        corr[0] += 1
+        c = graph if graph is not None else corr[0]
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                       "args": {"correlation": c, "stream": stream}})
+        if graph is None:
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                           "ts": ts - 5 if launch_ts is None else launch_ts, "dur": 1, "args": {"correlation": c}})
+
+    def replay(ts):  # one decode step: 101 kernels of one cudaGraphLaunch, 1,000 us
+        corr[0] += 1
+        g = corr[0]
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts - 100, "dur": 5,
+                       "args": {"correlation": g}})
+        for i in range(101):
+            kernel("decode_k", ts + i * 9.91, 9, graph=g)
+        return ts + 1000
+    kernel("_fwd_kernel", 0, 100)  # batch 0: two layers, no load
+    kernel("_fwd_kernel", 200, 100)
+    t = replay(900)  # its tail: 900 - 300 = 600 us
+    t = replay(t + 300)  # 300 us after the first decode step
+    t0 = t + 10000  # batch 1: loads of 2 layers, 1 ms each
+    kernel("void hicache_transfer_per_layer<long>", t0, 1000, stream=9)
+    kernel("void hicache_transfer_per_layer<long>", t0 + 1000, 1000, stream=9)
+    kernel("verify_kernel", t0 + 100, 10)
+    kernel("_fwd_kernel", t0 + 1200, 100, launch_ts=t0 + 1100)  # launched after layer 0 landed: host-bound
+    kernel("_fwd_kernel", t0 + 2050, 100, launch_ts=t0 + 1500)  # launched before layer 1 landed
+    kernel("row_hash_kernel", t0 + 2010, 30)
+    t = replay(t0 + 2500)
+    replay(t + 1200)
+    rows = tb.boundaries(_write_trace(tmp_path, events))
+    assert rows[0] == {"decode_replays": 2, "tail_us": 600.0, "after_first_decode_us": 300.0, "canary_us": []}
+    assert rows[1] == {"decode_replays": 2, "tail_us": 350.0, "after_first_decode_us": 1200.0, "load_ms": 2.0,
+                       "host_bound_layers": 1, "last_load_to_decode_us": 500.0,
+                       "canary_us": [("verify_kernel", 0.1, 10), ("row_hash_kernel", 2.01, 30)]}
+
+
+def _write_trace(tmp_path, events):
+    import gzip
+
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
