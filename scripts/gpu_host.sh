@@ -71,7 +71,10 @@
 #      --interleave --parallel-start --configs hc_off,hc_ours,hc_off,hc_ours --reps 16 --time-budget-s 400
 #      --mem-fraction-static 0.88 --profile-batches 2 --profile-turn 0,1 >/dev/null; sleep 5; hc-bench-wait 560
 #      (the first server of each config profiles 2 batches of turn 0, fresh, and of turn 1, load-backs, after the
-#      rounds: trace_summary in bench_overhead.json, the traces as trace-<server>-turn<N>.json.gz)
+#      rounds: trace_summary in bench_overhead.json, the traces as trace-<server>-turn<N>.json.gz; then here:
+#      python3 scripts/trace_boundaries.py TRACES, python3 scripts/decode_windows.py server logs (server-logs.tgz))
+#   The boundary's host time over every timed batch: the same pair row with --host-timers in place of the profile
+#      flags (each scheduler's boundary segments and the canary's and sglang's methods, in bench.log)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
