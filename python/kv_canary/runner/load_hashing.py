@@ -4,9 +4,10 @@ The forward that consumes a load (``HostCopies.load_in_flight``) lists the loade
 tag was zeroed at the load, so HEAD's verify lists them). Their whole rows are then hashed in runs of whole
 layers, the last runs short (``LAST_RUNS``): each run is queued on a side stream behind the load event of its
 last layer (``LoadWaits.layer``, the engine's per-layer event), while the forward runs on its own stream (it
-waits for each layer itself); the finalize then compares every listed slot's sum with its FULL_HASH and empties the list. TAIL's write waits for
-the side stream (``join``) before it bumps the forward counter, so the finalize's violation rows name the
-consuming forward, and no later forward lists first reads while this list is in use.
+waits for each layer itself); the finalize then compares every listed slot's sum with its FULL_HASH and empties
+the list. TAIL's write waits for the side stream (``join``) before it bumps the forward counter, so the
+finalize's violation rows name the consuming forward, and no later forward lists first reads while this list is
+in use.
 
 Why: a load from host memory is a copy over PCIe, layer by layer (an 8B-shaped model on an H100: ~1 ms a layer
 for 6k slots), and the GPU's memory is idle meanwhile; every run but the last hides behind a later layer's copy.

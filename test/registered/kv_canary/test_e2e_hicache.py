@@ -146,8 +146,8 @@ def test_loaded_back_prefixes_are_verified_with_no_violation(tmp_path, page_size
     alarm (with ``page_first``, that case's layout on CPU, it reads the host rows strided, as sglang lays them
     out), and backups land ahead of sglang's copies; in the other two (no scrub: an operator's default) backups and
     host frees are batched until sglang acks one of the backups or loads (``runner/host_copies``), under
-    write-back's blocking check, a cache reset and write-through-selective. Each value of each setting (page size, policy, io backend,
-    layout) is in one case: one server fewer a line than a case per layout (CI time)."""
+    write-back's blocking check, a cache reset and write-through-selective. Each value of each setting (page size,
+    policy, io backend, layout) is in one case: one server fewer a line than a case per layout (CI time)."""
     result, counters, log, running, srv = serve("raise", tmp_path, page_size=page_size, policy=policy,
                                                 io_backend=io_backend, flush_and_repeat=policy == "write_back",
                                                 env=SCRUB if scrub else {}, layout=layout)
