@@ -20,15 +20,13 @@ For each batch (its decode-step graph replays, told apart by a gap of eager work
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
 import json
 import sys
 from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_summary import CANARY_KERNELS  # noqa: E402
+from trace_summary import GPU_CATS, graph_replays, is_canary_kernel, read_events  # noqa: E402
 
 LOAD_KERNEL = "hicache_transfer_per_layer"
 BATCH_GAP_US = 5000.0  # eager work between two replays longer than this: a new batch's prefill
@@ -41,24 +39,18 @@ def _is_attention(name: str) -> bool:
 
 def boundaries(trace: Path) -> List[Dict]:
     """One dict a batch of the trace (see the module docstring)."""
-    opener = gzip.open if trace.suffix == ".gz" else open
-    with opener(trace, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    runtime = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")}
-    per_corr = collections.Counter(e["args"].get("correlation") for e in gpu)
-    graphs = {c for c, e in runtime.items() if e["name"] == "cudaGraphLaunch" and per_corr[c] > 100}  # model replays
-    replays: Dict[int, List[dict]] = collections.defaultdict(list)
-    for e in gpu:
-        if e["args"].get("correlation") in graphs:
-            replays[e["args"]["correlation"]].append(e)
-    spans = sorted((min(k["ts"] for k in v), max(k["ts"] + k["dur"] for k in v)) for v in replays.values())
+    events = read_events(trace)
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    launch_ts = {(e.get("args") or {}).get("correlation"): e["ts"] for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    replays = graph_replays(events)  # (launch, first kernel, end, correlation): the model's decode steps
+    graphs = {r[3] for r in replays}
     batches: List[List[tuple]] = []
-    for span in spans:
-        if batches and span[0] - batches[-1][-1][1] <= BATCH_GAP_US:
-            batches[-1].append(span)
+    for _, start, end, _ in sorted(replays, key=lambda r: r[1]):
+        if batches and start - batches[-1][-1][1] <= BATCH_GAP_US:
+            batches[-1].append((start, end))
         else:
-            batches.append([span])
+            batches.append([(start, end)])
     out, prev_end = [], gpu[0]["ts"] if gpu else 0.0
     for batch in batches:
         first = batch[0][0]
@@ -75,11 +67,11 @@ def boundaries(trace: Path) -> List[Dict]:
         if loads:
             ends = [e["ts"] + e["dur"] for e in loads]
             row["load_ms"] = round((ends[-1] - t0) / 1e3, 2)
-            launched = [runtime[a["args"]["correlation"]]["ts"] for a in attention[-len(loads):]]
+            launched = [launch_ts[a["args"]["correlation"]] for a in attention[-len(loads):]]
             row["host_bound_layers"] = sum(1 for lt, le in zip(launched, ends) if lt > le)
             row["last_load_to_decode_us"] = round(first - ends[-1], 1)
         row["canary_us"] = [(e["name"].split("(")[0], round((e["ts"] - t0) / 1e3, 2), round(e["dur"], 1))
-                            for e in eager if e["name"].split("(")[0] in CANARY_KERNELS]
+                            for e in eager if is_canary_kernel(e["name"])]
         out.append(row)
         prev_end = batch[-1][1]
     return out

@@ -27,7 +27,7 @@ CANARY_KERNELS = ("verify_kernel", "write_kernel", "row_hash_kernel", "row_final
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def _is_canary_kernel(name: str) -> bool:
+def is_canary_kernel(name: str) -> bool:
     return any(name == k or name.startswith(k + "_") or name.startswith(k + "(") for k in CANARY_KERNELS)
 
 
@@ -103,31 +103,45 @@ def runtime_calls(events: List[dict], top: int = 12) -> Dict[str, List[Dict]]:
             for t, calls in per.items()}
 
 
-def graph_steps(events: List[dict], min_kernels: int = 50) -> Dict:
+def graph_replays(events: List[dict], min_kernels: int = 50) -> List[tuple]:
     """The replays of the model's CUDA graphs (``cudaGraphLaunch`` calls whose kernels, matched by correlation id,
-    number ``min_kernels`` or more): the GPU span of each replay, the gap from its end to the next replay's start
-    (sampling, the next step's inputs, the host), and how far ahead of the GPU the host launched it (``lead``: the
-    launch call's start to its first kernel; a lead near 0 means the GPU waited for the host). Medians, us."""
+    number ``min_kernels`` or more: not a one-kernel graph such as the canary's counter publish), in launch order:
+    (launch call's start, first kernel's start, last kernel's end, correlation id), us."""
     kernels: Dict[object, List[dict]] = defaultdict(list)
     for e in events:
         if e.get("cat") in GPU_CATS:
             kernels[(e.get("args") or {}).get("correlation")].append(e)
     steps = []
     for e in sorted((e for e in events if e.get("name") == "cudaGraphLaunch"), key=lambda e: e["ts"]):
-        ks = kernels.get((e.get("args") or {}).get("correlation"), [])
+        corr = (e.get("args") or {}).get("correlation")
+        ks = kernels.get(corr, [])
         if len(ks) >= min_kernels:
-            steps.append((e["ts"], min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)))
+            steps.append((e["ts"], min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks), corr))
+    return steps
+
+
+def graph_steps(events: List[dict], min_kernels: int = 50) -> Dict:
+    """The model graph's replays (``graph_replays``): the GPU span of each replay, the gap from its end to the next
+    replay's start (sampling, the next step's inputs, the host), and how far ahead of the GPU the host launched it
+    (``lead``: the launch call's start to its first kernel; a lead near 0 means the GPU waited for the host).
+    Medians, us."""
+    steps = graph_replays(events, min_kernels)
     gaps = [b[1] - a[2] for a, b in zip(steps, steps[1:])]
     return {"replays": len(steps), "span_median_us": _median([s[2] - s[1] for s in steps]),
             "gap_after_median_us": _median(gaps), "gap_after_max_us": round(max(gaps), 1) if gaps else None,
             "lead_median_us": _median([s[1] - s[0] for s in steps])}
 
 
-def summarize(path: Path, top: int = 25) -> Dict:
-    """The summary dict of one trace (times in microseconds, as the trace's)."""
+def read_events(path: Path) -> List[dict]:
+    """The complete events (``ph`` X, with a duration) of a chrome trace, gzipped or not."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
-        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+        return [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+
+
+def summarize(path: Path, top: int = 25) -> Dict:
+    """The summary dict of one trace (times in microseconds, as the trace's)."""
+    events = read_events(path)
     t_lo = min((e["ts"] for e in events), default=0.0)
     t_hi = max((e["ts"] + e["dur"] for e in events), default=0.0)
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
@@ -141,7 +155,7 @@ def summarize(path: Path, top: int = 25) -> Dict:
         k = per_kernel[e["name"][:120]]
         k[0] += e["dur"]
         k[1] += 1
-        if _is_canary_kernel(e["name"]):
+        if is_canary_kernel(e["name"]):
             canary_us += e["dur"]
     frames: Dict[tuple, List[tuple]] = defaultdict(list)
     for e in events:
@@ -162,8 +176,8 @@ def summarize(path: Path, top: int = 25) -> Dict:
             "gpu_long_busy_runs": busy_run_lengths(runs), "gpu_graph_steps": graph_steps(events),
             "cpu_runtime_calls": runtime_calls(events),
             "gpu_canary_kernel_us": round(canary_us, 1),
-            "gpu_canary_kernels": rank({n: v for n, v in per_kernel.items() if _is_canary_kernel(n)}),
-            "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if _is_canary_kernel(n)),
+            "gpu_canary_kernels": rank({n: v for n, v in per_kernel.items() if is_canary_kernel(n)}),
+            "gpu_canary_kernel_launches": sum(v[1] for n, v in per_kernel.items() if is_canary_kernel(n)),
             "gpu_top_kernels": rank(per_kernel),
             "cpu_canary_us_per_thread": cpu_threads, "cpu_top_canary_frames": rank(top_frames)}
 

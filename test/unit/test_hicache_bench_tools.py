@@ -3,23 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from test_bench_overhead import _load  # noqa: E402  (the scripts' loader; test/unit is on the path under pytest)
 
 
 def test_the_hicache_bench_profiles_each_asked_turn_from_its_first_batch_with_prompts_no_other_run_sent(
