@@ -136,6 +136,7 @@ class TokenOracle:
         at = 0
         admit_rows: List[int] = []
         admit_prefixes: List[Sequence[int]] = []
+        admit_kept: List[bool] = []  # remember the admission's prefix (no longer fed prompt of it will be)
         fed: List[Tuple[int, Hashable, Record, int, np.ndarray, int, int]] = []  # ..., admission index or -1, base
         for row, key, prefix, n, record in requests:
             prompt, outputs = record()
@@ -146,6 +147,7 @@ class TokenOracle:
                 if prefix > 0:
                     admit_rows.append(row)
                     admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
+                    admit_kept.append(not known >= n >= FED_REMEMBER_MIN_TOKENS)
             if known >= n >= FED_REMEMBER_MIN_TOKENS:  # remembered if the chain before its fed tokens is known
                 if admitted:  # the anchor, or its admission chain
                     fed.append((row, key, record, prefix, arr[at:at + n].copy(), len(admit_rows) - 1 if prefix else -1,
@@ -161,7 +163,7 @@ class TokenOracle:
         chains: List[int] = []
         if a:
             base = self._admit_at
-            chains = self._prefix_chains(admit_prefixes)
+            chains = self._prefix_chains(admit_prefixes, admit_kept)
             arr[base:base + a] = admit_rows
             arr[base + a:base + 2 * a] = chains
             dev = self.staged[base:base + 2 * a]
@@ -194,12 +196,14 @@ class TokenOracle:
             if not known:  # a batch may feed one prompt twice
                 self._remember_chain(tokens, chain)
 
-    def _prefix_chains(self, prefixes: Sequence[Sequence[int]]) -> List[int]:
+    def _prefix_chains(self, prefixes: Sequence[Sequence[int]], kept: Sequence[bool]) -> List[int]:
         """``prefix_chains_np``, extending remembered prefixes: a multi-turn request's cached prefix is the previous
         turn's admitted prefix plus that turn's tokens, and requests share a system prompt. The chain is additive, so
         the longest remembered prefix of each (exact: compared token by token, one C-level list comparison, ~3 ns a
         token) gives the chain over its positions and only the tokens after it are converted to numpy and hashed
-        (~20 ns a token: the cost of a miss). Prefixes equal within the batch are hashed once."""
+        (~20 ns a token: the cost of a miss). Prefixes equal within the batch are hashed once. A prefix is remembered
+        if ``kept`` (its request's fed prompt, which extends it, will not be: ``remember_fed``) or the batch admits
+        it more than once (a shared system prompt); else its longer fed prompt serves its next turn."""
         chains: List[Optional[int]] = [None] * len(prefixes)
         todo: List[Tuple[List[int], int, int, List[int]]] = []  # (tokens, remembered length, its chain, indices)
         lengths = sorted(self._chain_cache, reverse=True)
@@ -221,7 +225,8 @@ class TokenOracle:
             for (tokens, _, _, where), chain in zip(todo, rests):
                 for i in where:
                     chains[i] = chain
-                self._remember_chain(tokens, chain)
+                if len(where) > 1 or kept[where[0]]:
+                    self._remember_chain(tokens, chain)
         return chains
 
     def _longest_remembered(self, tokens: List[int], lengths: Sequence[int]) -> Tuple[int, int]:

@@ -597,6 +597,26 @@ def test_fed_prompts_are_remembered_for_the_next_turns_admission(monkeypatch):
     assert oracle._fed_pending == []
 
 
+def test_an_admitted_prefix_is_remembered_only_where_no_longer_fed_prompt_will_be():
+    """A request admitted with a cached prefix and fed >= FED_REMEMBER_MIN_TOKENS has its fed prompt (which extends
+    the prefix) remembered after its forward: its prefix is not remembered too (one entry a turn, not two); a prefix
+    the batch admits twice (a shared system prompt) and one whose request feeds too few tokens are."""
+    g = torch.Generator().manual_seed(5)
+    draw = lambda n: torch.randint(1, 150000, (n,), generator=g).tolist()  # noqa: E731
+    oracle = TokenOracle(rows=8, max_batch_size=8, max_tokens_per_forward=2048, device=DEVICE)
+    own, shared, short = draw(100), draw(80), draw(60)
+    a, b, c, d = own + draw(40), shared + draw(40), shared + draw(40), short + draw(3)
+    reqs = [(1, "a", 100, 40, lambda: (a, [])), (2, "b", 80, 40, lambda: (b, [])),
+            (3, "c", 80, 40, lambda: (c, [])), (4, "d", 60, 3, lambda: (d, []))]
+    assert oracle.stage(reqs) == 4
+    assert [int(oracle.row_chain[r]) for r in (1, 2, 3, 4)] == fp.prefix_chains_np([own, shared, shared, short])
+    assert sorted(len(t) for t, _ in oracle._chain_order) == [60, 80]  # the shared and the short-fed prefixes
+    oracle.remember_fed()
+    assert sorted(len(t) for t, _ in oracle._chain_order) == [60, 80, 120, 120, 140]  # + the fed prompts
+    assert oracle._longest_remembered(a + [9], sorted(oracle._chain_cache, reverse=True)) == \
+        (140, fp.prefix_chains_np([a])[0])
+
+
 def test_numpy_chain_twin_is_bit_equal_to_torch_and_to_the_records():
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 2**31 - 1, (3000,), generator=g)

@@ -459,3 +459,28 @@ def test_precompile_covers_every_variant_a_workload_launches(caplog):
     with caplog.at_level(logging.WARNING, logger="kv_canary"):
         h.step(h.batch({4: list(range(5, 45))}))
     assert tracker.after_startup and "kv_canary_jit_after_startup=1 kernel=write" in caplog.text
+
+
+def test_eager_steps_leave_their_bookkeeping_for_a_bounded_number_of_steps_or_idle(caplog):
+    """On CUDA an eager step (an extend) leaves the oracle's remembered chains and the counter poll to the next graph
+    replay; at most ``eager_steps_waiting`` eager steps in a row wait, and idle (``poll(drain=True)``) catches up."""
+    h = Harness(mode=CanaryMode.LOG)
+    m = h.manager
+    m.eager_steps_waiting = 2  # as on CUDA (CPU: 0, every step does its own)
+    m.mark_init_finished()
+    prompt = list(range(100, 140))  # 40 fed tokens: an admission the oracle remembers after the forward
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(h.batch({1: prompt}))
+        assert m.token_oracle._fed_pending and m.last_counters is None  # waiting: nothing remembered, nothing read
+        h.k[int(h.r2t[1, 3]), 0, 0] += 1.0  # a corrupted slot, read by every later step of request 1
+        h.step(h.batch({1: [7]}))  # the next extend's admission remembers what waited before it stages
+        assert m.token_oracle._row_fed[1][1] == 40 and not m.token_oracle._fed_pending
+        assert m.violations_reported == 0  # the second eager step waits too
+        h.step(h.batch({1: [8]}))  # the third: past the bound, the steps' bookkeeping runs
+        assert m.violations_reported == 2  # both steps that read the slot
+        h.step(h.batch({1: [9]}))
+        assert m.violations_reported == 2  # its violation waits for a catch-up
+        m.poll(drain=True)  # idle
+    assert m.violations_reported == 3 and m._wait_steps == 0
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [v["forward"] for v in found] == ["1"]  # the first forward that read it, not the poll's (logged once)

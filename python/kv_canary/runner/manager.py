@@ -57,10 +57,17 @@ from .arrivals import Arrivals
 from .brackets import ActiveBracket, CanaryBracketError, OutsideBracket
 from .deferred_writes import DeferredWrites
 from .host_copies import HostCopies
+from .precompile import precompile
 from .reporting import RID_HISTORY, Reporting
 from .single_forward import SingleForwardManager
 
 logger = logging.getLogger("kv_canary")
+
+# An eager outer step (an extend, on CUDA) leaves its host bookkeeping (``_catch_up``) to the next graph replay
+# (a decode step: its host work hides behind its graph), to the eager step after this many in a row, or to idle.
+# An extend's launch is a batch boundary's critical path (H200: the outer exit ~0.43 ms of it, mostly the oracle's
+# remembered chains; docs/hicache-results.md 7.18); violations surface at most this many forwards later.
+EAGER_STEPS_WAITING = 4
 
 
 class BatchAdapter(Protocol):
@@ -146,6 +153,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         self.cache_index = CachedSlotIndex(self.groups[0].num_slots, device) if config.sweep_interval > 0 else None
         self.variant_tracker = variant_tracker  # kernels.variants.VariantTracker (Triton backend) or None
         self.early_tail = None  # runner.early_tail.EarlyTail: the TAIL at the model's last stage (_patch_model_forward)
+        self.eager_steps_waiting = EAGER_STEPS_WAITING if device.type == "cuda" else 0  # 0: none wait (no replays)
         self._init_arrivals()
         self._init_deferred_writes()
         self._init_host_copies()
@@ -155,6 +163,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     def _reset_host_state(self) -> None:
         """Host-side accounting that restarts when init finishes (it mirrors the zeroed device counters)."""
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
+        self._wait_steps = 0  # eager outer steps in a row whose bookkeeping waits (``EAGER_STEPS_WAITING``)
         self.outer_steps = 0
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
         self._settled_forward = 0  # the forward of the last idle drain's settled stats line
@@ -243,62 +252,8 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             prefix_cache.attach_index(self.cache_index)
 
     def precompile(self, block_lengths: Sequence[int], batch_sizes: Sequence[int], verify_staged: bool = False) -> None:
-        """Launch every kernel variant once at install so Triton compiles none while serving.
-
-        Inert launches: every request is row 0 with a new run of n tokens at position 0
-        written to the padding slot 0, so nothing is read (no prefix) and nothing is
-        written (slot 0 is masked); only counters move, and init zeroes them. One launch
-        per (batch size, new-run length) in both index dtypes sglang uses (extend batches:
-        int32 starts/lengths; decode-like batches: int64; with ``verify_staged``, speculative verify
-        batches too: int64 and staged drafts, and the verify hook's ``record_accepted``; its
-        effect on the token oracle is cleared by ``mark_init_finished``; after ``enable_deferred_writes``, the
-        deferred TAIL of speculative tree verifies: its inputs' launch and an extend-like write that bumps no
-        forward), the PD decode side's fake-arrival writes, plus the sweep.
-        """
-        dev = self.counters.device
-        deferred_writes = self._accepted is not None
-        with self.capturing():
-            for bs in batch_sizes:
-                for n in block_lengths:
-                    # (dtype of starts/lengths, staged expected tokens): extend, decode[, verify]
-                    for lens_dtype, staged in ((torch.int32, True), (torch.int64, False),
-                                               *(((torch.int64, True),) if verify_staged else ())):
-                        view = ForwardView(
-                            input_ids=torch.zeros(bs * n, dtype=torch.int64, device=dev),
-                            positions=torch.zeros(bs * n, dtype=torch.int64, device=dev),
-                            out_cache_loc=torch.zeros(bs * n, dtype=torch.int64, device=dev),
-                            req_pool_indices=torch.zeros(bs, dtype=torch.int64, device=dev),
-                            seq_lens=torch.full((bs,), n, dtype=torch.int64, device=dev),
-                            # extend: every request reads tokens [0, n) (inert), so the staged reads stay in bounds
-                            new_starts=torch.arange(bs, dtype=lens_dtype, device=dev) * (0 if staged else n),
-                            new_lens=torch.full((bs,), n, dtype=lens_dtype, device=dev),
-                            batch_size=bs, max_new_len=n, staged=staged,
-                        )
-                        for sfm in self.single_forward_managers:
-                            sfm.pre_ops_maybe_inside_graph(view)
-                            sfm.post_ops_maybe_inside_graph(view)
-                        if deferred_writes and lens_dtype == torch.int32:  # write_accepted_drafts' launches
-                            self.single_forward_managers[0].deferred_post_ops(view)
-            self._precompile_fake_arrivals(block_lengths)  # PD decode: warm-up / health-check fake transfers
-            if verify_staged and self.token_oracle is not None:  # the verify hook's launch (sglang's dtypes)
-                z64, z32 = (torch.zeros(1, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
-                self.record_accepted(req_pool_indices=z64, committed=z64, next_token_ids=torch.zeros(
-                    2, dtype=torch.int32, device=dev), accept_lens=z32 + 1, batch_size=1, n=2)
-            if deferred_writes:  # spec v1's inputs launch, in sglang 0.5.12's dtypes
-                z64, z32 = (torch.zeros(2, dtype=dt, device=dev) for dt in (torch.int64, torch.int32))
-                self.kernels.accepted_drafts(
-                    out=self._accepted, staged=self._accepted_staged, req_to_token=self._req_to_token,
-                    rows=z64[:1], committed=z64[:1], kept_nodes=z32[:1], kept=1, batch_size=1, n=2,
-                    fed_tokens=z64, fed_positions=z64, appended=z32[:1])
-            for group_index, group in enumerate(self.groups):  # a load's first reads: a part, the finalize
-                if group.full_row is not None and group.full_row.first_read:
-                    for rows, finalize in (((0, 1), False), ((0, 0), True)):  # load_hashing's two launches
-                        self.kernels.first_read(group, self.counters, self.ring, group_index=group_index, rows=rows,
-                                                finalize=finalize)
-            if self.cache_index is not None:  # empty: nothing held, nothing checked
-                for group_index, group in enumerate(self.groups):
-                    self.kernels.sweep_index(group, self.cache_index, self.counters, self.ring,
-                                             group_index=group_index)
+        """Launch every kernel variant once at install so Triton compiles none while serving (``precompile.py``)."""
+        precompile(self, block_lengths, batch_sizes, verify_staged)
 
     # ------------------------------------------------------------------ one forward, top-down
     # outside pre-ops -> plan + HEAD -> forward -> TAIL -> outside post-ops (count; poll the counter copies)
@@ -353,8 +308,6 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None:
         if not self.init_finished:
             return
-        if self.token_oracle is not None:  # while the device runs the forward just launched
-            self.token_oracle.remember_fed()
         if self.host_records is not None:
             self._check_load_consumed()
         if self.perturb.active:
@@ -369,6 +322,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             ran = self._eager_tails
         if ran == 0:
             return
+        self._wait_steps = 0 if replayed or not self.eager_steps_waiting else self._wait_steps + 1
         rids = self._adapter.rids(fb) or ()
         if self.transfer is not None:
             self.transfer.forward_ran(rids)
@@ -383,6 +337,15 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         if self._sweep_due():
             self.sweep()
         self._d2h.snapshot(self.forwards)
+        if self._wait_steps == 0 or self._wait_steps > self.eager_steps_waiting:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Host bookkeeping that may wait for a graph replay (``EAGER_STEPS_WAITING``): the token oracle remembers
+        the last extends' fed prompts' chains, the landed counter copies are read (violations logged or raised)."""
+        self._wait_steps = 0
+        if self.token_oracle is not None:
+            self.token_oracle.remember_fed()
         self.poll()
 
     def _sweep_due(self) -> bool:
@@ -407,7 +370,12 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         self.sweeps += 1
 
     def poll(self, *, drain: bool = False) -> None:
-        """Handle every counter copy that has landed; log or raise on new violations."""
+        """Handle every counter copy that has landed; log or raise on new violations (``drain``: idle; every copy,
+        and the bookkeeping eager steps left waiting)."""
+        if drain:
+            self._wait_steps = 0
+            if self.token_oracle is not None:
+                self.token_oracle.remember_fed()
         if drain and self._deferred_uncopied:
             self._copy_deferred()
         if drain:  # the last forward's counters, whatever the copy interval
