@@ -83,6 +83,17 @@ TARGETS = (
     ("kv_canary.runner.load_hashing", "LoadHashing", "start", False),
     ("kv_canary.runner.host_copies", "HostCopies", "load_records", False),
     ("kv_canary.runner.host_copies", "HostCopies", "flush_host_records", False),
+    ("kv_canary.runner.host_copies", "HostCopies", "stage_load", False),
+    # inside the ones above: the bookkeeping an eager step leaves for later, the oracle's parts, HEAD's verify and
+    # TAIL's write launches, the batch view
+    ("kv_canary.runner.manager", "CanaryManager", "_catch_up", False),
+    ("kv_canary.runner.manager", "CanaryManager", "poll", False),
+    ("kv_canary.token_oracle", "TokenOracle", "remember_fed", False),
+    ("kv_canary.token_oracle", "TokenOracle", "_prefix_chains", False),
+    ("kv_canary.runner.single_forward", "SingleForwardManager", "_verify", False),
+    ("kv_canary.runner.single_forward", "SingleForwardManager", "_write", False),
+    ("kv_canary.adapter.batch_adapter", "SglangBatchAdapter", "view", False),
+    ("kv_canary.adapter.batch_adapter", "SglangBatchAdapter", "extend_requests", False),
 )
 
 calls = {}  # "Class.method[:mode]" -> [calls, seconds, longest]
