@@ -207,6 +207,11 @@ class DelayedDeviceHostHandler:
         elif self._events[idx] is not None:
             self._events[idx].synchronize()
 
+    @property
+    def full(self) -> bool:
+        """Every slot holds an unread copy: the next ``snapshot`` would wait for the oldest to land."""
+        return len(self._pending) >= len(self._slots)
+
     def ready(self, current_step: int) -> List[Tuple[int, List[int]]]:
         """(step, counters as a list of ints) for each finished copy at least ``delay`` forwards old."""
         out = []

@@ -484,3 +484,21 @@ def test_eager_steps_leave_their_bookkeeping_for_a_bounded_number_of_steps_or_id
     assert m.violations_reported == 3 and m._wait_steps == 0
     found = parse_lines(caplog.text, VIOLATION_PREFIX)
     assert [v["forward"] for v in found] == ["1"]  # the first forward that read it, not the poll's (logged once)
+
+
+def test_waiting_eager_steps_never_make_the_counter_copies_wait():
+    """The counter copies' ring holds delay + 2 copies: eager steps that leave their poll for later read the landed
+    copies before the ring fills, so a snapshot never waits for the device (a host sync on an extend's path)."""
+    h = Harness(mode=CanaryMode.LOG, delay=2)
+    m = h.manager
+    m.eager_steps_waiting = 4
+    m.mark_init_finished()
+
+    def never(idx, serial):
+        raise AssertionError("a counter snapshot waited for the device")
+
+    m._d2h._wait = never
+    for t in range(12):  # a long run of eager extends (a prefill burst): no replay to catch up at
+        h.step(h.batch({1 + t % 3: [5 + t]}))
+    m.poll(drain=False)
+    assert m.health_violations == 0 and m.forwards == 12
