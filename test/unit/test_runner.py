@@ -500,5 +500,11 @@ def test_waiting_eager_steps_never_make_the_counter_copies_wait():
     m._d2h._wait = never
     for t in range(12):  # a long run of eager extends (a prefill burst): no replay to catch up at
         h.step(h.batch({1 + t % 3: [5 + t]}))
+    for t in range(4):  # runs of two waiting steps, each followed by one that does its own bookkeeping (on CUDA: a
+        m.eager_steps_waiting = 4  # graph replay; here a step that may not wait)
+        h.step(h.batch({1: [30 + t]}))
+        h.step(h.batch({2: [40 + t]}))
+        m.eager_steps_waiting = 0
+        h.step(h.batch({3: [50 + t]}))
     m.poll(drain=False)
-    assert m.health_violations == 0 and m.forwards == 12
+    assert m.health_violations == 0 and m.forwards == 24

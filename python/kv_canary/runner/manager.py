@@ -336,7 +336,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             self.cache_index.apply_pending()  # each forward's tree changes, a few at a time, not in a burst per sweep
         if self._sweep_due():
             self.sweep()
-        if self._wait_steps and self._d2h.full:  # read the landed copies before queuing one more (no wait)
+        if self._d2h.full:  # steps left their poll: read the landed copies before queuing one more (no wait)
             self._catch_up()
         self._d2h.snapshot(self.forwards)
         if self._wait_steps == 0 or self._wait_steps > self.eager_steps_waiting:
