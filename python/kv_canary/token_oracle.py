@@ -141,14 +141,16 @@ class TokenOracle:
         for row, key, prefix, n, record in requests:
             prompt, outputs = record()
             known = _fill(arr, at, prompt, outputs, prefix, n + 1)
+            # its fed prompt is remembered after the forward if the chain before it is known (an admission's is)
+            rememberable = known >= n >= FED_REMEMBER_MIN_TOKENS
             admitted = self._row_owner.get(row) != key
             if admitted:  # a new request in this row: its cached prefix's chain
                 self._row_owner[row] = key
                 if prefix > 0:
                     admit_rows.append(row)
                     admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
-                    admit_kept.append(not known >= n >= FED_REMEMBER_MIN_TOKENS)
-            if known >= n >= FED_REMEMBER_MIN_TOKENS:  # remembered if the chain before its fed tokens is known
+                    admit_kept.append(not rememberable)
+            if rememberable:
                 if admitted:  # the anchor, or its admission chain
                     fed.append((row, key, record, prefix, arr[at:at + n].copy(), len(admit_rows) - 1 if prefix else -1,
                                 CHAIN_ANCHOR))

@@ -345,10 +345,14 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
     def _catch_up(self) -> None:
         """Host bookkeeping that may wait for a graph replay (``EAGER_STEPS_WAITING``): the token oracle remembers
         the last extends' fed prompts' chains, the landed counter copies are read (violations logged or raised)."""
+        self._remember_waiting()
+        self.poll()
+
+    def _remember_waiting(self) -> None:
+        """The token oracle remembers the chains eager steps left waiting (the next admission would itself)."""
         self._wait_steps = 0
         if self.token_oracle is not None:
             self.token_oracle.remember_fed()
-        self.poll()
 
     def _sweep_due(self) -> bool:
         every = self.config.sweep_interval
@@ -375,9 +379,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         """Handle every counter copy that has landed; log or raise on new violations (``drain``: idle; every copy,
         and the bookkeeping eager steps left waiting)."""
         if drain:
-            self._wait_steps = 0
-            if self.token_oracle is not None:
-                self.token_oracle.remember_fed()
+            self._remember_waiting()
         if drain and self._deferred_uncopied:
             self._copy_deferred()
         if drain:  # the last forward's counters, whatever the copy interval

@@ -66,8 +66,7 @@ def precompile(m: CanaryManager, block_lengths: Sequence[int], batch_sizes: Sequ
             if group.full_row is not None and group.full_row.first_read:
                 for rows, finalize in (((0, 1), False), ((0, 0), True)):  # load_hashing's two launches
                     m.kernels.first_read(group, m.counters, m.ring, group_index=group_index, rows=rows,
-                                            finalize=finalize)
+                                         finalize=finalize)
         if m.cache_index is not None:  # empty: nothing held, nothing checked
             for group_index, group in enumerate(m.groups):
-                m.kernels.sweep_index(group, m.cache_index, m.counters, m.ring,
-                                         group_index=group_index)
+                m.kernels.sweep_index(group, m.cache_index, m.counters, m.ring, group_index=group_index)
