@@ -27,11 +27,23 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import dataclasses
 import statistics
 import time
 
 from bench_output import emit
+
+
+def _profile_top(prof, n: int, iters: int) -> list:
+    """The ``n`` functions with the most own time: (us own per extend, us cumulative per extend, calls per extend,
+    where)."""
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [[round(tt / iters * 1e6, 1), round(ct / iters * 1e6, 1), round(nc / iters, 2),
+             f"{fn.rsplit('/', 2)[-1] if '/' in fn else fn}:{line}({name})"]
+            for (fn, line, name), (_, nc, tt, ct, _) in rows]
 
 
 class _Mode:
@@ -169,6 +181,9 @@ def main() -> int:
                    help="launch every canary kernel through Triton's kernel[grid] (no bound launchers)")
     p.add_argument("--count-ops", action="store_true",
                    help="count the aten ops each phase dispatches (a GPU launch or a copy each; adds host time)")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile the timed phases with cProfile (adds host time): the N costliest functions by "
+                        "own time, with their calls per extend and cumulative time")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -268,6 +283,7 @@ def main() -> int:
             run_time["n"] += 1
 
     ops = _op_counter() if args.count_ops else None
+    prof = cProfile.Profile() if args.cprofile else None
     phases = collections.defaultdict(list)
     by_turn = collections.defaultdict(list)  # turn -> the canary's host us of each extend (all phases)
     launches_per_extend = []
@@ -298,6 +314,8 @@ def main() -> int:
         t = _PhaseClock(ops, ("outside_pre", "head", "forward", "tail", "outside_post", "sample"), it >= 5)
         if ops is not None:
             ops.__enter__()
+        if prof is not None and it >= 5:
+            prof.enable()
         bracket = m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb)
         bracket.__enter__()
         t.append(time.perf_counter())
@@ -313,6 +331,8 @@ def main() -> int:
         t.append(time.perf_counter())
         m.record_sampled(sampled)
         t.append(time.perf_counter())
+        if prof is not None:
+            prof.disable()
         if ops is not None:
             ops.__exit__(None, None, None)
         triton.runtime.jit.JITFunction.run = jit_run
@@ -346,6 +366,7 @@ def main() -> int:
         "jit_after_startup": sum(tracker.after_startup.values()),
         "stats": m.stats_line(),
         **({"aten_ops_per_extend": ops.per_extend(args.iters)} if ops is not None else {}),
+        **({"cprofile_top": _profile_top(prof, args.cprofile, args.iters)} if prof is not None else {}),
         "launch_calibration": calibrate_launch(torch, triton, device) if on_gpu else {},
     }
     return emit(result, args.out)

@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .staging import PinnedDoubleBuffer
+from .staging import PinnedStaging
 
 # device bytes per slot: held (int8) + position, pred, token (int32), plus the scratch of one run of adds
 # (its staged int32 tokens, positions and node offsets, int64 slots, int32 predecessors); plus 2 x 12 bytes
@@ -57,7 +57,7 @@ class CachedSlotIndex:
         # int32[3 * num_slots]: a run of adds holds each pool slot at most once; flat, so that each run's
         # [tokens | positions | node offsets] is one contiguous slice (a non-contiguous pinned source would
         # be copied through pageable memory: a copy that waits for the device)
-        self._staging = PinnedDoubleBuffer((3 * num_slots,), torch.int32, device)
+        self._staging = PinnedStaging((3 * num_slots,), torch.int32, device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=device)  # pred_of_first of a node at position 0
         # device scratch of one run of adds, preallocated: applying a run allocates nothing (a caching-allocator
         # miss mid-serving would call cudaMalloc, which can stall the host on the device)

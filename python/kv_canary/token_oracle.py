@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .fingerprint import CHAIN_ANCHOR, prefix_chains_np
-from .staging import PinnedDoubleBuffer
+from .staging import PinnedStaging
 from .views import CanaryCapacityError
 
 Record = Callable[[], Tuple[Sequence[int], Sequence[int]]]
@@ -75,7 +75,11 @@ class TokenOracle:
         self.next_rows = torch.full((max_batch_size,), -1, **i64)
         self.sampled = torch.full((max_batch_size,), -1, **i64)
         self.pending = torch.zeros(1, **i64)
-        self._staging = PinnedDoubleBuffer((self.staged.numel(),), torch.int64, device)
+        # host buffers of the fed tokens (a TAIL's: three, so one is never handed out while the device may still
+        # be behind its copy) and of admissions / row initialisations
+        self._fed_staging = PinnedStaging((self._admit_at,), torch.int64, device, count=3)
+        self._admit_staging = PinnedStaging((3 * max_batch_size,), torch.int64, device)
+        self._fed_requests: Optional[Tuple[Sequence[FedRequest], List[int], List[int]]] = None  # ``stage_fed``'s
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
         self._sampled_views: Dict[int, torch.Tensor] = {}
@@ -110,17 +114,23 @@ class TokenOracle:
         self._chain_order.clear()
         self._cached_tokens = 0
         self._fed_pending.clear()
+        self._fed_requests = None
         self._row_fed.clear()
 
     # ------------------------------------------------------------------ host side, before a forward
 
-    def stage(self, requests: Sequence[FedRequest]) -> int:
-        """Extend forward: stage the expected tokens of every request (batch order); returns how many were admitted.
+    def stage(self, requests: Sequence[FedRequest], *, fed_later: bool = False) -> int:
+        """Extend forward: admit the new requests (their cached prefixes' chains, which HEAD's verify reads) and
+        stage the expected tokens of every request (batch order; TAIL's write reads them); returns how many were
+        admitted. ``fed_later``: leave the fed tokens to ``stage_fed``, called by the forward's TAIL on the host
+        (an eager forward's: its launch is then past the model's layers, and what the host does there overlaps
+        them instead of delaying the forward's start; a fresh 8k-token extend's ~0.5 ms on an H200 host).
 
         Also applies row initialisations queued by ``init_row`` (any forward: call with ``[]``).
         """
         if self._row_inits:
             self._apply_row_inits()
+        self._fed_requests = None
         if not requests:
             return 0
         total = sum(n + 1 for _, _, _, n, _ in requests)
@@ -132,49 +142,73 @@ class TokenOracle:
             )
         if self._fed_pending:  # the last forward's post-ops did not run
             self.remember_fed()
-        buf, arr = self._staging.take()
-        at = 0
         admit_rows: List[int] = []
         admit_prefixes: List[Sequence[int]] = []
         admit_kept: List[bool] = []  # remember the admission's prefix (no longer fed prompt of it will be)
-        fed: List[Tuple[int, Hashable, Record, int, np.ndarray, int, int]] = []  # ..., admission index or -1, base
+        admissions: List[int] = []  # per request: its admission's index, -1 (admitted uncached), -2 (continued)
         for row, key, prefix, n, record in requests:
-            prompt, outputs = record()
-            known = _fill(arr, at, prompt, outputs, prefix, n + 1)
-            # its fed prompt is remembered after the forward if the chain before it is known (an admission's is)
-            rememberable = known >= n >= FED_REMEMBER_MIN_TOKENS
             admitted = self._row_owner.get(row) != key
-            if admitted:  # a new request in this row: its cached prefix's chain
-                self._row_owner[row] = key
-                if prefix > 0:
-                    admit_rows.append(row)
-                    admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
-                    admit_kept.append(not rememberable)
-            if rememberable:
-                if admitted:  # the anchor, or its admission chain
-                    fed.append((row, key, record, prefix, arr[at:at + n].copy(), len(admit_rows) - 1 if prefix else -1,
-                                CHAIN_ANCHOR))
-                else:  # a continuation chunk after a remembered one
-                    last = self._row_fed.get(row)
-                    if last is not None and last[0] == key and last[1] == prefix:
-                        fed.append((row, key, record, prefix, arr[at:at + n].copy(), -1, last[2]))
-            at += n + 1
-        cuda = self._staging.is_cuda
-        self.staged[:at].copy_(buf[:at], non_blocking=cuda)
+            if not admitted:
+                admissions.append(-2)
+                continue
+            self._row_owner[row] = key  # a new request in this row: its cached prefix's chain
+            if prefix <= 0:
+                admissions.append(-1)
+                continue
+            prompt, outputs = record()
+            # its fed prompt is remembered after the forward if every fed token is known (an admission's chain is)
+            rememberable = len(prompt) + len(outputs) - prefix >= n >= FED_REMEMBER_MIN_TOKENS
+            admissions.append(len(admit_rows))
+            admit_rows.append(row)
+            admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
+            admit_kept.append(not rememberable)
         a = len(admit_rows)
         chains: List[int] = []
         if a:
-            base = self._admit_at
+            buf, arr = self._admit_staging.take()
             chains = self._prefix_chains(admit_prefixes, admit_kept)
-            arr[base:base + a] = admit_rows
-            arr[base + a:base + 2 * a] = chains
-            dev = self.staged[base:base + 2 * a]
-            dev.copy_(buf[base:base + 2 * a], non_blocking=cuda)
+            arr[:a] = admit_rows
+            arr[a:2 * a] = chains
+            dev = self.staged[self._admit_at:self._admit_at + 2 * a]
+            dev.copy_(buf[:2 * a], non_blocking=self._admit_staging.is_cuda)
             self.row_chain.index_copy_(0, dev[:a], dev[a:])
-        self._staging.done()
-        self._fed_pending.extend((row, key, record, prefix, tokens, chains[k] if k >= 0 else before)
-                                 for row, key, record, prefix, tokens, k, before in fed)
+            self._admit_staging.done()
+        self._fed_requests = (requests, admissions, chains)
+        if not fed_later:
+            self.stage_fed()
         return a
+
+    @property
+    def fed_unstaged(self) -> bool:
+        """``stage(fed_later=True)`` left fed tokens that ``stage_fed`` has not staged yet."""
+        return self._fed_requests is not None
+
+    def stage_fed(self) -> None:
+        """The fed tokens ``stage`` left (nothing if none): one non-blocking copy on the current stream, which the
+        TAIL's write then reads. A fed prompt whose chain before it is known (an admission's, or a remembered
+        chunk's) is queued for ``remember_fed``."""
+        pending, self._fed_requests = self._fed_requests, None
+        if pending is None:
+            return
+        requests, admissions, chains = pending
+        buf, arr = self._fed_staging.take()
+        at = 0
+        fed: List[Tuple[int, Hashable, Record, int, np.ndarray, int]] = []
+        for (row, key, prefix, n, record), admission in zip(requests, admissions):
+            prompt, outputs = record()
+            known = _fill(arr, at, prompt, outputs, prefix, n + 1)
+            if known >= n >= FED_REMEMBER_MIN_TOKENS:
+                if admission != -2:  # admitted: the anchor, or its admission's chain
+                    fed.append((row, key, record, prefix, arr[at:at + n].copy(),
+                                chains[admission] if admission >= 0 else CHAIN_ANCHOR))
+                else:  # a continuation chunk after a remembered one
+                    last = self._row_fed.get(row)
+                    if last is not None and last[0] == key and last[1] == prefix:
+                        fed.append((row, key, record, prefix, arr[at:at + n].copy(), last[2]))
+            at += n + 1
+        self.staged[:at].copy_(buf[:at], non_blocking=self._fed_staging.is_cuda)
+        self._fed_staging.done()
+        self._fed_pending.extend(fed)
 
     def remember_fed(self) -> None:
         """After an extend's launch (outside post-ops): remember the chain over each newly admitted request's cached
@@ -286,15 +320,15 @@ class TokenOracle:
         for k in range(0, len(inits), self.max_batch_size):
             part = inits[k:k + self.max_batch_size]
             a = len(part)
-            buf, arr = self._staging.take()
+            buf, arr = self._admit_staging.take()
             arr[:a] = [r for r, _, _ in part]
             arr[a:2 * a] = [c for _, c, _ in part]
             arr[2 * a:3 * a] = [t for _, _, t in part]
             dev = self.staged[self._admit_at:self._admit_at + 3 * a]
-            dev.copy_(buf[:3 * a], non_blocking=self._staging.is_cuda)
+            dev.copy_(buf[:3 * a], non_blocking=self._admit_staging.is_cuda)
             self.row_chain.index_copy_(0, dev[:a], dev[a:2 * a])
             self.next_token.index_copy_(0, dev[:a], dev[2 * a:])
-            self._staging.done()
+            self._admit_staging.done()
 
     def flush_pending(self) -> None:
         """Scatter the pending sampled ids now (what the next HEAD would do); device ops, no host sync."""

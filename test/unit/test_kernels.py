@@ -456,6 +456,31 @@ def test_sampled_tokens_become_the_next_expected_tokens(backend):
     assert sim.verify_all([(3, 33)]) == [] and int(o.next_token[6]) == 66
 
 
+def test_token_oracle_leaves_the_fed_tokens_for_the_tail_and_admits_now():
+    """``stage(fed_later=True)``: the admissions' chains now (HEAD's verify reads them), the fed tokens at
+    ``stage_fed`` (the TAIL's write reads them): the same device state and remembered chains as in one step."""
+    prompt = list(range(100, 180))
+
+    def run(fed_later):
+        oracle = TokenOracle(rows=6, max_batch_size=4, max_tokens_per_forward=128, device=DEVICE)
+        reqs = [(2, "a", 40, 40, lambda: (prompt, [])), (3, "b", 0, 33, lambda: (prompt[:33], [7]))]
+        assert oracle.stage(reqs, fed_later=fed_later) == 1
+        assert int(oracle.row_chain[2]) == fp.prefix_chains_np([prompt[:40]])[0]
+        before = oracle.staged[:75].tolist()
+        assert oracle.fed_unstaged == fed_later
+        oracle.stage_fed()
+        assert not oracle.fed_unstaged
+        oracle.stage_fed()  # nothing left: nothing staged twice
+        oracle.remember_fed()
+        return before, oracle.staged[:75].tolist(), sorted(oracle._chain_cache)
+
+    before, later, remembered = run(True)
+    _, now, remembered_now = run(False)
+    assert before == [-1] * 75  # nothing staged before the TAIL
+    assert later == now == prompt[40:80] + [-1] + prompt[:33] + [7]
+    assert remembered == remembered_now == [33, 80]  # both fed prompts, their chains from the right bases
+
+
 def test_token_oracle_stages_the_fed_tokens_and_admits_a_request_once():
     oracle = TokenOracle(rows=4, max_batch_size=4, max_tokens_per_forward=16, device=DEVICE)
     # request a in row 2: 3 prompt tokens cached, fed the 4th and its first output

@@ -219,6 +219,45 @@ def test_a_dropped_kv_store_is_reported_unwritten_by_a_tail_at_the_anchor(caplog
     assert h.events.count("logits") == 2 and h.events[-2:] == ["write", "logits"]
 
 
+def test_an_eager_extend_stages_its_fed_tokens_at_its_tail_and_a_wrong_one_is_caught(caplog):
+    """The token oracle stages an extend's fed tokens where its TAIL runs (past the model's layer launches); a fed
+    token that is not the request's own is reported by that TAIL. A decode step stages nothing."""
+    h = Harness(mode=CanaryMode.LOG, anchor=True)
+    h.manager.mark_init_finished()
+    oracle = h.manager.token_oracle
+    stage_fed = oracle.stage_fed
+
+    def spied():
+        if oracle.fed_unstaged:
+            h.events.append("stage_fed")
+        stage_fed()
+
+    oracle.stage_fed = spied
+    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
+    assert h.events == ["stamp", "forward", "stage_fed", "verify", "check", "write", "logits"]
+    h.step(h.batch({1: [10], 2: [11]}, decode=True))
+    assert "stage_fed" not in h.events[7:]
+    fb = h.batch({3: [20, 21, 22]})
+    fb.input_ids[1] = 99  # fed a token the scheduler's record does not hold
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.step(fb)
+        h.manager.poll(drain=True)
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [(v["kind"], v["rid"], v["position"]) for v in found] == [("token", "r3", "1")]
+
+
+def test_an_eager_extend_whose_tail_never_ran_on_the_host_is_an_error():
+    """Its fed tokens were left for the TAIL: a forward that ran without it (a replayed graph) must not pass."""
+    h = Harness()
+    h.manager.mark_init_finished()
+    fb = h.batch({1: [5, 6]})
+    original = h.model.forward.__kv_canary_original__
+    with pytest.raises(CanaryBracketError, match="fed tokens were left for its TAIL"):
+        with h.manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
+            original(fb.input_ids, fb.positions, fb)  # no HEAD, no TAIL
+    assert not h.manager.token_oracle.fed_unstaged
+
+
 def test_nested_model_forward_shares_the_outer_bracket():
     h = Harness()
     h.manager.mark_init_finished()

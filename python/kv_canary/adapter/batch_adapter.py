@@ -30,6 +30,7 @@ import torch
 from ..views import ForwardView, HostBatch
 
 _EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PREFILL")
+_EAGER_EXTEND_MODES = ("EXTEND", "MIXED")
 
 
 class SglangBatchAdapter:
@@ -135,6 +136,12 @@ class SglangBatchAdapter:
             # the token oracle staged what an extend batch feeds (extend_requests), a verify its drafts (TAIL)
             staged=extend or drafts > 0,
         )
+
+    @staticmethod
+    def eager_extend(fb) -> bool:
+        """A prefill of the target model: never replayed from a CUDA graph (piecewise graphs are refused; an EAGLE
+        draft extend, which its graph runner may replay, is not one)."""
+        return fb.forward_mode.name in _EAGER_EXTEND_MODES
 
     def extend_requests(self, fb):
         """(row, admission key, prefix length, new tokens, record) per request of an extend batch, batch

@@ -83,6 +83,10 @@ class BatchAdapter(Protocol):
 
     def written_slots(self, forward_batch: object) -> Sequence[int]: ...
 
+    def eager_extend(self, forward_batch: object) -> bool:
+        """An extend the engine always runs eagerly (never replays from a CUDA graph): its TAIL's host code runs."""
+        ...
+
     def extend_requests(self, forward_batch: object) -> Sequence[FedRequest]:
         """(row, admission key, prefix length, new tokens, record()) of each request of an extend batch, batch
         order; record() is the scheduler's (prompt ids, output ids so far). [] for other batches."""
@@ -263,9 +267,10 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             return
         self.bound_host_batch()  # HiCache: what is batched stays bounded
         if self.token_oracle is not None:
-            # Extend forwards: the scheduler's record of the tokens each request is fed (one non-blocking copy);
-            # a newly admitted request's expected chain over its cached prefix.
-            self.token_oracle.stage(self._adapter.extend_requests(fb))
+            # Extend forwards: a newly admitted request's expected chain over its cached prefix (HEAD's verify reads
+            # it); the scheduler's record of the tokens each request is fed (one non-blocking copy; the TAIL's write
+            # reads them): at the TAIL when the forward runs eagerly, past the model's layer launches.
+            self.token_oracle.stage(self._adapter.extend_requests(fb), fed_later=self._adapter.eager_extend(fb))
         if self._arrivals:  # after arrival, before the first forward that reads them
             self._perturb_arrivals()
         if self.perturb.active:
@@ -289,6 +294,8 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         sfm = self._active_sfm()
         if sfm is None or view is None:
             return
+        if self.token_oracle is not None:  # an eager extend's fed tokens, left for here (outside pre-ops)
+            self.token_oracle.stage_fed()
         sfm.post_ops_maybe_inside_graph(view)
 
     def _active_sfm(self) -> Optional[SingleForwardManager]:
@@ -310,6 +317,10 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             return
         if self.host_records is not None:
             self._check_load_consumed()
+        if self.token_oracle is not None and self.token_oracle.fed_unstaged:
+            self.token_oracle.stage(())  # forget them
+            raise CanaryBracketError("kv-canary: an eager extend's fed tokens were left for its TAIL, which did not "
+                                     "run on the host (a CUDA-graph replay?): its fed tokens went unchecked")
         if self.perturb.active:
             self.perturb.perturb_post_forward(forward_index=self.forwards,
                                               written=lambda: self._adapter.written_slots(fb))
