@@ -10,7 +10,6 @@ import dataclasses
 import logging
 
 import pytest
-import torch
 
 from kv_canary.api import installed_line
 from kv_canary.config import CanaryConfig, CanaryMode
@@ -21,7 +20,7 @@ from kv_canary.violations import (
 )
 
 pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
-from test_runner import Harness  # noqa: E402  (test/unit is on sys.path under pytest's prepend mode)
+from kv_canary_testing.runner_harness import Harness  # noqa: E402 - needs sglang
 
 
 def _run_corrupting_workload(caplog, decodes=3, **config_fields):

@@ -112,14 +112,10 @@ def test_book_counts_arrivals_verified_by_their_first_forward_and_names_the_orig
 
 
 def _decode_harness(mode=CanaryMode.LOG, init_finished=True, **config_fields):
-    """test_runner's Harness (real ForwardBatch objects, reference kernels) as a PD decode side."""
-    import importlib.util
-    from pathlib import Path
+    """The runner harness (real ForwardBatch objects, reference kernels) as a PD decode side."""
+    from kv_canary_testing.runner_harness import Harness
 
-    spec = importlib.util.spec_from_file_location("kvc_test_runner", Path(__file__).with_name("test_runner.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    h = mod.Harness(mode=mode, **config_fields)
+    h = Harness(mode=mode, **config_fields)
     group = h.manager.groups[0]
     h.manager.attach_transfer(TransferBook("decode", new_origin(group.num_slots, torch.device("cpu"))))
     if init_finished:

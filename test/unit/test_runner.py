@@ -1,158 +1,21 @@
-"""The per-forward flow of CanaryManager on real sglang ForwardBatch objects.
-
-The kernels are the real torch reference wrapped by spies that record the call
-order; the "model" writes K/V at out_cache_loc the way attention does.
+"""The per-forward flow of CanaryManager on real sglang ForwardBatch objects (``kv_canary_testing.runner_harness``:
+the torch reference kernels wrapped by spies that record the call order; a "model" that writes K/V at
+out_cache_loc the way attention does). The host work around an eager step: ``test_runner_host_work.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from kv_canary import fingerprint as fp
-from kv_canary.adapter.batch_adapter import SglangBatchAdapter
-from kv_canary.api import _patch_model_forward
-from kv_canary.config import CanaryConfig, CanaryMode
-from kv_canary.kernels import CanaryKernels
-from kv_canary.kernels import reference as ref
-from kv_canary.views import LaunchCapacities
-from kv_canary.buffer_groups import PoolLayout, build_group
-from kv_canary.runner import CanaryBracketError, CanaryManager
+from kv_canary.config import CanaryMode
+from kv_canary.runner import CanaryBracketError
 from kv_canary.violations import VIOLATION_PREFIX, CanaryViolationError, parse_lines
-from kv_canary.speculative import build_accepted_drafts, record_accepted
 
-sglang_fb = pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
-ForwardBatch, ForwardMode = sglang_fb.ForwardBatch, sglang_fb.ForwardMode
-
-SLOTS, CTX = 256, 64
-
-
-class TinyAttentionModel(torch.nn.Module):
-    def __init__(self, k, v, events):
-        super().__init__()
-        self.k, self.v, self.events = k, v, events
-        self.nested = False
-        self.drop_lane = None  # a lane whose K/V store goes to the padding slot 0 (a dropped write)
-        self.logits_processor = None  # a LogitsStage when the harness anchors the TAIL there
-        self.skip_logits = False  # a forward path that never reaches the last stage
-
-    def forward(self, input_ids, positions, forward_batch):
-        self.events.append("forward")
-        loc = forward_batch.out_cache_loc.clone()
-        if self.drop_lane is not None:
-            loc[self.drop_lane] = 0
-        self.k[loc] = input_ids.float()[:, None, None] + positions.float()[:, None, None] / 100
-        self.v[loc] = -self.k[loc]
-        if self.nested:
-            self.nested = False
-            self.forward(input_ids, positions, forward_batch)  # a re-entrant call: no second bracket
-        if self.logits_processor is not None and not self.skip_logits:
-            self.logits_processor(input_ids)
-        return input_ids
-
-
-class LogitsStage(torch.nn.Module):
-    """The model's last stage after every K/V store (sglang's logits processor); the early TAIL's anchor."""
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def forward(self, input_ids):
-        self.events.append("logits")
-        return input_ids
-
-
-class Harness:
-    def __init__(self, mode=CanaryMode.RAISE, delay=0, anchor=False, **config_fields):
-        self.events = []
-        self.k = torch.zeros(SLOTS, 1, 4)
-        self.v = torch.zeros(SLOTS, 1, 4)
-        config = CanaryConfig(**{"mode": mode, "d2h_delay_steps": delay, "stats_print_every_n_steps": 0,
-                                 **config_fields})
-        group = build_group(PoolLayout("full", [self.k], [self.v]), config, torch.device("cpu"))
-        self.r2t = torch.zeros(8, CTX, dtype=torch.int32)
-
-        def spy(name, fn):
-            def wrapped(*a, **kw):
-                self.events.append(name)
-                return fn(*a, **kw)
-
-            return wrapped
-
-        kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                ref.launch_scrub, spy("sweep", ref.launch_index_sweep), record_accepted,
-                                build_accepted_drafts, spy("stamp", ref.launch_witness_stamp),
-                                spy("check", ref.launch_witness_check), ref.launch_first_read, graph_safe=False)
-        self.manager = CanaryManager(
-            config=config, groups=[group], kernels=kernels, req_to_token=self.r2t,
-            capacities=LaunchCapacities(max_batch_size=9, max_context_len=CTX, verify_programs_target=1),
-            batch_adapter=SglangBatchAdapter(max_batch_size=9, device=torch.device("cpu")),
-            device=torch.device("cpu"),
-        )
-        self.model = TinyAttentionModel(self.k, self.v, self.events)
-        if anchor:
-            self.model.logits_processor = LogitsStage(self.events)
-        _patch_model_forward(self.model, self.manager, self.model.logits_processor)
-        self.next_slot = 1
-        self.lens = {}
-        self.own = {}  # row -> the request's tokens so far (the scheduler's record)
-        self.reqs = {}  # row -> its Req stand-in
-
-    def batch(self, rows_tokens, decode=False):
-        """rows_tokens: {row: [new token ids]} -> a real ForwardBatch (EXTEND or DECODE).
-
-        The new tokens are the requests' own: an extend batch carries the scheduler's Req
-        records (the token oracle's admission), a decode batch's tokens were "sampled"
-        after the previous forward (same rows, same order) and reach the oracle as sglang's
-        ``ModelRunner.sample`` hook passes them.
-        """
-        if decode:
-            self.manager.record_sampled(torch.tensor([t for toks in rows_tokens.values() for t in toks]))
-        ids, locs, pos, rows, seqs, ext, pre = [], [], [], [], [], [], []
-        for row, toks in rows_tokens.items():
-            start = self.lens.get(row, 0)
-            slots = list(range(self.next_slot, self.next_slot + len(toks)))
-            self.next_slot += len(toks)
-            self.r2t[row, start : start + len(toks)] = torch.tensor(slots, dtype=torch.int32)
-            ids += toks
-            locs += slots
-            pos += list(range(start, start + len(toks)))
-            rows.append(row)
-            seqs.append(start + len(toks))
-            ext.append(len(toks))
-            pre.append(start)
-            self.lens[row] = start + len(toks)
-            self.own[row] = self.own.get(row, []) + list(toks)
-        kw = {}
-        if not decode:
-            i32 = dict(dtype=torch.int32)  # as sglang's ForwardBatch.init_new builds them
-            kw = dict(
-                extend_seq_lens=torch.tensor(ext, **i32), extend_prefix_lens=torch.tensor(pre, **i32),
-                extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))], **i32),
-                extend_seq_lens_cpu=ext, extend_prefix_lens_cpu=pre, extend_num_tokens=sum(ext),
-            )
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-            batch_size=len(rows), input_ids=torch.tensor(ids), req_pool_indices=torch.tensor(rows),
-            seq_lens=torch.tensor(seqs), out_cache_loc=torch.tensor(locs), seq_lens_sum=sum(seqs),
-            seq_lens_cpu=torch.tensor(seqs), positions=torch.tensor(pos), rids=[f"r{r}" for r in rows], **kw,
-        )
-        for r in rows:  # the scheduler's Req objects: one per request, kept across its forwards
-            req = self.reqs.setdefault(r, SimpleNamespace(req_pool_idx=r, rid=f"r{r}", retraction_count=0))
-            req.origin_input_ids, req.output_ids = list(self.own[r]), []
-        fb.kv_canary_reqs = [self.reqs[r] for r in rows]
-        return fb
-
-    def step(self, fb):
-        """What the ModelRunner.forward hook does."""
-        m = self.manager
-        with m.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
-            with m.with_active_single_forward_manager(0):
-                return self.model(fb.input_ids, fb.positions, fb)
+pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
+from kv_canary_testing.runner_harness import CTX, Harness  # noqa: E402 - needs sglang
 
 
 def test_per_forward_orchestrates_plan_head_forward_tail():
@@ -217,45 +80,6 @@ def test_a_dropped_kv_store_is_reported_unwritten_by_a_tail_at_the_anchor(caplog
     found = parse_lines(caplog.text, VIOLATION_PREFIX)
     assert [(v["kind"], v["rid"], v["slot"], v["forward"]) for v in found] == [("unwritten", "r2", "7", "1")]
     assert h.events.count("logits") == 2 and h.events[-2:] == ["write", "logits"]
-
-
-def test_an_eager_extend_stages_its_fed_tokens_at_its_tail_and_a_wrong_one_is_caught(caplog):
-    """The token oracle stages an extend's fed tokens where its TAIL runs (past the model's layer launches); a fed
-    token that is not the request's own is reported by that TAIL. A decode step stages nothing."""
-    h = Harness(mode=CanaryMode.LOG, anchor=True)
-    h.manager.mark_init_finished()
-    oracle = h.manager.token_oracle
-    stage_fed = oracle.stage_fed
-
-    def spied():
-        if oracle.fed_unstaged:
-            h.events.append("stage_fed")
-        stage_fed()
-
-    oracle.stage_fed = spied
-    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
-    assert h.events == ["stamp", "forward", "stage_fed", "verify", "check", "write", "logits"]
-    h.step(h.batch({1: [10], 2: [11]}, decode=True))
-    assert "stage_fed" not in h.events[7:]
-    fb = h.batch({3: [20, 21, 22]})
-    fb.input_ids[1] = 99  # fed a token the scheduler's record does not hold
-    with caplog.at_level(logging.ERROR, logger="kv_canary"):
-        h.step(fb)
-        h.manager.poll(drain=True)
-    found = parse_lines(caplog.text, VIOLATION_PREFIX)
-    assert [(v["kind"], v["rid"], v["position"]) for v in found] == [("token", "r3", "1")]
-
-
-def test_an_eager_extend_whose_tail_never_ran_on_the_host_is_an_error():
-    """Its fed tokens were left for the TAIL: a forward that ran without it (a replayed graph) must not pass."""
-    h = Harness()
-    h.manager.mark_init_finished()
-    fb = h.batch({1: [5, 6]})
-    original = h.model.forward.__kv_canary_original__
-    with pytest.raises(CanaryBracketError, match="fed tokens were left for its TAIL"):
-        with h.manager.with_ops_outside_graph(single_forward_indices=[0], maybe_inaccurate_forward_batch=fb):
-            original(fb.input_ids, fb.positions, fb)  # no HEAD, no TAIL
-    assert not h.manager.token_oracle.fed_unstaged
 
 
 def test_nested_model_forward_shares_the_outer_bracket():
@@ -500,50 +324,3 @@ def test_precompile_covers_every_variant_a_workload_launches(caplog):
     assert tracker.after_startup and "kv_canary_jit_after_startup=1 kernel=write" in caplog.text
 
 
-def test_eager_steps_leave_their_bookkeeping_for_a_bounded_number_of_steps_or_idle(caplog):
-    """On CUDA an eager step (an extend) leaves the oracle's remembered chains and the counter poll to the next graph
-    replay; at most ``eager_steps_waiting`` eager steps in a row wait, and idle (``poll(drain=True)``) catches up."""
-    h = Harness(mode=CanaryMode.LOG)
-    m = h.manager
-    m.eager_steps_waiting = 2  # as on CUDA (CPU: 0, every step does its own)
-    m.mark_init_finished()
-    prompt = list(range(100, 140))  # 40 fed tokens: an admission the oracle remembers after the forward
-    with caplog.at_level(logging.ERROR, logger="kv_canary"):
-        h.step(h.batch({1: prompt}))
-        assert m.token_oracle._fed_pending and m.last_counters is None  # waiting: nothing remembered, nothing read
-        h.k[int(h.r2t[1, 3]), 0, 0] += 1.0  # a corrupted slot, read by every later step of request 1
-        h.step(h.batch({1: [7]}))  # the next extend's admission remembers what waited before it stages
-        assert m.token_oracle._row_fed[1][1] == 40 and not m.token_oracle._fed_pending
-        assert m.violations_reported == 0  # the second eager step waits too
-        h.step(h.batch({1: [8]}))  # the third: past the bound, the steps' bookkeeping runs
-        assert m.violations_reported == 2  # both steps that read the slot
-        h.step(h.batch({1: [9]}))
-        assert m.violations_reported == 2  # its violation waits for a catch-up
-        m.poll(drain=True)  # idle
-    assert m.violations_reported == 3 and m._wait_steps == 0
-    found = parse_lines(caplog.text, VIOLATION_PREFIX)
-    assert [v["forward"] for v in found] == ["1"]  # the first forward that read it, not the poll's (logged once)
-
-
-def test_waiting_eager_steps_never_make_the_counter_copies_wait():
-    """The counter copies' ring holds delay + 2 copies: eager steps that leave their poll for later read the landed
-    copies before the ring fills, so a snapshot never waits for the device (a host sync on an extend's path)."""
-    h = Harness(mode=CanaryMode.LOG, delay=2)
-    m = h.manager
-    m.eager_steps_waiting = 4
-    m.mark_init_finished()
-
-    def never(idx, serial):
-        raise AssertionError("a counter snapshot waited for the device")
-
-    m._d2h._wait = never
-    for t in range(12):  # a long run of eager extends (a prefill burst): no replay to catch up at
-        h.step(h.batch({1 + t % 3: [5 + t]}))
-    for t in range(4):  # runs of two waiting steps, each followed by one that does its own bookkeeping (on CUDA: a
-        m.eager_steps_waiting = 4  # graph replay; here a step that may not wait)
-        h.step(h.batch({1: [30 + t]}))
-        h.step(h.batch({2: [40 + t]}))
-        m.eager_steps_waiting = 0
-        h.step(h.batch({3: [50 + t]}))
-    m.poll(drain=False)
-    assert m.health_violations == 0 and m.forwards == 24

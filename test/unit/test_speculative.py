@@ -8,7 +8,7 @@ under the interpreter on CPU, as ``EagleDraftInputV2Mixin.prepare_for_decode`` (
 ``assign_req_to_token_pool_func``) and ``prepare_for_v2_verify`` (``assign_extend_cache_locs``)
 lay them out on a GPU; the accepted tokens reach the oracle through the plugin's
 ``EAGLEWorkerV2.verify`` hook with a real ``GenerationBatchResult``. The canary runs with the
-reference kernels (test_runner's Harness); page size 1 and 16.
+reference kernels (``kv_canary_testing.runner_harness``); page size 1 and 16.
 
 sglang 0.5.12 cannot run EAGLE on CPU (see docs/speculative.md), so these batches are built
 here, not captured from a server.
@@ -16,9 +16,7 @@ here, not captured from a server.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +28,6 @@ from kv_canary.adapter.speculative import after_eagle_v2_verify
 from kv_canary.config import CanaryMode, KernelBackend
 from kv_canary.fingerprint import prefix_chains_np
 from kv_canary.kernels import select_kernels
-from kv_canary.runner import CanaryManager
 from kv_canary.violations import CanaryViolationError
 
 pytestmark = pytest.mark.skipif(
@@ -45,9 +42,7 @@ from sglang.srt.speculative.eagle_info_v2 import assign_extend_cache_locs  # noq
 from sglang.srt.speculative.spec_utils import assign_req_to_token_pool_func  # noqa: E402
 from sglang.srt.utils.common import next_power_of_2  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("kvc_test_runner_spec", Path(__file__).with_name("test_runner.py"))
-_runner = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_runner)
+from kv_canary_testing import runner_harness as _runner  # noqa: E402 - needs sglang
 SLOTS, CTX = _runner.SLOTS, _runner.CTX
 
 
@@ -55,7 +50,7 @@ KERNELS = ["torch", "triton"]  # the reference kernels and the Triton ones (the 
 
 
 class EagleHarness(_runner.Harness):
-    """test_runner's Harness plus spec v2's bookkeeping: over-allocated rows, verify rounds, acceptance."""
+    """The runner harness plus spec v2's bookkeeping: over-allocated rows, verify rounds, acceptance."""
 
     def __init__(self, n: int = 3, page_size: int = 1, kernels: str = "torch", **kw):
         super().__init__(**kw)

@@ -388,9 +388,11 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
 
     def poll(self, *, drain: bool = False) -> None:
         """Handle every counter copy that has landed; log or raise on new violations (``drain``: idle; every copy,
-        and the bookkeeping eager steps left waiting)."""
+        the bookkeeping eager steps left waiting, and HiCache's batched backups and frees, which would otherwise
+        wait for an ack check that may come only with the next batch: ``--sleep-on-idle``)."""
         if drain:
             self._remember_waiting()
+            self.flush_host_records()
         if drain and self._deferred_uncopied:
             self._copy_deferred()
         if drain:  # the last forward's counters, whatever the copy interval
