@@ -26,10 +26,10 @@ The device is synchronized between iterations (untimed), so nothing waits for a 
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
-import pstats
+import collections
 import dataclasses
+import pstats
 import statistics
 import time
 

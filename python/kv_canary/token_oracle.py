@@ -124,7 +124,8 @@ class TokenOracle:
         stage the expected tokens of every request (batch order; TAIL's write reads them); returns how many were
         admitted. ``fed_later``: leave the fed tokens to ``stage_fed``, called by the forward's TAIL on the host
         (an eager forward's: its launch is then past the model's layers, and what the host does there overlaps
-        them instead of delaying the forward's start; a fresh 8k-token extend's ~0.5 ms on an H200 host).
+        them instead of delaying the forward's start; ~80-100 us of the row workload's extend on one H200 host,
+        docs/hicache-results.md 7.19).
 
         Also applies row initialisations queued by ``init_row`` (any forward: call with ``[]``).
         """
@@ -182,6 +183,10 @@ class TokenOracle:
     def fed_unstaged(self) -> bool:
         """``stage(fed_later=True)`` left fed tokens that ``stage_fed`` has not staged yet."""
         return self._fed_requests is not None
+
+    def forget_fed(self) -> None:
+        """Drop the fed tokens ``stage`` left (their forward's TAIL did not run on the host)."""
+        self._fed_requests = None
 
     def stage_fed(self) -> None:
         """The fed tokens ``stage`` left (nothing if none): one non-blocking copy on the current stream, which the

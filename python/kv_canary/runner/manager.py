@@ -318,7 +318,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         if self.host_records is not None:
             self._check_load_consumed()
         if self.token_oracle is not None and self.token_oracle.fed_unstaged:
-            self.token_oracle.stage(())  # forget them
+            self.token_oracle.forget_fed()
             raise CanaryBracketError("kv-canary: an eager extend's fed tokens were left for its TAIL, which did not "
                                      "run on the host (a CUDA-graph replay?): its fed tokens went unchecked")
         if self.perturb.active:
