@@ -63,7 +63,11 @@ def test_log_mode_reports_every_injection_and_keeps_serving(tmp_path):
 
 @pytest.mark.e2e
 def test_raise_mode_stops_the_server_with_the_report(tmp_path):
-    srv = canary_server("raise", log_path=tmp_path / "server.log", env=PERTURB_ENV, extra_args=ALL)
+    # the scrub at its log-mode sibling's pace: the first injection is caught by the HEAD of the forward after it
+    # (at the default pace a slot evicted before the scrub reaches it takes its flip along, and a later one stops
+    # the server first)
+    srv = canary_server("raise", log_path=tmp_path / "server.log", env={**PERTURB_ENV, **ALL_SCRUB_ENV},
+                        extra_args=ALL)
     srv.start(timeout=600)
     try:
         t0 = time.monotonic()
