@@ -82,12 +82,10 @@ class HostRecordStore:
         self.stats.backups += backups
         self.stats.slots_backed_up += host_idx.numel()
 
-    def read(self, host_dev: torch.Tensor) -> torch.Tensor:
-        """int64[n, RECORD_WIDTH] on the device: the records of ``host_dev`` (``index``'s result), gathered on the
-        current stream (a load-back reads them)."""
+    def count_load(self, slots: int) -> None:
+        """A load-back of ``slots`` host copies read their rows (``kernels.record_moves.load_records`` moves them)."""
         self.stats.loads += 1
-        self.stats.slots_loaded += host_dev.numel()
-        return self.records.index_select(0, host_dev)
+        self.stats.slots_loaded += int(slots)
 
     def rows(self, host_idx: torch.Tensor) -> torch.Tensor:
         """int64[n, RECORD_WIDTH] on the CPU: a copy of the records of ``host_idx``, done when it returns (a storage

@@ -101,3 +101,22 @@ def test_variant_key_tells_apart_what_triton_specializes_on():
     assert key(buf, 3, 7, constexprs=(2,)) != key(buf, 3, 5, constexprs=(2,))  # a positional constexpr: by value
     assert key(buf, 3, 7) == key(buf, 3, 5)
     assert key(buf, "text") is None and key(buf, (1, 2)) is None
+
+
+def test_rekey_from_the_last_launch_equals_the_whole_key():
+    """A launch keyed from the last one's key (only the arguments that are other objects keyed again) gets the key
+    it would get keyed whole, through every change that test above tells apart, and a kind not keyed is None."""
+    from kv_canary.kernels.launch import _rekey, _variant_key
+
+    buf, other = torch.zeros(64, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
+    calls = [((buf, 3, 7, None), {"X": 1}), ((buf, 3, 7, None), {"X": 1}), ((buf[1:], 3, 7, None), {"X": 1}),
+             ((buf, 1, 7, None), {"X": 1}), ((other, 1 << 40, 7, True), {"X": 1}), ((other, 5, 9, True), {"X": 1}),
+             ((buf, 5, 9, True), {"X": 2}), ((buf, 5, 9), {"X": 2}), ((buf, 32, 9, 2.0), {"X": 2}),
+             ((buf, "text", 9, 2.0), {"X": 2}), ((buf, 3, 9, 2.0), {"X": 2})]
+    for constexprs in ((), (2,)):
+        last = None
+        for args, kw in calls:
+            whole = _variant_key(args, kw, constexprs)
+            got = whole if last is None else _rekey(args, kw, constexprs, last)
+            assert got == whole, (args, kw, constexprs)
+            last = None if got is None else (args, kw, got)

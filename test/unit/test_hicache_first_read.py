@@ -65,7 +65,7 @@ def _load_back(group, store, host_idx, new_slots, old_slots):
     """What the adapter's load-back does (the KV bytes: what sglang's H2D copy does)."""
     for row in group.rows:
         row.view[new_slots] = row.view[old_slots]
-    group.records[new_slots] = store.read(store.index(host_idx))
+    group.records[new_slots] = store.records[store.index(host_idx)]
     group.full_row.tags[new_slots] = 0
 
 

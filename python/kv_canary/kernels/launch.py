@@ -47,23 +47,57 @@ def _no_hooks() -> bool:
     return True
 
 
+_UNKEYED = object()  # an argument of a kind ``_arg_key`` does not key
+
+
+def _arg_key(a):
+    """What Triton specializes one positional argument on, and more (``_UNKEYED``: a kind not keyed here)."""
+    c = a.__class__
+    if c is int:
+        return (-_I32 <= a < _I32, a >= _U64, a == 1, not a & 15)
+    if c is torch.Tensor or isinstance(a, torch.Tensor):
+        return (a.dtype, not a.data_ptr() & 15)
+    if c is bool or a is None:
+        return a
+    if c is float:
+        return float
+    return _UNKEYED
+
+
 def _variant_key(args: tuple, kwargs: dict, constexprs: Tuple[int, ...]) -> Optional[tuple]:
     """What Triton specializes a launch on, and more (None: an argument of a kind not keyed here). ``constexprs``:
     the positions of the kernel's constexpr parameters (a positional one is keyed by its value)."""
     key = [tuple(args[i] for i in constexprs if i < len(args))] if constexprs else []
     for a in args:
-        c = a.__class__
-        if c is int:
-            key.append((-_I32 <= a < _I32, a >= _U64, a == 1, not a & 15))
-        elif c is torch.Tensor or isinstance(a, torch.Tensor):
-            key.append((a.dtype, not a.data_ptr() & 15))
-        elif c is bool or a is None:
-            key.append(a)
-        elif c is float:
-            key.append(float)
-        else:
+        k = _arg_key(a)
+        if k is _UNKEYED:
             return None
+        key.append(k)
     key.append(tuple(kwargs.items()))
+    return tuple(key)
+
+
+def _rekey(args: tuple, kwargs: dict, constexprs: Tuple[int, ...], last: tuple) -> Optional[tuple]:
+    """``_variant_key(args, kwargs, constexprs)`` from the last launch's (``last``: its args, kwargs and key): the
+    same objects keep their parts of the key (a tensor object keeps its dtype, and its storage: the canary's and
+    the engine's buffers are never ``set_`` or resized); only the arguments that are other objects are keyed again
+    (a launch's per-forward tensors and sizes: a few of its ~40). A constexpr passed positionally, other keywords
+    or another count of arguments: keyed whole."""
+    last_args, last_kwargs, last_key = last
+    if len(args) != len(last_args) or kwargs != last_kwargs:
+        return _variant_key(args, kwargs, constexprs)
+    changed = [i for i, a, b in zip(range(len(args)), args, last_args) if a is not b]
+    if not changed:
+        return last_key
+    off = 1 if constexprs else 0
+    key = list(last_key)
+    for i in changed:
+        if i in constexprs:
+            return _variant_key(args, kwargs, constexprs)
+        k = _arg_key(args[i])
+        if k is _UNKEYED:
+            return None
+        key[i + off] = k
     return tuple(key)
 
 
@@ -87,6 +121,7 @@ class BoundKernel:
         self._direct = self._params is not None and _direct_launch_supported()
         self._constexprs = tuple(i for i, p in enumerate(getattr(fn, "params", ())) if p.is_constexpr)
         self._driver = None  # Triton's active driver, at the first launch (none on a host without a GPU)
+        self._last: Optional[tuple] = None  # the last keyed launch's (args, kwargs, key), for ``_rekey``
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -99,7 +134,11 @@ class BoundKernel:
             self._driver = driver.active  # Triton's own launch needs it too: an error here is Triton's
         if self._direct and _no_hooks():
             device = self._driver.get_current_device()
-            key = _variant_key(args, kwargs, self._constexprs)
+            last = self._last
+            key = _variant_key(args, kwargs, self._constexprs) if last is None else _rekey(
+                args, kwargs, self._constexprs, last)
+            # kept for the next launch (holding its objects: none of them can be freed and another take its id)
+            self._last = None if key is None else (args, kwargs, key)
             if key is not None:
                 key = (device, len(grid), *key)
                 hit = self._variants.get(key)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import os
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -60,6 +62,7 @@ class HostCopies(StoragePages):
         # the load book, for violation lines: int64[device slots, 2] on the pool's device, device slot -> (host slot
         # it was loaded from, the consuming forward); written on the load's stream, read only to report a violation
         self._loaded_from: Optional[torch.Tensor] = None
+        self._load_moves: Optional[Callable[..., None]] = None  # kernels.record_moves.load_records, at attach
         # SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB: the host copies' rows, and the flipped host slots (-> loaded yet)
         self._host_rows: Mapping[Tuple[int, str], torch.Tensor] = {}
         self._flipped: Dict[int, bool] = {}
@@ -101,6 +104,14 @@ class HostCopies(StoragePages):
                                        device=self.groups[0].records.device)
         if self.counters.device.type == "cuda":
             self._load_stream = torch.cuda.Stream(device=self.counters.device)
+        from ..kernels.record_moves import load_records  # Triton: imported with HiCache only
+
+        g = self.groups[0]
+        triton_ok = g.records.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        self._load_moves = functools.partial(load_records, triton_ok=triton_ok)
+        if triton_ok and g.full_row is not None:  # compiled now (an empty load), never while serving
+            none = torch.zeros(0, dtype=torch.int64, device=g.records.device)
+            self._load_moves(store.records, none, g.records, none, g.full_row.tags, self._loaded_from, 0)
         for sfm in self.single_forward_managers:
             sfm.attach_load_hashing()
         if self.config.host_scrub_slots_per_second > 0:
@@ -286,12 +297,12 @@ class HostCopies(StoragePages):
         stream = self._load_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(group.records.device))
+        store.count_load(host.numel())
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            group.records.index_copy_(0, dev, store.read(host))
-            # not ``tags[dev] = 0``: a Python scalar there is copied to the device synchronously (the scheduler
-            # thread waited for the forward in flight at every load-back: bench_hicache_host_ops.py)
-            group.full_row.tags.index_fill_(0, dev, 0)
-            self._loaded_from.index_copy_(0, dev, torch.stack([host, torch.full_like(host, self.forwards)], dim=1))
+            # one launch on a GPU (the six torch ops of the reference were host time on the boundary's critical
+            # path); no Python scalar goes to the device (``tags[dev] = 0`` would copy it synchronously)
+            self._load_moves(store.records, host, group.records, dev, group.full_row.tags, self._loaded_from,
+                             self.forwards)
         if stream is not None:
             dev.record_stream(stream)
             host.record_stream(stream)
