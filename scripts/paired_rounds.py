@@ -126,7 +126,54 @@ def runs_from_log(text: str) -> List[dict]:
     return list(runs.values())
 
 
-if __name__ == "__main__":  # python3 scripts/paired_rounds.py BENCH_LOG: the pooled rows of a (cut-off) run
-    logged = runs_from_log(open(sys.argv[1], encoding="utf-8").read())
-    rounds = len(logged[0]["reps"]) if logged else 0
-    print(json.dumps({"rounds": rounds, "pooled": pooled(logged, seed=len(logged))}, indent=1))  # the bench's seed
+def across_hosts(logs: Sequence[Sequence[dict]], seed: int) -> dict:
+    """Rows of one package measured on several hosts (``logs``: each bench log's runs, ``runs_from_log``), pooled:
+    per configuration, every log's pooled rounds together (each round against its own log's off servers: a host's
+    speed never mixes into another's), their median and a bootstrap 90% interval (20,000 resamples of the rounds),
+    and per turn the median over those rounds of the configuration's servers' mean minus the off servers' mean,
+    in ms a repetition. A configuration missing from a log (or a log without two off servers) adds no rounds."""
+    per_log = [pooled(runs, seed) for runs in logs]
+    out = {}
+    for name in sorted({n for p in per_log for n in p}):
+        diffs, ms = [], []
+        for runs, p in zip(logs, per_log):
+            if name not in p:
+                continue
+            diffs += p[name]["pair_pct"]
+            ms += _turn_ms(runs, name)
+        rng = random.Random(seed)
+        boots = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(20000))
+        out[name] = {"logs": sum(name in p for p in per_log), "rounds": len(diffs),
+                     "per_log_median_pct": [p[name]["median_pct"] for p in per_log if name in p],
+                     "median_pct": round(statistics.median(diffs), 3), "mean_pct": round(statistics.fmean(diffs), 3),
+                     "ci90_pct": [round(boots[1000], 3), round(boots[18999], 3)],
+                     "turn_ms_per_rep": [round(statistics.median(m[i] for m in ms), 1) for i in range(len(ms[0]))]
+                     if ms and all(len(m) == len(ms[0]) for m in ms) else []}
+    return out
+
+
+def _turn_ms(runs: Sequence[dict], name: str) -> List[List[float]]:
+    """Per round every server finished: per turn, the configuration's servers' mean minus the off servers' mean,
+    ms ([] when a repetition carries no per-turn times)."""
+    offs = [r for r in runs if r["role"] == "off" and r["reps"]]
+    group = [r for r in runs if r.get("config", r["role"]) == name and r["reps"]]
+    turns = [{x["rep"]: x.get("turn_s") for x in r["reps"]} for r in offs + group]
+    rounds = sorted(set.intersection(*(set(t) for t in turns))) if turns else []
+    if not rounds or any(not t[rep] for t in turns for rep in rounds):
+        return []
+    n = len(offs)
+    return [[1000.0 * (statistics.fmean(t[rep][i] for t in turns[n:]) - statistics.fmean(t[rep][i] for t in turns[:n]))
+             for i in range(len(turns[0][rep]))] for rep in rounds]
+
+
+if __name__ == "__main__":
+    # python3 scripts/paired_rounds.py BENCH_LOG [BENCH_LOG ...]: the pooled rows of a (cut-off) run; with several
+    # logs (one package's rows on several hosts), each log's pooled rows and all their rounds pooled
+    logs = [runs_from_log(open(path, encoding="utf-8").read()) for path in sys.argv[1:]]
+    if len(logs) == 1:
+        logged = logs[0]
+        rounds = len(logged[0]["reps"]) if logged else 0
+        print(json.dumps({"rounds": rounds, "pooled": pooled(logged, seed=len(logged))}, indent=1))  # the bench's seed
+    else:
+        print(json.dumps({"per_log": {path: pooled(runs, seed=len(runs)) for path, runs in zip(sys.argv[1:], logs)},
+                          "across_hosts": across_hosts(logs, seed=0)}, indent=1))

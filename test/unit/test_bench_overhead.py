@@ -513,3 +513,31 @@ def test_idle_ablation_skips_the_managers_per_forward_work_only_when_asked():
                           env={**base, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300)
     assert busy.returncode == 0, busy.stderr[-2000:]
     assert busy.stdout.split() == ["False", "post_ops_maybe_inside_graph"]
+
+
+def test_rows_on_several_hosts_pool_each_round_against_its_own_hosts_off_servers():
+    """``paired_rounds.across_hosts``: each log's rounds against that log's off servers, then all rounds together
+    (a slow host's seconds never meet a fast host's); per turn the ms a repetition the canary's servers add; a log
+    without the configuration adds no rounds."""
+    _load("bench_hicache_overhead")
+    pr = sys.modules["paired_rounds"]
+
+    def log(walls):
+        lines = [f"[00:00:00] [{label}] starting a HiCache server (--kv-canary {'none' if 'off' in label else 'raise'})"
+                 for label in walls]
+        for label, ws in walls.items():
+            lines += [f"[00:00:01] [{label}] rep {rep}:    {w:.3f}s cached_tokens=5 load_back_tokens=5 "
+                      f"turn_s={w / 2:.4f},{w / 2:.4f}" for rep, w in enumerate(ws)]
+        return pr.runs_from_log("\n".join(lines))
+
+    fast = log({"hc_off#1": (2.0, 2.0), "hc_off#2": (2.0, 2.0), "hc_ours#1": (2.02, 2.0), "hc_ours#2": (2.02, 2.04)})
+    slow = log({"hc_off#1": (4.0, 4.0, 4.0), "hc_off#2": (4.0, 4.0, 4.0), "hc_ours#1": (4.0, 4.08, 4.0),
+                "hc_ours#2": (4.0, 4.0, 4.0)})
+    no_ours = log({"hc_off#1": (3.0,), "hc_off#2": (3.0,)})
+    got = pr.across_hosts([fast, slow, no_ours], seed=0)["hc_ours"]
+    # fast: +1%, +1%; slow: 0%, +1%, 0% (each against its own off servers, never 2 s against 4 s)
+    assert got["rounds"] == 5 and got["logs"] == 2 and got["per_log_median_pct"] == [1.0, 0.0]
+    assert got["median_pct"] == 1.0 and got["mean_pct"] == 0.6
+    assert got["ci90_pct"][0] <= 1.0 <= got["ci90_pct"][1]
+    # per turn, ms a repetition: fast rounds +10 / +10 ms a turn, slow 0 / +20 / 0
+    assert got["turn_ms_per_rep"] == [10.0, 10.0]
