@@ -83,13 +83,15 @@ def _pooled_turn_medians(offs: Sequence[dict], group: Sequence[dict], rounds: Se
             for i in range(len(turns[0][rounds[0]]))]
 
 
-def _pooled_pct(times: Sequence[Dict[int, float]], n_offs: int, rounds: Sequence[int]) -> List[float]:
+def _pooled_pct(times: Sequence[Dict[int, float]], n_offs: int, rounds: Sequence[int], *,
+                ms: bool = False) -> List[float]:
     """Per round, the mean of ``times[n_offs:]`` (a configuration's servers, round -> seconds) against the mean of
-    ``times[:n_offs]`` (the off servers'), percent."""
+    ``times[:n_offs]`` (the off servers'), percent (``ms``: their difference in milliseconds)."""
     out = []
     for rep in rounds:
         off = statistics.fmean(t[rep] for t in times[:n_offs])
-        out.append(100.0 * (statistics.fmean(t[rep] for t in times[n_offs:]) - off) / off)
+        diff = statistics.fmean(t[rep] for t in times[n_offs:]) - off
+        out.append(1000.0 * diff if ms else 100.0 * diff / off)
     return out
 
 
@@ -154,16 +156,16 @@ def across_hosts(logs: Sequence[Sequence[dict]], seed: int) -> dict:
 
 def _turn_ms(runs: Sequence[dict], name: str) -> List[List[float]]:
     """Per round every server finished: per turn, the configuration's servers' mean minus the off servers' mean,
-    ms ([] when a repetition carries no per-turn times)."""
+    ms (``_pooled_pct``'s difference; [] when a repetition carries no per-turn times)."""
     offs = [r for r in runs if r["role"] == "off" and r["reps"]]
     group = [r for r in runs if r.get("config", r["role"]) == name and r["reps"]]
     turns = [{x["rep"]: x.get("turn_s") for x in r["reps"]} for r in offs + group]
     rounds = sorted(set.intersection(*(set(t) for t in turns))) if turns else []
     if not rounds or any(not t[rep] for t in turns for rep in rounds):
         return []
-    n = len(offs)
-    return [[1000.0 * (statistics.fmean(t[rep][i] for t in turns[n:]) - statistics.fmean(t[rep][i] for t in turns[:n]))
-             for i in range(len(turns[0][rep]))] for rep in rounds]
+    per_turn = [_pooled_pct([{rep: t[rep][i] for rep in rounds} for t in turns], len(offs), rounds, ms=True)
+                for i in range(len(turns[0][rounds[0]]))]
+    return [list(by_round) for by_round in zip(*per_turn)]
 
 
 if __name__ == "__main__":

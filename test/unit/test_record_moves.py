@@ -65,6 +65,7 @@ def test_bad_tables_are_refused():
         load_records(host[:, :3], idx, wide[:, :W], idx, tags, book, 0, triton_ok=True)
     with pytest.raises(ValueError, match="contiguous"):
         load_records(host, idx, wide[:, :W], idx, tags, book.t().contiguous().t(), 0, triton_ok=True)
-    with pytest.raises(ValueError, match="into 2 device slots"):
-        load_records(host, idx, wide[:, :W], torch.zeros(2, dtype=torch.int64, device=DEVICE), tags, book, 0,
-                     triton_ok=True)
+    for triton_ok in (True, False):  # both paths refuse a load of mismatched lengths the same way
+        with pytest.raises(ValueError, match="into 2 device slots"):
+            load_records(host, idx, wide[:, :W], torch.zeros(2, dtype=torch.int64, device=DEVICE), tags, book, 0,
+                         triton_ok=triton_ok)

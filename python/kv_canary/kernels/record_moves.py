@@ -42,7 +42,9 @@ def load_records_kernel(host_records, host_stride, host_idx, records, rec_stride
 _load_records_bound = BoundKernel(load_records_kernel)
 
 
-def _check(host_records, records, tags, loaded_from) -> None:
+def _check(host_records, host_idx, records, dev_idx, tags, loaded_from) -> None:
+    if dev_idx.numel() != host_idx.numel():
+        raise ValueError(f"kv-canary: a load of {host_idx.numel()} host slots into {dev_idx.numel()} device slots")
     if host_records.shape[1] != fp.RECORD_WIDTH or records.shape[1] != fp.RECORD_WIDTH:
         raise ValueError(f"kv-canary: record tables need {fp.RECORD_WIDTH} columns, got "
                          f"{tuple(host_records.shape)} and {tuple(records.shape)}")
@@ -62,13 +64,11 @@ def load_records(host_records: torch.Tensor, host_idx: torch.Tensor, records: to
                  tags: torch.Tensor, loaded_from: torch.Tensor, forward: int, *, triton_ok: bool) -> None:
     """One load-back's moves (see the module), queued on the current stream; ``triton_ok``: the Triton kernel
     (a GPU, or the interpreter), else the torch reference. ``host_idx`` / ``dev_idx`` int64 on the tables' device."""
-    _check(host_records, records, tags, loaded_from)
+    _check(host_records, host_idx, records, dev_idx, tags, loaded_from)
     if not triton_ok:
         load_records_torch(host_records, host_idx, records, dev_idx, tags, loaded_from, forward)
         return
     n = host_idx.numel()
-    if dev_idx.numel() != n:
-        raise ValueError(f"kv-canary: a load of {n} host slots into {dev_idx.numel()} device slots")
     _load_records_bound[(max(1, cdiv(n, LOAD_BLOCK)),)](
         host_records, host_records.stride(0), host_idx, records, records.stride(0), dev_idx, tags, loaded_from, n,
         int(forward), WIDTH=fp.RECORD_WIDTH, BLOCK=LOAD_BLOCK)
