@@ -15,6 +15,7 @@ import sys
 from typing import Dict, List, Sequence
 
 _START = re.compile(r"\[(?P<label>(?P<config>\w+)#\d+)\] starting a HiCache server \(--kv-canary (?P<mode>\w+)")
+_STAMP = re.compile(r"(?=\[\d\d:\d\d:\d\d\] )")
 _REP = re.compile(r"\[(?P<label>\w+#\d+)\] rep (?P<rep>\d+):\s+(?P<wall>[\d.]+)s.*?(?: turn_s=(?P<turns>[\d.,]+))?$")
 
 
@@ -109,9 +110,10 @@ def _turn_medians(reps: Sequence[dict], base_reps: Sequence[dict]) -> List[float
 def runs_from_log(text: str) -> List[dict]:
     """The runs of a bench log (``bench_hicache_overhead.py``'s progress lines): a run cut off before its report
     (a device call that ended) still pairs its complete rounds. A server is ``off`` when it ran ``--kv-canary
-    none``; a repetition's ``turn_s`` when the line has it; only rounds every server finished are kept."""
+    none``; a repetition's ``turn_s`` when the line has it; only rounds every server finished are kept. Servers
+    started in parallel print from threads, so one line may hold two messages: each ``[HH:MM:SS] `` begins one."""
     runs: Dict[str, dict] = {}
-    for line in text.splitlines():
+    for line in (m for raw in text.splitlines() for m in _STAMP.split(raw)):
         m = _START.search(line)
         if m:
             runs[m["label"]] = {"label": m["label"], "config": m["config"], "reps": [],

@@ -304,9 +304,11 @@ def test_a_cut_off_hicache_row_still_pairs_its_complete_rounds_and_a_time_budget
     pr = sys.modules["paired_rounds"]
     lines = ["[00:00:00] [hc_off#1] starting a HiCache server (--kv-canary none) ...",
              "[00:00:00] [hc_ours#1] starting a HiCache server (--kv-canary raise) ...",
-             "[00:00:00] [hc_off#2] starting a HiCache server (--kv-canary none) ...",
+             "[00:00:00] [hc_ours#2] starting a HiCache server (--kv-canary raise) ..."  # servers started in
+             "[00:00:00] [hc_off#2] starting a HiCache server (--kv-canary none) ...",  # parallel: one line, two
              "[00:00:01] [hc_ours#1] rep warmup:    9.000s cached_tokens=1 load_back_tokens=1 turn_s=3.0,3.0,3.0"]
-    walls = {"hc_off#1": (2.0, 2.0, 2.0), "hc_off#2": (2.2, 2.2), "hc_ours#1": (2.2, 2.31, 2.0)}
+    walls = {"hc_off#1": (2.0, 2.0, 2.0), "hc_off#2": (2.2, 2.2), "hc_ours#1": (2.2, 2.31, 2.0),
+             "hc_ours#2": (2.2, 2.31)}
     for label, ws in walls.items():
         for rep, w in enumerate(ws):
             lines.append(f"[00:00:02] [{label}] rep {rep}:    {w:.3f}s cached_tokens=5 load_back_tokens=5 "
@@ -314,7 +316,8 @@ def test_a_cut_off_hicache_row_still_pairs_its_complete_rounds_and_a_time_budget
     lines.append("[00:00:03] [hc_off#1] rep 3:    2.000s cached_tokens=5 load_back_tokens=5")  # an older log line
     runs = pr.runs_from_log("\n".join(lines))
     assert [(r["label"], r["role"], [x["rep"] for x in r["reps"]]) for r in runs] == [
-        ("hc_off#1", "off", [0, 1]), ("hc_ours#1", "ours", [0, 1]), ("hc_off#2", "off", [0, 1])]
+        ("hc_off#1", "off", [0, 1]), ("hc_ours#1", "ours", [0, 1]), ("hc_ours#2", "ours", [0, 1]),
+        ("hc_off#2", "off", [0, 1])]
     got = pr.pooled(runs, seed=len(runs))["hc_ours"]
     assert got["pair_pct"] == [4.762, 10.0] and got["turn_median_pct"] == [7.381, 7.381]
 
