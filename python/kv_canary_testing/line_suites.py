@@ -116,7 +116,8 @@ ONLY_ON_LINE = {
                "by side (scripts/test.sh)",
         "line": ("0.5.12", "0.5.17"),
         "cpu_only": True,
-        "files": ("unit/test_kernels.py", "unit/test_swa_kernels.py"),
+        "files": ("unit/test_kernels.py", "unit/test_token_oracle.py", "unit/test_kernel_scrub_sweep.py",
+                  "unit/test_accept_kernels.py", "unit/test_swa_kernels.py"),
     },
 }
 
