@@ -43,8 +43,8 @@ from typing import Dict, List, Optional
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import (  # noqa: E402
-    CONFIGS, ROWS, PromptSource, Row, plan_eagle_args, run_batch, server_plan)
+from bench_overhead import PromptSource, run_batch  # noqa: E402
+from overhead_plan import CONFIGS, ROWS, Row, plan_eagle_args, server_plan  # noqa: E402
 
 from kv_canary_testing.server import SglangServer  # noqa: E402
 

@@ -28,28 +28,39 @@ def _load(name):
     return mod
 
 
+overhead_plan = _load("overhead_plan")  # the modules bench_overhead imports, loaded first so it imports these same ones
 bench = _load("bench_overhead")
 report = _load("overhead_report")
 
 
 def test_shared_prefix_prompts_share_the_system_prompt_and_nothing_else():
     src = bench.PromptSource((1000, 128256), seed=0)
-    row = bench.ROWS["shared_prefix"]
+    row = overhead_plan.ROWS["shared_prefix"]
     warm, rep0 = src.batch(row, -1), src.batch(row, 0)
     system = warm[0][: row.shared_prefix_len]
     assert all(len(p) == row.input_len for p in warm + rep0)
     assert all(p[: row.shared_prefix_len] == system for p in warm + rep0)  # every request, every repetition
     own = {tuple(p[row.shared_prefix_len:][:2]) for p in warm + rep0}
     assert len(own) == 2 * row.batch  # each request's own part starts with a unique id
-    fresh = src.batch(bench.ROWS["decode_bs64"], 0)
+    fresh = src.batch(overhead_plan.ROWS["decode_bs64"], 0)
     assert len({tuple(p[:2]) for p in fresh}) == 64 and not any(p[:len(system)] == system for p in fresh)
     scaled = row.scaled(1 / 64)
     assert (scaled.shared_prefix_len, scaled.input_len, scaled.batch) == (64, 66, 64)
 
 
 def test_kv_pool_counts_a_shared_prefix_once():
-    rows = [bench.ROWS["shared_prefix"]]
-    assert bench.needed_kv_tokens(rows) == 30720  # (4096 + 64 * (64 + 256)) * 1.25, a multiple of 1024
+    rows = [overhead_plan.ROWS["shared_prefix"]]
+    assert overhead_plan.needed_kv_tokens(rows) == 30720  # (4096 + 64 * (64 + 256)) * 1.25, a multiple of 1024
+
+
+def test_the_cli_takes_its_rows_and_configs_from_the_plan():
+    """A row compared with another shape's off median brings that shape in; an upstream config needs its site."""
+    args = bench.parse_args(["--device", "cpu", "--rows", "decode_bs64_sweep16", "--configs", "off,on"])
+    assert args.row_names == ["decode_bs64", "decode_bs64_sweep16"] and args.config_names == ["off", "ours"]
+    assert args.scale == overhead_plan.CPU_DEFAULT_SCALE and args.upstream_site is None
+    assert bench.parse_args(["--device", "cpu"]).config_names == list(overhead_plan.CPU_DEFAULT_CONFIGS)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--configs", "upstream"])
 
 
 def _run(label, role, medians, **extra):
@@ -68,7 +79,7 @@ def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
         _run("upstream_sweep16#1", "upstream", {"decode_bs64_sweep16": 6.6}),
         _run("off#2", "off", {"decode_bs1": 2.01, "decode_bs64": 3.98, "shared_prefix": 5.0}),
     ]
-    rows = [bench.ROWS[n] for n in ("decode_bs1", "decode_bs64", "shared_prefix", "decode_bs64_sweep16")]
+    rows = [overhead_plan.ROWS[n] for n in ("decode_bs1", "decode_bs64", "shared_prefix", "decode_bs64_sweep16")]
     table, details = bench.summarize(runs, rows)
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 1.0, "upstream_pct": 3.0, "noise_pct": 0.5}
     assert table["decode_bs64"] == {"off_s": 4.0, "ours_pct": 0.0, "upstream_pct": 1.0, "noise_pct": -0.5}
@@ -84,22 +95,23 @@ def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
 def test_low_radix_hit_rate_is_flagged():
     runs = [_run("off#1", "off", {"shared_prefix": 5.0})]
     runs[0]["rows"]["shared_prefix"]["hit_rate"] = [0.95, 0.5]
-    _, details = bench.summarize(runs, [bench.ROWS["shared_prefix"]])
+    _, details = bench.summarize(runs, [overhead_plan.ROWS["shared_prefix"]])
     assert details["shared_prefix"]["hit_rate_ok"] is False
 
 
 def test_upstream_servers_get_the_upstream_site_first_and_refuse_without_it():
     plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
-    env = bench.server_env(bench.CONFIGS["upstream"], plan, "/tmp/site-upstream", {"SGLANG_KV_CANARY_X": "1"})
+    env = overhead_plan.server_env(overhead_plan.CONFIGS["upstream"], plan, "/tmp/site-upstream",
+                                   {"SGLANG_KV_CANARY_X": "1"})
     assert env["PYTHONPATH"].split(":")[0] == "/tmp/site-upstream"
     assert env["SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT"] == "1" and "SGLANG_KV_CANARY_X" not in env
-    assert bench.CONFIGS["upstream"].args == ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
-    assert "--kv-canary-sweep-interval" in bench.CONFIGS["upstream_sweep16"].args
+    assert overhead_plan.CONFIGS["upstream"].args == ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
+    assert "--kv-canary-sweep-interval" in overhead_plan.CONFIGS["upstream_sweep16"].args
     with pytest.raises(ValueError, match="--upstream-site"):
-        bench.server_env(bench.CONFIGS["upstream_off"], plan, None, {})
-    ours = bench.server_env(bench.CONFIGS["ours"], plan, None, {"SGLANG_KV_CANARY_X": "1"})
+        overhead_plan.server_env(overhead_plan.CONFIGS["upstream_off"], plan, None, {})
+    ours = overhead_plan.server_env(overhead_plan.CONFIGS["ours"], plan, None, {"SGLANG_KV_CANARY_X": "1"})
     assert ours["SGLANG_KV_CANARY_X"] == "1" and "PYTHONPATH" not in ours
-    storm = bench.server_env(bench.CONFIGS["storm"], plan, None, {})
+    storm = overhead_plan.server_env(overhead_plan.CONFIGS["storm"], plan, None, {})
     assert storm["SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"] == "256"  # after the warmup repetition's decode
     assert storm["SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS"] == "1"
 
@@ -192,27 +204,27 @@ def test_canary_memory_is_at_most_2_percent_of_the_kv_pool_at_any_context_length
 
 
 def test_eagle_configs_run_speculative_decoding_on_cuda_and_compare_eagle_with_eagle(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "default_cache_dir", lambda: tmp_path)
-    rows = [bench.ROWS[n] for n in bench.EAGLE_ROWS]
-    plan = bench.server_plan("cuda", 1.0, rows)
+    monkeypatch.setattr(overhead_plan, "default_cache_dir", lambda: tmp_path)
+    rows = [overhead_plan.ROWS[n] for n in overhead_plan.EAGLE_ROWS]
+    plan = overhead_plan.server_plan("cuda", 1.0, rows)
     args = plan["eagle_args"]
     assert args[args.index("--speculative-algorithm") + 1] == "EAGLE"
     assert args[args.index("--speculative-eagle-topk") + 1] == "1"  # spec v2: what the canary verifies
     draft = json.loads((Path(args[args.index("--speculative-draft-model-path") + 1]) / "config.json").read_text())
     assert draft["architectures"] == ["LlamaForCausalLMEagle"] and draft["num_hidden_layers"] == 1
-    assert draft["hidden_size"] == bench.LLAMA3_8B_CONFIG["hidden_size"]
+    assert draft["hidden_size"] == overhead_plan.LLAMA3_8B_CONFIG["hidden_size"]
     v1 = plan["eagle_v1_args"]  # spec v1: topk > 1 with the overlap scheduler off (sglang's EAGLEWorker)
     assert int(v1[v1.index("--speculative-eagle-topk") + 1]) > 1 and "--disable-overlap-schedule" in v1
-    assert "eagle_args" not in bench.server_plan("cpu", 1 / 64, rows)
-    eagle = [bench.CONFIGS[n] for n in bench.EAGLE_CONFIGS]
-    assert all(c.eagle == "v2" and c.rows == bench.EAGLE_ROWS for c in eagle)
-    assert [bench.CONFIGS[n].eagle for n in bench.EAGLE_V1_CONFIGS] == ["v1"] * 3
-    assert "spec v1 (topk 2" in bench.CONFIGS["eagle_v1_ours"].describe()
-    assert not any(c.eagle for c in bench.CONFIGS.values() if c.name in bench.DEFAULT_CONFIGS)
+    assert "eagle_args" not in overhead_plan.server_plan("cpu", 1 / 64, rows)
+    eagle = [overhead_plan.CONFIGS[n] for n in overhead_plan.EAGLE_CONFIGS]
+    assert all(c.eagle == "v2" and c.rows == overhead_plan.EAGLE_ROWS for c in eagle)
+    assert [overhead_plan.CONFIGS[n].eagle for n in overhead_plan.EAGLE_V1_CONFIGS] == ["v1"] * 3
+    assert "spec v1 (topk 2" in overhead_plan.CONFIGS["eagle_v1_ours"].describe()
+    assert not any(c.eagle for c in overhead_plan.CONFIGS.values() if c.name in overhead_plan.DEFAULT_CONFIGS)
     # in an EAGLE run the summary roles pair EAGLE servers with EAGLE servers only
     runs = [{"label": f"{c.name}#{i}", "role": c.role, "rows": {"decode_bs1": {"median_s": m, "hit_rate": [0.0]}}}
             for i, (c, m) in enumerate(zip(eagle, (2.0, 2.01, 2.1, 2.12, 2.0)))]
-    table, _ = bench.summarize(runs, [bench.ROWS["decode_bs1"]])
+    table, _ = bench.summarize(runs, [overhead_plan.ROWS["decode_bs1"]])
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 0.5, "upstream_pct": 0.95, "noise_pct": 0.0}
 
 
@@ -222,14 +234,14 @@ def test_the_pd_pair_bench_sizes_both_sides_and_summarizes_against_its_first_off
     pd = _load("bench_pd_overhead")
     plan = {"args": ["--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "64"]}
     assert pd.pd_args(plan, "cpu") == ["--skip-tokenizer-init", "--cuda-graph-max-bs", "64"]
-    row = bench.ROWS["decode_bs1"]
+    row = overhead_plan.ROWS["decode_bs1"]
     runs = [{"label": "pd_off#1", "role": "off", "rows": {"decode_bs1": {"median_s": 2.0}}},
             {"label": "pd_ours#1", "role": "ours", "rows": {"decode_bs1": {"median_s": 2.01}}},
             {"label": "pd_off#2", "role": "off", "rows": {"decode_bs1": {"median_s": 1.99}}}]
     got = pd.summarize(runs, [row])["decode_bs1"]
     assert (got["off_s"], got["ours_pct"], got["noise_pct"]) == (2.0, 0.5, -0.5)
     args = pd.parse_args(["--device", "cpu", "--rows", "decode_bs1"])
-    assert args.config_names == ["pd_off", "pd_ours", "pd_off"] and args.scale == bench.CPU_DEFAULT_SCALE
+    assert args.config_names == ["pd_off", "pd_ours", "pd_off"] and args.scale == overhead_plan.CPU_DEFAULT_SCALE
     with pytest.raises(SystemExit):
         pd.parse_args(["--configs", "pd_off,ours"])
 
