@@ -49,8 +49,9 @@ from typing import Dict, List, Sequence
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import (  # noqa: E402
-    SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, pct, probe_environment, run_batch, wait_settled,
+from bench_overhead import pct  # noqa: E402
+from overhead_client import (  # noqa: E402
+    SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, probe_environment, run_batch, wait_settled,
 )
 from overhead_plan import ROWS, server_plan  # noqa: E402
 from paired_rounds import paired, pooled  # noqa: E402

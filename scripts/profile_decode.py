@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import PromptSource, run_batch  # noqa: E402
+from overhead_client import PromptSource, run_batch  # noqa: E402
 from overhead_plan import CONFIGS, ROWS, Row, plan_eagle_args, server_plan  # noqa: E402
 
 from kv_canary_testing.server import SglangServer  # noqa: E402

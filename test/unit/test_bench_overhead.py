@@ -29,12 +29,13 @@ def _load(name):
 
 
 overhead_plan = _load("overhead_plan")  # the modules bench_overhead imports, loaded first so it imports these same ones
+overhead_client = _load("overhead_client")
 bench = _load("bench_overhead")
 report = _load("overhead_report")
 
 
 def test_shared_prefix_prompts_share_the_system_prompt_and_nothing_else():
-    src = bench.PromptSource((1000, 128256), seed=0)
+    src = overhead_client.PromptSource((1000, 128256), seed=0)
     row = overhead_plan.ROWS["shared_prefix"]
     warm, rep0 = src.batch(row, -1), src.batch(row, 0)
     system = warm[0][: row.shared_prefix_len]
