@@ -49,11 +49,11 @@ from typing import Dict, List, Sequence
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import pct  # noqa: E402
 from overhead_client import (  # noqa: E402
     SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, probe_environment, run_batch, wait_settled,
 )
 from overhead_plan import ROWS, server_plan  # noqa: E402
+from overhead_summary import pct  # noqa: E402
 from paired_rounds import paired, pooled  # noqa: E402
 from server_probes import parse_cpu_set, pin_process_tree, read_stacks, stack_lines, stack_summary  # noqa: E402
 from thread_cpu import busiest, snapshot as thread_snapshot  # noqa: E402

@@ -74,9 +74,8 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
-from kv_canary.memory import canary_memory_bytes
 from kv_canary_testing.server import SglangServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -88,12 +87,9 @@ from overhead_plan import (  # noqa: E402
     IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang, plan_eagle_args,
     server_env, server_plan,
 )
+from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
 
 # ---------------------------------------------------------------- one server
-
-MIN_HIT_RATE = 0.9  # the shared-prefix row must be served from the radix cache
-MEMORY_CONTEXT_LENS = (131072,)  # extra context lengths the memory table is computed for
-DEFAULT_REQ_ROWS = 4097  # sglang's req pool on a large GPU without --max-running-requests (memory table)
 
 
 def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[str, Row], log_dir: Path,
@@ -158,138 +154,11 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
     return result
 
 
-# ---------------------------------------------------------------- report
-
-
-def pct(value: Optional[float], base: Optional[float]) -> Optional[float]:
-    """100 * (value - base) / base, or None when either is missing or base is not positive."""
-    if value is None or base is None or base <= 0:
-        return None
-    return round(100.0 * (value - base) / base, 2)
-
-
-def _median(run: Optional[dict], row: str) -> Optional[float]:
-    return None if run is None else run["rows"].get(row, {}).get("median_s")
-
-
-def _first(runs: Sequence[dict], role: str, row: str, skip: Sequence[dict] = ()) -> Optional[dict]:
-    """The first run of ``role`` that measured ``row`` (not in ``skip``)."""
-    for r in runs:
-        if r["role"] == role and row in r["rows"] and all(r is not s for s in skip):
-            return r
-    return None
-
-
-def summarize(runs: Sequence[dict], rows: Sequence[Row]) -> Tuple[dict, dict]:
-    """(overhead rows in docs/results/overhead.json's shape, per-row details for overhead_extra.json).
-
-    off_s: the first off server's median of the row's baseline shape; ours_pct / upstream_pct: the
-    canary server against the off server of its own stack (upstream against sglang 0.5.14 without
-    canary when measured, else against 0.5.12 off); noise_pct: the second off server against the first.
-    """
-    table, details = {}, {}
-    for row in rows:
-        base_row = row.baseline
-        off1 = _first(runs, "off", base_row)
-        off2 = _first(runs, "off", base_row, skip=[off1] if off1 else [])
-        ours = _first(runs, "ours", row.name)
-        up = _first(runs, "upstream", row.name)
-        up_off = _first(runs, "upstream_off", base_row)
-        off_s = _median(off1, base_row)
-        up_base = _median(up_off, base_row) if up_off else off_s
-        table[row.name] = {
-            "off_s": off_s,
-            "ours_pct": pct(_median(ours, row.name), off_s),
-            "upstream_pct": pct(_median(up, row.name), up_base),
-            "noise_pct": pct(_median(off2, base_row), off_s),
-        }
-        details[row.name] = {
-            "shape": row.describe(),
-            "baseline_row": base_row,
-            "medians_s": {r["label"]: _median(r, row.name if r["role"] in ("ours", "upstream", "storm") else base_row)
-                          for r in runs if row.name in r["rows"] or base_row in r["rows"]},
-            "upstream_baseline": (up_off["label"] if up_off else (off1["label"] if off1 else None)),
-            "upstream_vs_ours_off_pct": pct(_median(up, row.name), off_s),
-            "upstream_off_vs_ours_off_pct": pct(up_base, off_s) if up_off else None,
-            "hit_rate_min": {r["label"]: min(r["rows"][row.name]["hit_rate"]) for r in runs if row.name in r["rows"]},
-        }
-        if row.shared_prefix_len:
-            details[row.name]["hit_rate_ok"] = all(v >= MIN_HIT_RATE for v in details[row.name]["hit_rate_min"].values())
-    return table, details
-
-
-def _install_fields(run: Optional[dict]) -> Dict[str, str]:
-    line = (run or {}).get("canary_installed_line") or ""
-    return dict(item.split("=", 1) for item in line.split() if "=" in item and not item.startswith("["))
-
-
-def memory_table(runs: Sequence[dict]) -> Optional[dict]:
-    """Canary device bytes vs KV pool bytes: this run (from the install line), and computed for longer contexts."""
-    ours = next((r for r in runs if r["role"] == "ours" and r.get("canary_installed_line")), None)
-    f = _install_fields(ours)
-    if not f or "canary_bytes" not in f:
-        return None
-    slots, rows, ctx = int(f["slots"]), int(f["req_rows"]), int(f["max_context_len"])
-    kv = int(f["kv_pool_bytes"])
-    common = dict(num_slots=slots, num_groups=len(f["groups"].split(",")),
-                  ring_capacity=int(f["ring_capacity"]), token_oracle=f.get("token_oracle", "1") == "1",
-                  max_batch_size=int(f["max_batch_size"]), sweep=int(f.get("sweep_interval", "0")) > 0)
-    cases = [("this run", rows, ctx)] + [(f"context {c}", rows, c) for c in MEMORY_CONTEXT_LENS] + [
-        (f"context {c}, {DEFAULT_REQ_ROWS} request rows", DEFAULT_REQ_ROWS, c) for c in MEMORY_CONTEXT_LENS]
-    table = []
-    for label, r, c in cases:
-        m = canary_memory_bytes(req_rows=r, context_len=c, **common)
-        table.append({"case": label, "slots": slots, "req_rows": r, "context_len": c, "kv_pool_bytes": kv,
-                      "canary_bytes": m.total, "canary_pct_of_kv_pool": round(m.pct_of(kv), 3),
-                      "breakdown": asdict(m)})
-    return {"logged_canary_bytes": int(f["canary_bytes"]), "cases": table}
-
-
-def storm_summary(runs: Sequence[dict]) -> Optional[dict]:
-    """Log mode under one persistent corruption of a shared-prefix slot, against the clean ours/off servers."""
-    storm = next((r for r in runs if r["role"] == "storm"), None)
-    if storm is None:
-        return None
-    row = "shared_prefix"
-    ours, off = _first(runs, "ours", row), _first(runs, "off", row)
-    st = storm.get("canary_stats_last") or {}
-    logged = storm.get("violations_logged") or []
-    keys = [tuple(v.get(k) for k in ("kind", "group", "slot", "position", "stored", "expected")) for v in logged]
-    pert = storm.get("perturbations") or []
-    prefix_len = ROWS[row].shared_prefix_len
-    return {
-        "storm_s": _median(storm, row),
-        "clean_ours_s": _median(ours, row),
-        "off_s": _median(off, row),
-        "storm_vs_clean_ours_pct": pct(_median(storm, row), _median(ours, row)),
-        "storm_vs_off_pct": pct(_median(storm, row), _median(off, row)),
-        "injections": len(pert),
-        "injected_position": int(pert[0]["position"]) if pert else None,
-        "injected_in_shared_prefix": bool(pert) and int(pert[0]["position"]) < prefix_len,
-        "violation_rows_on_device": int(st.get("violations", 0) or 0),
-        "violations_repeated": int(st.get("violations_repeated", 0) or 0),
-        "violation_lines": storm.get("violation_lines"),
-        "distinct_violations_logged_once": len(keys) == len(set(keys)),
-        "error": storm.get("error"),
-    }
+# ---------------------------------------------------------------- the run
 
 
 def _fmt_pct(v: Optional[float]) -> str:
     return "n/a" if v is None else f"{v:+.2f}%"
-
-
-def markdown_table(runs: Sequence[dict], rows: Sequence[Row]) -> str:
-    """Per row and server: median seconds (a quick look; docs tables come from scripts/overhead_report.py)."""
-    labels = [r["label"] for r in runs]
-    head = ["row", "shape"] + [f"{lb} s" for lb in labels]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [row.name, row.describe()]
-        for r in runs:
-            m = _median(r, row.name)
-            cells.append("" if m is None else f"{m:.3f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def _parse_env_pairs(pairs: Sequence[str]) -> Dict[str, str]:
@@ -353,24 +222,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--configs {','.join(needs_upstream)} need sglang 0.5.14 in --upstream-site "
                 f"(got {args.upstream_site!r}, which holds no sglang/): run its install.sh first")
     return args
-
-
-def write_results(report: dict, out_path: Path, results_dir: Path) -> None:
-    out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    results_dir.mkdir(parents=True, exist_ok=True)
-    overhead = {"device": report["host"].get("device_name"), "date": report["date"][:10],
-                "command": report["command"],
-                "stacks": {role: sorted({r["stack"] for r in report["runs"] if r["role"] == role})
-                           for role in ("off", "ours", "upstream")},
-                "rows": report["overhead_rows"]}
-    (results_dir / "overhead.json").write_text(json.dumps(overhead, indent=2) + "\n")
-    extra = {k: report.get(k) for k in ("host", "date", "reps", "warmup_reps", "scale", "max_total_tokens",
-                                        "configs", "row_details", "memory", "storm", "elapsed_s")}
-    extra["servers"] = [{k: r.get(k) for k in ("label", "describe", "startup_s", "error", "canary_installed_line",
-                                               "canary_stats_last", "violation_lines", "upstream_canary_lines",
-                                               "kv_cache_allocated", "decode_log_lines_cuda_graph")}
-                        for r in report["runs"]]
-    (results_dir / "overhead_extra.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
 
 
 def main(argv=None) -> int:

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import pct  # noqa: E402
 from overhead_client import (  # noqa: E402
     SETTLE_TIMEOUT_S, PromptSource, _progress, log_facts, probe_environment, run_batch, wait_settled,
 )
 from overhead_plan import CPU_DEFAULT_SCALE, ROWS, needed_kv_tokens, server_plan  # noqa: E402
+from overhead_summary import pct  # noqa: E402
 from kv_canary_testing.pd import PDCluster, pd_skip_reason  # noqa: E402
 
 CONFIGS: Dict[str, tuple] = {"pd_off": ("off", ("--kv-canary", "none")), "pd_ours": ("ours", ("--kv-canary", "raise"))}

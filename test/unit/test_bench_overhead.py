@@ -30,6 +30,7 @@ def _load(name):
 
 overhead_plan = _load("overhead_plan")  # the modules bench_overhead imports, loaded first so it imports these same ones
 overhead_client = _load("overhead_client")
+overhead_summary = _load("overhead_summary")
 bench = _load("bench_overhead")
 report = _load("overhead_report")
 
@@ -81,7 +82,7 @@ def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
         _run("off#2", "off", {"decode_bs1": 2.01, "decode_bs64": 3.98, "shared_prefix": 5.0}),
     ]
     rows = [overhead_plan.ROWS[n] for n in ("decode_bs1", "decode_bs64", "shared_prefix", "decode_bs64_sweep16")]
-    table, details = bench.summarize(runs, rows)
+    table, details = overhead_summary.summarize(runs, rows)
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 1.0, "upstream_pct": 3.0, "noise_pct": 0.5}
     assert table["decode_bs64"] == {"off_s": 4.0, "ours_pct": 0.0, "upstream_pct": 1.0, "noise_pct": -0.5}
     assert table["decode_bs64_sweep16"] == {"off_s": 4.0, "ours_pct": 1.0, "upstream_pct": 50.0, "noise_pct": -0.5}
@@ -89,14 +90,14 @@ def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
     assert details["decode_bs1"]["upstream_baseline"] == "upstream_off#1"
     assert details["shared_prefix"]["hit_rate_ok"] is True
     # Without an upstream_off server, upstream is compared with 0.5.12 off; missing servers give None.
-    table, _ = bench.summarize([runs[0], runs[4]], rows[:1])
+    table, _ = overhead_summary.summarize([runs[0], runs[4]], rows[:1])
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": None, "upstream_pct": 13.3, "noise_pct": None}
 
 
 def test_low_radix_hit_rate_is_flagged():
     runs = [_run("off#1", "off", {"shared_prefix": 5.0})]
     runs[0]["rows"]["shared_prefix"]["hit_rate"] = [0.95, 0.5]
-    _, details = bench.summarize(runs, [overhead_plan.ROWS["shared_prefix"]])
+    _, details = overhead_summary.summarize(runs, [overhead_plan.ROWS["shared_prefix"]])
     assert details["shared_prefix"]["hit_rate_ok"] is False
 
 
@@ -121,14 +122,14 @@ def test_memory_table_reads_the_install_line_and_uses_the_memory_function():
     line = ("kv_canary_installed=1 mode=raise ring_capacity=4096 token_oracle=1 pool=MHATokenToKVPool groups=full "
             "slots=131073 kernels=triton max_batch_size=66 max_context_len=16384 req_rows=65 canary_bytes=8651072 "
             "kv_pool_bytes=17179869184 canary_pct_of_kv_pool=0.050")
-    memory = bench.memory_table([{"role": "ours", "canary_installed_line": line}])
+    memory = overhead_summary.memory_table([{"role": "ours", "canary_installed_line": line}])
     this, ctx128k, many_rows = memory["cases"]
     want = canary_memory_bytes(num_slots=131073, num_groups=1, req_rows=65, context_len=16384, ring_capacity=4096,
                                token_oracle=True, max_batch_size=66)
     assert this["canary_bytes"] == want.total and this["kv_pool_bytes"] == 17179869184
     assert ctx128k["context_len"] == 131072 and ctx128k["canary_bytes"] > this["canary_bytes"]
-    assert many_rows["req_rows"] == bench.DEFAULT_REQ_ROWS
-    assert bench.memory_table([{"role": "off", "canary_installed_line": None}]) is None
+    assert many_rows["req_rows"] == overhead_summary.DEFAULT_REQ_ROWS
+    assert overhead_summary.memory_table([{"role": "off", "canary_installed_line": None}]) is None
 
 
 def test_storm_summary_checks_each_distinct_violation_is_logged_once():
@@ -137,11 +138,11 @@ def test_storm_summary_checks_each_distinct_violation_is_logged_once():
                  perturbations=[{"kv_canary_perturb": "real_kv_used", "position": "12"}],
                  canary_stats_last={"violations": "900", "violations_repeated": "899"}, violation_lines=1)
     runs = [_run("off#1", "off", {"shared_prefix": 5.0}), _run("ours#1", "ours", {"shared_prefix": 5.0}), storm]
-    s = bench.storm_summary(runs)
+    s = overhead_summary.storm_summary(runs)
     assert s["storm_vs_clean_ours_pct"] == 2.0 and s["injected_in_shared_prefix"]
     assert s["distinct_violations_logged_once"] and s["violations_repeated"] == 899
     storm["violations_logged"] = [v, dict(v)]
-    assert not bench.storm_summary(runs)["distinct_violations_logged_once"]
+    assert not overhead_summary.storm_summary(runs)["distinct_violations_logged_once"]
 
 
 def test_report_regenerates_the_doc_section_and_keeps_the_rest(tmp_path):
@@ -225,7 +226,7 @@ def test_eagle_configs_run_speculative_decoding_on_cuda_and_compare_eagle_with_e
     # in an EAGLE run the summary roles pair EAGLE servers with EAGLE servers only
     runs = [{"label": f"{c.name}#{i}", "role": c.role, "rows": {"decode_bs1": {"median_s": m, "hit_rate": [0.0]}}}
             for i, (c, m) in enumerate(zip(eagle, (2.0, 2.01, 2.1, 2.12, 2.0)))]
-    table, _ = bench.summarize(runs, [overhead_plan.ROWS["decode_bs1"]])
+    table, _ = overhead_summary.summarize(runs, [overhead_plan.ROWS["decode_bs1"]])
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": 0.5, "upstream_pct": 0.95, "noise_pct": 0.0}
 
 
