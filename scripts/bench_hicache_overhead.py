@@ -22,7 +22,7 @@ round: a server process's own speed offset is averaged over the processes of its
 ``hc_ours_d2h4``: ``hc_ours`` with ``SGLANG_KV_CANARY_D2H_INTERVAL=4``; ``hc_ours_lean`` (an ablation, to size
 what the token oracle and the write witness cost): that, and neither of them.
 
-GPU (default): bench_overhead's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
+GPU (default): overhead_plan's Llama-3-8B shape with dummy weights, CUDA graphs. CPU (``--device cpu``): the
 tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes; the timings only prove the
 script works.
 

@@ -3,13 +3,13 @@
 
 One run starts, per entry of ``--configs``, a prefill server, a decode server and sglang's mini router
 (``kv_canary_testing.pd.PDCluster``: mooncake over TCP on 127.0.0.1), times the rows on the router with the
-client of ``scripts/bench_overhead.py`` (one batched ``/generate`` of fresh prompts, ``ignore_eos``, one
+client of ``scripts/overhead_client.py`` (one batched ``/generate`` of fresh prompts, ``ignore_eos``, one
 untimed warmup, then ``--reps`` timed repetitions, medians), and stops the pair. ``pd_off``: both sides
 ``--kv-canary none``; ``pd_ours``: both sides ``--kv-canary raise`` (default settings: records travel with
 the KV, the decode side verifies every transferred slot at its first read). A second ``pd_off`` gives the
 off-vs-off noise.
 
-GPU (default): the Llama-3-8B shape with dummy weights (bench_overhead's plan), CUDA graphs on the decode
+GPU (default): the Llama-3-8B shape with dummy weights (overhead_plan's server_plan), CUDA graphs on the decode
 side (sglang runs the prefill side without them). Both servers share one GPU (``--mem-fraction-static``
 ``ONE_GPU_MEM_FRACTION`` each) or, with two GPUs, the decode side takes the second one. CPU (``--device
 cpu``): the tiny model, sizes scaled down; the timings only prove the script works.

@@ -2,7 +2,7 @@
 """Where a decode step's time goes, with and without the canary: torch-profiler traces of real servers.
 
 For each ``--configs`` entry one server (the bench's Llama-3-8B-shaped dummy model, CUDA graphs,
-the flags of ``scripts/bench_overhead.py``) runs, per batch size of ``--batches``, one warmup
+the flags of ``scripts/overhead_plan.py``) runs, per batch size of ``--batches``, one warmup
 batch (1k in, 256 out), ``--reps`` timed batches, then one more batch during whose decode phase
 sglang's own profiler (``/start_profile``, CPU + GPU activities, no stacks) records
 ``--steps`` forwards. The trace is reduced here to per-step numbers:
