@@ -7,7 +7,7 @@ docs/results/gpu-h200-2026-11-25/bench_full_row.json.
 Pool: the Llama-3-8B shape, every layer allocated (32 layers x K and V, 8 KV heads x 128 dims bf16: 128 KiB
 per slot), slots shuffled over the pool. Only torch + triton + this repo's python are needed.
 
-Rows printed (each a CUDA-graph replay after an L2 flush, median; see bench_kernels.Timer):
+Rows printed (each a CUDA-graph replay after an L2 flush, median; see kernel_timing.Timer):
 
 * ``tail_full``: TAIL (write kernel + FULL_HASH of the new slots) for decode bs1, bs64 and prefill bs8 x 8k:
   ``write`` (the write kernel alone, partial records) vs ``new`` (write + split hash + finalize).
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from bench_kernels import Timer, device_info, graph_floor_us, measured_copy_gbps, nominal_hbm_gbps
+    from kernel_timing import Timer, device_info, graph_floor_us, measured_copy_gbps, nominal_hbm_gbps
     from kv_canary import fingerprint as fp
     from kv_canary.buffer_groups import PoolLayout, build_group
     from kv_canary.config import CanaryConfig, RealData

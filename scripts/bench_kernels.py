@@ -35,12 +35,13 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_timing import GIB, Timer, device_info, graph_floor_us, measured_copy_gbps, nominal_hbm_gbps  # noqa: E402
 
 BATCH_SIZES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -60,29 +61,6 @@ DEFAULT_MAX_CONTEXT_LEN = 131072  # req_to_token width (sglang: the model's cont
 DEFAULT_MEM_BUDGET_GIB = 24.0
 VERIFY_PROGRAMS_PER_SM = 2  # kv_canary.api.compute_capacities: target = 2 * SMs on CUDA
 CPU_VERIFY_PROGRAMS_TARGET = 1  # same function, CPU/interpreter
-L2_FLUSH_MIN_BYTES = 256 << 20
-L2_FLUSH_FACTOR = 4  # flush buffer = max(256 MiB, 4 x L2)
-COPY_PROBE_BYTES = 1 << 30
-COPY_PROBE_REPS = 10
-GIB = 1 << 30
-
-# Nominal HBM bandwidth (GB/s) by device-name substring, most specific first.
-HBM_GBPS = (
-    ("H200", 4800.0),
-    ("H100 NVL", 3900.0),
-    ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),  # SXM
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100-SXM4-40GB", 1555.0),
-    ("A100 80GB PCIe", 1935.0),
-)
-
-
-def nominal_hbm_gbps(name: str) -> Optional[float]:
-    for key, gbps in HBM_GBPS:
-        if key in name:
-            return gbps
-    return None
 
 
 @dataclass(frozen=True)
@@ -114,84 +92,6 @@ def verify_bytes_per_slot(hash_words: int, hashed_layers: int, verify_tokens: bo
     del verify_tokens
     tokens = 0
     return 2 * REQ_TO_TOKEN_ENTRY_BYTES + RECORD_BYTES + CHAIN_BYTES + 2 * hashed_layers * hash_words * 4 + tokens
-
-
-class Timer:
-    """CUDA: graphs + events with an L2 flush before each timed replay. CPU: eager calls, wall clock."""
-
-    def __init__(self, torch, device, iters: int, hot_launches: int, use_graphs: bool):
-        self.torch = torch
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.iters = iters
-        self.hot_launches = hot_launches
-        self.use_graphs = use_graphs and self.cuda
-        self.flush_buf = None
-        if self.cuda:
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0
-            nbytes = max(L2_FLUSH_MIN_BYTES, L2_FLUSH_FACTOR * l2)
-            self.flush_buf = torch.empty(nbytes // 4, dtype=torch.int32, device=device)
-
-    def _capture(self, fn: Callable[[], None], launches: int):
-        torch = self.torch
-        fn()  # compile / warm up outside capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(launches):
-                fn()
-        torch.cuda.synchronize()
-        return graph.replay, graph
-
-    def cold_us(self, fn: Callable[[], None]) -> float:
-        """Median µs of one call after an L2 flush."""
-        torch = self.torch
-        if not self.cuda:
-            fn()
-            times = []
-            for _ in range(self.iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times) * 1e6
-        if self.use_graphs:
-            run, keep = self._capture(fn, 1)
-        else:
-            run, keep = fn, None
-            fn()  # compile / warm up
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
-        for i in range(self.iters):
-            self.flush_buf.zero_()
-            starts[i].record()
-            run()
-            ends[i].record()
-        torch.cuda.synchronize()
-        del keep
-        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
-
-    def hot_us(self, fn: Callable[[], None]) -> Optional[float]:
-        """µs per call, ``hot_launches`` calls per graph replayed back to back (CUDA only)."""
-        if not self.cuda:
-            return None
-        torch = self.torch
-        if self.use_graphs:
-            run, keep = self._capture(fn, self.hot_launches)
-        else:
-            keep = None
-
-            def run():
-                for _ in range(self.hot_launches):
-                    fn()
-        run()  # warm up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(self.iters):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        del keep
-        return start.elapsed_time(end) * 1e3 / (self.iters * self.hot_launches)
 
 
 class CaseRig:
@@ -327,41 +227,6 @@ class CaseRig:
             )
 
 
-def device_info(torch, device) -> dict:
-    if device.type != "cuda":
-        return {"device_name": "cpu (Triton interpreter)", "sms": None, "l2_bytes": None}
-    p = torch.cuda.get_device_properties(device)
-    return {"device_name": torch.cuda.get_device_name(device), "sms": p.multi_processor_count,
-            "l2_bytes": getattr(p, "L2_cache_size", None), "memory_gib": round(p.total_memory / GIB, 1)}
-
-
-def measured_copy_gbps(torch, device) -> Optional[float]:
-    """Device-to-device copy bandwidth (read + write bytes / time): the practical HBM ceiling."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(COPY_PROBE_BYTES // 4, dtype=torch.int32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(COPY_PROBE_REPS):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / COPY_PROBE_REPS
-    del src, dst
-    torch.cuda.empty_cache()
-    return round(2 * COPY_PROBE_BYTES / seconds / 1e9, 1)
-
-
-def graph_floor_us(torch, timer: Timer) -> Optional[float]:
-    """Cold replay time of a graph holding one trivial kernel: the floor included in every cold number."""
-    if not timer.cuda:
-        return None
-    x = torch.zeros(1, device=timer.device)
-    return timer.cold_us(lambda: x.add_(1))
-
-
 def run_case(torch, device, case: Case, args, config, timer: Timer, bytes_per_slot: int,
              hbm: Optional[float]) -> dict:
     rig = CaseRig(torch, device, case, args, config)
@@ -434,7 +299,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "canary's defaults), e.g. SGLANG_KV_CANARY_KV_HASH_BYTES=64 or "
                         "SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT=0")
     p.add_argument("--max-context-len", type=int, default=DEFAULT_MAX_CONTEXT_LEN,
-                   help=f"req_to_token width, which caps verify programs per request (default {DEFAULT_MAX_CONTEXT_LEN})")
+                   help="req_to_token width, which caps verify programs per request "
+                        f"(default {DEFAULT_MAX_CONTEXT_LEN})")
     p.add_argument("--slot-layout", choices=["shuffled", "contiguous"], default="shuffled",
                    help="slots of a request scattered over the pool (after churn) or consecutive (default shuffled)")
     p.add_argument("--iters", type=int, default=None, help="timed replays per measurement (default 100; smoke 3)")

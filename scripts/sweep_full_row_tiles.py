@@ -11,7 +11,7 @@ against the tile accumulation now built in, the ``acc2`` field).
 import itertools, json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch, triton
-from bench_kernels import Timer
+from kernel_timing import Timer
 from kv_canary import fingerprint as fp
 from kv_canary.buffer_groups import PoolLayout, build_group
 from kv_canary.config import CanaryConfig, RealData
