@@ -29,7 +29,9 @@ ONLY_ON_LINE = {
                "test drives 0.5.12's own classes (SWARadixCache, MambaRadixCache, ...)",
         "files": (
             "unit/test_mamba_radix_index.py", "unit/test_pools.py", "unit/test_speculative.py",
-            "unit/test_speculative_draft.py", "unit/test_speculative_v1.py", "unit/test_speculative_v1_draft.py",
+            "unit/test_speculative_draft_eager.py", "unit/test_speculative_draft_graphs.py",
+            "unit/test_speculative_draft_install.py", "unit/test_speculative_v1.py",
+            "unit/test_speculative_v1_draft.py",
             "unit/test_swa_radix_index.py", "unit/test_perturb_and_radix.py", "unit/test_plugin.py", "unit/test_pd.py",
             "unit/test_speculative_eagle3.py",
             "registered/kv_canary/test_e2e_hybrid_linear.py",

@@ -17,7 +17,7 @@ import pytest
 @pytest.fixture(scope="module", autouse=True)
 def _sgl_kernel_importable():
     """sglang's EAGLE worker modules import sgl_kernel, which needs a ``libcuda.so.1``: without the NVIDIA driver,
-    the stand-in the CPU e2e servers use is loaded first (by soname), as in test_speculative_draft."""
+    the stand-in the CPU e2e servers use is loaded first (by soname), as in speculative_draft_harness."""
     try:
         import sglang.srt.speculative.eagle_worker_v2  # noqa: F401
     except ImportError:
@@ -126,27 +126,27 @@ def test_speculative_decoding_over_pools_it_was_not_run_with_is_refused():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the draft harness of test_speculative_draft lays out CPU-tensor batches with sglang's "
-                           "Triton helpers under the interpreter (CPU CI); on a GPU host test_e2e_speculative_eagle3.py "
-                           "covers the EAGLE3 draft pool with real CUDA graphs")
+                    reason="the draft harness (speculative_draft_harness) lays out CPU-tensor batches with sglang's "
+                           "Triton helpers under the interpreter (CPU CI); on a GPU host "
+                           "test_e2e_speculative_eagle3.py covers the EAGLE3 draft pool with real CUDA graphs")
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_a_radix_dedup_across_a_draft_chunk_boundary_is_not_reported(kernels):
     """Found by the EAGLE3 draft-pool perturbation probe (an unexplained ``kind=chain`` at a chunk boundary + 1;
     the draft pool no longer checks chain links, ``DraftCanaryManager``),
-    reproduced here with the draft harness of test_speculative_draft: row 1 prefilled positions [0, 20) in one
+    reproduced here with the draft harness (speculative_draft_harness): row 1 prefilled positions [0, 20) in one
     chunk (its draft slot 15 holds token 16); row 2, the same tokens, in two chunks [0, 16) and [16, 20) (its own
     draft slot 15 holds the thrown-away sample, and position 16 chains from it); sglang's insert after row 2's
     second chunk (``RadixCache.cache_unfinished_req``: the EAGLE bigram key now covers position 15) finds
     [0, 16) in the tree (row 1's slots), frees row 2's duplicates and re-points ``req_to_token[row 2, :16]`` at
     row 1's slots. The next draft forward reads position 16 after row 1's slot 15, whose chain differs; a
-    redirect to another position is still caught (test_speculative_draft: ``kind=position``)."""
+    redirect to another position is still caught (test_speculative_draft_eager: ``kind=position``)."""
     import importlib.util
     from pathlib import Path
 
     from kv_canary import fingerprint as fp
 
-    spec = importlib.util.spec_from_file_location("kvc_test_speculative_draft",
-                                                  Path(__file__).with_name("test_speculative_draft.py"))
+    spec = importlib.util.spec_from_file_location("kvc_speculative_draft_harness",
+                                                  Path(__file__).with_name("speculative_draft_harness.py"))
     draft = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(draft)
     h = draft.DraftHarness(steps=2, kernels=kernels)

@@ -7,7 +7,7 @@ branch by the draft pool's ``move_kv_cache``), the phase is sglang's own ``EAGLE
 ``select_top_k_tokens`` over ``bs * topk`` lanes, ``out_cache_loc`` per step, ``positions.add_(1)``) run through the
 plugin's AROUND hook, and the draft extends are ``ForwardBatch``es in the modes spec v1 runs (EXTEND for the draft
 prefill, DRAFT_EXTEND over the kept tokens, variable length per request). The stand-in draft "model" writes K/V at
-``out_cache_loc`` like attention does (scratch slots included). The harness is ``test_speculative_draft``'s.
+``out_cache_loc`` like attention does (scratch slots included). The harness is ``speculative_draft_harness``'s.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.skipif(
     reason="CPU-tensor batches laid out by sglang's Triton helpers under the interpreter (CPU CI); on a GPU host "
            "test_e2e_speculative_v1.py covers spec v1's draft pool")
 
-_spec = importlib.util.spec_from_file_location("kvc_test_speculative_draft_v2", Path(__file__).with_name(
-    "test_speculative_draft.py"))
+_spec = importlib.util.spec_from_file_location("kvc_speculative_draft_harness_v2", Path(__file__).with_name(
+    "speculative_draft_harness.py"))
 _v2 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_v2)  # loads the libcuda stand-in where needed (sgl_kernel)
 
@@ -63,7 +63,8 @@ def _v1_adapter(steps):
 
 class V1DraftHarness(_v2.DraftHarness):
     """spec v1's draft side: scratch-slot draft phases over ``bs * topk`` lanes, DRAFT_EXTEND over kept tokens;
-    with ``graph_bs``, both replayed from sglang's draft graph runners (emulated graphs, ``test_speculative_draft``)."""
+    with ``graph_bs``, both replayed from sglang's draft graph runners (emulated graphs,
+    ``speculative_draft_harness``)."""
 
     def __init__(self, *, steps: int = 3, page_size: int = 1, topk: int = TOPK, **kw):
         self.topk = topk
