@@ -16,16 +16,7 @@ import pytest
 import torch
 
 from kv_canary.memory import canary_memory_bytes
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from script_loader import ROOT, _load  # test/unit: on the path under pytest
 
 
 overhead_plan = _load("overhead_plan")  # the modules bench_overhead imports, loaded first so it imports these same ones

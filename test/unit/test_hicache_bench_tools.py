@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_bench_overhead import _load  # noqa: E402  (the scripts' loader; test/unit is on the path under pytest)
+
+from script_loader import _load  # the scripts' loader (test/unit: on the path under pytest)
 
 
 def test_the_hicache_bench_profiles_each_asked_turn_from_its_first_batch_with_prompts_no_other_run_sent(
