@@ -27,6 +27,29 @@ CTX = 160
 LAYERS = 3
 
 
+def decode_read_view(reqs) -> ForwardView:
+    """HEAD's view of a decode forward reading positions [0, n) of each (row, n) in ``reqs`` (one new token a
+    request at position n; int64 tensors on ``DEVICE``)."""
+    return ForwardView(
+        input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor([n for _, n in reqs], dtype=torch.int64, device=DEVICE),
+        out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64, device=DEVICE),
+        new_starts=torch.arange(len(reqs), dtype=torch.int64, device=DEVICE),
+        new_lens=torch.ones(len(reqs), dtype=torch.int64, device=DEVICE),
+        batch_size=len(reqs),
+        max_new_len=1,
+    )
+
+
+def violations_since(counters: torch.Tensor, ring: torch.Tensor, before: int) -> list:
+    """The violation rows reported since the counter read ``before`` (ring [capacity, RING_WIDTH] int64), as
+    sorted tuples."""
+    n = int(counters[fp.C_VIOLATIONS]) - before
+    return sorted(tuple(ring[(before + i) % ring.shape[0]].tolist()) for i in range(n))
+
+
 class Sim:
     """A tiny KV pool + req_to_token + a slot allocator, driven like sglang does."""
 
@@ -123,22 +146,11 @@ class Sim:
         return view
 
     def new_violations(self, before):
-        n = int(self.counters[fp.C_VIOLATIONS]) - before
-        return sorted(tuple(self.ring[(before + i) % self.ring.shape[0]].tolist()) for i in range(n))
+        return violations_since(self.counters, self.ring, before)
 
     def verify_all(self, reqs):
         """reqs: list of (row, length): HEAD-verify positions [0, length) (as a decode forward would)."""
-        view = ForwardView(
-            input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
-            positions=torch.tensor([n for _, n in reqs], dtype=torch.int64, device=DEVICE),
-            out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
-            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64, device=DEVICE),
-            seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64, device=DEVICE),
-            new_starts=torch.arange(len(reqs), dtype=torch.int64, device=DEVICE),
-            new_lens=torch.ones(len(reqs), dtype=torch.int64, device=DEVICE),
-            batch_size=len(reqs),
-            max_new_len=1,
-        )
+        view = decode_read_view(reqs)
         before = int(self.counters[fp.C_VIOLATIONS])
         self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 3, 16,
                                    token_oracle=self.oracle)

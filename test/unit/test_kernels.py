@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+# kernel_sim first: it sets TRITON_INTERPRET on CPU before Triton is imported
 from kv_canary_testing.kernel_sim import DEVICE, LAYERS, NUM_SLOTS, Sim, scenario as _scenario
 
 from kv_canary import fingerprint as fp

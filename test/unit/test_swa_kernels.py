@@ -10,22 +10,17 @@ the released slots, and both backends must agree on records and violations.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+from kv_canary_testing.kernel_sim import DEVICE, decode_read_view, violations_since  # sets TRITON_INTERPRET on CPU
 
-import pytest  # noqa: E402
-
-from kv_canary import fingerprint as fp  # noqa: E402
-from kv_canary.buffer_groups import PoolLayout, build_group  # noqa: E402
-from kv_canary.config import CanaryConfig  # noqa: E402
-from kv_canary.kernels import reference as ref  # noqa: E402
-from kv_canary.kernels import triton_kernels as tk  # noqa: E402
-from kv_canary.views import ForwardView  # noqa: E402
+from kv_canary import fingerprint as fp
+from kv_canary.buffer_groups import PoolLayout, build_group
+from kv_canary.config import CanaryConfig
+from kv_canary.kernels import reference as ref
+from kv_canary.kernels import triton_kernels as tk
+from kv_canary.views import ForwardView
 
 FULL_SLOTS, SWA_SLOTS, CTX, WINDOW = 400, 160, 120, 12
 
@@ -104,21 +99,11 @@ class SwaSim:
 
     def verify(self, reqs):
         """HEAD of a decode forward reading positions [0, n) of each (row, n); new violations, sorted."""
-        view = ForwardView(
-            input_ids=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
-            positions=torch.tensor([n for _, n in reqs], dtype=torch.int64, device=DEVICE),
-            out_cache_loc=torch.zeros(len(reqs), dtype=torch.int64, device=DEVICE),
-            req_pool_indices=torch.tensor([r for r, _ in reqs], dtype=torch.int64, device=DEVICE),
-            seq_lens=torch.tensor([n + 1 for _, n in reqs], dtype=torch.int64, device=DEVICE),
-            new_starts=torch.arange(len(reqs), dtype=torch.int64, device=DEVICE),
-            new_lens=torch.ones(len(reqs), dtype=torch.int64, device=DEVICE),
-            batch_size=len(reqs), max_new_len=1,
-        )
+        view = decode_read_view(reqs)
         before = int(self.counters[fp.C_VIOLATIONS])
         for gi, group in enumerate(self.groups):
             self.backend.launch_verify(group, view, self.r2t, self.counters, self.ring, 3, 16, group_index=gi)
-        n = int(self.counters[fp.C_VIOLATIONS]) - before
-        return sorted(tuple(self.ring[(before + i) % self.ring.shape[0]].tolist()) for i in range(n))
+        return violations_since(self.counters, self.ring, before)
 
 
 def _scenario(sim):
