@@ -140,20 +140,14 @@ def test_a_radix_dedup_across_a_draft_chunk_boundary_is_not_reported(kernels):
     [0, 16) in the tree (row 1's slots), frees row 2's duplicates and re-points ``req_to_token[row 2, :16]`` at
     row 1's slots. The next draft forward reads position 16 after row 1's slot 15, whose chain differs; a
     redirect to another position is still caught (test_speculative_draft_eager: ``kind=position``)."""
-    import importlib.util
-    from pathlib import Path
-
     from kv_canary import fingerprint as fp
+    from speculative_draft_harness import DraftHarness, _rounds  # test/unit: on the path under pytest
 
-    spec = importlib.util.spec_from_file_location("kvc_speculative_draft_harness",
-                                                  Path(__file__).with_name("speculative_draft_harness.py"))
-    draft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(draft)
-    h = draft.DraftHarness(steps=2, kernels=kernels)
+    h = DraftHarness(steps=2, kernels=kernels)
     toks = list(range(3, 3 + 20))
     h.prefill({1: toks}, sampled={1: 50})
     h.prefill({2: toks[:16]}, sampled={2: 40}, chunk_end={2: True})
     h.prefill({2: toks[16:]}, sampled={2: 41})
     h.r2t[2, :16] = h.r2t[1, :16]
-    draft._rounds(h, [2], [[2]])
+    _rounds(h, [2], [[2]])
     assert int(h.counters()[fp.C_VIOLATIONS]) == 0
