@@ -27,6 +27,34 @@ CTX = 160
 LAYERS = 3
 
 
+def extend_view(r2t: torch.Tensor, entries, *, fed=None, position_shift: int = 0, staged: bool = False) -> ForwardView:
+    """An extend forward over ``entries`` ((row, prefix_len, new_token_ids, slots int64 [n])): the slots go into
+    ``r2t`` ([rows, ctx] int32) at [prefix, prefix + n), the view feeds ``fed`` (else the new tokens) at positions
+    + ``position_shift`` (int64 / int32 tensors on ``DEVICE``)."""
+    ids, locs, rows, seqs, starts, lens, pos = [], [], [], [], [], [], []
+    for row, prefix, toks, slots in entries:
+        r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32).to(DEVICE)
+        starts.append(len(ids))
+        pos += [prefix + k + position_shift for k in range(len(toks))]
+        ids += toks
+        locs += slots.tolist()
+        rows.append(row)
+        seqs.append(prefix + len(toks))
+        lens.append(len(toks))
+    return ForwardView(
+        input_ids=torch.tensor(fed if fed is not None else ids, dtype=torch.int64, device=DEVICE),
+        positions=torch.tensor(pos, dtype=torch.int64, device=DEVICE),
+        out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=DEVICE),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.tensor(seqs, dtype=torch.int64, device=DEVICE),
+        new_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        new_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        batch_size=len(entries),
+        max_new_len=max(lens),
+        staged=staged,
+    )
+
+
 def decode_read_view(reqs) -> ForwardView:
     """HEAD's view of a decode forward reading positions [0, n) of each (row, n) in ``reqs`` (one new token a
     request at position n; int64 tensors on ``DEVICE``)."""
@@ -96,8 +124,7 @@ class Sim:
         the record in the token oracle; a ``decode`` one expects each request's sampled token (``sample``
         after the previous forward). Rows in ``unfinished`` have more prompt after this chunk.
         """
-        ids, locs, rows, seqs, starts, lens, pos = [], [], [], [], [], [], []
-        fed_requests = []
+        entries, fed_requests = [], []
         for row, prefix, toks in reqs:
             if row not in self.keys:
                 self.admit(row)
@@ -108,27 +135,8 @@ class Sim:
                 own.append(1)  # the record already holds the next prompt token
             fed_requests.append((row, self.keys[row], prefix, len(toks),
                                  lambda o=list(own): (o, [])))
-            slots = self.alloc(len(toks))
-            self.r2t[row, prefix : prefix + len(toks)] = slots.to(torch.int32).to(DEVICE)
-            starts.append(len(ids))
-            pos += [prefix + k + position_shift for k in range(len(toks))]
-            ids += toks
-            locs += slots.tolist()
-            rows.append(row)
-            seqs.append(prefix + len(toks))
-            lens.append(len(toks))
-        view = ForwardView(
-            input_ids=torch.tensor(fed if fed is not None else ids, dtype=torch.int64, device=DEVICE),
-            positions=torch.tensor(pos, dtype=torch.int64, device=DEVICE),
-            out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=DEVICE),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
-            seq_lens=torch.tensor(seqs, dtype=torch.int64, device=DEVICE),
-            new_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-            new_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-            batch_size=len(reqs),
-            max_new_len=max(lens),
-            staged=not decode,
-        )
+            entries.append((row, prefix, toks, self.alloc(len(toks))))
+        view = extend_view(self.r2t, entries, fed=fed, position_shift=position_shift, staged=not decode)
         if not decode:
             self.oracle.stage(fed_requests)
         self.backend.launch_verify(self.group, view, self.r2t, self.counters, self.ring, 2, 16,

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_canary_testing.kernel_sim import DEVICE, decode_read_view, violations_since  # sets TRITON_INTERPRET on CPU
+# kernel_sim first: it sets TRITON_INTERPRET on CPU before Triton is imported
+from kv_canary_testing.kernel_sim import DEVICE, decode_read_view, extend_view, violations_since
 
 from kv_canary import fingerprint as fp
 from kv_canary.buffer_groups import PoolLayout, build_group
 from kv_canary.config import CanaryConfig
 from kv_canary.kernels import reference as ref
 from kv_canary.kernels import triton_kernels as tk
-from kv_canary.views import ForwardView
 
 FULL_SLOTS, SWA_SLOTS, CTX, WINDOW = 400, 160, 120, 12
 
@@ -52,30 +52,14 @@ class SwaSim:
         self.rng = torch.Generator().manual_seed(seed + 1)
 
     def forward(self, reqs):
-        ids, locs, rows, seqs, starts, lens, pos = [], [], [], [], [], [], []
+        entries = []
         for row, prefix, toks in reqs:
             full = torch.arange(self.next_full, self.next_full + len(toks), dtype=torch.int64)
             self.next_full += len(toks)
             swa = torch.tensor([self.swa_free.pop(0) for _ in toks], dtype=torch.int64)
             self.mapping[full.to(DEVICE)] = swa.to(DEVICE)
-            self.r2t[row, prefix: prefix + len(toks)] = full.to(torch.int32).to(DEVICE)
-            starts.append(len(ids))
-            pos += [prefix + k for k in range(len(toks))]
-            ids += toks
-            locs += full.tolist()
-            rows.append(row)
-            seqs.append(prefix + len(toks))
-            lens.append(len(toks))
-        view = ForwardView(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=DEVICE),
-            positions=torch.tensor(pos, dtype=torch.int64, device=DEVICE),
-            out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=DEVICE),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
-            seq_lens=torch.tensor(seqs, dtype=torch.int64, device=DEVICE),
-            new_starts=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-            new_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-            batch_size=len(reqs), max_new_len=max(lens),
-        )
+            entries.append((row, prefix, toks, full))
+        view = extend_view(self.r2t, entries)
         for gi, group in enumerate(self.groups):
             self.backend.launch_verify(group, view, self.r2t, self.counters, self.ring, 2, 16, group_index=gi)
         loc = view.out_cache_loc
