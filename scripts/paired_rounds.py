@@ -76,11 +76,17 @@ def _pooled_turn_medians(offs: Sequence[dict], group: Sequence[dict], rounds: Se
     """Per turn, the median over ``rounds`` of the configuration's servers' mean turn time against the off
     servers' mean (percent): which turns carry the difference (the HiCache row's first turn writes fresh prompts,
     the later ones load prefixes back from the host). [] when a repetition carries no per-turn times."""
+    return [round(statistics.median(by_round), 3) for by_round in _pooled_turns(offs, group, rounds)]
+
+
+def _pooled_turns(offs: Sequence[dict], group: Sequence[dict], rounds: Sequence[int], *,
+                  ms: bool = False) -> List[List[float]]:
+    """Per turn, per round of ``rounds``: ``_pooled_pct`` of the servers' turn times (percent, or ``ms``); [] when
+    a repetition carries no per-turn times."""
     turns = [{x["rep"]: x.get("turn_s") for x in r["reps"]} for r in list(offs) + list(group)]
     if any(not t.get(rep) for t in turns for rep in rounds) or not rounds:
         return []
-    return [round(statistics.median(_pooled_pct([{rep: t[rep][i] for rep in rounds} for t in turns], len(offs),
-                                                rounds)), 3)
+    return [_pooled_pct([{rep: t[rep][i] for rep in rounds} for t in turns], len(offs), rounds, ms=ms)
             for i in range(len(turns[0][rounds[0]]))]
 
 
@@ -158,16 +164,11 @@ def across_hosts(logs: Sequence[Sequence[dict]], seed: int) -> dict:
 
 def _turn_ms(runs: Sequence[dict], name: str) -> List[List[float]]:
     """Per round every server finished: per turn, the configuration's servers' mean minus the off servers' mean,
-    ms (``_pooled_pct``'s difference; [] when a repetition carries no per-turn times)."""
+    ms (``_pooled_turns``; [] when a repetition carries no per-turn times)."""
     offs = [r for r in runs if r["role"] == "off" and r["reps"]]
     group = [r for r in runs if r.get("config", r["role"]) == name and r["reps"]]
-    turns = [{x["rep"]: x.get("turn_s") for x in r["reps"]} for r in offs + group]
-    rounds = sorted(set.intersection(*(set(t) for t in turns))) if turns else []
-    if not rounds or any(not t[rep] for t in turns for rep in rounds):
-        return []
-    per_turn = [_pooled_pct([{rep: t[rep][i] for rep in rounds} for t in turns], len(offs), rounds, ms=True)
-                for i in range(len(turns[0][rounds[0]]))]
-    return [list(by_round) for by_round in zip(*per_turn)]
+    rounds = sorted(set.intersection(*({x["rep"] for x in r["reps"]} for r in offs + group))) if offs + group else []
+    return [list(by_turn) for by_turn in zip(*_pooled_turns(offs, group, rounds, ms=True))]
 
 
 if __name__ == "__main__":
