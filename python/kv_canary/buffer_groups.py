@@ -18,6 +18,7 @@ import torch
 
 from .config import CanaryConfig, CanaryConfigError, RealData
 from .fingerprint import RECORD_WIDTH
+from .witness_stamp import STAMP_WORDS, witness_stamp
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -236,33 +237,14 @@ def build_group(layout: PoolLayout, config: CanaryConfig, device: torch.device) 
         name=layout.name, records=records, sources=tuple(sources), rows=tuple(rows),
         source_table=source_table, base=base, full_table=full_table, full_base=full_base,
         slot_map=slot_map, window=int(layout.window), full_row=full_row,
-        witness_stamp=witness_stamp(layout) if config.write_witness else 0,
+        witness_stamp=witness_stamp(layout.name, _kv_dtype(layout), min((r.words for r in rows), default=STAMP_WORDS))
+        if config.write_witness else 0,
     )
 
 
-# The write witness's stamp (kernels/witness.py), one int32 word per element type: signaling NaNs where the
-# format has them (a correct K/V write stores no NaN; a NaN computed from a stamp that attention read comes out
-# quiet, so it never looks like one), and for fp8 e4m3fn, whose only NaN is S.1111.111, NaNs of alternating
-# sign (a computed NaN K row has one sign throughout).
-WITNESS_STAMPS = {
-    torch.bfloat16: 0x7F817F81,
-    torch.float16: 0x7C017C01,
-    torch.float32: 0x7F800001,
-    **({torch.float8_e5m2: 0x7D7D7D7D} if hasattr(torch, "float8_e5m2") else {}),
-    **({torch.float8_e4m3fn: 0x7FFF7FFF} if hasattr(torch, "float8_e4m3fn") else {}),
-}
-
-
-def witness_stamp(layout: PoolLayout) -> int:
-    """The stamp for the group's K/V element type; ``CanaryConfigError`` for a type without one."""
-    dtype = layout.kv_dtype or (layout.k_buffers[0].dtype if len(layout.k_buffers) else None)
-    stamp = WITNESS_STAMPS.get(dtype)
-    if stamp is None:
-        raise CanaryConfigError(
-            f"SGLANG_KV_CANARY_WRITE_WITNESS: no write-witness stamp for pool group '{layout.name}' of KV dtype "
-            f"{dtype} (known: {', '.join(str(d).replace('torch.', '') for d in WITNESS_STAMPS)}); "
-            "set SGLANG_KV_CANARY_WRITE_WITNESS=0 to run without it")
-    return stamp
+def _kv_dtype(layout: PoolLayout) -> Optional[torch.dtype]:
+    """The element type the group's K/V rows hold."""
+    return layout.kv_dtype or (layout.k_buffers[0].dtype if len(layout.k_buffers) else None)
 
 
 def _source_table(sources: Sequence[KVRow], fallback: torch.Tensor, device: torch.device):

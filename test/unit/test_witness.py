@@ -18,11 +18,12 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TR
 import pytest  # noqa: E402
 
 from kv_canary import fingerprint as fp  # noqa: E402
-from kv_canary.buffer_groups import WITNESS_STAMPS, PoolLayout, build_group  # noqa: E402
+from kv_canary.buffer_groups import PoolLayout, build_group  # noqa: E402
 from kv_canary.config import CanaryConfig, CanaryConfigError  # noqa: E402
 from kv_canary.kernels import reference as ref  # noqa: E402
 from kv_canary.kernels import witness  # noqa: E402
 from kv_canary.views import ForwardView  # noqa: E402
+from kv_canary.witness_stamp import STAMP_WORDS, WITNESS_STAMPS  # noqa: E402
 
 SLOTS, LAYERS = 96, 3
 
@@ -165,18 +166,45 @@ def test_a_strided_out_cache_loc_is_read_lane_by_lane():
         pool.check(view)
         out[backend] = pool.rows()
         for other in (41, 42, 43, 61, 62, 63):  # the other steps' slots are never touched
-            assert int(pool.k[0][other].view(torch.int16)[0, 0]) != 0x7F81
+            assert int(pool.k[0][other].reshape(-1).view(torch.int32)[0]) != pool.group.witness_stamp
     assert out["triton"] == out["torch"] == [(fp.R_UNWRITTEN | (1 << fp.GROUP_SHIFT), 53, 63, -1, -1, 0, 1, 5)]
 
 
-def test_the_stamp_is_a_nan_no_conversion_produces():
+def test_the_stamp_is_finite_tiny_and_no_constant_or_computed_row_holds_it():
+    """Every stamp element is a finite subnormal (a dropped store's forward reads it: no NaN, ~0), the signs
+    alternate and no two elements of a word are equal (a constant row, a fill value, one-signed rows never match),
+    and what a computation's NaN/inf/0 converts to is never it."""
     for dtype, stamp in WITNESS_STAMPS.items():
-        word = torch.tensor([stamp], dtype=torch.int32).view(dtype).float()
-        assert torch.isnan(word).all(), dtype
-        # what a computation's NaN becomes in that type (quiet, one sign) is never the stamp
-        for nan in (float("nan"), -float("nan")):
-            computed = torch.full((4 // torch.tensor([], dtype=dtype).element_size(),), nan).to(dtype)
-            assert int(computed.view(torch.int32)) != stamp, dtype
+        elems = torch.tensor([stamp], dtype=torch.int32).view(dtype)
+        values = elems.float()
+        assert torch.isfinite(values).all() and (values != 0).all(), dtype
+        assert (values.abs() < torch.finfo(dtype).tiny).all(), (dtype, values)  # subnormal
+        assert values.abs().max() <= 0.012, (dtype, values)
+        if elems.numel() > 1:
+            assert len(set(elems.view(torch.uint8 if dtype.itemsize == 1 else torch.int16).tolist())) == elems.numel()
+            assert all(a * b < 0 for a, b in zip(values.tolist(), values.tolist()[1:])), (dtype, values)
+        for special in (float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0):
+            computed = torch.full((4 // dtype.itemsize,), special).to(dtype)
+            assert int(computed.view(torch.int32)) != stamp, (dtype, special)
+
+
+@pytest.mark.parametrize("kind", ["mha_bf16", "fp8", "mla", "swa"])
+def test_a_row_with_one_end_unwritten_is_reported_and_one_stamp_word_alone_is_not(kind):
+    """A store that wrote the row's first half only leaves its last end stamped: reported. A correct store that
+    happens to hold the stamp word in one word of an end (not both) is not a dropped store: not reported."""
+    view = _view([7, 8], [(1, 5, 2)])
+    for backend in ("triton", "torch"):
+        pool = Pool(kind, backend)
+        pool.stamp(view)
+        pool.write(view)
+        stamp, slot_map = pool.group.witness_stamp, pool.group.slot_map
+        s7, s8 = (int(slot_map[s]) if slot_map is not None else s for s in (7, 8))  # the group's slots
+        row7, row8 = pool.group.rows[0].view[s7], pool.group.rows[0].view[s8]
+        row7[-STAMP_WORDS:] = stamp  # slot 7, row 0: its last end never written
+        row8[0] = stamp  # slot 8, row 0: one stamp word in its first end, the other word written
+        row8[-1] = stamp  # ... and in its last end
+        pool.check(view)
+        assert [(r[1], r[5], r[6]) for r in pool.rows()] == [(s7, 0, 1)], backend
 
 
 def test_a_kv_dtype_without_a_stamp_is_refused_naming_the_variable():

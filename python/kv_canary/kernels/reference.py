@@ -8,10 +8,13 @@ graph-safe (it reads lengths on the host): it is the oracle for tests and the
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .. import fingerprint as fp
 from ..fingerprint import chain_term, full_hash_from_words, kv_hash_from_words
+from ..witness_stamp import STAMP_WORDS
 
 
 def _live_hash(group, slots: torch.Tensor) -> torch.Tensor:
@@ -331,13 +334,18 @@ def _witness_targets(group, view):
     return lanes, slots[lanes]
 
 
+def _stamp_words(row) -> List[int]:
+    """The words of a row the stamp covers: ``STAMP_WORDS`` at each end (the ends overlap in rows of < 4 words)."""
+    return sorted({*range(STAMP_WORDS), *range(row.words - STAMP_WORDS, row.words)})
+
+
 def launch_witness_stamp(group, view, group_index: int = 0) -> None:
     """The write witness's HEAD stamp (``witness.launch_stamp``'s twin)."""
     del group_index
     _, slots = _witness_targets(group, view)
     for r in group.rows:
-        r.view[slots, 0] = group.witness_stamp
-        r.view[slots, r.words - 1] = group.witness_stamp
+        for w in _stamp_words(r):
+            r.view[slots, w] = group.witness_stamp
 
 
 def launch_witness_check(group, view, counters, ring, group_index: int = 0) -> None:
@@ -345,7 +353,8 @@ def launch_witness_check(group, view, counters, ring, group_index: int = 0) -> N
     lanes, slots = _witness_targets(group, view)
     if group.rows:
         stamp = group.witness_stamp
-        stamped = torch.stack([(r.view[slots, 0] == stamp) | (r.view[slots, r.words - 1] == stamp)
+        stamped = torch.stack([(r.view[:, :STAMP_WORDS][slots] == stamp).all(dim=1)
+                               | (r.view[:, r.words - STAMP_WORDS: r.words][slots] == stamp).all(dim=1)
                                for r in group.rows], dim=1)
     else:
         stamped = torch.zeros((slots.numel(), 1), dtype=torch.bool, device=slots.device)

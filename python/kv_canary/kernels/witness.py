@@ -6,11 +6,11 @@ slot or layer). The witness closes that gap:
 
 * STAMP (HEAD, after the verify and scrub launches, inside the CUDA graph): for every engine slot of the
   forward's ``out_cache_loc`` (slot 0, the padding slot CUDA-graph padding lanes write, excepted; through the
-  group's slot map for translated groups), write the group's ``witness_stamp`` (a NaN pattern no correct
-  write stores, per element type: ``buffer_groups.WITNESS_STAMPS``) into the first and the last 32-bit word
+  group's slot map for translated groups), write the group's ``witness_stamp`` (finite subnormals no correct
+  write stores, per element type: ``witness_stamp.py``) into the first two and the last two 32-bit words
   of every layer's K and V row (the group's ``full_table``: MLA's single latent row has no V half).
-* CHECK (TAIL, before the write launches): load the same words; a row still holding a stamp in either word
-  was not (fully) written by this forward. One ring row per slot: reason ``unwritten``, ``stored`` = the
+* CHECK (TAIL, before the write launches): load the same words; a row whose first two or last two words still
+  hold the stamp was not (fully) written by this forward. One ring row per slot: reason ``unwritten``, ``stored`` = the
   first unwritten row's index in the group's ``rows`` (layer-major, K before V), ``expected`` = how many
   rows were left unwritten; batch index, req_to_token row and sequence position of the slot's request
   (-1 and the fed position when no request's new run holds the lane).
@@ -19,7 +19,7 @@ Lanes are the flat ``out_cache_loc`` entries (grid ``ceil(num_tokens / BLOCK)``,
 each program covering RT rows per step as one [BLOCK, RT] gather (RT: every row of the group, up to 128); the
 request of a failing lane is looked up only when a lane failed. A correct forward writes each row whole before
 attention reads it (sglang stores a layer's K/V before that layer's attention), so the stamp never changes what
-it computes.
+it computes; a forward whose store was dropped reads the stamp's near-zero finite elements (``witness_stamp.py``).
 """
 
 from __future__ import annotations
@@ -64,26 +64,29 @@ def _lane_slots(out_cache_loc, loc_stride, n_tokens, num_slots, slot_map, map_le
 
 @triton.jit
 def _row_words(slot, wm, base, table, r0, num_rows, RT: tl.constexpr):
-    """(first-word pointers [BLOCK, RT], last-word offsets [RT], row indices, mask) of rows [r0, r0 + RT)."""
+    """(first-word pointers [BLOCK, RT], offsets [RT] of the last end's first word, row indices, mask) of rows
+    [r0, r0 + RT) (every row has at least two words: ``witness_stamp.witness_stamp``)."""
     r = r0 + tl.arange(0, RT)
     mr = r < num_rows
     off = tl.load(table + r * 4 + 0, mask=mr, other=0)
     stride = tl.load(table + r * 4 + 1, mask=mr, other=0)
-    words = tl.load(table + r * 4 + 2, mask=mr, other=1)
+    words = tl.load(table + r * 4 + 2, mask=mr, other=2)
     first = base + off[None, :] + slot[:, None] * stride[None, :]
-    return first, words - 1, r, wm[:, None] & mr[None, :]
+    return first, words - 2, r, wm[:, None] & mr[None, :]
 
 
 @triton.jit(do_not_specialize=["loc_stride", "n_tokens", "stamp_value"])
 def stamp_kernel(out_cache_loc, loc_stride, n_tokens, base, table, num_rows, num_slots, slot_map, map_len,
                  stamp_value,                 TRANSLATE: tl.constexpr, BLOCK: tl.constexpr, RT: tl.constexpr):
-    """HEAD: stamp the first and last word of every K/V row of each slot about to be written."""
+    """HEAD: stamp the first two and last two words of every K/V row of each slot about to be written."""
     stamp = tl.zeros((BLOCK, RT), dtype=tl.int32) + stamp_value
     t, slot, wm = _lane_slots(out_cache_loc, loc_stride, n_tokens, num_slots, slot_map, map_len, TRANSLATE, BLOCK)
     for r0 in range(0, num_rows, RT):
         first, last, r, mm = _row_words(slot, wm, base, table, r0, num_rows, RT)
         tl.store(first, stamp, mask=mm)
+        tl.store(first + 1, stamp, mask=mm)
         tl.store(first + last[None, :], stamp, mask=mm)
+        tl.store(first + last[None, :] + 1, stamp, mask=mm)
 
 
 @triton.jit(do_not_specialize=["loc_stride", "pos_stride", "n_tokens", "batch_size", "stamp_value"])
@@ -96,9 +99,10 @@ def check_kernel(out_cache_loc, loc_stride, positions, pos_stride, n_tokens, req
     t, slot, wm = _lane_slots(out_cache_loc, loc_stride, n_tokens, num_slots, slot_map, map_len, TRANSLATE, BLOCK)
     for r0 in range(0, num_rows, RT):
         first, last, r, mm = _row_words(slot, wm, base, table, r0, num_rows, RT)
-        w0 = tl.load(first, mask=mm, other=0)
-        w1 = tl.load(first + last[None, :], mask=mm, other=0)
-        bad = mm & ((w0 == stamp_value) | (w1 == stamp_value))
+        head = (tl.load(first, mask=mm, other=0) == stamp_value) & (tl.load(first + 1, mask=mm, other=0) == stamp_value)
+        tail = ((tl.load(first + last[None, :], mask=mm, other=0) == stamp_value)
+                & (tl.load(first + last[None, :] + 1, mask=mm, other=0) == stamp_value))
+        bad = mm & (head | tail)
         n_bad += tl.sum(bad.to(tl.int64), axis=1)
         first_bad = tl.minimum(first_bad, tl.min(tl.where(bad, r[None, :].to(tl.int64), 1 << 30), axis=1))
     lane_bad = n_bad > 0
