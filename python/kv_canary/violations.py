@@ -22,6 +22,7 @@ PERTURB_PREFIX = "kv_canary_perturb"
 INSTALLED_PREFIX = "kv_canary_installed"
 READY_PREFIX = "kv_canary_ready"
 OFF_PREFIX = "kv_canary_off"
+ENGINE_ERROR_PREFIX = "kv_canary_engine_error"  # the engine's step raised: what the canary found up to it
 CONTAIN_PREFIX = "kv_canary_contain"  # --kv-canary contain: kv_canary_contain=abort rid=... / =evict slot=...
 GROUP_SHIFT = fp.GROUP_SHIFT
 

@@ -186,15 +186,36 @@ def before_scheduler_on_idle(scheduler, *args, **kwargs) -> None:
     ``on_idle`` body, which ends in its idle sleep (``--sleep-on-idle``: up to a second, or until the next request
     arrives), so the drain, the settled stats line and the metrics export never wait for it, nor delay that
     request."""
-    manager = scheduler_canary(scheduler)
-    if manager is not None and manager.init_finished:
+    managers = _scheduler_managers(scheduler)
+    for i, manager in enumerate(managers):
         manager.poll(drain=True)
-        export_metrics(scheduler, force=True)
-        from .draft import draft_manager_of_target
+        if i == 0:  # the target's
+            export_metrics(scheduler, force=True)
 
-        draft = draft_manager_of_target(scheduler.tp_worker.model_runner)
-        if draft is not None and draft.init_finished:
-            draft.poll(drain=True)
+
+def around_run_event_loop(original, scheduler, *args, **kwargs):
+    """The scheduler's loop (every flavour: sglang's ``run_event_loop`` dispatches) raised an error of the engine's
+    own (a forward, the sampler, a CUDA error surfacing at a sync): each canary reports what its device counted up to
+    that step before the error ends the process (``Reporting.report_before_engine_error``). The canary's own errors
+    (``raise`` mode's report, a refused configuration) propagate as they are."""
+    try:
+        return original(scheduler, *args, **kwargs)
+    except Exception as error:
+        if not type(error).__module__.startswith("kv_canary"):
+            for manager in _scheduler_managers(scheduler):
+                manager.report_before_engine_error(error)
+        raise
+
+
+def _scheduler_managers(scheduler):
+    """[the scheduler's target canary, its EAGLE draft canary if any], each past init ([] before the target's)."""
+    manager = scheduler_canary(scheduler)
+    if manager is None or not manager.init_finished:
+        return []
+    from .draft import draft_manager_of_target
+
+    draft = draft_manager_of_target(scheduler.tp_worker.model_runner)
+    return [manager] + ([draft] if draft is not None and draft.init_finished else [])
 
 
 # ---------------------------------------------------------------- CUDA graphs

@@ -20,7 +20,8 @@ from ..config import CanaryMode
 from ..containment import ContainmentTarget, build_order
 from ..swa_divergence import SwaDivergenceLog
 from ..violations import (
-    STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line, health_violation,
+    ENGINE_ERROR_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
+    health_violation,
 )
 from .brackets import CanaryBracketError
 from .ring_reader import RingReader
@@ -94,6 +95,32 @@ class Reporting:
         if (every and forward - self._last_stats_forward >= every) or self._distinct_reported > reported:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
+
+    def report_before_engine_error(self, error: BaseException) -> None:
+        """The engine's step raised ``error`` (a forward, the sampler, a CUDA error surfacing at a sync): read what
+        the device counted up to that point (the failed forward's TAIL included, which ran before its sampler) and
+        report it now, before the error ends the process. ``raise``: the ``CanaryViolationError`` propagates,
+        chained to ``error``. The failed step's host bookkeeping never ran, so no health check here. A device that
+        can no longer be read (a CUDA context lost to a device-side assert) is said in one line with the newest
+        counter copy that landed."""
+        logger.error(format_line(ENGINE_ERROR_PREFIX, self.forwards, {
+            "error": type(error).__name__, "action": "reading_the_canary_counters_before_it_propagates"}))
+        try:
+            self._d2h.snapshot(self.forwards, force=True)  # the counters as the failed step left them
+            for _, host_counters in self._d2h.drain():
+                self._handle_counters(host_counters, catch_up=True)
+        except CanaryViolationError:
+            raise
+        except Exception as unread:  # noqa: BLE001 - the engine's error is the one that propagates
+            c = self.last_counters
+            try:  # copies that landed: on the kernel-write path (d2h.PublishGraphs) a read of host memory only
+                landed = self._d2h.ready(1 << 62)
+                c = landed[-1][1] if landed else c
+            except Exception:  # noqa: BLE001
+                pass
+            logger.error(format_line(ENGINE_ERROR_PREFIX, self.forwards, {
+                "unread": f"{type(unread).__name__}", "violations_counted": -1 if c is None else c[fp.C_VIOLATIONS],
+                "violations_read": self._violations_seen}))
 
     def _report_rows(self, first: int, rows: List[List[int]], lost: int) -> None:
         """Ring rows (sequence numbers from ``first``): repeats of a reported violation are counted without decoding."""

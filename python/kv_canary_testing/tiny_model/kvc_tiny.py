@@ -9,11 +9,16 @@ With ``--load-format dummy`` sglang fills every weight with uniform(-1e-3, 1e-3)
 ``post_load_weights`` then re-initialises the weights deterministically (seeded by
 ``config.kvc_init_seed``) with a useful scale, so that outputs depend on the
 context held in the KV cache.
+
+``KVC_TINY_FAIL_AT_EXTEND=N`` (tests): the model's N-th extend (prefill) forward of the process (1-based; decode
+forwards, which CUDA graphs replay without calling it, are not counted) raises ``RuntimeError`` after its logits: an
+engine error of the model's own, after the canary's TAIL ran.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -207,7 +212,10 @@ class KvcTinyForCausalLM(nn.Module):
         aux = None
         if self.capture_aux_hidden_states:
             hidden, aux = hidden
-        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux)
+        out = self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux)
+        if forward_batch.forward_mode.is_extend():
+            _count_extend_and_maybe_fail()
+        return out
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors by name (HF Llama names map 1:1)."""
@@ -261,6 +269,17 @@ class KvcTinyForCausalLM(nn.Module):
         """This rank's part of ``name``'s unsharded weight (all of it here)."""
         del name
         return value
+
+
+_EXTENDS = [0]
+
+
+def _count_extend_and_maybe_fail() -> None:
+    """``KVC_TINY_FAIL_AT_EXTEND`` (module docstring)."""
+    _EXTENDS[0] += 1
+    fail_at = os.environ.get("KVC_TINY_FAIL_AT_EXTEND")
+    if fail_at and _EXTENDS[0] == int(fail_at):
+        raise RuntimeError(f"kvc tiny model: injected engine error at extend {_EXTENDS[0]} (KVC_TINY_FAIL_AT_EXTEND)")
 
 
 def _is_dummy_load() -> bool:

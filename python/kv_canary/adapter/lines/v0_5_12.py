@@ -28,6 +28,8 @@ HOOKS: HookTable = {
         ("hooks.around_capture_one_batch_size", "around"),
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.before_scheduler_on_idle", "before"),
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("hooks.after_scheduler_init", "after"),
+    # an error of the engine's own ends the loop: what the canary found up to it is reported first
+    "sglang.srt.managers.scheduler.Scheduler.run_event_loop": ("hooks.around_run_event_loop", "around"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("hooks.after_forward_batch_init_new", "after"),
     # the sweep's cached-slot index follows the radix cache

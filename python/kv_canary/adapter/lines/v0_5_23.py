@@ -59,6 +59,8 @@ HOOKS: HookTable = {
                                                                           "after"),
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("lines.v0_5_23.after_scheduler_init", "after"),
     "sglang.srt.managers.scheduler.Scheduler.on_idle": ("hooks.before_scheduler_on_idle", "before"),
+    # an error of the engine's own ends the loop: what the canary found up to it is reported first
+    "sglang.srt.managers.scheduler.Scheduler.run_event_loop": ("hooks.around_run_event_loop", "around"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
 }
 # speculative decoding (adapter/spec_0_5_23): the accepted tokens join the token oracle, as on 0.5.12; the draft
