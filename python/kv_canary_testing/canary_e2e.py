@@ -231,15 +231,18 @@ class CanaryLog:
         return out
 
 
-def serve_requests(srv: SglangServer, requests, *, concurrency: int = 8, timeout: float = 300):
-    """Start ``srv``, send ``requests`` (``workload.build_workload``), read the settled log and stop it.
+def serve_requests(srv: SglangServer, requests, *, concurrency: int = 8, timeout: float = 300,
+                   temperature: float = 0.0):
+    """Start ``srv``, send ``requests`` (``workload.build_workload``) at ``temperature``, read the settled log and
+    stop it.
 
     Returns (result, log, running, exit code: None while it still ran)."""
     from kv_canary_testing.workload import run_requests
 
     srv.start(timeout=600)
     try:
-        result = run_requests(srv.base_url, requests, concurrency=concurrency, timeout=timeout)
+        result = run_requests(srv.base_url, requests, concurrency=concurrency, timeout=timeout,
+                              temperature=temperature)
         log = CanaryLog.read_settled(srv)
         running = srv.is_running()
         code = None if running else srv.wait_exit(timeout=60)

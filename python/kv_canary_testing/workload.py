@@ -13,8 +13,8 @@ The request plan is deterministic for a seed and mixes:
   requiring ``finish_reason`` ``abort`` (proof that it was cut mid-generation).
   ``"mixed"`` (default) alternates the two, starting with a disconnect.
 
-All requests use temperature 0 and ``ignore_eos``; ``max_new_tokens`` is small to
-keep CPU time low. Prompts are made of the tiny tokenizer's words (``w0`` ..),
+All requests use ``ignore_eos`` and temperature 0 unless ``temperature`` is given (sampling then draws from
+sglang's seeded generator: ``--random-seed``); ``max_new_tokens`` is small to keep CPU time low. Prompts are made of the tiny tokenizer's words (``w0`` ..),
 one token per word; they are sent as text, or as ``input_ids`` if asked.
 """
 
@@ -172,13 +172,15 @@ def build_workload(
 
 
 class _Client:
-    def __init__(self, base_url: str, use_input_ids: bool, timeout: float, abort_mode: str):
+    def __init__(self, base_url: str, use_input_ids: bool, timeout: float, abort_mode: str,
+                 temperature: float = 0.0):
         if abort_mode not in ABORT_MODES:
             raise ValueError(f"abort_mode must be one of {ABORT_MODES}, not {abort_mode!r}")
         self.base_url = base_url.rstrip("/")
         self.use_input_ids = use_input_ids
         self.timeout = timeout
         self.abort_mode = abort_mode
+        self.temperature = temperature
         self.run_id = uuid.uuid4().hex[:8]
         self._local = threading.local()
 
@@ -210,7 +212,7 @@ class _Client:
         payload = {
             "sampling_params": {
                 "max_new_tokens": spec.max_new_tokens,
-                "temperature": 0.0,
+                "temperature": self.temperature,
                 "ignore_eos": True,
             },
             "stream": stream,
@@ -313,13 +315,14 @@ def run_requests(
     timeout: float = 120.0,
     abort_mode: str = "mixed",
     settle: bool = True,
+    temperature: float = 0.0,
 ) -> WorkloadResult:
     """Send ``specs`` with ``concurrency`` threads and collect a WorkloadResult.
 
     With ``settle`` and disconnect-aborts in the plan, wait until sglang's delayed
     abort of the last disconnected stream has fired before returning.
     """
-    client = _Client(base_url, use_input_ids, timeout, abort_mode)
+    client = _Client(base_url, use_input_ids, timeout, abort_mode, temperature)
     client.plan(specs)
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
