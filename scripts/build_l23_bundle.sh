@@ -3,6 +3,7 @@
 # 3.12, no package index), in numbered parts that each travel in one upload with the working tree.
 #
 #   scripts/build_l23_bundle.sh DEST    (DEST: a folder git ignores; scripts/gpu_host.sh bundle uses .bundle)
+#   scripts/build_l23_bundle.sh --stamp (what the parts' MARK holds: gpu_host.sh bundle rebuilds when it changed)
 #
 # Produces DEST/l23-1 .. DEST/l23-N (each at most KVC_L23_PART_MIB, 56 MiB: the tree is ~5.4 MiB and an upload at
 # most 64 MiB). A wheel larger than a part travels split (pieces of a part's size) and is joined on the host. Every
@@ -41,6 +42,8 @@
 # fail, see the note), tokenizers' and huggingface-hub's deps, numpy, the CUDA 13 libraries.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+l23_stamp() { echo "script $(sha256sum "$here/build_l23_bundle.sh" | cut -c1-16) triton ${KVC_L23_TRITON:-host}"; }
+[ "${1:-}" != --stamp ] || { l23_stamp; exit 0; }  # what a current bundle's MARK holds (gpu_host.sh bundle)
 dest="${1:?usage: build_l23_bundle.sh DEST}"
 mkdir -p "$dest"; dest="$(cd "$dest" && pwd)"
 base_reqs="${KVC_BASE_REQUIREMENTS:-$here/../../shared/gpu-host/requirements-gpu.txt}"
@@ -122,12 +125,12 @@ rm -rf "$site"; mkdir -p "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
   $(awk '{print $2}' SHA256SUMS.wheels) > /tmp/l23-pip.log 2>&1 || { cat /tmp/l23-pip.log >&2; exit 1; }
 for t in *.tgz; do tar xzf "$t" -C "$site"; done
-python3 -m pip list --path "$site" 2>/dev/null | grep -i -E "^(torch|nvidia-nccl|sglang|flashinfer|transformers) " || true
+python3 -m pip list --path "$site" 2>/dev/null | grep -i -E "^(torch|nvidia-nccl-cu13|sglang|sglang-kernel|flashinfer-python|transformers|torchvision) " || true
 echo "install-l23: $(awk 'END {print NR}' SHA256SUMS.wheels) wheels and the trimmed sglang-kernel in $site"
 INNER
 for i in $(seq 1 "$n"); do
   cp "$x/install.sh" "$x/SHA256SUMS.parts" "$x/SHA256SUMS.wheels" "$x/N_PARTS" "$x/PART_OF" "$x/JOIN" "$dest/l23-$i/"
-  echo "sglang 0.5.23 bundle, part $i of $n" > "$dest/l23-$i/MARK"
+  echo "sglang 0.5.23 bundle, part $i of $n, $(l23_stamp)" > "$dest/l23-$i/MARK"
 done
 rm -rf "$src"
 for i in $(seq 1 "$n"); do

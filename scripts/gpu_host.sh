@@ -11,6 +11,13 @@
 #   KVC_GPU_LINE=0.5.17 bash scripts/gpu_host.sh bundle   # HERE: .bundle/line-{a,b} (sglang 0.5.17 in place of 0.5.12)
 #   bash scripts/gpu_host.sh install-line-a         # in place of install-a (carry .bundle/line-a)
 #   bash scripts/gpu_host.sh install-line-b         # in place of install-b (carry .bundle/line-b, .bundle/kvc)
+#   KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle   # HERE: .bundle/l23-{1..N} (scripts/build_l23_bundle.sh:
+#                                                   # sglang 0.5.23 + torch 2.14.1, numbered parts of <= 56 MiB)
+#   bash scripts/gpu_host.sh stage-l23 N            # copy part N into /tmp/l23-parts (carry .bundle/l23-N)
+#   bash scripts/gpu_host.sh install-l23            # join + sha256 + pip into /tmp/site23 (all parts staged)
+#   bash scripts/gpu_host.sh check-l23 [--flashinfer]  # versions, a CUDA matmul, sgl_kernel's sm90 ops, sglang's
+#                                                   # HTTP server module (with --flashinfer: a JIT-built rmsnorm)
+#                                                   # (KVC_GPU_LINE=0.5.23 STEP: any later step on /tmp/site23)
 #   bash scripts/gpu_host.sh bench-start [args]     # scripts/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
@@ -76,6 +83,15 @@
 #   The boundary's host time over every timed batch: the same pair row with --host-timers in place of the profile
 #      flags (each scheduler's boundary segments and the canary's and sglang's methods, in bench.log)
 #
+# sglang 0.5.23 on the GPU (issue 57), all calls back to back (the host keeps /tmp only while warm; a part's call
+# takes ~5 s; N: the number of parts that `KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle` printed, 17 today):
+#   1..N-1. stage-l23 I                               carry [.bundle/l23-I]                       timeout 120
+#   N. stage-l23 N && install-l23 && check-l23         carry [.bundle/l23-N]                       timeout 600
+#      (each step as `bash scripts/gpu_host.sh STEP`; install-l23 says which parts are missing when the host went
+#      cold in between: then stage them all again; check-l23 leaves check-l23.log in $OUT)
+#   N+1. check-l23 --flashinfer                       (no carry)                                  timeout 600
+#   Later steps on sglang 0.5.23: KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh STEP (PYTHONPATH /tmp/site23)
+#
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
 #   2. install-b && unit -k "index_sweep or ring_reader or kernels"   carry [.bundle/part-b, .bundle/kvc]
@@ -89,8 +105,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
-export PYTHONPATH="/tmp/site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 step="${1:?step}"; shift || true
+site=/tmp/site  # sglang 0.5.23's bundle installs into its own folder (torch 2.14.1 there)
+case "$step" in *-l23) site=/tmp/site23 ;; esac; [ "${KVC_GPU_LINE:-}" != 0.5.23 ] || site=/tmp/site23
+export PYTHONPATH="$site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 bench_dir=/tmp/kvc-bench
 
 gpu_e2e() {  # FILE SECONDS DIR LOG TGZ [pytest args]: one registered e2e file on the GPU, stopped with SIGINT after
@@ -111,7 +129,12 @@ case "$step" in
     fi
     python3 -m pip wheel -q --no-deps -w .bundle/kvc .
     calls=("part-a" "part-b kvc" "upstream")
-    if [ -n "${KVC_GPU_LINE:-}" ]; then  # a newer sglang line's bundle, in place of part-a/-b (build_line_bundle.sh)
+    if [ "${KVC_GPU_LINE:-}" = 0.5.23 ]; then  # numbered parts, one call each (scripts/build_l23_bundle.sh)
+      grep -qF "$(bash scripts/build_l23_bundle.sh --stamp)" .bundle/l23-1/MARK 2>/dev/null \
+        || bash scripts/build_l23_bundle.sh .bundle
+      calls=(); for d in .bundle/l23-[0-9]*; do calls+=("${d#.bundle/}"); done
+      mapfile -t calls < <(printf '%s\n' "${calls[@]}" | sort -t- -k2 -n)
+    elif [ -n "${KVC_GPU_LINE:-}" ]; then  # a newer sglang line's bundle, in place of part-a/-b (build_line_bundle.sh)
       [ -f .bundle/line-a/install.sh ] && grep -q "sglang $KVC_GPU_LINE bundle" .bundle/line-a/install.sh \
         || bash scripts/build_line_bundle.sh "$KVC_GPU_LINE" .bundle
       calls=("line-a" "line-b kvc")
@@ -121,7 +144,11 @@ case "$step" in
       b=0; for d in $call; do b=$((b + $(du -sb ".bundle/$d" | cut -f1))); done
       t=$((b + tree)); echo "upload [$call] + tree: $((t / 1048576)) MiB of 64"
       [ "$t" -lt $((64 * 1048576)) ] || { echo "too large for one call: [$call]" >&2; exit 1; }
-    done ;;
+    done
+    if [ "${KVC_GPU_LINE:-}" = 0.5.23 ]; then
+      echo "sglang 0.5.23 bundle: ${#calls[@]} parts (MiB):"
+      for c in "${calls[@]}"; do printf '  %s %.1f\n' "$c" "$(du -sb ".bundle/$c" | awk '{print $1 / 1048576}')"; done
+    fi ;;
   bundle-pd)  # runs on the development machine: the PD extras in parts, each checked to fit one call
     bash scripts/build_pd_bundle.sh .bundle
     tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -199,6 +226,16 @@ PY
     bash .bundle/part-b/install.sh
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .bundle/kvc/*.whl
     python3 -c 'import sglang; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, "line:", c().line.name if c().line else c().reason)' ;;
+  stage-l23)  # one part of the sglang 0.5.23 bundle into /tmp/l23-parts (carry .bundle/l23-N)
+    n="${1:?stage-l23 N}"; [ -d ".bundle/l23-$n" ] || { echo "no .bundle/l23-$n (carry it)" >&2; exit 1; }
+    mkdir -p /tmp/l23-parts; cp -r ".bundle/l23-$n/." /tmp/l23-parts/
+    echo "l23 part $n of $(cat /tmp/l23-parts/N_PARTS) in /tmp/l23-parts; staged so far:" \
+      "$(cd /tmp/l23-parts && while read -r i f; do [ ! -e "$f" ] || echo "$i"; done < PART_OF | sort -un | tr '\n' ' ')" ;;
+  install-l23)  # after stage-l23 1..N (same warm host): /tmp/site23, then the import the lead needs
+    [ -f /tmp/l23-parts/install.sh ] || { echo "NO_PARTS: nothing staged in /tmp/l23-parts (a fresh host?)" >&2; exit 3; }
+    t0=$SECONDS; bash /tmp/l23-parts/install.sh; echo "install-l23: $((SECONDS - t0)) s"
+    python3 -c "import torch, sglang; print(sglang.__version__, torch.__version__, torch.cuda.is_available())" ;;
+  check-l23) python3 scripts/check_l23.py "$@" 2>&1 | tee "$out/check-l23.log" ;;
   install-line-a) bash .bundle/line-a/install.sh; nvidia-smi -L ;;
   install-line-b)  # after install-line-a (same warm host), with the plugin's wheel: the plugin picks its line
     bash .bundle/line-b/install.sh
