@@ -13,7 +13,12 @@ in the meantime is matched against a tree that no longer holds the bad slots.
   FINISH_ABORT(message)`` (it finishes after one more forward and frees its KV
   through sglang's own path); a queued one is removed and answered with
   ``AbortReq``. Aborted requests are marked ``skip_radix_cache_insert`` so their
-  KV is freed, not inserted into the tree.
+  KV is freed, not inserted into the tree -- except a request still in chunked
+  prefill: sglang re-matches its prefix from the tree before each chunk, so with
+  its chunks not inserted it prefilled again from an earlier prefix, chunk after
+  chunk, leaking slots until the pool ran out (seen on an H200, 0.5.12, overlap
+  scheduler); it finishes its chunks, and its bad slots stay pending until it
+  releases them and are evicted then.
 * Evict: the radix node holding a bad slot and its whole subtree (HiCache: from the host too,
   ``contain_hicache``), children
   first, each freed once through the allocator and removed with the tree's own
@@ -119,7 +124,8 @@ class SchedulerContainment:
             if message is None or req.rid in found:
                 continue
             found.add(req.rid)
-            req.skip_radix_cache_insert = True
+            if not (req is getattr(s, "chunked_req", None) or getattr(req, "is_chunked", 0) > 0):
+                req.skip_radix_cache_insert = True
             if req.finished():
                 state[req.rid] = "finished"
             else:
