@@ -45,6 +45,8 @@ class OutsideBracket:
         try:
             if exc_type is None:
                 m._post_ops_outside_graph(self._fb, len(self._indices))
+            else:  # the step raised: a report of its forward still names its requests
+                m.note_failed_step(self._fb)
         finally:
             m._in_outside_bracket = False
 

@@ -96,6 +96,12 @@ class Reporting:
             self._last_stats_forward = forward
             logger.info(self.stats_line(host_counters))
 
+    def note_failed_step(self, fb: object) -> None:
+        """An outer step raised inside its bracket (its post-ops never ran): remember its requests under the forward
+        index its TAIL used, so that ``report_before_engine_error`` names them."""
+        if self.init_finished:
+            self._forward_info[self.forwards % RID_HISTORY] = (self.forwards, self._adapter.rids(fb) or (), None)
+
     def report_before_engine_error(self, error: BaseException) -> None:
         """The engine's step raised ``error`` (a forward, the sampler, a CUDA error surfacing at a sync): read what
         the device counted up to that point (the failed forward's TAIL included, which ran before its sampler) and

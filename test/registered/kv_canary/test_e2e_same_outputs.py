@@ -1,16 +1,19 @@
-"""With the canary on, sglang serves what it serves with the canary off: sampling at temperature 0.8, seeded.
+"""With the canary on, sglang serves what it serves with the canary off.
 
-Three servers of one configuration run the same clean workload (shared prefixes, chunked prefill, a pool small
+Three servers of one configuration run the same clean workloads (shared prefixes, chunked prefill, a pool small
 enough to evict): two with ``--kv-canary none`` and one with ``--kv-canary log`` (defaults: write witness, token
-oracle, real-data hash, sweep). Every server runs ``--random-seed 7``: sglang's sampler draws from that seeded
-generator (per-request ``sampling_seed`` needs ``--enable-deterministic-inference``, which refuses the CPU
-attention backend), so what a request samples depends on the requests sampled before it.
+oracle, real-data hash). Every server runs ``--random-seed 7``.
 
-* Sequential (one request at a time): every batch is the same on every server, so the two off servers agree token
-  for token; the canary server must then equal them token for token, request by request.
-* Concurrent (8 at a time): which requests share a batch depends on timing, so sglang itself varies between two
-  off runs. The canary server must differ from each off server no more than the off servers differ from each
-  other (requests whose outputs differ), within the spread two off runs show.
+* Sequential requests sampled at temperature 0.8: sglang's sampler draws from its one seeded generator (a
+  per-request ``sampling_seed`` needs ``--enable-deterministic-inference``, which refuses the CPU attention
+  backend), so with one request at a time every server draws the same numbers in the same order: the two off
+  servers agree token for token, and the canary server must equal them token for token.
+* Concurrent requests (8 at a time): which requests share a batch depends on timing, and with it which generator
+  draw each sample gets, so at temperature > 0 sglang itself gives every request another output on every run
+  (measured on the tiny model: 32 of 32 requests differed between two off runs; a token-level share of 6-12%,
+  correlated within each request, too noisy to compare). They run greedy (temperature 0): on every request the two
+  off servers agree on, the canary server must agree too; so it differs from an off server on no more requests
+  than the off servers differ from each other.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def _serve(tmp_path, name: str, mode: str):
         from kv_canary_testing.workload import run_requests
 
         outputs = {}
-        for phase, specs, concurrency in (("sequential", SEQUENTIAL, 1), ("concurrent", CONCURRENT, 8)):
-            result = run_requests(srv.base_url, specs, concurrency=concurrency, timeout=300, temperature=TEMPERATURE)
+        for phase, specs, concurrency, temperature in (("sequential", SEQUENTIAL, 1, TEMPERATURE),
+                                                        ("concurrent", CONCURRENT, 8, 0.0)):
+            result = run_requests(srv.base_url, specs, concurrency=concurrency, timeout=300, temperature=temperature)
             assert result.failed == 0 and result.succeeded == len(specs), (name, result.errors[:3])
             outputs[phase] = result.outputs()
         log = CanaryLog.read_settled(srv) if mode != "none" else None
@@ -71,17 +75,15 @@ def test_sequential_requests_sample_the_same_tokens_with_the_canary_on(runs):
 
 
 @pytest.mark.e2e
-def test_concurrent_requests_differ_with_the_canary_no_more_than_between_two_off_runs(runs):
+def test_concurrent_requests_serve_what_two_off_runs_agree_on_with_the_canary_on(runs):
     off1, off2, on = (runs[n][0]["concurrent"] for n in ("off1", "off2", "on"))
-    off_off, on_off1, on_off2 = _differing(off1, off2), _differing(on, off1), _differing(on, off2)
-    print(f"kv_canary_e2e_same_outputs phase=concurrent requests={len(off1)} off_vs_off_differ={len(off_off)} "
-          f"on_vs_off1_differ={len(on_off1)} on_vs_off2_differ={len(on_off2)} "
-          f"violations={len(runs['on'][1].violations)}")
-    # requests sglang itself serves the same in both off runs: batches that formed alike
-    agree = set(off1) - set(off_off)
-    assert agree, "no request agreed between the two off runs: the comparison says nothing"
-    # the canary server against the closer off run: no more requests differ than between the two off runs
-    assert min(len(on_off1), len(on_off2)) <= len(off_off), (off_off, on_off1, on_off2)
+    off_off = _differing(off1, off2)
+    agree = [i for i in off1 if i not in off_off]
+    print(f"kv_canary_e2e_same_outputs phase=concurrent temperature=0 requests={len(off1)} "
+          f"off_vs_off_differ={off_off} on_vs_off1_differ={_differing(on, off1)} "
+          f"on_vs_off2_differ={_differing(on, off2)} violations={len(runs['on'][1].violations)}")
+    assert len(agree) >= len(off1) // 2, f"sglang varies between two off runs on most requests: {off_off}"
+    assert [i for i in agree if on[i] != off1[i]] == [], "the canary changed what sglang served"
     assert runs["on"][1].violations == []
 
 

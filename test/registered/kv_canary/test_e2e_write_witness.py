@@ -149,6 +149,7 @@ def test_an_engine_error_in_the_forward_that_dropped_a_store_does_not_hide_its_v
     print(f"kv_canary_e2e_witness_engine_error injections={len(injections)} violations={len(log.violations)} "
           f"last_forward={last['forward']} reported={len(reported)}")
     assert reported, (last, log.violations[-3:])
+    assert reported[0]["rid"] == last["rid"], (reported[0], last)  # the failed step's request, named
     assert log.text.index(ENGINE_ERROR_PREFIX) < log.text.index("Scheduler hit an exception")
 
 
