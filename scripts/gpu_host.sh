@@ -86,9 +86,10 @@
 # sglang 0.5.23 on the GPU (issue 57), all calls back to back (the host keeps /tmp only while warm; a part's call
 # takes ~5 s; N: the number of parts that `KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle` printed, 17 today):
 #   1..N-1. stage-l23 I                               carry [.bundle/l23-I]                       timeout 120
-#   N. stage-l23 N && install-l23 && check-l23         carry [.bundle/l23-N]                       timeout 600
+#   N. stage-l23 N && install-l23 && check-l23         carry [.bundle/l23-N, .bundle/kvc]          timeout 600
 #      (each step as `bash scripts/gpu_host.sh STEP`; install-l23 says which parts are missing when the host went
-#      cold in between: then stage them all again; check-l23 leaves check-l23.log in $OUT)
+#      cold in between: then stage them all again; check-l23 leaves check-l23.log in $OUT; with .bundle/kvc carried,
+#      install-l23 installs the plugin into /tmp/site23 too, --no-deps: its wheel pins 0.5.12's sglang)
 #   N+1. check-l23 --flashinfer                       (no carry)                                  timeout 600
 #   Later steps on sglang 0.5.23: KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh STEP (PYTHONPATH /tmp/site23)
 #
@@ -234,6 +235,9 @@ PY
   install-l23)  # after stage-l23 1..N (same warm host): /tmp/site23, then the import the lead needs
     [ -f /tmp/l23-parts/install.sh ] || { echo "NO_PARTS: nothing staged in /tmp/l23-parts (a fresh host?)" >&2; exit 3; }
     t0=$SECONDS; bash /tmp/l23-parts/install.sh; echo "install-l23: $((SECONDS - t0)) s"
+    if compgen -G ".bundle/kvc/*.whl" >/dev/null; then  # the plugin (entry point) beside 0.5.23
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site23 --upgrade .bundle/kvc/*.whl
+    fi
     python3 -c "import torch, sglang; print(sglang.__version__, torch.__version__, torch.cuda.is_available())" ;;
   check-l23) python3 scripts/check_l23.py "$@" 2>&1 | tee "$out/check-l23.log" ;;
   install-line-a) bash .bundle/line-a/install.sh; nvidia-smi -L ;;
