@@ -144,7 +144,7 @@ def test_a_load_larger_than_all_modes_list_is_listed_whole_by_its_forward():
 
     slots, n = FIRST_READ_CAPACITY + 200, FIRST_READ_CAPACITY + 100
     g = torch.Generator().manual_seed(4)
-    kv = [torch.randn(slots, 1, 2, generator=g).to(torch.bfloat16) for _ in range(2)]
+    kv = [torch.randn(slots, 1, 4, generator=g).to(torch.bfloat16) for _ in range(2)]  # 8-byte rows (witness)
     group = build_group(PoolLayout("full", kv[:1], kv[1:]), _config(), torch.device("cpu"))
     assert group.full_row.work.shape[0] == slots
     all_config = CanaryConfig.build(mode="raise", real_data=RealData.ALL.value, environ={})

@@ -214,6 +214,13 @@ def test_a_kv_dtype_without_a_stamp_is_refused_naming_the_variable():
     build_group(layout, CanaryConfig(write_witness=False), torch.device("cpu"))
 
 
+def test_rows_too_short_for_a_stamp_at_each_end_are_refused_naming_the_variable():
+    layout = PoolLayout("g", [torch.zeros(4, 1, 2, dtype=torch.bfloat16)], None)  # 4-byte rows: one word
+    with pytest.raises(CanaryConfigError, match="rows of 4 bytes.*SGLANG_KV_CANARY_WRITE_WITNESS=0"):
+        build_group(layout, CanaryConfig(), torch.device("cpu"))
+    build_group(layout, CanaryConfig(write_witness=False), torch.device("cpu"))
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA-graph capture needs a GPU (the GPU host runs it)")
 def test_stamp_and_check_replay_from_a_cuda_graph():
     view = _view([21, 22, 23, 0], [(1, 30, 3), (4, 1, 1)])
