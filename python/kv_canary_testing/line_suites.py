@@ -40,6 +40,12 @@ ONLY_ON_LINE = {
             "registered/kv_canary/test_e2e_speculative_v1.py", "registered/kv_canary/test_refused_configs.py",
         ),
     },
+    "0.5.12 (real bugs)": {
+        "why": "puts real sglang bugs back (kv_canary_testing.real_bugs): the fixes it reverses were checked against "
+               "sglang 0.5.12 and do not reverse on 0.5.23 (real_bug_patches/README.md)",
+        "line": "0.5.12",
+        "files": ("registered/kv_canary/test_e2e_real_bugs.py",),
+    },
     "0.5.12 (HiCache storage)": {
         "why": "HiCache's storage tier is verified on sglang 0.5.12 only (adapter/hicache_storage; 0.5.23 refuses "
                "--hicache-storage-backend at startup: its page get/set rows are not written, docs/hicache.md 1.4)",
