@@ -41,7 +41,7 @@ def test_verified_combinations_pass(kw):
                                 {"hicache_write_policy": "write_through_selective"}, {"hicache_io_backend": "direct"},
                                 {"hicache_mem_layout": "page_first"}])
 def test_verified_combinations_pass_on_0_5_23(kw):
-    """sglang 0.5.23: log and raise, on CPU (through the test shim; the GPU host cannot load 0.5.23)."""
+    """sglang 0.5.23: log and raise, on CPU (through the test shim; not run on the GPU host yet)."""
     check_hicache(_args(**kw), _config(), line="0.5.23")
     check_hicache(_args(**kw), _config("log"), line="0.5.23")
 

@@ -16,7 +16,7 @@ import pytest
 from kv_canary.adapter import hooks
 from kv_canary.adapter.lines import choose_line, v0_5_12, v0_5_17, v0_5_23
 from kv_canary.adapter.policy_0_5_17 import _NOT_YET, _ONLY_0_5_17_NEUTRAL, _ONLY_0_5_17_RULES, POLICY_0_5_17
-from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
+from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23, PREFILL_GRAPHS_OFF_RULES
 
 DECODE_CAPTURE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape"
 POST_INIT = "sglang.srt.server_args.ServerArgs.__post_init__"
@@ -45,10 +45,10 @@ def test_the_hook_table_is_0_5_23s_but_resolve_once_plus_post_init_and_the_decod
     assert set(theirs) - set(ours) == {RESOLVE_ONCE}
     radix = {t for t in v0_5_12.HOOKS if t.startswith("sglang.srt.mem_cache.radix_cache.RadixCache.")}
     assert len(radix) == 3 and all(ours[t] == v0_5_12.HOOKS[t] for t in radix)  # 0.5.12's RadixCache tree hooks
-    assert set(ours) - set(theirs) == {POST_INIT, DECODE_CAPTURE} | radix
+    assert set(ours) - set(theirs) == {POST_INIT} | radix
     assert all(ours[t] == theirs[t] for t in set(ours) & set(theirs))
     assert ours[POST_INIT] == theirs[RESOLVE_ONCE]
-    assert ours[DECODE_CAPTURE] == ("hooks.around_capture_one_batch_size", "around")  # 0.5.12's capture hook
+    assert ours[DECODE_CAPTURE] == ("hooks.around_capture_one_batch_size", "around")  # 0.5.12's capture hook, 0.5.23's
 
 
 def test_cuda_graphs_are_not_refused_but_post_capture_kv_sizing_and_unported_features_are(monkeypatch):
@@ -56,7 +56,7 @@ def test_cuda_graphs_are_not_refused_but_post_capture_kv_sizing_and_unported_fea
     ok = SimpleNamespace(device="cuda", disable_cuda_graph=False, kv_canary="raise", tp_size=1,
                          disaggregation_mode="null", speculative_algorithm=None)
     assert v0_5_17.unported(ok) == ""
-    assert "CUDA graphs" in v0_5_23.unported(ok)  # 0.5.23 keeps refusing them (never run on a GPU)
+    assert v0_5_23.unported(ok) == ""  # 0.5.23's graphs: verified on the GPU host (docs/results)
     for field, value, named in [("kv_canary", "contain", "contain"), ("speculative_algorithm", "EAGLE", "speculative"),
                                 ("tp_size", 2, "--tp-size"), ("disaggregation_mode", "prefill", "--disaggregation-mode")]:
         assert named in v0_5_17.unported(SimpleNamespace(**{**vars(ok), field: value}))
@@ -71,9 +71,9 @@ def test_the_policy_is_0_5_23s_on_0_5_17s_fields():
     rules, elsewhere, neutral = POLICY_0_5_17.classified()
     assert rules | elsewhere | neutral == (fields_23 - _NOT_YET) | set(_ONLY_0_5_17_RULES) | _ONLY_0_5_17_NEUTRAL
     assert not (rules & neutral) and not (rules & elsewhere) and not (elsewhere & neutral)
-    for field, rule in POLICY_0_5_23.rules.items():  # every 0.5.23 rule 0.5.17 has is the same rule
-        assert field in _NOT_YET or POLICY_0_5_17.rules[field] is rule
-    assert {"disable_prefill_cuda_graph", "cuda_graph_backend_prefill", "cuda_graph_config"} <= rules
+    for field, rule in POLICY_0_5_23.rules.items():  # every 0.5.23 rule 0.5.17 has is the same rule, but the graphs'
+        assert field in _NOT_YET or field in PREFILL_GRAPHS_OFF_RULES or POLICY_0_5_17.rules[field] is rule
+    assert all(POLICY_0_5_17.rules[field] is rule for field, rule in PREFILL_GRAPHS_OFF_RULES.items())
 
 
 class _Manager:

@@ -23,8 +23,8 @@ if SGLANG_VERSION not in POLICIES:
     pytest.skip(f"no server-args policy for sglang {SGLANG_VERSION}", allow_module_level=True)
 POLICY = POLICIES[SGLANG_VERSION]
 on_0_5_23 = pytest.mark.skipif(POLICY is not POLICY_0_5_23, reason="sglang 0.5.23's rules")
-PHASE_GRAPH_LINES = (POLICY_0_5_17, POLICY_0_5_23)  # per-phase CUDA graph config (prefill graphs must be off)
-on_phase_graph_lines = pytest.mark.skipif(POLICY not in PHASE_GRAPH_LINES, reason="sglang 0.5.17/0.5.23's rules")
+PHASE_GRAPH_LINES = (POLICY_0_5_17,)  # per-phase CUDA graph config with prefill graphs refused (0.5.23 verifies them)
+on_phase_graph_lines = pytest.mark.skipif(POLICY not in PHASE_GRAPH_LINES, reason="sglang 0.5.17's rules")
 
 
 def server_args_defaults() -> dict:
@@ -55,8 +55,8 @@ class Settings:
 
 
 def supported_defaults(**overrides) -> Settings:
-    # 0.5.23 captures breakable prefill CUDA graphs by default on CUDA, which the canary refuses (and its adapter
-    # needs --disable-cuda-graph on GPU): the defaults are supported with CUDA graphs off
+    # 0.5.17 captures breakable prefill CUDA graphs by default on CUDA, which the canary refuses there (0.5.23's
+    # adapter verifies them): the defaults are supported with CUDA graphs off
     return Settings(**{"disable_cuda_graph": True, **overrides} if POLICY in PHASE_GRAPH_LINES else overrides)
 
 
@@ -126,16 +126,27 @@ def test_prefill_cuda_graphs_off_are_supported(monkeypatch, flags):
 
 
 @on_0_5_23
-def test_prefill_cuda_graph_rule_reads_what_sglang_resolved():
-    """A resolved 0.5.23 record keeps the raw flags as fields and sglang's decisions in a stash."""
-    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+@pytest.mark.parametrize("flags", [
+    dict(device="cuda", disable_cuda_graph=False),  # 0.5.23's defaults: decode full, prefill breakable
+    dict(cuda_graph_backend_prefill="breakable"), dict(cuda_graph_backend_decode="full"),
+    dict(cuda_graph_backend_prefill="disabled"), dict(cuda_graph_backend_decode="disabled"),
+    dict(cuda_graph_config={"prefill": {"backend": "breakable"}, "decode": {"backend": "full"}}),
+    dict(disable_prefill_cuda_graph=True), dict(disable_cuda_graph=True),
+])
+def test_the_cuda_graph_backends_verified_on_0_5_23_are_supported(flags):
+    check_supported(Settings(**flags), "log", policy=POLICY)
+    check_supported(Settings(**flags), "log", given_only=True, policy=POLICY)
 
-    def resolved(backend):
-        record = Settings(disable_cuda_graph=True)
-        record._values["_resolved_overrides"] = [("a handler", {"cuda_graph_config": CudaGraphConfig(
-            decode=PhaseConfig(backend="disabled"), prefill=PhaseConfig(backend=backend))})]
-        return record
 
-    check_supported(resolved("disabled"), "log", policy=POLICY)
-    with pytest.raises(CanaryConfigError, match="cannot verify --disable-prefill-cuda-graph False"):
-        check_supported(resolved("full"), "log", policy=POLICY)
+@on_0_5_23
+@pytest.mark.parametrize("flags, refused", [
+    # backends sglang allows that were not run with the canary (full prefill, breakable decode), and one it lacks
+    (dict(cuda_graph_backend_prefill="full"), "--cuda-graph-backend-prefill full.*full prefill graphs were not run"),
+    (dict(cuda_graph_backend_decode="breakable"), "--cuda-graph-backend-decode breakable.*breakable decode graphs"),
+    (dict(cuda_graph_config={"prefill": {"backend": "full"}}), "--cuda-graph-config"),
+    (dict(cuda_graph_config={"decode": {"backend": "breakable"}}), "--cuda-graph-config"),
+    (dict(cuda_graph_backend_prefill="tc_piecewise"), "--cuda-graph-backend-prefill tc_piecewise"),
+])
+def test_a_cuda_graph_backend_not_run_with_the_canary_on_0_5_23_is_refused(flags, refused):
+    with pytest.raises(CanaryConfigError, match=f"cannot verify {refused}"):
+        check_supported(Settings(**flags), "log", policy=POLICY)

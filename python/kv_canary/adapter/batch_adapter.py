@@ -139,8 +139,10 @@ class SglangBatchAdapter:
 
     @staticmethod
     def eager_extend(fb) -> bool:
-        """A prefill of the target model: never replayed from a CUDA graph (piecewise graphs are refused; an EAGLE
-        draft extend, which its graph runner may replay, is not one)."""
+        """A prefill of the target model: its HEAD/TAIL never run inside a replayed CUDA graph (0.5.12's piecewise
+        graphs are refused; 0.5.23's breakable prefill graphs replay only the transformer body, inside the outer
+        forward whose HEAD/TAIL run eagerly; an EAGLE draft extend, which its graph runner may replay, is not
+        one)."""
         return fb.forward_mode.name in _EAGER_EXTEND_MODES
 
     def extend_requests(self, fb):

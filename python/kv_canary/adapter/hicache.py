@@ -36,7 +36,7 @@ LINE_LIMITS = {
         "modes": (("log", "raise"), "sglang 0.5.23's tree core has no per-node host drop, so a bad host copy could "
                                     "not be evicted (docs/hicache.md 3.9)"),
         "devices": (("cpu",), "sglang 0.5.23's HiCache ran with the canary on CPU (through the test shim) only; "
-                              "the GPU host cannot load 0.5.23"),
+                              "not run on the GPU host yet"),
         "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),
     },
 }

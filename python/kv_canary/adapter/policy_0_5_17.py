@@ -3,16 +3,17 @@
 sglang 0.5.17's ``ServerArgs`` (a dataclass, 458 fields) is 0.5.23's (546) minus 88 fields
 0.5.23 added (``_NOT_YET``) plus 10 fields 0.5.23 dropped (``_ONLY_0_5_17``). So every field
 is classified here exactly as ``adapter/policy_0_5_23`` classifies it (the 0.5.12 rules
-carried over, the per-phase CUDA graph rules: the prefill phase must be ``disabled``, the
-decode phase ``full`` or ``disabled``; 0.5.17 has the same ``cuda_graph_config`` and flags,
-with a fourth backend ``tc_piecewise`` that those rules refuse), and the 10 fields of 0.5.17
+carried over), but the per-phase CUDA graph rules (``PREFILL_GRAPHS_OFF_RULES``: the prefill phase
+must be ``disabled``, the decode phase ``full`` or ``disabled``; 0.5.17 has the same ``cuda_graph_config`` and flags,
+with a fourth backend ``tc_piecewise`` that those rules refuse; 0.5.23 verifies its breakable prefill graphs), and
+the 10 fields of 0.5.17
 alone get their 0.5.12 class where 0.5.12 had them (``test_server_args_policy`` checks
 exhaustiveness against the installed 0.5.17).
 """
 
 from __future__ import annotations
 
-from .policy_0_5_23 import POLICY_0_5_23
+from .policy_0_5_23 import POLICY_0_5_23, PREFILL_GRAPHS_OFF_RULES
 from .server_args import _OFF, _TP
 from .server_args import NEUTRAL as _NEUTRAL_0_5_12
 from .server_args import HICACHE_RULES, RULES as _RULES_0_5_12
@@ -66,12 +67,13 @@ assert _ONLY_0_5_17_NEUTRAL - {"cuda_graph_tc_compiler", "dsa_prefill_cp_mode"} 
 
 RULES = {field: rule for field, rule in POLICY_0_5_23.rules.items() if field not in _NOT_YET}
 RULES.update(_ONLY_0_5_17_RULES)
+RULES.update(PREFILL_GRAPHS_OFF_RULES)  # prefill CUDA graphs and breakable decode graphs: verified on 0.5.23 only
 RULES.update(HICACHE_RULES)  # HiCache: 0.5.17's hooks and CPU shim are not written (0.5.23's gate: adapter/hicache)
 CHECKED_ELSEWHERE = {
     **{field: why for field, why in POLICY_0_5_23.checked_elsewhere.items()
        if field not in _NOT_YET and field not in HICACHE_RULES},
     "disaggregation_mode": "adapter.disagg.check_disaggregation; lines.v0_5_17.unported (PD not ported yet)",
 }
-NEUTRAL = (POLICY_0_5_23.neutral - _NOT_YET) | _ONLY_0_5_17_NEUTRAL
+NEUTRAL = (POLICY_0_5_23.neutral - _NOT_YET - frozenset(PREFILL_GRAPHS_OFF_RULES)) | _ONLY_0_5_17_NEUTRAL
 
 POLICY_0_5_17 = ServerArgsPolicy(RULES, CHECKED_ELSEWHERE, NEUTRAL, POLICY_0_5_23.offenders)

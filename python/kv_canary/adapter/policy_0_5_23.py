@@ -13,10 +13,10 @@ outside a normal forward (unified-cache external linker, FlexKV, custom radix-ca
 backends, session radix cache, HiCache buffer-only host memory, host-pool decode
 retraction, KV sharding by page interleave, elastic-EP joiners, the PD knobs, ...) is
 refused unless off. 0.5.23 replaced the piecewise CUDA graph (and
-``--disable-piecewise-cuda-graph``) with a per-phase CUDA graph config whose prefill phase
-defaults to ``breakable`` on CUDA: the prefill phase must be ``disabled``
-(``--disable-prefill-cuda-graph``, ``--cuda-graph-backend-prefill disabled`` or
-``--disable-cuda-graph``). Speculative decoding: EAGLE/EAGLE3 (NEXTN) as 0.5.12, and the
+``--disable-piecewise-cuda-graph``) with a per-phase CUDA graph config (``GRAPH_RULES``): the backends
+sglang picks by default on CUDA are verified (prefill ``breakable``, decode ``full``), and ``disabled``;
+``full`` prefill and ``breakable`` decode graphs were not run with the canary and are refused naming the
+flag. Speculative decoding: EAGLE/EAGLE3 (NEXTN) as 0.5.12, and the
 new 0.5.23 knobs that change what the draft or the verify writes or accepts must stay off; the
 device, the overlap scheduler and topk are checked by ``adapter/spec_0_5_23.spec_unported``.
 
@@ -96,14 +96,45 @@ def _prefill_graph_off(value, args) -> bool:
     return value in (True, False, None) and _prefill_graph_backend(args) == _DISABLED
 
 
+_PREFILL_GRAPH_BACKENDS = (None, "breakable", _DISABLED)  # verified on the GPU host (docs/results)
+_DECODE_GRAPH_BACKENDS = (None, "full", _DISABLED)
+
+
 def _graph_config_allowed(value, _args) -> bool:
+    return value is None or (_phase_backend(value, "prefill") in _PREFILL_GRAPH_BACKENDS
+                             and _phase_backend(value, "decode") in _DECODE_GRAPH_BACKENDS)
+
+
+def _graph_config_prefill_off(value, _args) -> bool:
     return value is None or (_phase_backend(value, "prefill") in (None, _DISABLED)
-                             and _phase_backend(value, "decode") in (None, "full", _DISABLED))
+                             and _phase_backend(value, "decode") in _DECODE_GRAPH_BACKENDS)
 
 
-_PREFILL_GRAPH_WHY = ("prefill CUDA graphs (0.5.23's replacement of piecewise CUDA graphs; breakable by default on "
-                      "CUDA, or full) replay prefill forwards in pieces the canary cannot bracket")
-_BREAKABLE_WHY = "breakable CUDA graphs split a forward into pieces the canary cannot bracket"
+_PREFILL_GRAPH_WHY = ("prefill CUDA graphs are verified on sglang 0.5.23 with its default backend, breakable (the "
+                      "outer forward, HEAD/TAIL included, runs eagerly around the replayed transformer body; GPU host, "
+                      "docs/results); full prefill graphs were not run with the canary")
+_BREAKABLE_WHY = ("decode CUDA graphs are verified with sglang's default backend, full (HEAD/TAIL captured into each "
+                  "graph); breakable decode graphs were not run with the canary")
+# 0.5.23: the backends sglang picks by default on CUDA (docs/compatibility.md: GPU host, CUDA graphs)
+GRAPH_RULES = {
+    "cuda_graph_backend_prefill": Rule(_only(*_PREFILL_GRAPH_BACKENDS), "breakable or disabled", _PREFILL_GRAPH_WHY),
+    "cuda_graph_backend_decode": Rule(_only(*_DECODE_GRAPH_BACKENDS), "full or disabled", _BREAKABLE_WHY),
+    "cuda_graph_config": Rule(_graph_config_allowed, "unset, or JSON whose prefill backend is breakable or disabled "
+                              "and decode backend full or disabled", f"{_PREFILL_GRAPH_WHY}; {_BREAKABLE_WHY}"),
+}
+# a line that reuses this policy without 0.5.23's prefill graphs verified (0.5.17): the prefill phase disabled,
+# decode full or disabled
+_PREFILL_GRAPH_OFF_WHY = "prefill CUDA graphs are verified on sglang 0.5.23 only"
+PREFILL_GRAPHS_OFF_RULES = {
+    "cuda_graph_backend_prefill": Rule(_only(None, _DISABLED), "disabled", _PREFILL_GRAPH_OFF_WHY),
+    "cuda_graph_backend_decode": Rule(_only(*_DECODE_GRAPH_BACKENDS), "full or disabled", _BREAKABLE_WHY),
+    "cuda_graph_config": Rule(_graph_config_prefill_off, "unset, or JSON whose prefill backend is disabled and decode "
+                              "backend full or disabled", f"{_PREFILL_GRAPH_OFF_WHY}; {_BREAKABLE_WHY}"),
+    "disable_prefill_cuda_graph": Rule(
+        _prefill_graph_off, "on (or --cuda-graph-backend-prefill disabled, or --disable-cuda-graph), with no "
+        "--cuda-graph-backend-prefill or --cuda-graph-config prefill backend other than disabled",
+        f"{_PREFILL_GRAPH_OFF_WHY}; pass --disable-prefill-cuda-graph"),
+}
 _PD = "PD disaggregation is not verified on sglang 0.5.23 yet"
 _NEW_OFF = {  # new 0.5.23 switches that must stay off: field -> why
     "enable_unified_cache_external_linker": "the external linker loads KV from an external store into slots the "
@@ -151,15 +182,7 @@ RULES = {field: rule for field, rule in _RULES_0_5_12.items() if field not in _G
 RULES.update({field: Rule(_OFF, "off", why) for field, why in _NEW_OFF.items()})
 RULES.update({field: Rule(_OFF, "unset", why) for field, why in _SPEC_OFF.items()})
 RULES.update({
-    # the flags the user gave first (named in the refusal), then what sglang runs with (its CUDA default included)
-    "cuda_graph_backend_prefill": Rule(_only(None, _DISABLED), "disabled", _PREFILL_GRAPH_WHY),
-    "cuda_graph_backend_decode": Rule(_only(None, "full", _DISABLED), "full or disabled", _BREAKABLE_WHY),
-    "cuda_graph_config": Rule(_graph_config_allowed, "unset, or JSON whose prefill backend is disabled and decode "
-                              "backend full or disabled", f"{_PREFILL_GRAPH_WHY}; {_BREAKABLE_WHY}"),
-    "disable_prefill_cuda_graph": Rule(
-        _prefill_graph_off, "on (or --cuda-graph-backend-prefill disabled, or --disable-cuda-graph), with no "
-        "--cuda-graph-backend-prefill or --cuda-graph-config prefill backend other than disabled",
-        f"{_PREFILL_GRAPH_WHY}; pass --disable-prefill-cuda-graph"),
+    **GRAPH_RULES,
     "page_size": Rule(_only(None, 1, 16), "1 or 16", "the canary is verified on sglang 0.5.23 with pages of 1 and "
                       "16 tokens only"),
     "attn_dp_size": Rule(_only(1), "1", _RULES_0_5_12["enable_dp_attention"].why),
@@ -224,7 +247,7 @@ _NEW_NEUTRAL = frozenset("""
     enable_linear_replayssm enable_linear_replayssm_spec linear_replayssm_cache_len
     enable_mamba_cache_stochastic_rounding mamba_cache_philox_rounds mamba_max_states_per_path
     mamba_radix_cache_strategy int8_mamba_ckpt_size swa_prefix_tails mlx_enable_sampling
-    cuda_graph_bs_decode cuda_graph_max_bs_decode disable_decode_cuda_graph cuda_graph_bs_prefill
+    cuda_graph_bs_decode cuda_graph_max_bs_decode disable_decode_cuda_graph disable_prefill_cuda_graph cuda_graph_bs_prefill
     cuda_graph_max_bs_prefill cuda_graph_max_seq_len_prefill cuda_graph_prefill_max_context
     cp_strategy dcp_comm_backend dcp_replicate_q_proj enable_cp_decode_attn_tp
     radix_eviction_policy_config retraction_policy min_free_slots_delay prefill_decode_interval

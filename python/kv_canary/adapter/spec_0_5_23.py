@@ -45,8 +45,7 @@ def spec_unported(server_args: Any) -> str:
         return ""
     where = f"speculative decoding on sglang 0.5.23 is {SPEC_WHERE}"
     if str(_setting(server_args, "device") or "cuda") != "cpu":
-        return (f"{where} (the GPU host cannot load 0.5.23's torch); drop --speculative-algorithm, or use sglang "
-                "0.5.12")
+        return (f"{where} (not run on the GPU host yet); drop --speculative-algorithm, or use sglang 0.5.12")
     if not _setting(server_args, "disable_overlap_schedule"):
         return f"{where}; pass --disable-overlap-schedule, or use sglang 0.5.12"
     topk = _setting(server_args, "speculative_eagle_topk")

@@ -22,8 +22,8 @@ line reuses every 0.5.23 hook; what differs:
   ``with_active_single_forward_manager(0)``; the plugin's capture also needs
   ``manager.capturing()`` (nothing reported or counted during warmup/capture, the counters kept
   across a recapture after init), so ``DecodeCudaGraphRunner.capture_one_shape`` gets 0.5.12's
-  ``hooks.around_capture_one_batch_size``. Prefill CUDA graphs (breakable by default on CUDA)
-  stay refused by the policy: ``--disable-prefill-cuda-graph``.
+  ``hooks.around_capture_one_batch_size`` (0.5.23's hook table has it). Prefill CUDA graphs (breakable
+  by default on CUDA; verified on 0.5.23) stay refused on 0.5.17 by its policy: ``--disable-prefill-cuda-graph``.
 * Post-capture KV sizing (sglang re-backs and resizes the KV pool after graph capture, after the
   canary sized its records to it) runs only with ``SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=1`` and
   prefill CUDA graphs on: refused at startup naming the env var (``unported``); the 0.5.23 check
@@ -50,10 +50,6 @@ HOOKS: HookTable = {
        if target != "sglang.srt.server_args.ServerArgs.resolve_once"},  # 0.5.23 only
     # the CLI and sglang.Engine(...) both build (and resolve) their ServerArgs in the launching process
     "sglang.srt.server_args.ServerArgs.__post_init__": ("lines.v0_5_23.after_resolve_once", "after"),
-    # decode CUDA graphs: warmup + capture with manager 0 active and the manager capturing (as 0.5.12's
-    # CudaGraphRunner.capture_one_batch_size)
-    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape": (
-        "hooks.around_capture_one_batch_size", "around"),
     # the sweep's cached-slot index follows the Python RadixCache (0.5.12's hooks)
     **{target: hook for target, hook in v0_5_12.HOOKS.items() if target.startswith(
         "sglang.srt.mem_cache.radix_cache.RadixCache.")},

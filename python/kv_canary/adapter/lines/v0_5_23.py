@@ -24,8 +24,14 @@ Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1, synchronous, CPU): ``SPEC_HO
 (the draft runner's call sites drive the draft pool's manager through ``DraftInTreeSlot``).
 Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel context (``tp_rank``; the
 ``ModelRunner`` has no ``tp_rank`` there); contain's ranks agree over the scheduler's ``tp_cpu_group``.
-Not ported to this line yet, refused at startup naming the flag (``unported``): CUDA graphs
-(verified on the GPU host only for 0.5.12), speculative settings other than the above, PD disaggregation.
+CUDA graphs (GPU host, H200: docs/results/gpu-h200-2026-11-29-sglang-0.5.23-cuda-graphs): the decode graphs
+(backend ``full``) capture HEAD/TAIL, as on 0.5.12, with the manager capturing during warmup and capture
+(``DecodeCudaGraphRunner.capture_one_shape``); the prefill graphs (backend ``breakable``, sglang's CUDA default)
+capture only the transformer body, and replay it inside the outer ``model.forward``, whose HEAD/TAIL (the
+patched forward) run eagerly around it, on the live batch. Other backends are refused by the policy
+(``policy_0_5_23.GRAPH_RULES``), naming the flag.
+Not ported to this line yet, refused at startup naming the flag (``unported``): speculative settings other than
+the above, PD disaggregation.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
 SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
 is not covered, as on 0.5.12); checked at install.
@@ -62,6 +68,11 @@ HOOKS: HookTable = {
     # an error of the engine's own ends the loop: what the canary found up to it is reported first
     "sglang.srt.managers.scheduler.Scheduler.run_event_loop": ("hooks.around_run_event_loop", "around"),
     "sglang.srt.managers.scheduler.Scheduler.process_input_requests": ("hooks.after_process_input_requests", "after"),
+    # decode CUDA graphs: sglang's capture enters only with_active_single_forward_manager(0); the plugin's warmup +
+    # capture also runs with the manager capturing (nothing reported or counted, counters kept across a recapture
+    # after init), as 0.5.12's CudaGraphRunner.capture_one_batch_size
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape": (
+        "hooks.around_capture_one_batch_size", "around"),
 }
 # speculative decoding (adapter/spec_0_5_23): the accepted tokens join the token oracle, as on 0.5.12; the draft
 # pool needs no hook of its own (EagleDraftWorker's own call sites drive DraftInTreeSlot); required with
@@ -87,10 +98,6 @@ VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLi
 
 def unported(server_args: Any) -> str:
     """The first setting this line's adapter does not verify yet, as a refusal ('' if none)."""
-    if str(getattr(server_args, "device", "cuda") or "cuda") != "cpu" and not getattr(server_args, "disable_cuda_graph",
-                                                                                        False):
-        return ("CUDA graphs on sglang 0.5.23 are not verified yet (the GPU host cannot load 0.5.23's torch); "
-                "pass --disable-cuda-graph, or use sglang 0.5.12")
     from ..spec_0_5_23 import spec_unported
 
     spec = spec_unported(server_args)
