@@ -10,7 +10,7 @@ import re
 from kv_canary.adapter.metrics import COUNTERS
 from kv_canary.ops import DASHBOARD, dashboard_queries
 
-EXPORTED = {f"sglang:kv_canary_{name}_total" for name in COUNTERS} | {"sglang:kv_canary_violations_total"}
+EXPORTED = {f"kv_canary_{name}_total" for name in COUNTERS} | {"kv_canary_violations_total"}
 
 
 def test_dashboard_is_grafana_json_with_sglang_label_variables():
@@ -30,7 +30,8 @@ def test_dashboard_is_grafana_json_with_sglang_label_variables():
 
 def test_every_exported_counter_is_on_a_panel_and_only_those():
     queries = dashboard_queries()
-    named = {n for _, q in queries for n in re.findall(r"sglang:kv_canary_[a-z_]+", q)}
+    named = {n for _, q in queries for n in re.findall(r'__name__=~"sglang\[:_\]([a-z_]+)"', q)}
+    assert not any(re.search(r"sglang[:_][a-z]", q) for _, q in queries)  # both spellings everywhere
     assert named == EXPORTED, (sorted(EXPORTED - named), sorted(named - EXPORTED))
     assert all("$" not in q for _, q in queries), [q for _, q in queries if "$" in q]
     titles = {t for t, _ in queries}
