@@ -9,7 +9,9 @@ second, the shipped ``kv_canary/ops/alerts.yml`` loaded, a temp config and TSDB)
 * the perturbation run (the workload goes past the warmup: injections, violations, contained requests):
   ``KVCanaryViolation`` fires with the violation's ``kind`` and sglang's scheduler labels, the health, quiet and
   contained-rate alerts stay silent;
-* every dashboard panel's query (``kv_canary.ops.dashboard_queries``) returns data from that Prometheus.
+* every dashboard panel's query (``kv_canary.ops.dashboard_queries``) returns data from that Prometheus;
+* ``kv-canary report`` on the server's log names every violation, injection and contained request (its text is
+  printed: the CI log holds a real report).
 
 Skips, saying why, where the ``prometheus`` binary is not installed (.ci/run installs Debian's package).
 """
@@ -21,6 +23,9 @@ import time
 import pytest
 
 from kv_canary.ops import ALERT_RULES, dashboard_queries
+from kv_canary.ops.report import read_logs, summarize
+from kv_canary.ops.report_render import to_text
+from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci
 from kv_canary_testing.prometheus import PrometheusServer, prometheus_missing_reason
 from kv_canary_testing.workload import build_workload, run_requests
@@ -100,6 +105,15 @@ def test_alerts_and_dashboard_against_a_real_prometheus(tmp_path):
             if not prom.query(expr):
                 empty.append((title, expr))
         assert empty == [], empty
+
+        # kv-canary report on the real log
+        report = summarize(read_logs([str(srv.log_path)]))
+        print(to_text(report))
+        contained = {c["rid"] for c in parse_lines(log.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"}
+        assert report["warnings"] == [] and report["violations_logged"] == len(log.violations)
+        assert len(report["injections"]) == len(log.perturbations) and report["unexplained_violations"] == []
+        assert contained and contained <= {r["rid"] for r in report["requests"]}
+        assert next(iter(report["totals"].values()))["contained_requests"] == log.last_stat("contained_requests")
     finally:
         try:
             srv.stop()
