@@ -1,7 +1,9 @@
 """``kv-canary report`` on real server logs: test/unit/fixtures/report_contain_<line>.log are the sglang logger lines
 (tokenizer and server_args lines left out) of a real CPU server per sglang line, ``--kv-canary contain`` with a
 ``real_kv_used`` perturbation (3 injections, ``hashed`` bytes) and a 24-request workload (the capture behind the
-docs' sample). Bad input gets a message and exit 2, or a warning, never a traceback."""
+docs' sample; the 0.5.23 file holds two such runs, appended by two server starts: a restart within one log);
+report_log_0.5.12.log and report_raise_0.5.12.log are the same 0.5.12 server and perturbation in ``log`` and
+``raise``. Bad input gets a message and exit 2, or a warning, never a traceback."""
 
 from __future__ import annotations
 
@@ -113,3 +115,24 @@ def test_console_script_is_declared():
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert 'kv-canary = "kv_canary.ops.report:main"' in text
     assert main.__module__ == "kv_canary.ops.report"
+
+
+def test_raise_run_names_the_stop_and_counts_each_violation_once(capsys):
+    """report_raise_0.5.12.log: the same server and perturbation in ``raise`` (the server stops at the first
+    violation; CanaryViolationError's message repeats the violation line, which is one violation)."""
+    log = FIXTURES / "report_raise_0.5.12.log"
+    assert log.read_text().count("kv_canary_violation=0 ") == 2
+    code, out, _ = _run(capsys, log)
+    assert code == 0 and "stopped by CanaryViolationError (raise)" in out
+    assert "Violations: 1 logged" in out and "-> the server stopped (raise)" in out
+    assert "explains violation(s) 0," in out and "Warnings" not in out
+
+
+def test_log_run_says_the_readers_were_served_and_repeats_are_unnamed(capsys):
+    """report_log_0.5.12.log: the same server and perturbation in ``log`` (serving goes on; a bad slot read again is
+    counted in violations_repeated, not logged)."""
+    log = FIXTURES / "report_log_0.5.12.log"
+    repeated = parse_lines(log.read_text(), STATS_PREFIX)[-1]["violations_repeated"]
+    code, out, _ = _run(capsys, log)
+    assert code == 0 and "-> served on (log mode: nothing was stopped)" in out and "aborted" not in out
+    assert f"+ {repeated} repeat reads of logged bad slots" in out and "violations no injection explains: none" in out

@@ -50,6 +50,8 @@ class Source:
     stats: List[Dict[str, str]] = field(default_factory=list)
     canary_lines: int = 0
     busy_at_end: bool = False  # canary lines after its last settled=1 stats line (the log ends mid-serving)
+    stopped: bool = False  # raise: CanaryViolationError ended the server (its message repeats the lines)
+    seen: set = field(default_factory=set)  # (seq, tp_rank) of the violation lines read
 
 
 @dataclass
@@ -88,6 +90,8 @@ def _read_one(rep: Report, path: str, text: str) -> None:
     rep.sources.append(src)
     last_forward = -1
     for number, line in enumerate(lines, 1):
+        if "CanaryViolationError" in line:
+            src.stopped = True
         if "kv_canary_" not in line or not _ANY.search(line):
             continue
         if len(starts) > 1 and number in starts[1:]:  # the server restarted, appending to the same file
@@ -107,6 +111,11 @@ def _read_one(rep: Report, path: str, text: str) -> None:
                     "cut off at the end of the log (truncated?)" if cut else
                     f"without {', '.join(missing + bad_int)} (another version of the canary?)") + "; skipped")
                 break
+            if prefix == VIOLATION_PREFIX:  # raise repeats each line in its error (and tracebacks may twice)
+                key = (rec[VIOLATION_PREFIX], rec.get("tp_rank"))
+                if key in src.seen:
+                    break
+                src.seen.add(key)
             src.canary_lines += 1
             src.busy_at_end = not (prefix == STATS_PREFIX and rec.get("settled") == "1") and (
                 src.busy_at_end or prefix not in (INSTALLED_PREFIX, STATS_PREFIX))
@@ -229,11 +238,13 @@ def summarize(rep: Report) -> Dict:
         "logs": [{"path": s.path, "sglang": s.installed.get("sglang"), "impl": s.installed.get("impl"),
                   "mode": (s.stats[-1]["mode"] if s.stats else s.installed.get("mode")),
                   "tp_rank": s.installed.get("tp_rank"), "canary_lines": s.canary_lines,
-                  "settled": bool(s.stats) and s.stats[-1].get("settled") == "1"} for s in rep.sources],
+                  "settled": bool(s.stats) and s.stats[-1].get("settled") == "1", "stopped": s.stopped}
+                 for s in rep.sources],
         "modes": modes,
         "violations_logged": len(rep.violations),
         "violations_not_itemized": sum(int(x.get("not_itemized", "0")) for x in rep.summaries if
                                        _is_int(x.get("not_itemized", ""))),
+        "violations_repeated": sum(t.get("violations_repeated", 0) for t in totals.values()),
         "by_kind": {k: plain(v) for k, v in sorted(kinds.items())},
         "requests": [plain(r) for r in sorted(requests.values(), key=lambda r: (min(r["forwards"], default=1 << 62),
                                                                                r["rid"]))],

@@ -25,11 +25,15 @@ def to_text(d: Dict) -> str:
     for log in d["logs"]:
         out.append(f"  {log['path']}: {log['impl'] or '?'} on sglang {log['sglang'] or '?'}, mode={log['mode']}, "
                    f"tp_rank={log['tp_rank'] or '?'}, {log['canary_lines']} canary lines"
-                   + ("" if log["settled"] else ", not settled"))
+                   + (", stopped by CanaryViolationError (raise): totals as of its last stats line" if log["stopped"]
+                      else "" if log["settled"] else ", not settled"))
     n, hidden = d["violations_logged"], d["violations_not_itemized"]
     out.append("")
     out.append(f"Violations: {n} logged" + (f", {hidden} more not itemized" if hidden else "")
                + (" -- none: the canary found the KV cache intact" if not n and not hidden else ""))
+    if d["violations_repeated"]:
+        out.append(f"  + {d['violations_repeated']} repeat reads of logged bad slots, counted and not itemized "
+                   f"(violations_repeated): readers other than those below are not named in the log")
     for kind, k in d["by_kind"].items():
         out.append(f"  {kind}: {k['logged']} logged, slots {_few(k['slots'])}, forwards {_span(k['forwards'])}, "
                    f"requests {_few(k['rids'], 4)}")
