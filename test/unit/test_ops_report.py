@@ -91,6 +91,10 @@ def test_no_canary_lines_or_unreadable_is_a_message(capsys, tmp_path):
     assert code == 2 and out == "" and "no kv-canary lines" in err and "Traceback" not in err
     code, _, err = _run(capsys, tmp_path / "missing.log")
     assert code == 2 and "cannot read it" in err
+    code, _, err = _run(capsys, tmp_path)  # a directory
+    assert code == 2 and "cannot read it" in err
+    code, _, err = _run(capsys, "--html", tmp_path / "no" / "such" / "dir.html", LOGS[0])
+    assert code == 2 and "cannot write" in err
 
 
 def test_truncated_log_warns_and_reports_what_it_has(capsys, tmp_path):

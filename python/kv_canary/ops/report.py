@@ -279,7 +279,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         print(report_render.to_json(data))
     elif args.html:
-        Path(args.html).write_text(report_render.to_html(data))
+        try:
+            Path(args.html).write_text(report_render.to_html(data))
+        except OSError as e:
+            print(f"kv-canary report: cannot write {args.html} ({e.strerror or e})", file=sys.stderr)
+            return 2
         print(f"kv-canary report: wrote {args.html}")
     else:
         print(report_render.to_text(data), end="")
