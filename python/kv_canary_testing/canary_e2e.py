@@ -141,21 +141,24 @@ class CanaryLog:
     text: str
 
     @classmethod
-    def read_settled(cls, server: SglangServer, timeout: float = 60.0, quiet: float = 1.5) -> "CanaryLog":
+    def read_settled(cls, server: SglangServer, timeout: float = 60.0, quiet: float = 1.5,
+                     canary_lines_only: bool = False) -> "CanaryLog":
         """Wait until the server went idle and its canary read every device counter, then read.
 
         The last stats line must say ``settled=1`` *and* the log must stay unchanged for ``quiet``
         seconds: a server that idled mid-workload (a PD decode server waiting for transfers does) has an
         older ``settled=1`` line, and sglang's overlap loop sends the last response one iteration before
-        the idle drain that logs the last forwards' violations.
+        the idle drain that logs the last forwards' violations. ``canary_lines_only``: only the canary's
+        lines must stay unchanged (a server scraped every second logs each ``GET /metrics``).
         """
         deadline = time.monotonic() + timeout
         stable_since, last_len = time.monotonic(), -1
         while True:
             log = cls.read(server)
             now = time.monotonic()
-            if len(log.text) != last_len:
-                stable_since, last_len = now, len(log.text)
+            size = log.text.count("kv_canary_") if canary_lines_only else len(log.text)
+            if size != last_len:
+                stable_since, last_len = now, size
             last = log.stats[-1] if log.stats else None
             if last is not None and last.get("settled") == "1" and now - stable_since >= quiet:
                 return log

@@ -31,6 +31,8 @@ COUNTERS = {
     "slots_swept": "KV slots held by the radix cache verified by the sweep.",
     "slots_witnessed": "KV slots whose every K/V row the write witness proved written by their forward.",
     "sweeps": "Radix-cache sweeps run.",
+    "slots_scrubbed": "KV slots whose every K/V byte the scrub checked (SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD, "
+                      "--kv-canary-real-data all).",
     "health_violations": "Times the canary found it did not run as launched (kind=health:*).",
     "perturbations": "Deliberate corruptions injected by SGLANG_KV_CANARY_PERTURB_*.",
     "contained_requests": "Requests aborted by --kv-canary contain.",

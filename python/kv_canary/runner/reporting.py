@@ -261,6 +261,7 @@ class Reporting:
             "slots_written": int(c[fp.C_SLOTS_WRITTEN]),
             "slots_swept": int(c[fp.C_SLOTS_SWEPT]),
             "slots_witnessed": int(c[fp.C_SLOTS_WITNESSED]),
+            "slots_scrubbed": int(c[fp.C_SLOTS_SCRUBBED]),
             "sweeps": self.sweeps,
             "health_violations": self.health_violations,
             "perturbations": self.perturb.injection_count,
