@@ -18,12 +18,10 @@
 #   bash scripts/gpu_host.sh check-l23 [--flashinfer]  # versions, a CUDA matmul, sgl_kernel's sm90 ops, sglang's
 #                                                   # HTTP server module (with --flashinfer: a JIT-built rmsnorm)
 #                                                   # (KVC_GPU_LINE=0.5.23 STEP: any later step on /tmp/site23)
-#   bash scripts/gpu_host.sh bench-start [args]     # scripts/bench_overhead.py in the background (setsid)
+#   bash scripts/gpu_host.sh bench-start [args]     # benchmarks/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
-#   bash scripts/gpu_host.sh hc-host-ops            # host cost of the HiCache hooks, their torch calls and a decode
-#                                                   # step's canary host work at bs 8 (no server, no install, ~1 min)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
 #   bash scripts/gpu_host.sh bundle-pd              # HERE: .bundle/pd-{1,2,3} (scripts/build_pd_bundle.sh: CUDA
@@ -32,13 +30,13 @@
 #   bash scripts/gpu_host.sh install-pd             # join + sha256 + pip into /tmp/site, debs into /tmp/pd-libs
 #   bash scripts/gpu_host.sh pd-check               # mooncake TCP transfer GPU -> GPU in one process (no sglang)
 #   bash scripts/gpu_host.sh pd-e2e [pytest args]   # test_e2e_pd.py on the GPU; server logs into $OUT
-#   bash scripts/gpu_host.sh pd-bench-start [args]  # scripts/bench_pd_overhead.py in the background (after install-pd)
+#   bash scripts/gpu_host.sh pd-bench-start [args]  # benchmarks/bench_pd_overhead.py in the background (after install-pd)
 #   bash scripts/gpu_host.sh pd-bench-wait [seconds] # as bench-wait: bench_overhead.json (the PD report) + logs
 #   bash scripts/gpu_host.sh hicache-e2e [pytest args]  # test_e2e_hicache.py on the GPU (sglang's own HiCache
 #                                                   # transfers, CUDA graphs); server logs into $OUT
 #   bash scripts/gpu_host.sh hicache-storage-e2e [pytest args]  # test_e2e_hicache_storage.py on the GPU (file
 #                                                   # storage tier); server logs into $OUT
-#   bash scripts/gpu_host.sh hc-bench-start [args]  # scripts/bench_hicache_overhead.py in the background
+#   bash scripts/gpu_host.sh hc-bench-start [args]  # benchmarks/bench_hicache_overhead.py in the background
 #   bash scripts/gpu_host.sh hc-bench-wait [seconds] # as bench-wait: bench_overhead.json (the HiCache report) + logs
 #
 # The PD e2e on the GPU (issue 25; both servers on one GPU, mooncake over TCP on 127.0.0.1), all calls back to back:
@@ -73,13 +71,12 @@
 #      --reps 16 --mem-fraction-static 0.88, then hc-bench-wait 560 at once (the host goes back 30 s after a call)
 #      A later call can land on a fresh host (hc-bench-wait then says NO_BENCH at once): prefer one call with
 #      --time-budget-s (the rounds that fit: ~190 s up, ~5 s a repetition, six servers ~10 rounds, four ~16), as
-#      below. A cut-off run's bench.log still pairs: python3 scripts/paired_rounds.py bench.log
+#      below. A cut-off run's bench.log still pairs: python3 benchmarks/paired_rounds.py bench.log
 #   The pair row in one call (H200), with each turn's profile after it: install-b >/dev/null 2>&1; hc-bench-start
 #      --interleave --parallel-start --configs hc_off,hc_ours,hc_off,hc_ours --reps 16 --time-budget-s 400
 #      --mem-fraction-static 0.88 --profile-batches 2 --profile-turn 0,1 >/dev/null; sleep 5; hc-bench-wait 560
 #      (the first server of each config profiles 2 batches of turn 0, fresh, and of turn 1, load-backs, after the
-#      rounds: trace_summary in bench_overhead.json, the traces as trace-<server>-turn<N>.json.gz; then here:
-#      python3 scripts/trace_boundaries.py TRACES, python3 scripts/decode_windows.py server logs (server-logs.tgz))
+#      rounds: trace_summary in bench_overhead.json, the traces as trace-<server>-turn<N>.json.gz)
 #   The boundary's host time over every timed batch: the same pair row with --host-timers in place of the profile
 #      flags (each scheduler's boundary segments and the canary's and sglang's methods, in bench.log)
 #
@@ -102,7 +99,7 @@
 #   4. bench-wait 570   (repeat until it prints BENCH_DONE)                                timeout 600
 # Each bench-wait leaves overhead.json, overhead_extra.json, bench_overhead.json, bench.log and
 # server-logs.tgz in $OUT (partial until BENCH_DONE). Then, here: copy overhead*.json into docs/results/
-# and run python scripts/overhead_report.py.
+# and run python benchmarks/overhead_report.py.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -185,12 +182,12 @@ PY
     bash .bundle/upstream/install.sh
     PYTHONPATH="/tmp/site-upstream:$PYTHONPATH" python3 -c 'import sglang; print("upstream sglang", sglang.__version__)' ;;
   bench-start|pd-bench-start|hc-bench-start)  # pd-: bench_pd_overhead.py (after install-pd); hc-: HiCache
-    script=scripts/bench_overhead.py
+    script=benchmarks/bench_overhead.py
     if [ "$step" = pd-bench-start ]; then
-      script=scripts/bench_pd_overhead.py; bench_dir=/tmp/kvc-pd-bench
+      script=benchmarks/bench_pd_overhead.py; bench_dir=/tmp/kvc-pd-bench
       export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     elif [ "$step" = hc-bench-start ]; then
-      script=scripts/bench_hicache_overhead.py; bench_dir=/tmp/kvc-hc-bench
+      script=benchmarks/bench_hicache_overhead.py; bench_dir=/tmp/kvc-hc-bench
     fi
     [ ! -f "$bench_dir/pid" ] || ! kill -0 "$(cat "$bench_dir/pid")" 2>/dev/null || { echo "a bench is running" >&2; exit 1; }
     python3 -c 'import sglang' 2>/dev/null || {  # a fresh host (the installed one went back): say so, at once
@@ -245,29 +242,19 @@ PY
     bash .bundle/line-b/install.sh
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site --upgrade .bundle/kvc/*.whl
     python3 -c 'import sglang; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, "line:", c().line.name if c().line else c().reason)' ;;
-  hc-host-ops)  # the HiCache hooks' host cost per call (no server): a node's backup, a batch's load-back, an eviction;
-    # then the large sizes again with one 5 ms GPU sleep in flight before each call (a forward: waits show)
-    # then the torch calls they are made of, and a decode step's host work at the HiCache row's batch (bs 8)
-    { for sz in "1088 9344 0 200" "96 1200 0 200" "1088 9344 5 40"; do set -- $sz
-        python3 scripts/bench_hicache_host_ops.py --backup-slots "$1" --load-slots "$2" --busy-ms "$3" --calls "$4" \
-          --out "$out/hc-host-ops-$1-$2-busy$3.json"
-      done
-      python3 scripts/bench_hicache_host_ops.py --primitives --calls 150 --out "$out/hc-host-ops-primitives.json"
-      python3 scripts/bench_host_ops.py --bs 8 --ctx 1216 --steps 3000 --out "$out/host-ops-bs8.json"
-    } 2>&1 | tee "$out/hc-host-ops.log" ;;
   unit) python3 -m pytest -q -rs test/unit -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu-unit.log" ;;
   decode-kernels)  # one decode forward's canary kernels with HiCache's settings (no sglang needed): this tree, and
     # the tree under .bench-base/python if carried (e.g. `git archive REV python | tar -x -C .bench-base`)
-    PYTHONPATH="$PWD/python" python3 scripts/bench_decode_kernels.py --label new --out "$out/decode-new.json" "$@" \
+    PYTHONPATH="$PWD/python" python3 benchmarks/bench_decode_kernels.py --label new --out "$out/decode-new.json" "$@" \
       2>&1 | grep -v -i "warn" | tee "$out/decode-new.log"
     if [ -d .bench-base/python ]; then
-      PYTHONPATH="$PWD/.bench-base/python" python3 scripts/bench_decode_kernels.py --label base \
+      PYTHONPATH="$PWD/.bench-base/python" python3 benchmarks/bench_decode_kernels.py --label base \
         --out "$out/decode-base.json" "$@" 2>&1 | grep -v -i "warn" | tee "$out/decode-base.log"
     fi ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
   bench)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu-info.txt"
-    python3 scripts/bench_kernels.py --out "$out/bench_kernels.json" 2>&1 | tee "$out/bench-kernels.log"
-    python3 scripts/bench_overhead.py --out "$out/bench_overhead.json" "$@" 2>&1 | tee "$out/bench-overhead.log" ;;
+    python3 benchmarks/bench_kernels.py --out "$out/bench_kernels.json" 2>&1 | tee "$out/bench-kernels.log"
+    python3 benchmarks/bench_overhead.py --out "$out/bench_overhead.json" "$@" 2>&1 | tee "$out/bench-overhead.log" ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -18,7 +18,7 @@ _TARGET = "sglang.cli.serve"
 
 class AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``callback(module)`` right after module ``target`` executes (the other finders find it); no other import
-    is affected. Also used by the benches' ``scripts/stack_sampler/canary_idle.py``."""
+    is affected. Also used by the benches' ``benchmarks/stack_sampler/canary_idle.py``."""
 
     def __init__(self, target: str, callback):
         self.target, self.callback = target, callback

@@ -1,7 +1,7 @@
 """Device memory the canary allocates, computed by one function.
 
 ``canary_memory_bytes`` is the single source for the install log line, the
-docs' memory table (``scripts/overhead_summary.py``) and the unit test that
+docs' memory table (``benchmarks/overhead_summary.py``) and the unit test that
 checks it against the tensors a real ``CanaryManager`` allocates. When a
 buffer's shape changes (the token oracle, a sweep index), change it here.
 

@@ -1,4 +1,4 @@
-"""scripts/bench_decode_kernels.py runs end to end on CPU (Triton interpreter, tiny shapes): the decode steps it
+"""benchmarks/bench_decode_kernels.py runs end to end on CPU (Triton interpreter, tiny shapes): the decode steps it
 would time are clean (it fails on a violation, on a slot left unverified, or on a TAIL FULL_HASH that differs
 from the reference), with HiCache's settings and without."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_decode_kernels  # noqa: E402
 
 

@@ -1,7 +1,7 @@
-"""The HiCache overhead benchmark's logic (no server): ``scripts/bench_hicache_overhead.py``'s turns, summary and
-paired rounds (``scripts/paired_rounds.py``: a cut-off log's rounds, rows of several hosts pooled), its time budget,
-the idle ablation, and what its diagnostics sum up (stack samples, ``scripts/trace_summary.py``, the host timers of
-``scripts/stack_sampler``). The main benchmark's logic: ``test_bench_overhead``.
+"""The HiCache overhead benchmark's logic (no server): ``benchmarks/bench_hicache_overhead.py``'s turns, summary and
+paired rounds (``benchmarks/paired_rounds.py``: a cut-off log's rounds, rows of several hosts pooled), its time budget,
+the idle ablation, and what its diagnostics sum up (stack samples, ``benchmarks/trace_summary.py``, the host timers of
+``benchmarks/stack_sampler``). The main benchmark's logic: ``test_bench_overhead``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from script_loader import ROOT, _load  # test/unit: on the path under pytest
 
 
 def test_the_hicache_bench_sends_every_turn_of_every_conversation_and_summarizes_against_its_first_off_server():
-    """scripts/bench_hicache_overhead.py (issue 24): a repetition is turn by turn, ``group`` conversations a batch,
+    """benchmarks/bench_hicache_overhead.py (issue 24): a repetition is turn by turn, ``group`` conversations a batch,
     each prompt its conversation's system prompt and turns so far (fresh per repetition); the first off server is
     the base, the second the noise; bad values refused."""
     hc = _load("bench_hicache_overhead")
@@ -171,11 +171,11 @@ def test_trace_summary_splits_a_step_into_the_graphs_gpu_span_the_gap_after_it_a
 
 
 def test_host_timers_split_a_batch_boundary_and_the_summary_counts_what_came_after_the_base():
-    """scripts/stack_sampler/host_timers.py: a wrapped scheduler times its methods per forward mode (a method
+    """benchmarks/stack_sampler/host_timers.py: a wrapped scheduler times its methods per forward mode (a method
     without a batch inside ``run_batch`` takes that batch's mode) and each boundary's segments (last decode launch
     -> first request -> extend launch -> first decode launch); bench_hicache_overhead sums what came after the
     warmup's snapshot, the garbage collections too."""
-    spec = importlib.util.spec_from_file_location("host_timers", ROOT / "scripts" / "stack_sampler" / "host_timers.py")
+    spec = importlib.util.spec_from_file_location("host_timers", ROOT / "benchmarks" / "stack_sampler" / "host_timers.py")
     ht = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ht)
     clock = [0.0]
@@ -258,7 +258,7 @@ def test_host_timers_key_the_layers_span_by_prefix_and_the_summary_subtracts_syn
     """--sync-debug / the layers' GPU span (bench only): an extend's span is keyed by whether it has a cached prefix
     (a load-back turn), a sync by its innermost sglang / canary frames, and the summary counts what came after the
     warmup's snapshot (the CUDA parts run on the GPU host only)."""
-    spec = importlib.util.spec_from_file_location("host_timers", ROOT / "scripts" / "stack_sampler" / "host_timers.py")
+    spec = importlib.util.spec_from_file_location("host_timers", ROOT / "benchmarks" / "stack_sampler" / "host_timers.py")
     ht = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ht)
     fb = lambda prefix: type("FB", (), {"extend_prefix_lens_cpu": prefix})()  # noqa: E731
@@ -286,7 +286,7 @@ def test_idle_ablation_skips_the_managers_per_forward_work_only_when_asked():
     probe = ("from kv_canary.runner.manager import CanaryManager as M; "
              "print(getattr(M, 'kvc_diag_idle', False), M.pre_ops_maybe_inside_graph(None, None), "
              "M.record_sampled(None, None), M.post_ops_maybe_inside_graph.__name__)")
-    path = os.pathsep.join([str(ROOT / "scripts" / "stack_sampler"), str(ROOT / "python")])
+    path = os.pathsep.join([str(ROOT / "benchmarks" / "stack_sampler"), str(ROOT / "python")])
     base = {k: v for k, v in os.environ.items() if k not in (hc.IDLE_ENV, "KVC_STACK_SAMPLE_DIR")}
     idle = subprocess.run([sys.executable, "-c", probe], env={**base, "PYTHONPATH": path, hc.IDLE_ENV: "1"},
                           capture_output=True, text=True, timeout=300)

@@ -1,6 +1,6 @@
 """The side-by-side overhead benchmark's logic (no server), the docs generator, and the canary memory function.
 
-The benchmark itself runs on the GPU host; ``scripts/bench_overhead.py --device cpu`` is its smoke run.
+The benchmark itself runs on the GPU host; ``benchmarks/bench_overhead.py --device cpu`` is its smoke run.
 These tests pin what cannot be seen there: the summary arithmetic for every role (upstream included), the
 shared-prefix prompts, the memory table and the storm verdict, and the doc regeneration.
 """
@@ -142,7 +142,7 @@ def test_report_regenerates_the_doc_section_and_keeps_the_rest(tmp_path):
     rows = {"decode_bs1": {"off_s": 2.5, "ours_pct": 0.3, "upstream_pct": 3.4, "noise_pct": 0.02},
             "decode_bs64_sweep16": {"off_s": 4.4, "ours_pct": 1.5, "upstream_pct": 55.0, "noise_pct": 0.1}}
     (results / "overhead.json").write_text(json.dumps(
-        {"device": "NVIDIA H200", "date": "2026-11-22", "command": "python3 scripts/bench_overhead.py", "rows": rows}))
+        {"device": "NVIDIA H200", "date": "2026-11-22", "command": "python3 benchmarks/bench_overhead.py", "rows": rows}))
     assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 1
     assert report.main(["--results", str(results), "--doc", str(doc)]) == 0
     text = doc.read_text()
@@ -220,7 +220,7 @@ def test_eagle_configs_run_speculative_decoding_on_cuda_and_compare_eagle_with_e
 
 
 def test_the_pd_pair_bench_sizes_both_sides_and_summarizes_against_its_first_off_pair():
-    """scripts/bench_pd_overhead.py (issue 25): the plan's flags without its own memory fraction (PDCluster and
+    """benchmarks/bench_pd_overhead.py (issue 25): the plan's flags without its own memory fraction (PDCluster and
     the pair size the sides), one off pair as the base, the second as the noise; bad names refused."""
     pd = _load("bench_pd_overhead")
     plan = {"args": ["--skip-tokenizer-init", "--mem-fraction-static", "0.8", "--cuda-graph-max-bs", "64"]}

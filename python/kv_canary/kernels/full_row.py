@@ -63,8 +63,9 @@ class LaunchShape:
     fused_list_programs: int  # programs of a LIST expected empty (HiCache outside a load), each over every row
 
 
-# GPU: the best of a sweep on an H100 (scripts/sweep_full_row_tiles.py, docs/performance.md issue 22); LIST's
-# one row a program keeps a short list (a decode step's first reads) spread over the GPU.
+# GPU: the best of a sweep on an H100 (scripts/sweep_full_row_tiles.py, at 686ff20: benchmarks/README.md;
+# docs/performance.md issue 22); LIST's one row a program keeps a short list (a decode step's first reads)
+# spread over the GPU.
 GPU_SHAPE = LaunchShape(1024, (4, 8, 8), (4, 4, 1), (0, 128, 64), 4096, 8, 128, 64, 8)
 # The Triton interpreter (CPU servers and tests) runs programs one after another, each step a numpy op: the
 # fewest, largest programs (every row in one program; a tile still smaller than a wide row, so the word loop

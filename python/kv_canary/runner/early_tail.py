@@ -10,7 +10,7 @@ a join of the capture). The TAIL's few small launches then overlap the LM head's
 following it. HEAD's verify moves there too, in front of the TAIL (``SingleForwardManager``'s ``verify_later``):
 the forward writes none of the slots it reads, so their records and bytes are the ones HEAD would have read, and
 only the write witness's stamp (which must precede the stores) stays before the forward. A decode step at bs 8 x
-1,216 tokens with a 128k-vocabulary LM head on an H100 (``scripts/bench_decode_kernels.py --lm-head 128256``): the
+1,216 tokens with a 128k-vocabulary LM head on an H100 (``benchmarks/bench_decode_kernels.py --lm-head 128256``): the
 canary's cost in the step 29.4 us with the TAIL after the forward, 13.1 us with the TAIL beside the LM head.
 
 A forward that never reaches the anchor (a pipeline stage before the last, an embedding model's pooler, a

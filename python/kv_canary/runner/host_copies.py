@@ -263,7 +263,7 @@ class HostCopies(StoragePages):
         the whole load, and the forward queued behind it on the same stream with it: that forward loses the
         engine's layer-by-layer overlap with its load (a 1 GiB load of 32 layers on an H100: the first layer's
         compute done at 19.8 ms instead of 1.0 ms behind a 72 KiB copy; an 8 KiB one is not held,
-        ``scripts/bench_copy_order.py``)."""
+        ``scripts/bench_copy_order.py (at 686ff20, benchmarks/README.md)``)."""
         if self.host_records is None or host_idx.numel() == 0:
             return None
         self.flush_host_records()

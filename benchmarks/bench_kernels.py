@@ -22,9 +22,9 @@ predecessor entry, the 32-byte record, the predecessor's chain, hashed K/V
 bytes) against the device's nominal HBM bandwidth.
 
     export PYTHONPATH=/tmp/site:$PWD/python
-    python scripts/bench_kernels.py --out bench_kernels.json
-    TRITON_INTERPRET=1 python scripts/bench_kernels.py --smoke      # CPU: proves it runs; timings meaningless
-    python scripts/bench_kernels.py --full-row [bench_full_row.py's options]   # FULL_HASH: TAIL, HEAD all, scrub
+    python benchmarks/bench_kernels.py --out bench_kernels.json
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py --smoke      # CPU: proves it runs; timings meaningless
+    python benchmarks/bench_kernels.py --full-row [bench_full_row.py's options]   # FULL_HASH: TAIL, HEAD all, scrub
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--full-row" in argv:  # issue 22's whole-row paths, old vs new: scripts/bench_full_row.py
+    if "--full-row" in argv:  # issue 22's whole-row paths, old vs new: benchmarks/bench_full_row.py
         import bench_full_row
 
         argv.remove("--full-row")

@@ -1,8 +1,8 @@
 """The overhead benches' workload and servers: the rows (``Row``, ``ROWS``), the server configs (``ServerConfig``,
 ``CONFIGS``), the Llama-3-8B-shaped dummy model and each device's server flags (``server_plan``, ``server_env``).
 
-Shared by ``bench_overhead.py`` (whose docstring describes the rows and configs), ``bench_hicache_overhead.py``,
-``bench_pd_overhead.py`` and ``profile_decode.py``.
+Shared by ``bench_overhead.py`` (whose docstring describes the rows and configs), ``bench_hicache_overhead.py``
+and ``bench_pd_overhead.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (``run_batch``), what a server log says (``log_facts``), waiting for the canary's settled stats line, the host's
 versions and device (``probe_environment``) and the progress lines.
 
-Shared by ``bench_overhead.py``, ``bench_hicache_overhead.py``, ``bench_pd_overhead.py`` and ``profile_decode.py``.
+Shared by ``bench_overhead.py``, ``bench_hicache_overhead.py`` and ``bench_pd_overhead.py``.
 """
 
 from __future__ import annotations

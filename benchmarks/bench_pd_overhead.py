@@ -3,7 +3,7 @@
 
 One run starts, per entry of ``--configs``, a prefill server, a decode server and sglang's mini router
 (``kv_canary_testing.pd.PDCluster``: mooncake over TCP on 127.0.0.1), times the rows on the router with the
-client of ``scripts/overhead_client.py`` (one batched ``/generate`` of fresh prompts, ``ignore_eos``, one
+client of ``benchmarks/overhead_client.py`` (one batched ``/generate`` of fresh prompts, ``ignore_eos``, one
 untimed warmup, then ``--reps`` timed repetitions, medians), and stops the pair. ``pd_off``: both sides
 ``--kv-canary none``; ``pd_ours``: both sides ``--kv-canary raise`` (default settings: records travel with
 the KV, the decode side verifies every transferred slot at its first read). A second ``pd_off`` gives the
@@ -15,8 +15,8 @@ side (sglang runs the prefill side without them). Both servers share one GPU (``
 cpu``): the tiny model, sizes scaled down; the timings only prove the script works.
 
     export PYTHONPATH=/tmp/site:$PWD/python LD_LIBRARY_PATH=/tmp/pd-libs/lib
-    python scripts/bench_pd_overhead.py --out pd_overhead.json            # GPU host, after install-pd
-    python scripts/bench_pd_overhead.py --device cpu --rows decode_bs1     # smoke run
+    python benchmarks/bench_pd_overhead.py --out pd_overhead.json            # GPU host, after install-pd
+    python benchmarks/bench_pd_overhead.py --device cpu --rows decode_bs1     # smoke run
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"from {', '.join(CONFIGS)}")
-    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="rows of scripts/bench_overhead.py")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="rows of benchmarks/bench_overhead.py")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--scale", type=float, default=None, help="row sizes x this (default 1 on cuda, 1/64 on cpu)")
     p.add_argument("--seed", type=int, default=2025)

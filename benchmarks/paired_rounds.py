@@ -172,7 +172,7 @@ def _turn_ms(runs: Sequence[dict], name: str) -> List[List[float]]:
 
 
 if __name__ == "__main__":
-    # python3 scripts/paired_rounds.py BENCH_LOG [BENCH_LOG ...]: the pooled rows of a (cut-off) run; with several
+    # python3 benchmarks/paired_rounds.py BENCH_LOG [BENCH_LOG ...]: the pooled rows of a (cut-off) run; with several
     # logs (one package's rows on several hosts), each log's pooled rows and all their rounds pooled
     logs = [runs_from_log(open(path, encoding="utf-8").read()) for path in sys.argv[1:]]
     if len(logs) == 1:

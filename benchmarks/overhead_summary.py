@@ -131,7 +131,7 @@ def storm_summary(runs: Sequence[dict]) -> Optional[dict]:
 
 
 def markdown_table(runs: Sequence[dict], rows: Sequence[Row]) -> str:
-    """Per row and server: median seconds (a quick look; docs tables come from scripts/overhead_report.py)."""
+    """Per row and server: median seconds (a quick look; docs tables come from benchmarks/overhead_report.py)."""
     labels = [r["label"] for r in runs]
     head = ["row", "shape"] + [f"{lb} s" for lb in labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -38,7 +38,7 @@ Issue 22 (full-byte verification): ``ours_all_rows`` / ``upstream_all`` (``--kv-
 Outputs (``--out`` and ``--results-dir``, rewritten after every server so an
 interrupted run keeps what it measured): the full report, ``overhead.json``
 (the per-row summary in the shape docs/performance.md is generated from by
-``scripts/overhead_report.py``) and ``overhead_extra.json`` (baselines, hit
+``benchmarks/overhead_report.py``) and ``overhead_extra.json`` (baselines, hit
 rates, the memory table and the storm measurement).
 
 Budget (the default 8 servers on one H100/H200): each server starts in 70-95 s
@@ -58,8 +58,8 @@ model, sizes scaled down by ``--scale``; the canary's Triton kernels run under
 only prove the script works.
 
     export PYTHONPATH=/tmp/site:$PWD/python
-    python scripts/bench_overhead.py --out bench_overhead.json --results-dir results/
-    python scripts/bench_overhead.py --device cpu                      # smoke run
+    python benchmarks/bench_overhead.py --out bench_overhead.json --results-dir results/
+    python benchmarks/bench_overhead.py --device cpu                      # smoke run
 """
 
 from __future__ import annotations

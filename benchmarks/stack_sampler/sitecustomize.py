@@ -6,7 +6,7 @@ every second rewrites ``<dir>/<pid>.json``: the process title, the sample count 
 had it as the *owner*: the innermost frame that belongs to sglang or the canary (torch, numpy, zmq frames below it
 count for it). Samples whose owner is a canary frame are the canary's host time on that thread (by path, and by the
 line its innermost canary frame was on: ``canary_lines``); owners in sglang
-show where the rest goes (``scripts/bench_hicache_overhead.py --sample-stacks`` sums them per server). A sample
+show where the rest goes (``benchmarks/bench_hicache_overhead.py --sample-stacks`` sums them per server). A sample
 costs the sampled process ~10-30 us of GIL time: the numbers attribute time, they do not time a row. ``gc``: the
 process's garbage collections per generation (count, seconds, longest), timed by a ``gc.callbacks`` entry (time the
 samples attribute to whatever frame triggered the collection).

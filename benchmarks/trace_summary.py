@@ -9,7 +9,7 @@
   outermost frames only, so nested frames are not counted twice) and the top canary frames; needs a trace
   recorded ``with_stack`` (sglang's default).
 
-    python3 scripts/trace_summary.py TRACE.json.gz [--top 25]
+    python3 benchmarks/trace_summary.py TRACE.json.gz [--top 25]
 """
 
 from __future__ import annotations

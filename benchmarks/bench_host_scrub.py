@@ -7,7 +7,7 @@ thread. Reports µs per slot, host bytes hashed per second, and the share of one
 ``SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND`` = 1,024 and 8,192 (its cost on the scheduler process; the serving
 overhead on a GPU is a separate row).
 
-    python scripts/bench_host_scrub.py [--slots 4096] [--out F]
+    python benchmarks/bench_host_scrub.py [--slots 4096] [--out F]
 """
 
 from __future__ import annotations

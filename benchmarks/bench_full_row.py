@@ -19,9 +19,9 @@ Rows printed (each a CUDA-graph replay after an L2 flush, median; see kernel_tim
 
 Bytes verified per step counts the K/V bytes hashed; GB/s is that over the time (and % of nominal HBM).
 
-    PYTHONPATH=$PWD/python python3 scripts/bench_full_row.py --out bench_full_row.json
-    PYTHONPATH=$PWD/python python3 scripts/bench_kernels.py --full-row --out bench_full_row.json   # the same
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD/python python3 scripts/bench_full_row.py --smoke   # CPU: runs, no timings
+    PYTHONPATH=$PWD/python python3 benchmarks/bench_full_row.py --out bench_full_row.json
+    PYTHONPATH=$PWD/python python3 benchmarks/bench_kernels.py --full-row --out bench_full_row.json   # the same
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD/python python3 benchmarks/bench_full_row.py --smoke   # CPU: runs, no timings
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ tiny model through the HiCache test shim (``KVC_TEST_HICACHE_CPU``), small sizes
 script works.
 
     export PYTHONPATH=/tmp/site:$PWD/python
-    python scripts/bench_hicache_overhead.py --out hicache_overhead.json        # GPU host
-    python scripts/bench_hicache_overhead.py --device cpu                        # smoke run
+    python benchmarks/bench_hicache_overhead.py --out hicache_overhead.json        # GPU host
+    python benchmarks/bench_hicache_overhead.py --device cpu                        # smoke run
 """
 
 from __future__ import annotations
@@ -310,13 +310,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the profile records Python frames (the canary's host time per thread; inflates the host "
                         "side of the window: --sample-stacks attributes host time at a lower cost)")
     p.add_argument("--sample-stacks", action="store_true",
-                   help="every server process samples its main thread's stack (scripts/stack_sampler): where the "
+                   help="every server process samples its main thread's stack (benchmarks/stack_sampler): where the "
                         "host time goes, the canary's share; costs the servers a little (attribution, not timing)")
     p.add_argument("--sync-debug", action="store_true",
                    help="--host-timers, and the synchronizing torch calls inside the scheduler's run_batch and "
                         "get_next_batch_to_run counted by call site (torch's sync debug mode; bench only)")
     p.add_argument("--host-timers", action="store_true",
-                   help="the scheduler's host timers alone (scripts/stack_sampler/host_timers.py: sglang's and the "
+                   help="the scheduler's host timers alone (benchmarks/stack_sampler/host_timers.py: sglang's and the "
                         "canary's methods, each batch boundary's segments), the stacks sampled only every 0.25 s")
     p.add_argument("--cpu-sets", type=lambda v: v.split(":"), default=None,
                    help="bench only: CPU sets separated by ':' ('0-7:8-15'), one per server in start order (cycled): "
@@ -343,7 +343,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{flag}", type=int, default=None, help="default: per device (SHAPES)")
     p.add_argument("--profile-batches", type=int, default=0,
                    help="after the timed repetitions, profile this many load-back batches (sglang's /start_profile) "
-                        "and summarize the trace (scripts/trace_summary.py); 0: off")
+                        "and summarize the trace (benchmarks/trace_summary.py); 0: off")
     p.add_argument("--profile-turn", default="1",
                    help="the turns (comma-separated, one trace each) whose first batches --profile-batches profiles "
                         "(0: fresh prompts; 1: the first load-backs), on the first server of each config")

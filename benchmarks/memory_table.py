@@ -6,7 +6,7 @@ recorded H200 run (131,073 slots of 128 KiB K/V each), 65 and 4,097 request rows
 from 32k to 1M tokens, sweep on and off. ``--before`` adds the token table the oracle had
 before issue 12 (int32[rows x context]) for comparison.
 
-    PYTHONPATH=python python scripts/memory_table.py [--before]
+    PYTHONPATH=python python benchmarks/memory_table.py [--before]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ list), then times:
 * ``sweep_device_us``: device time of the same, from CUDA events.
 
     export PYTHONPATH=$PWD/python
-    python scripts/bench_sweep.py [--slots 131072] [--held 120000] [--seq 1280] [--out F]
+    python benchmarks/bench_sweep.py [--slots 131072] [--held 120000] [--seq 1280] [--out F]
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ The canary's settings are the server's (``CanaryConfig.build``, default ``--kv-c
 ``--enable-hierarchical-cache``; ``--canary-env`` overrides). Every timed step must stay clean: the script
 fails on any violation, and checks that HEAD verified every cached slot.
 
-    PYTHONPATH=$PWD/python python scripts/bench_decode_kernels.py --out decode_kernels.json
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD/python python scripts/bench_decode_kernels.py --smoke   # CPU: runs only
+    PYTHONPATH=$PWD/python python benchmarks/bench_decode_kernels.py --out decode_kernels.json
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD/python python benchmarks/bench_decode_kernels.py --smoke   # CPU: runs only
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 between CUDA events, "cold", or replays back to back, "hot"; CPU: eager calls, wall clock), the graph floor, the
 measured device-to-device copy bandwidth and the nominal HBM bandwidth by device name.
 
-Shared by ``bench_kernels.py``, ``bench_full_row.py`` and ``sweep_full_row_tiles.py``.
+Shared by ``bench_kernels.py`` and ``bench_full_row.py``.
 """
 
 from __future__ import annotations

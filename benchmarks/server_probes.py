@@ -1,5 +1,5 @@
 """A benchmarked server's processes, for ``bench_hicache_overhead.py`` (bench only): pinned to a CPU set
-(``--cpu-sets``), and what its stack sampler and host timers (``scripts/stack_sampler``) recorded, summed over the
+(``--cpu-sets``), and what its stack sampler and host timers (``benchmarks/stack_sampler``) recorded, summed over the
 timed repetitions."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def gc_summary(now: dict, then: dict) -> dict:
 
 
 def timer_summary(now: Optional[dict], then: Optional[dict]) -> Optional[dict]:
-    """The scheduler's host timers (``scripts/stack_sampler/host_timers.py``) since ``then``: per method calls,
+    """The scheduler's host timers (``benchmarks/stack_sampler/host_timers.py``) since ``then``: per method calls,
     milliseconds in all and per call; per batch-boundary segment the count, median and mean milliseconds."""
     if not now or not now.get("calls"):
         return None
