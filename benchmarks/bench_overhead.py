@@ -185,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"multiply prompt/output lengths (default 1 on cuda, {CPU_DEFAULT_SCALE:g} on cpu)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed (same prompts on every server)")
     p.add_argument("--upstream-site", default=None,
-                   help=f"folder holding sglang 0.5.14 (shared/gpu-host/build_upstream_bundle.sh; default on cuda "
+                   help=f"folder holding sglang 0.5.14 (scripts/build_bundle.sh --upstream; default on cuda "
                         f"{DEFAULT_UPSTREAM_SITE})")
     p.add_argument("--canary-env", action="append", default=[], metavar="SGLANG_KV_CANARY_X=V",
                    help="extra canary env var for our canary servers (repeatable; default: none, i.e. defaults)")

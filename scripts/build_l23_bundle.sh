@@ -19,10 +19,10 @@
 # sys.modules to distributions):
 # - torch 2.14.1 (0.5.23's pin) and nvidia-nccl-cu13 2.30.7 (torch 2.14.1's pin: the host's NCCL lacks
 #   ncclCommResume), both in the same folder (torch preloads the nvidia/*/lib it finds first on sys.path):
-#   ../shared/notes/gpu-host-torch-2.14.md. torchvision 0.29.1: transformers imports torchvision when it is there,
+#   the host checks of 2026-11-28 (docs/results/gpu-h200-2026-11-29-sglang-0.5.23-first-run). torchvision 0.29.1: transformers imports torchvision when it is there,
 #   and the host's 0.26.0 is built for torch 2.11. torchaudio 2.11.0: 0.5.23's pin, the host's version too
 #   (abi3, 1.7 MB), carried so the set is the one 0.5.23 resolved.
-# - every wheel of the 0.5.12 bundle (requirements-gpu.txt: the wheels the host lacks, verified on an H200) at the
+# - every wheel of the 0.5.12 bundle (gpu_host_wheels_0.5.12.txt: the wheels the host lacks, verified on an H200) at the
 #   version 0.5.23 resolved (the pins below), less torchao and email-validator (not in 0.5.23's resolution; torchao
 #   0.17 is built for torch 2.11), plus transformers 5.19.0 and tokenizers 0.23.2 (0.5.23's exact pins; the host
 #   has transformers 5.17.0, tokenizers 0.23.2), xgrammar 0.2.7 (1.3 MB, whole) and flashinfer-python 0.7.2 (65 MB:
@@ -42,12 +42,17 @@
 # fail, see the note), tokenizers' and huggingface-hub's deps, numpy, the CUDA 13 libraries.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-l23_stamp() { echo "script $(sha256sum "$here/build_l23_bundle.sh" | cut -c1-16) triton ${KVC_L23_TRITON:-host}"; }
+l23_stamp() {  # this script, the shared steps and the base list
+  echo "script $(cat "$here/build_l23_bundle.sh" "$here/bundle_lib.sh" "$here/gpu_host_wheels_0.5.12.txt" | sha256sum \
+    | cut -c1-16) triton ${KVC_L23_TRITON:-host}"
+}
 [ "${1:-}" != --stamp ] || { l23_stamp; exit 0; }  # what a current bundle's MARK holds (gpu_host.sh bundle)
 dest="${1:?usage: build_l23_bundle.sh DEST}"
 mkdir -p "$dest"; dest="$(cd "$dest" && pwd)"
-base_reqs="${KVC_BASE_REQUIREMENTS:-$here/../../shared/gpu-host/requirements-gpu.txt}"
+base_reqs="${KVC_BASE_REQUIREMENTS:-$here/gpu_host_wheels_0.5.12.txt}"
 [ -f "$base_reqs" ] || { echo "build_l23_bundle: $base_reqs not found (set KVC_BASE_REQUIREMENTS)" >&2; exit 2; }
+# shellcheck source=bundle_lib.sh
+source "$here/bundle_lib.sh"
 part_bytes=$(( ${KVC_L23_PART_MIB:-56} * 1048576 ))
 meta_bytes=$((256 * 1024))  # install.sh, sums, lists: room left in every part
 # 0.5.23's resolved versions of the base list's wheels where they differ, and what the base list lacks
@@ -55,36 +60,15 @@ pins=("sglang==0.5.23" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" "fl
       "openai==2.8.0" "pydantic==2.14.4" "pydantic_core==2.50.5" "transformers==5.19.0" "tokenizers==0.23.2"
       "xgrammar==0.2.7" "torch==2.14.1" "nvidia-nccl-cu13==2.30.7" "torchvision==0.29.1" "torchaudio==2.11.0")
 [ -z "${KVC_L23_TRITON:-}" ] || pins+=("triton==$KVC_L23_TRITON")
-drop=" torchao email-validator "
-kernel="sglang-kernel==0.4.10"
-norm() { echo "${1%%==*}" | tr '[:upper:]_' '[:lower:]-'; }
-skip=" $drop"; for p in "${pins[@]}"; do skip+="$(norm "$p") "; done
-reqs=("${pins[@]}")
-while read -r req; do
-  [[ "$skip" == *" $(norm "$req") "* ]] || reqs+=("$req")
-done < <(grep -v '^#' "$base_reqs" | grep .)
-plat=(); for v in 34 31 28 27 24 18 17; do plat+=(--platform "manylinux_2_${v}_x86_64"); done
-plat+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
-download() {  # download DIR REQ...
-  local d="$1"; shift
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${plat[@]}" -d "$d" "$@" > "$d/.log" 2>&1 || { grep -v "^WARNING: Location" "$d/.log" >&2; exit 1; }
-  rm -f "$d/.log"
-}
+mapfile -t reqs < <(bundle_requirements "$base_reqs" "torchao email-validator" "${pins[@]}")
 src="$dest/l23-src"; x="$(mktemp -d)"; trap 'rm -rf "$x"' EXIT
-rm -rf "$src" "$dest"/l23-[0-9]*; mkdir -p "$src/wheels" "$x/items" "$x/kernel"
-download "$src/wheels" "${reqs[@]}"
+rm -rf "$src" "$dest"/l23-[0-9]*; mkdir -p "$src/wheels" "$x/items"
+bundle_download "$src/wheels" "${reqs[@]}"
 n_wheels=$(ls "$src/wheels" | wc -l)
 [ "$n_wheels" -eq "${#reqs[@]}" ] || { echo "build_l23_bundle: ${#reqs[@]} requirements, $n_wheels wheels" >&2; exit 1; }
 
-# -- sglang-kernel, trimmed to the sm90 build (as scripts/build_line_bundle.sh)
-download "$x/kernel" "$kernel"
-(cd "$x/kernel" && python3 -m zipfile -e sglang_kernel-*.whl k >/dev/null)
-k="$x/kernel/k"
-rm -rf "$k/sgl_kernel/sm100" "$k/sgl_kernel/flash_ops.abi3.so" "$k/sgl_kernel/flashmla_ops.abi3.so" \
-       "$k/sgl_kernel"/infllm_ops.*.so "$k/lib" "$k/include" "$k/lib64" "$k/triton_kernels" "$k"/_mscclpp*.so
-[ -f "$k/sgl_kernel/sm90/common_ops.abi3.so" ] || { echo "build_l23_bundle: no sm90/common_ops in $kernel" >&2; exit 1; }
-tar czf "$x/items/sgl_kernel_sm90.tgz" -C "$k" .
+# -- sglang-kernel 0.4.10, trimmed to the sm90 build (bundle_lib.sh)
+bundle_kernel_sm90 "sglang-kernel==0.4.10" "$x/items/sgl_kernel_sm90.tgz"
 
 # -- items: wheels over a part's size split into pieces of a part's size, the rest whole
 piece=$((part_bytes - meta_bytes))

@@ -122,8 +122,8 @@ case "$step" in
   bundle)  # runs on the development machine: build every upload and check it fits one call
     rm -rf .bundle/kvc; mkdir -p .bundle
     if [ -z "${KVC_GPU_LINE:-}" ]; then
-      [ -f .bundle/part-a/install.sh ] || bash ../shared/gpu-host/build_bundle.sh .bundle
-      [ -f .bundle/upstream/install.sh ] || bash ../shared/gpu-host/build_upstream_bundle.sh .bundle
+      [ -f .bundle/part-a/install.sh ] || bash scripts/build_bundle.sh .bundle
+      [ -f .bundle/upstream/install.sh ] || bash scripts/build_bundle.sh --upstream .bundle
     fi
     python3 -m pip wheel -q --no-deps -w .bundle/kvc .
     calls=("part-a" "part-b kvc" "upstream")
