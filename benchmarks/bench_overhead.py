@@ -37,9 +37,9 @@ Issue 22 (full-byte verification): ``ours_all_rows`` / ``upstream_all`` (``--kv-
 
 Outputs (``--out`` and ``--results-dir``, rewritten after every server so an
 interrupted run keeps what it measured): the full report, ``overhead.json``
-(the per-row summary in the shape docs/performance.md is generated from by
-``benchmarks/overhead_report.py``) and ``overhead_extra.json`` (baselines, hit
-rates, the memory table and the storm measurement).
+(the run's per-row summary: its rows go into docs/results/overhead.json, the
+current table ``benchmarks/overhead_report.py`` renders) and ``overhead_extra.json``
+(baselines, hit rates, the memory table and the storm measurement).
 
 Budget (the default 8 servers on one H100/H200): each server starts in 70-95 s
 (dummy weights, CUDA-graph capture of bs 1..64; our canary's servers also

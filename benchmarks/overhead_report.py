@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Regenerate docs/performance.md's overhead, memory and storm tables from docs/results/overhead*.json.
+"""Regenerate docs/performance.md's current overhead table, memory and storm tables from docs/results/overhead.json.
 
-``benchmarks/bench_overhead.py`` writes ``overhead.json`` (the per-row summary:
-off seconds, ours / upstream overhead and off-vs-off noise in percent) and
-``overhead_extra.json`` (baselines, radix hit rates, the memory table, the storm
-measurement, per-server facts). This script rewrites the part of the doc between
-the ``<!-- overhead:begin -->`` / ``<!-- overhead:end -->`` markers from them and
-leaves everything else (the history) alone.
+``docs/results/overhead.json`` is the one current table: per sglang line, device, row and canary configuration
+the most recent recorded figure, each pointing to its run (``rows``); the memory and storm tables come from the
+run ``memory_and_storm`` names. A new run (``benchmarks/bench_overhead.py`` writes its ``overhead.json`` and
+``overhead_extra.json`` into its result folder) updates the rows it measured, by hand. This script rewrites the
+part of the doc between the ``<!-- overhead:begin -->`` / ``<!-- overhead:end -->`` markers and leaves everything
+else (the history) alone.
 
     python benchmarks/overhead_report.py                      # rewrite docs/performance.md
     python benchmarks/overhead_report.py --check              # exit 1 if the doc is out of date
@@ -23,19 +23,13 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
 ROW_LABELS = {
-    "decode_bs1_all": "decode bs1, `--kv-canary-real-data all` (both canaries)",
-    "decode_bs64_all": "decode bs64, `--kv-canary-real-data all` (both canaries)",
-    "prefill_bs8_all": "prefill bs8 × 8k, `--kv-canary-real-data all` (both canaries)",
-    "decode_bs64_scrub": "decode bs64, scrub 512 slots/forward (ours; every slot within 256 forwards)",
     "decode_bs1": "decode bs1 (1k in, 512 out)",
     "decode_bs32": "decode bs32 (1k in, 256 out)",
     "decode_bs64": "decode bs64 (1k in, 256 out)",
     "prefill_bs8": "prefill bs8 × 8k",
     "shared_prefix": "shared prefix (64 × (4k common + 64 own), 256 out, radix hits)",
-    "decode_bs64_sweep16": "decode bs64, `--kv-canary-sweep-interval 16` (both canaries)",
+    "hicache_multiturn": "multi-turn, prefixes loaded back from the host tier",
 }
-# the issues' goals; every other row 0.5% (prefill_bs8_all: at or below upstream's +65%, issue 22)
-GOAL_PCT = {"decode_bs64_sweep16": 1.0, "decode_bs1_all": 2.0, "decode_bs64_all": 2.0, "prefill_bs8_all": 65.0}
 DEFAULT_GOAL_PCT = 0.5
 STORM_GOAL_PCT = 5.0
 
@@ -48,33 +42,32 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def overhead_section(overhead: dict, extra: Optional[dict]) -> str:
+def overhead_section(current: dict) -> str:
+    """The current table: one line per (sglang line, device, row, configuration), its run linked."""
+    goals = current.get("goals_pct") or {}
     lines = [
-        f"Measured on **{overhead.get('device')}** on {overhead.get('date')} with `{overhead.get('command')}` "
-        "(Llama-3-8B shape, dummy weights, CUDA graphs, triton attention, `--cuda-graph-max-bs 64`, one client "
-        "for every server; one warmup then the median of the timed repetitions; each canary against the server "
-        "without canary of its own sglang). Raw: `docs/results/overhead.json`, `docs/results/overhead_extra.json`.",
+        "The current figure of every row (`docs/results/overhead.json`: the most recent recorded run per sglang "
+        "line, device, row and canary configuration; Llama-3-8B shape, dummy weights, CUDA graphs, triton "
+        "attention; each canary against the server without canary of its own sglang, in the same run; upstream: "
+        "sglang's in-tree canary with the same flags).",
         "",
-        "| row | off s | ours | upstream 0.5.14 (partial real data + token check) | off-vs-off noise | goal (ours) |",
-        "|---|---:|---:|---:|---:|---|",
+        "| sglang | device | row | canary | date | off s | ours | upstream | off-vs-off noise | goal (ours) | run |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---|---|",
     ]
-    for name, v in overhead["rows"].items():
-        goal = GOAL_PCT.get(name, DEFAULT_GOAL_PCT)
-        ours = v.get("ours_pct")
+    for r in current["rows"]:
+        goal = goals.get(r["config"], DEFAULT_GOAL_PCT)
+        ours = r.get("ours_pct")
         met = "n/a" if ours is None else ("met" if ours <= goal else "**missed**")
-        off = "n/a" if v.get("off_s") is None else f"{v['off_s']:.3f}"
-        lines.append(f"| {ROW_LABELS.get(name, name)} | {off} | {_pct(ours)} | {_pct(v.get('upstream_pct'))} | "
-                     f"{_pct(v.get('noise_pct'))} | ≤ {goal:g}%: {met} |")
-    details = (extra or {}).get("row_details") or {}
-    hits = details.get("shared_prefix", {}).get("hit_rate_min")
-    if hits:
-        ok = details["shared_prefix"].get("hit_rate_ok")
-        lines += ["", "Shared-prefix radix hit rate (cached prompt tokens / prompt tokens, lowest repetition) per "
-                  "server: " + ", ".join(f"{k} {v:.1%}" for k, v in hits.items())
-                  + ("" if ok else " — **below the 90% the row needs**") + "."]
-    up = details.get("decode_bs1", {}).get("upstream_baseline")
-    if up:
-        lines += ["", f"Upstream's percentages are against `{up}` (sglang 0.5.14 without canary)."]
+        if r.get("ours_ci90_pct"):
+            lo, hi = r["ours_ci90_pct"]
+            ours_text = f"{_pct(ours)} (90%: {lo:+.2f}..{hi:+.2f})"
+        else:
+            ours_text = _pct(ours)
+        off = "n/a" if r.get("off_s") is None else f"{r['off_s']:.3f}"
+        run = r["run"].replace("docs/results/", "")
+        lines.append(f"| {r['line']} | {r['device']} | {ROW_LABELS.get(r['row'], r['row'])} | {r['config']} | "
+                     f"{r['date']} | {off} | {ours_text} | {_pct(r.get('upstream_pct'))} | "
+                     f"{_pct(r.get('noise_pct'))} | ≤ {goal:g}%: {met} | `{run}` |")
     return "\n".join(lines)
 
 
@@ -121,22 +114,25 @@ def storm_section(storm: Optional[dict]) -> str:
 
 
 def render(results: Path) -> str:
-    overhead_path = results / "overhead.json"
-    if not overhead_path.exists():
-        body = ("No side-by-side run recorded yet: run the benchmark on the GPU host "
-                "(`scripts/gpu_host.sh`, steps `bench-start` / `bench-wait`), copy its `overhead.json` and "
-                "`overhead_extra.json` into `docs/results/` and run `python benchmarks/overhead_report.py`.")
+    current_path = results / "overhead.json"
+    if not current_path.exists():
+        body = ("No run recorded yet: run the benchmark on the GPU host (`scripts/gpu_host.sh`, steps `bench-start` / "
+                "`bench-wait`), keep its results in a folder of `docs/results/`, add its rows to "
+                "`docs/results/overhead.json` and run `python benchmarks/overhead_report.py`.")
         return f"{BEGIN}\n{body}\n{END}"
-    overhead = json.loads(overhead_path.read_text())
-    extra_path = results / "overhead_extra.json"
-    extra = json.loads(extra_path.read_text()) if extra_path.exists() else None
+    current = json.loads(current_path.read_text())
+    extra = None
+    if current.get("memory_and_storm"):
+        extra_path = results.parent.parent / current["memory_and_storm"]
+        extra = json.loads(extra_path.read_text()) if extra_path.exists() else None
+    details = (extra or {}).get("row_details") or {}
     parts = [
         BEGIN,
-        "<!-- generated by benchmarks/overhead_report.py from docs/results/overhead*.json: do not edit by hand -->",
+        "<!-- generated by benchmarks/overhead_report.py from docs/results/overhead.json: do not edit by hand -->",
         "",
-        "### Serving overhead, side by side with upstream",
+        "### Serving overhead: the current table",
         "",
-        overhead_section(overhead, extra),
+        overhead_section(current),
         "",
         "### Canary memory",
         "",
@@ -145,8 +141,13 @@ def render(results: Path) -> str:
         "### Violation storm (log mode)",
         "",
         storm_section((extra or {}).get("storm")),
-        END,
     ]
+    hits = details.get("shared_prefix", {}).get("hit_rate_min")
+    if hits:
+        parts += ["", f"Storm and memory: `{current['memory_and_storm']}`; its shared-prefix radix hit rate (cached prompt "
+                  "tokens / prompt tokens, lowest repetition) per server: "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in hits.items()) + "."]
+    parts.append(END)
     return "\n".join(parts)
 
 
@@ -160,7 +161,7 @@ def update_doc(doc: str, section: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder with overhead.json")
+    p.add_argument("--results", default=str(ROOT / "docs" / "results"), help="folder with the current overhead.json")
     p.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"))
     p.add_argument("--check", action="store_true", help="do not write; exit 1 if the doc is out of date")
     args = p.parse_args(argv)

@@ -36,7 +36,7 @@ def _first(runs: Sequence[dict], role: str, row: str, skip: Sequence[dict] = ())
 
 
 def summarize(runs: Sequence[dict], rows: Sequence[Row]) -> Tuple[dict, dict]:
-    """(overhead rows in docs/results/overhead.json's shape, per-row details for overhead_extra.json).
+    """(the run's overhead rows for its overhead.json, per-row details for overhead_extra.json).
 
     off_s: the first off server's median of the row's baseline shape; ours_pct / upstream_pct: the
     canary server against the off server of its own stack (upstream against sglang 0.5.14 without

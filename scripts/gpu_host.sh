@@ -98,8 +98,9 @@
 #      (never pipe bench-start into another command: the background run holds the pipe open)
 #   4. bench-wait 570   (repeat until it prints BENCH_DONE)                                timeout 600
 # Each bench-wait leaves overhead.json, overhead_extra.json, bench_overhead.json, bench.log and
-# server-logs.tgz in $OUT (partial until BENCH_DONE). Then, here: copy overhead*.json into docs/results/
-# and run python benchmarks/overhead_report.py.
+# server-logs.tgz in $OUT (partial until BENCH_DONE). Then, here: keep them in a docs/results/ folder of the run,
+# update the rows it measured in docs/results/overhead.json (the current table) and run
+# python benchmarks/overhead_report.py.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
