@@ -18,7 +18,7 @@ from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
 from kv_canary_testing.real_bug_runs import three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-register_cpu_ci(est_time=150, suite="kv-canary-cpu")
+register_cpu_ci(est_time=190, suite="kv-canary-cpu")
 
 # ---- #29352: SWA tombstone recovery replaces and frees Full KV that a running request holds locked ---------------
 
