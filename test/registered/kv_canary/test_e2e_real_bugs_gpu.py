@@ -92,6 +92,11 @@ NOT_ON_CPU = {
         ("0.5.12", "0.5.23"), True,
         "the fa3 backend (Hopper) with an MLA model served as an embedding model: the fast path that skips the KV "
         "store is fa3's; torch_native on CPU has no such path"),
+    "swa_match_tombstone_reset_pr17061": (
+        ("0.5.12",), True,
+        "a live run shorter than a window between two SWA tombstones, which only SWA-pool LRU eviction of an internal "
+        "node makes; CPU servers need --swa-full-tokens-ratio 1.0 (torch_native reads SWA layers untranslated), so "
+        "SWA never runs out before the full pool (a decode-eviction workload did not fire it: docs/real-bugs.md)"),
     "hicache_loadback_fence_pr36738": (
         ("0.5.23",), True,
         "a race between HiCache's host-to-device transfer stream and the forward stream (the PR: the load-back must "
