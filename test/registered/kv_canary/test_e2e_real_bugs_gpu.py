@@ -120,3 +120,7 @@ def test_not_on_cpu(bug):
     lines, gpu, why = NOT_ON_CPU[bug]
     kind = "GPU host, no workload written yet" if gpu else "refused by the canary"
     pytest.skip(f"{bug} (sglang {', '.join(lines)}; {kind}): {why}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
