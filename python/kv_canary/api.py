@@ -366,8 +366,14 @@ def _with_canary_bracketing(forward: Callable, manager: CanaryManager, early: Op
                 early.arm(view)
             try:
                 out = forward(*args, **kwargs)
-            finally:
-                ran = early.finish() if armed else False
+            except BaseException:
+                if armed and not early.finish():  # it raised before the anchor, where its verify waited
+                    try:
+                        manager.verify_deferred_on_error(view)
+                    except Exception:  # noqa: BLE001 - the forward's error is the one that propagates
+                        logger.exception("kv-canary: the deferred verify of a forward that raised failed too")
+                raise
+            ran = early.finish() if armed else False
             if not ran:  # no anchor, or the forward never reached it
                 manager.post_ops_maybe_inside_graph(view)
             return out

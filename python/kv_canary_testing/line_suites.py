@@ -46,6 +46,12 @@ ONLY_ON_LINE = {
         "line": "0.5.12",
         "files": ("registered/kv_canary/test_e2e_real_bugs.py",),
     },
+    "0.5.23 (real bugs)": {
+        "why": "puts back real sglang bugs whose fixes reverse on sglang 0.5.23 only (real_bug_patches/README.md): "
+               "UnifiedRadixCache's SWA component",
+        "line": "0.5.23",
+        "files": ("registered/kv_canary/test_e2e_real_bugs_0523.py",),
+    },
     "0.5.12 (HiCache storage)": {
         "why": "HiCache's storage tier is verified on sglang 0.5.12 only (adapter/hicache_storage; 0.5.23 refuses "
                "--hicache-storage-backend at startup: its page get/set rows are not written, docs/hicache.md 1.4)",

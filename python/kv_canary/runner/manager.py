@@ -298,6 +298,13 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             self.token_oracle.stage_fed()
         sfm.post_ops_maybe_inside_graph(view)
 
+    def verify_deferred_on_error(self, view: Optional[ForwardView]) -> None:
+        """The forward raised before the model's last stage, where its HEAD verify waited: run it now, so what its
+        layers read is counted before the error propagates (``report_before_engine_error`` reports it)."""
+        sfm = self._active_sfm()
+        if sfm is not None and view is not None:
+            sfm.verify_deferred(view)
+
     def _active_sfm(self) -> Optional[SingleForwardManager]:
         if not self._active:
             if self.init_finished and not self._capturing:

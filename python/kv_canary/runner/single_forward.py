@@ -120,6 +120,13 @@ class SingleForwardManager:
         if waits is not None:  # the verify above listed the loaded slots
             self.load_hashing.start(waits)
 
+    def verify_deferred(self, view: ForwardView) -> None:
+        """The verify HEAD left for the TAIL (``verify_later``), when the TAIL will not run: the forward raised before
+        the model's last stage. Its stores may have stopped part-way, so no TAIL."""
+        if view.batch_size and self._verify_pending:
+            self._verify_pending = False
+            self._verify(view)
+
     def _verify(self, view: ForwardView) -> None:
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
         for group_index, group in enumerate(self._groups):

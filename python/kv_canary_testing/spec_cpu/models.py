@@ -8,8 +8,9 @@ import torch
 from kv_canary_testing.tiny_model.kvc_tiny import KvcTinyForCausalLM
 from kv_canary_testing.tiny_model.kvc_tiny_eagle import KvcTinyForCausalLMEagle
 from kv_canary_testing.tiny_model.kvc_tiny_eagle3 import KvcTinyForCausalLMEagle3
+from kv_canary_testing.tiny_model.kvc_tiny_swa import LagunaForCausalLM
 
-EntryClass = [KvcTinyForCausalLM, KvcTinyForCausalLMEagle, KvcTinyForCausalLMEagle3]
+EntryClass = [KvcTinyForCausalLM, KvcTinyForCausalLMEagle, KvcTinyForCausalLMEagle3, LagunaForCausalLM]
 
 _FULL_MASK = 0  # eagle_utils.TreeMaskMode.FULL_MASK
 

@@ -1,0 +1,72 @@
+"""The three runs of a real sglang bug on one workload (issue 53; docs/real-bugs.md), shared by its e2e tests.
+
+``three_runs(bug, args, env, workload, pool)`` starts three CPU servers one after the other on the same
+workload: (a) the bug in (``real_bugs.buggy_env``), ``--kv-canary none``; (b) the bug in, ``--kv-canary log``;
+(c) the fixed sglang (the venv as is), ``--kv-canary raise``. Each run gives ``Run(result, log, running)``:
+``workload(server)``'s result, the settled ``CanaryLog`` and whether the server was still up after the workload.
+sglang's idle pool check warns instead of raising (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0``) in all
+three, so a run that trips it keeps serving and the warning is the evidence (``pool_leaks``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
+
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server
+from kv_canary_testing.model_dir import write_swa_model_dir
+from kv_canary_testing.real_bugs import buggy_env
+
+QUIET_IDLE_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
+SWA_ARGS = ("--swa-full-tokens-ratio", "1.0")  # test_e2e_swa: torch_native reads SWA layers untranslated on CPU
+LEAK = re.compile(r"pool memory leak detected! \[full\] total=(\d+), available=(\d+), evictable=(\d+).*?\n"
+                  r"\[swa\] total=(\d+), available=(\d+), evictable=(\d+)")
+RUNS = (("a", "none", True), ("b", "log", True), ("c", "raise", False))  # (name, --kv-canary, bug in?)
+
+
+class Run(NamedTuple):
+    result: object  # what the workload returned
+    log: CanaryLog
+    running: bool  # the server was still up after the workload
+
+
+def pool_leaks(text: str):
+    """sglang's idle pool-check warnings (hybrid SWA): [(full total, available, evictable, swa total, available,
+    evictable)]."""
+    return [tuple(int(x) for x in m.groups()) for m in LEAK.finditer(text)]
+
+
+def serve(mode: str, bug: Optional[str], tmp_path_factory, args: Sequence[str], env: Mapping[str, str],
+          workload: Callable, pool: int, model_path=None, python: Optional[str] = None) -> Run:
+    """Run ``workload(server)`` on one server with bug ``bug`` in (None: the fixed sglang); default model: the
+    hybrid-SWA tiny model with ``SWA_ARGS``."""
+    full_env = {**QUIET_IDLE_CHECK, **env, **(buggy_env(bug, python) if bug else {})}
+    log_path = tmp_path_factory.mktemp(f"{mode}-{'bug' if bug else 'fixed'}") / "server.log"
+    swa = model_path is None
+    srv = canary_server(mode, log_path=log_path, env=full_env, model_path=write_swa_model_dir() if swa else model_path,
+                        extra_args=[*(SWA_ARGS if swa else ()), *args], max_total_tokens=pool)
+    with srv:
+        result = workload(srv)
+        log = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+    return Run(result, log, running)
+
+
+def three_runs(bug: str, args: Sequence[str], env: Mapping[str, str], workload: Callable, pool: int,
+               tmp_path_factory, *, model_path=None, describe: Optional[Callable[[Run], str]] = None,
+               runs: Sequence[str] = ("a", "b", "c")) -> Dict[str, Run]:
+    """{"a": bug in, canary off; "b": bug in, log; "c": fixed, raise} on the same workload, args, env and pool.
+
+    ``describe(run)`` adds to the ``kv_canary_real_bug`` line printed per run (what the record in
+    docs/real-bugs.md is read from); ``runs`` picks a subset (a by-hand rerun of one).
+    """
+    out: Dict[str, Run] = {}
+    for name, mode, bug_in in RUNS:
+        if name not in runs:
+            continue
+        run = serve(mode, bug if bug_in else None, tmp_path_factory, args, env, workload, pool, model_path)
+        out[name] = run
+        print(f"kv_canary_real_bug {bug} run={name} mode={mode} bug_in={bug_in} running={run.running} "
+              f"pool_leaks={pool_leaks(run.log.text)} violations={len(run.log.violations)} "
+              f"{describe(run) if describe else ''}", flush=True)
+    return out

@@ -1,0 +1,121 @@
+"""Real sglang bugs put back on sglang 0.5.23 (issue 53; docs/real-bugs.md): the three runs per bug.
+
+As test_e2e_real_bugs (0.5.12): a real fix reversed on a private copy of the venv's sglang
+(``kv_canary_testing.real_bugs``), the same workload three times through ``real_bug_runs.three_runs``: (a) bug in,
+``--kv-canary none``; (b) bug in, ``--kv-canary log``; (c) the fixed sglang, ``--kv-canary raise``. CPU, the hybrid-SWA
+tiny model (window 24, ``--swa-full-tokens-ratio 1.0``), 0.5.23's UnifiedRadixCache.
+"""
+
+import random
+import re
+import threading
+import time
+
+import pytest
+
+from kv_canary_testing.canary_e2e import register_cpu_ci
+from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
+from kv_canary_testing.real_bug_runs import three_runs
+from kv_canary_testing.workload import RequestSpec, run_requests
+
+register_cpu_ci(est_time=190, suite="kv-canary-cpu")
+
+# ---- #29352: SWA tombstone recovery replaces and frees Full KV that a running request holds locked ---------------
+
+LOCKED_BUG = "swa_recover_locked_full_pr29352"
+# the fix lives in the Python TreeCore's SWA component; 0.5.23 runs a Rust TreeCore by default where it is built (it
+# is here), which has the guard of its own: the Python core is the code the PR fixed. Decode-time SWA eviction every
+# 2nd step (default 128) gives the tree a tombstone on a 40-token decode.
+LOCKED_ENV = {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", "SGLANG_SWA_EVICTION_INTERVAL": "2"}
+TOMB = (40, 52)  # the tombstone R1's decode leaves: its prompt [0, 40) stays live, [40, 52) loses its SWA
+
+
+def locked_tombstone_recovered(srv):
+    """R1 (40 words, 40 decoded) leaves [0, 40) live, a tombstone [40, 52) and a live tail. A: R1's sequence (79
+    tokens: >= a window of live SWA after the tombstone, so a 79-token hit that locks the tombstone's Full KV) and 4
+    words, decoding 500 tokens. While A decodes, B = R1's first 60 tokens: B hits only [0, 40) (7 live after the
+    tombstone), computes [40, 60) itself and finishes; its insert overlaps the tombstone with live SWA and recovers it:
+    buggy, by replacing the node's Full KV with B's and freeing the old slots A still reads. Two 300-word requests
+    and A's own decode then reuse them."""
+    rng = random.Random(29)
+    words = lambda n: tuple(rng.randrange(NUM_WORDS) for _ in range(n))  # noqa: E731
+    one = lambda spec: run_requests(srv.base_url, [spec], concurrency=1, use_input_ids=True,  # noqa: E731
+                                    timeout=600).outcomes[0]
+    r1 = RequestSpec(0, "shared", words(40), 40)
+    out = {0: one(r1)}
+    seq1 = r1.words + tuple(t - FIRST_WORD_ID for t in out[0].output_ids)
+    a = RequestSpec(1, "shared", seq1[:79] + words(4), 500)
+    before = len(srv.log_text())
+    worker = threading.Thread(target=lambda: out.setdefault(1, one(a)))
+    worker.start()
+    deadline = time.monotonic() + 120
+    while not re.search(r"Prefill batch.*#cached-token: 79", srv.log_text()[before:]):  # A admitted, its lock held
+        assert time.monotonic() < deadline and worker.is_alive(), "A was not admitted"
+        time.sleep(0.05)
+    out[2] = one(RequestSpec(2, "shared", seq1[:60], 1))
+    out[3] = one(RequestSpec(3, "long", words(300), 2))
+    out[4] = one(RequestSpec(4, "long", words(300), 2))
+    worker.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def locked_runs(tmp_path_factory):
+    return three_runs(LOCKED_BUG, ["--page-size", "1"], LOCKED_ENV, locked_tombstone_recovered, 1024, tmp_path_factory,
+                      describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
+                                                             for i, o in sorted(run.result.items())}))
+
+
+def check_shape(out):
+    """The workload built what the docstring says: A hit 79 tokens, B 40 (not past the tombstone)."""
+    assert all(o.status == "ok" for o in out.values()), [o.error for o in out.values()]
+    assert (out[1].cached_tokens, out[2].cached_tokens) == (79, 40), (out[1].cached_tokens, out[2].cached_tokens)
+
+
+@pytest.mark.e2e
+def test_swa_recover_locked_full_a_fires_without_the_canary(locked_runs):
+    """sglang's own evidence: A's greedy output differs from the fixed run's (its full layers read [40, 52) from
+    slots reused by other tokens), every other request's is the same."""
+    out, log, running = locked_runs["a"]
+    fixed = locked_runs["c"].result
+    assert running
+    check_shape(out)
+    differ = [i for i in sorted(out) if out[i].output_ids != fixed[i].output_ids]
+    first = next((k for k, (x, y) in enumerate(zip(out[1].output_ids, fixed[1].output_ids)) if x != y), None)
+    print(f"kv_canary_real_bug {LOCKED_BUG} a: outputs differing from the fixed run: {differ}; A's first "
+          f"differing token: {first}")
+    assert differ == [1], differ
+
+
+@pytest.mark.e2e
+def test_swa_recover_locked_full_b_canary_reports_the_read(locked_runs):
+    """A reads the tombstone's old full slots after they were reused (by A's own later decode tokens, on this
+    workload): position/chain in the full group at positions inside the tombstone (and a chain violation at the
+    position right after it, whose link names the changed predecessor), naming A, in the forward after each reuse."""
+    out, log, running = locked_runs["b"]
+    assert running and log.installed
+    check_shape(out)
+    assert log.violations, "the canary reported nothing"
+    kinds = sorted({v["kind"] for v in log.violations})
+    positions = sorted({int(v["position"]) for v in log.violations})
+    forwards = sorted({int(v["forward"]) for v in log.violations})
+    print(f"kv_canary_real_bug {LOCKED_BUG} b: {len(log.violations)} violations kinds={kinds} "
+          f"groups={sorted({v['group'] for v in log.violations})} "
+          f"slots={sorted({int(v['slot']) for v in log.violations})} "
+          f"positions={positions} forwards={forwards[0]}..{forwards[-1]} first={log.violations[0]}")
+    assert {v["group"] for v in log.violations} == {"full"}
+    assert {v["rid"] for v in log.violations} == {out[1].rid}
+    assert set(kinds) <= {"position", "position+chain", "chain", "kv_hash"}, kinds
+    assert TOMB[0] <= positions[0] and positions[-1] <= TOMB[1], positions
+
+
+@pytest.mark.e2e
+def test_swa_recover_locked_full_c_fixed_has_no_violation(locked_runs):
+    out, log, running = locked_runs["c"]
+    assert running and log.installed
+    check_shape(out)
+    assert log.violations == [] and log.last_stat("violations") == 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
