@@ -90,7 +90,11 @@ RULES: Dict[str, Rule] = {
     "disaggregation_decode_enable_offload_kvcache": Rule(
         _OFF, "off", "offloaded decode KV is written outside the forwards the canary brackets"),
     "enable_dp_attention": Rule(_OFF, "off", "DP attention runs idle/padded batches per rank that are not verified"),
-    "dp_size": Rule(_only(1), "1", "data-parallel schedulers are not verified yet"),
+    "dp_size": Rule(
+        lambda value, _args: value is None or (isinstance(value, int) and value >= 1),
+        "any size (each DP rank is its own scheduler process: its canary verifies its own pool; DP attention is "
+        "refused by --enable-dp-attention)",
+        "data-parallel ranks are separate scheduler processes with separate pools"),
     "tp_size": Rule(
         lambda value, args: value in (None, 1) or (isinstance(value, int) and value > 1 and getattr(
             args, "disaggregation_mode", "null") in (None, "null")),
