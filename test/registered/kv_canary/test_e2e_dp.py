@@ -11,6 +11,7 @@ controller sends the requests round-robin, so both ranks serve.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -38,8 +39,14 @@ RANKS = ("0", "1")
 
 
 def _cpu_dp_env():
+    """The cores of a CPU-only host: 0.5.23 takes one core set per DP rank; 0.5.12 checks the list against the TP
+    size (1) in each DP rank's ModelRunner, so both ranks get the one set."""
+    from kv_canary_testing.line_suites import installed_sglang
+
     n = max(2, os.cpu_count() or 2)
     half = n // 2
+    if installed_sglang() == "0.5.12":
+        return {"SGLANG_CPU_OMP_THREADS_BIND": f"0-{n - 1}"}
     return {"SGLANG_CPU_OMP_THREADS_BIND": f"0-{half - 1}|{half}-{2 * half - 1}"}
 
 
@@ -65,6 +72,18 @@ def _settled(srv, timeout=60.0):
         if all(stats.get(r) and stats[r][-1].get("settled") == "1" for r in RANKS) or time.monotonic() > deadline:
             return text, stats
         time.sleep(0.5)
+
+
+def _metrics_by_dp_rank(base_url, name):
+    """{dp_rank label: value} of a counter on sglang's /metrics (the canary's carry sglang's scheduler labels)."""
+    session = requests.Session()
+    session.trust_env = False  # loopback only
+    text = session.get(f"{base_url}/metrics", timeout=30).text
+    out = {}
+    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels.get("dp_rank")] = out.get(labels.get("dp_rank"), 0.0) + float(m.group(2))
+    return out
 
 
 @pytest.mark.e2e
@@ -98,7 +117,7 @@ def test_dp2_raise_mixed_workload_has_no_violation_on_either_rank(tmp_path_facto
 
 @pytest.fixture(scope="module")
 def contain_dp(tmp_path_factory):
-    srv = _server(tmp_path_factory, "contain", "dp-contain", env=PERTURB)
+    srv = _server(tmp_path_factory, "contain", "dp-contain", env=PERTURB, extra=["--enable-metrics"])
     srv.start(timeout=600)
     try:
         yield srv
@@ -143,8 +162,41 @@ def test_dp2_perturbed_rank_is_named_and_contain_aborts_only_its_readers(contain
             "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})
         r.raise_for_status()
         assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
-    text2, _ = _settled(srv)
+    text2, stats2 = _settled(srv)
     assert len(parse_lines(text2, VIOLATION_PREFIX)) == before and srv.is_running()
+    # /metrics: the canary's counters carry sglang's dp_rank label, one series per rank
+    deadline = time.monotonic() + 30
+    while True:
+        verified = _metrics_by_dp_rank(srv.base_url, "sglang:kv_canary_slots_verified_total")
+        found = _metrics_by_dp_rank(srv.base_url, "sglang:kv_canary_violations_total")
+        contained = _metrics_by_dp_rank(srv.base_url, "sglang:kv_canary_contained_requests_total")
+        if (set(verified) == set(RANKS) and found.get("1", 0) >= len(violations["1"])) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    print(f"kv_canary_e2e_dp_metrics slots_verified={verified} violations={found} contained={contained}")
+    assert set(verified) == set(RANKS) and all(verified[r] > 0 for r in RANKS), verified
+    assert found.get("0", 0) == 0 and found.get("1", 0) >= len(violations["1"]), found
+    assert contained.get("0", 0) == 0 and contained.get("1", 0) == len(contains["1"]), contained
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(os.environ.get("KVC_E2E_DP_RAISE") != "1",
+                    reason="a third server, run by hand (KVC_E2E_DP_RAISE=1) for CI time; recorded in docs/operations.md")
+def test_dp2_raise_on_one_rank_stops_the_server(tmp_path_factory):
+    srv = _server(tmp_path_factory, "raise", "dp-raise", env=PERTURB)
+    srv.start(timeout=600)
+    try:
+        result = run_requests(srv.base_url, build_workload(24, seed=41, n_aborts=0), concurrency=6, timeout=300)
+        code = srv.wait_exit(timeout=180)
+        text = srv.log_text()
+        violations = parse_lines(text, VIOLATION_PREFIX)
+        print(f"kv_canary_e2e_dp_raise {result.summary()} exit={code} violations={len(violations)} "
+              f"dp_ranks={sorted({v.get('dp_rank') for v in violations})}")
+        assert code is not None and code != 0 and "CanaryViolationError" in text
+        assert violations and all(v.get("dp_rank") == "1" and v["kind"] == "kv_hash" for v in violations)
+        assert result.failed > 0  # in-flight requests on both ranks failed instead of hanging
+    finally:
+        srv.stop()
 
 
 if __name__ == "__main__":
