@@ -6,6 +6,11 @@ The perturbation runs on DP rank 1 only (``SGLANG_KV_CANARY_PERTURB_DP_RANK=1``)
 so rank 0 must report nothing (a false alarm there fails the test). The server runs as on a CPU-only host: one core
 set per rank (``SGLANG_CPU_OMP_THREADS_BIND``; sglang binds one rank per NUMA node otherwise). sglang's data-parallel
 controller sends the requests round-robin, so both ranks serve.
+
+CI runs two servers on sglang 0.5.23 (line_suites): a clean ``raise`` run and a ``contain`` run with
+``--enable-metrics`` (the canary's counters on /metrics carry sglang's ``dp_rank`` label). ``raise`` on one rank
+stopping the server is a third server, run by hand (``KVC_E2E_DP_RAISE=1``) for CI time. 0.5.12 passes all three
+by hand (its core bind: ``_cpu_dp_env``).
 """
 
 from __future__ import annotations
