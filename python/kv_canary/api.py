@@ -56,8 +56,11 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:
     """The canary for one model runner (target or EAGLE draft), or None with ``--kv-canary none``."""
     tp_rank = current_line().tp_rank(model_runner)
-    set_process_tags(tp_rank=tp_rank)  # every canary line names its TP rank (each rank verifies its own shard)
-    config = config_from_server_args(server_args).for_tp_rank(tp_rank)
+    dp_rank = current_line().dp_rank(model_runner) if int(getattr(server_args, "dp_size", 1) or 1) > 1 else None
+    # every canary line names its TP rank (each rank verifies its own shard) and, with --dp-size, its DP rank (each
+    # DP rank is its own scheduler process with its own pool)
+    set_process_tags(tp_rank=tp_rank, **({} if dp_rank is None else {"dp_rank": dp_rank}))
+    config = config_from_server_args(server_args).for_tp_rank(tp_rank, dp_rank)
     if not config.enabled:
         logger.info(format_line(OFF_PREFIX, 1, {"mode": config.mode.value}) + " (no canary buffers, no device work)")
         return None

@@ -217,6 +217,8 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
                                "stop perturbing after this many injections; 0 = no limit (default 0)"),
     "PERTURB_TP_RANK": ("perturb_tp_rank", _parse_int(-1),
                         "tensor parallel: only this rank perturbs its KV shard; -1 = every rank (default -1)"),
+    "PERTURB_DP_RANK": ("perturb_dp_rank", _parse_int(-1),
+                        "data parallel: only this DP rank perturbs its KV pool; -1 = every rank (default -1)"),
 }
 
 
@@ -260,6 +262,7 @@ class CanaryConfig:
     perturb_seed: int = 0
     perturb_max_injections: int = 0
     perturb_tp_rank: int = -1
+    perturb_dp_rank: int = -1
     # --enable-hierarchical-cache: slots come back from host copies (docs/hicache.md); their every byte is
     # checked at the first read after the load-back against the FULL_HASH TAIL stored when they were written
     hicache: bool = False
@@ -403,15 +406,19 @@ class CanaryConfig:
                else "")
             + (f" perturb_transfer_prob={self.perturb_transfer_prob}" if self.perturb_transfer_prob else "")
             + (f" perturb_tp_rank={self.perturb_tp_rank}" if self.perturb_tp_rank >= 0 else "")
+            + (f" perturb_dp_rank={self.perturb_dp_rank}" if self.perturb_dp_rank >= 0 else "")
             + "".join(f" perturb_{m}_prob={p}" for m, p in (
                 ("write_dropped", self.perturb_write_dropped_prob),
                 ("write_dropped_layer", self.perturb_write_dropped_layer_prob),
                 ("write_misdirected", self.perturb_write_misdirected_prob)) if p)
         )
 
-    def for_tp_rank(self, tp_rank: int) -> "CanaryConfig":
-        """This rank's config: without the perturbations when ``perturb_tp_rank`` names another rank."""
-        if self.perturb_tp_rank < 0 or self.perturb_tp_rank == tp_rank:
+    def for_tp_rank(self, tp_rank: int, dp_rank: Optional[int] = None) -> "CanaryConfig":
+        """This rank's config: without the perturbations when ``perturb_tp_rank`` (``perturb_dp_rank``) names
+        another TP (DP) rank."""
+        tp_ok = self.perturb_tp_rank < 0 or self.perturb_tp_rank == tp_rank
+        dp_ok = self.perturb_dp_rank < 0 or self.perturb_dp_rank == (dp_rank or 0)
+        if tp_ok and dp_ok:
             return self
         return replace(self, **{f.name: 0.0 for f in fields(self) if f.name.startswith("perturb_")
                                 and f.name.endswith("_prob")})

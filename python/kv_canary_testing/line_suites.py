@@ -76,6 +76,14 @@ ONLY_ON_LINE = {
         "cpu_only": True,  # the GPU host's two-GPU run on 0.5.12 still runs it
         "files": ("registered/kv_canary/test_e2e_tp.py",),
     },
+    "0.5.23 (DP on CPU)": {
+        "why": "data parallel (--dp-size 2: two scheduler processes, each with its own canary) runs the same plugin "
+               "code on both lines; CI time: the CPU CI runs it once, on 0.5.23 (0.5.12 run by hand: "
+               "docs/compatibility.md); 0.5.17 refuses --dp-size",
+        "line": "0.5.23",
+        "cpu_only": True,
+        "files": ("registered/kv_canary/test_e2e_dp.py",),
+    },
     "0.5.23 (0.5.12's recorded on the GPU host)": {
         "why": "CI time: on 0.5.12 EAGLE3 rides the draft hooks test_e2e_speculative drives, and the hybrid-linear "
                "pool's MambaRadixCache hooks are unit-tested (unit/test_mamba_radix_index); both run with sglang's "

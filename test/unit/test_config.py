@@ -116,3 +116,17 @@ def test_token_oracle_switches():
     c = build(env={"SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT": "0", "SGLANG_KV_CANARY_ENABLE_WRITE_INPUT_ASSERT": "0"})
     assert not c.uses_token_oracle  # nothing would read it: not kept
     assert not build(env={"SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "0"}).uses_token_oracle
+
+
+def test_perturb_dp_rank_keeps_the_perturbations_on_that_data_parallel_rank_only():
+    c = build(env={"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.2", "SGLANG_KV_CANARY_PERTURB_DP_RANK": "1"})
+    assert c.perturb_dp_rank == 1 and "perturb_dp_rank=1" in c.describe()
+    assert c.for_tp_rank(0, 1).perturb_real_kv_used_prob == 0.2
+    assert c.for_tp_rank(0, 0).perturb_real_kv_used_prob == 0.0  # another DP rank: no injection
+    assert c.for_tp_rank(0, None).perturb_real_kv_used_prob == 0.0  # no --dp-size: the one rank is rank 0
+    both = build(env={"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.2", "SGLANG_KV_CANARY_PERTURB_DP_RANK": "1",
+                      "SGLANG_KV_CANARY_PERTURB_TP_RANK": "0"})
+    assert both.for_tp_rank(0, 1).perturb_real_kv_used_prob == 0.2
+    assert both.for_tp_rank(1, 1).perturb_real_kv_used_prob == 0.0
+    assert build(env={"SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.2"}).for_tp_rank(
+        0, 1).perturb_real_kv_used_prob == 0.2  # unset: every rank perturbs

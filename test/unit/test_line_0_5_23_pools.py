@@ -54,6 +54,24 @@ def test_the_0_5_23_tp_rank_reader_reads_sglangs_parallel_context(monkeypatch):
     assert v0_5_23.LINE.tp_rank(SimpleNamespace(tp_rank=0)) == 1  # 0.5.23's ModelRunner has no tp_rank of its own
 
 
+def test_the_dp_rank_reader_reads_the_model_runner_and_0_5_17_refuses_data_parallel():
+    assert v0_5_12.LINE.dp_rank(SimpleNamespace(dp_rank=1)) == 1
+    assert v0_5_12.LINE.dp_rank(SimpleNamespace(dp_rank=None)) is None and v0_5_12.LINE.dp_rank(SimpleNamespace()) is None
+    args = SimpleNamespace(device="cpu", disable_cuda_graph=True, kv_canary="raise", tp_size=1, dp_size=2,
+                           disaggregation_mode="null", speculative_algorithm=None)
+    assert v0_5_23.unported(args) == ""
+    assert "--dp-size" in v0_5_17.unported(args)
+
+
+@on_0_5_23
+def test_the_0_5_23_dp_rank_reader_falls_back_to_sglangs_parallel_context(monkeypatch):
+    import sglang.srt.runtime_context as rc
+
+    monkeypatch.setattr(rc, "get_parallel", lambda: SimpleNamespace(tp_rank=0, dp_rank=1))
+    assert v0_5_23.LINE.dp_rank(SimpleNamespace()) == 1
+    assert v0_5_23.LINE.dp_rank(SimpleNamespace(dp_rank=0)) == 0
+
+
 # ---------------------------------------------------------------- the sweep over a hybrid-SWA UnifiedRadixCache
 
 WINDOW, FULL_SLOTS, SWA_SLOTS = 4, 96, 64

@@ -55,7 +55,8 @@ CASES = [
      "cannot verify --enable-hierarchical-cache with --kv-canary-sweep-interval 8"),
     ("lmcache", ["--enable-lmcache"], "cannot verify --enable-lmcache"),
     ("dp-attention", ["--enable-dp-attention", "--tp-size", "2", "--dp-size", "2"], "cannot verify --"),
-    ("dp-size", ["--dp-size", "2"], "cannot verify --dp-size 2"),
+    # --dp-size 2 is verified (test_e2e_dp); DP with PD is not
+    ("dp2-pd", ["--dp-size", "2", "--disaggregation-mode", "decode"], "--dp-size 1 only, not 2"),
     ("torch-compile", ["--enable-torch-compile"], "cannot verify --enable-torch-compile"),
     ("enforce-piecewise", ["--enforce-piecewise-cuda-graph"], "cannot verify --enforce-piecewise-cuda-graph"),
     ("disagg-nixl", ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl"],

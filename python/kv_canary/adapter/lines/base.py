@@ -30,6 +30,12 @@ def _runner_tp_rank(model_runner: Any) -> int:
     return int(getattr(model_runner, "tp_rank", 0) or 0)
 
 
+def _runner_dp_rank(model_runner: Any) -> Optional[int]:
+    """The data-parallel rank sglang gave this ModelRunner (None without ``--dp-size``)."""
+    rank = getattr(model_runner, "dp_rank", None)
+    return None if rank is None else int(rank)
+
+
 def _controller_host_pool(controller: Any) -> Any:
     from ..hicache import host_pool_0_5_12
 
@@ -68,6 +74,7 @@ class SglangLine:
     unported: Callable[[Any], str] = _nothing_unported
     req_row: Callable[[Any], int] = _req_pool_idx  # a scheduler Req's req_to_token row
     tp_rank: Callable[[Any], int] = _runner_tp_rank  # a ModelRunner's tensor-parallel rank
+    dp_rank: Callable[[Any], Optional[int]] = _runner_dp_rank  # its data-parallel rank (None without --dp-size)
     # KV pool classes this line's adapter verifies (None: every class adapter/pools registers); others refused
     verified_pools: Optional[Tuple[str, ...]] = None
     # (tree cache, manager) -> the reader the sweep and the unused-cache perturbation use, or None; and its trees

@@ -71,6 +71,8 @@ def unported(server_args: Any) -> str:
                 "sglang 0.5.12")
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
         return "tensor parallel on sglang 0.5.17 is not verified yet; drop --tp-size, or use sglang 0.5.12"
+    if int(getattr(server_args, "dp_size", 1) or 1) > 1:
+        return "data parallel on sglang 0.5.17 is not verified yet; drop --dp-size, or use sglang 0.5.23"
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         return ("PD disaggregation on sglang 0.5.17 is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")

@@ -319,6 +319,16 @@ def tp_rank(model_runner) -> int:
     return int(get_parallel().tp_rank)
 
 
+def dp_rank(model_runner):
+    """0.5.23's data-parallel rank: the process's parallel context (None without ``--dp-size``)."""
+    rank = getattr(model_runner, "dp_rank", None)
+    if rank is None:
+        from sglang.srt.runtime_context import get_parallel
+
+        rank = getattr(get_parallel(), "dp_rank", None)
+    return None if rank is None else int(rank)
+
+
 def hicache_host_pool(controller):
     """HiCache's KV host pool on this line (``adapter/hicache_0_5_23.host_pool``)."""
     from ..hicache_0_5_23 import host_pool
@@ -328,7 +338,7 @@ def hicache_host_pool(controller):
 
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
-                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
+                  policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank, dp_rank=dp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
                   prefix_cache_view=unified_view_for,
                   prefix_caches="UnifiedRadixCache (full-attention, hybrid-SWA and hybrid-mamba trees)")
