@@ -326,7 +326,7 @@ def hicache_host_pool(controller):
     return host_pool(controller)
 
 
-LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
+LINE = SglangLine(name="0.5.23", versions=("0.5.22", "0.5.23"), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
