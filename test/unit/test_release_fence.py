@@ -129,3 +129,35 @@ def test_signatures_are_written_in_one_form():
                           ("b", "KEYWORD_ONLY", False), ("kw", "VAR_KEYWORD", False)]) == "(self, a=, *, b, **kw)"
     assert format_params([("x", "POSITIONAL_ONLY", False), ("args", "VAR_POSITIONAL", False),
                           ("k", "KEYWORD_ONLY", True)]) == "(x, /, *args, k=)"
+
+
+FENCE_ON_THE_RUNNING_SGLANG = """
+from sglang.version import __version__ as version
+from kv_canary.adapter.lines import load_line, release_modules
+from kv_canary.adapter.lines.fence import UNCHECKED, differences, observed_targets
+line = load_line(release_modules()[version])
+observed = observed_targets(line.all_hooks())
+print("UNCHECKED", sorted(t for t, s in observed.items() if s == UNCHECKED), flush=True)
+print("DIFFS", differences(line, observed), flush=True)
+"""
+
+
+def test_the_fence_lets_the_installed_release_in():
+    """On the installed sglang (``inspect.signature``, in a CPU server's environment) every hook target of its line
+    has the signature stored from its wheel: the fence does not refuse the real line; only optional backends
+    (PD transfer engines) may not import here."""
+    import ast
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed")
+    from kv_canary_testing.server import SglangServer
+
+    proc = subprocess.run([sys.executable, "-c", FENCE_ON_THE_RUNNING_SGLANG], capture_output=True, text=True,
+                          env=SglangServer(device="cpu").environment(), timeout=300)
+    out = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "DIFFS []" in proc.stdout, out
+    unchecked = proc.stdout.split("UNCHECKED ", 1)[1].splitlines()[0]
+    assert all(".disaggregation." in target for target in ast.literal_eval(unchecked)), unchecked
