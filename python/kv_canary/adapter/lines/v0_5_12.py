@@ -1,5 +1,7 @@
 """sglang 0.5.12: no in-tree kv_canary; the plugin adds the flags and brackets every forward itself.
 
+Also serves 0.5.12.post1: every hook target has 0.5.12's signature there (``fence``, ``release_targets.json``).
+
 ``ModelRunner.forward`` gets the outside bracket, ``CudaGraphRunner.capture_one_batch_size``
 records HEAD/TAIL into the graphs, ``ModelRunner.init_memory_pool`` installs the canary, and
 the radix-cache flavours (``RadixCache``, ``SWARadixCache``, ``MambaRadixCache``) report their

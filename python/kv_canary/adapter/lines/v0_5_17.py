@@ -1,5 +1,7 @@
 """sglang 0.5.17: the 0.5.23 adapter (``v0_5_23``), with CUDA graphs verified; a small diff of that line.
 
+Also serves 0.5.16: every hook target has 0.5.17's signature there (``fence``, ``release_targets.json``).
+
 0.5.17 is the newest release the GPU host can load (it pins torch 2.11.0, the host's). It ships
 the same in-tree kv_canary call sites as 0.5.23 (``model_runner.py`` binds ``install_canary`` at
 import and calls it in ``_init_post_memory_pool_components``; ``ModelRunner.forward`` enters

@@ -1,5 +1,7 @@
 """sglang 0.5.23: the plugin takes the in-tree kv_canary's place, driven by sglang's own call sites.
 
+Also serves 0.5.22: every hook target has 0.5.23's signature there (``fence``, ``release_targets.json``).
+
 0.5.23 ships sglang's own ``kv_canary`` (the same seed design) and calls it from its code:
 ``ModelRunner._init_post_memory_pool_components`` builds it through the module-level
 ``install_canary`` that ``model_runner.py`` binds at import; ``ModelRunner.forward`` enters
