@@ -248,7 +248,8 @@ def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: s
                    capacities: LaunchCapacities, disaggregation: Optional[str] = None,
                    memory: Optional[dict] = None) -> str:
     """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=... canary_bytes=...`` (parseable);
-    ``release=`` the running sglang, ``untested_release=1`` when ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE`` let it in."""
+    ``release=`` the running sglang; ``untested_release=1`` when ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE``
+    let it in."""
     choice = current_choice()
     return " ".join([
         format_line(INSTALLED_PREFIX, 1, {"impl": "sglang-kv-canary", "sglang": current_line().name,

@@ -27,7 +27,8 @@ REFUSED = {
     "0.5.14": "KVCacheConfigurator._profile_available_bytes is missing",
     "0.5.15": "KVCacheConfigurator._profile_available_bytes is missing",
     "0.5.15.post1": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.18": "DecodeCudaGraphRunner.capture_one_shape is (self, size, forward, stream_idx=, variant_label=, dsa_variant=)",
+    "0.5.18": "DecodeCudaGraphRunner.capture_one_shape is (self, size, forward, stream_idx=, variant_label=, "
+              "dsa_variant=)",
     "0.5.19": "RadixCache._record_store_event is missing",
     "0.5.20": "RadixCache._record_store_event is missing",
     "0.5.21": "ForwardBatch.init_new is (cls, batch, model_runner, *, capture_hidden_mode=, "

@@ -3,7 +3,7 @@
 | sglang | adapter | in-tree kv_canary |
 | --- | --- | --- |
 | 0.5.12, 0.5.12.post1 | ``v0_5_12`` | none |
-| 0.5.16, 0.5.17 | ``v0_5_17`` | yes: as 0.5.23 (``v0_5_17`` is a diff of ``v0_5_23``; CUDA graphs verified on the GPU host) |
+| 0.5.16, 0.5.17 | ``v0_5_17`` | yes: as 0.5.23 (a diff of ``v0_5_23``; CUDA graphs verified on the GPU host) |
 | 0.5.22, 0.5.23 | ``v0_5_23`` | yes: the plugin takes its place (``SGLANG_KV_CANARY_IMPL=in-tree`` keeps sglang's own) |
 
 A line covers the releases (``SglangLine.versions``) on which every hook target it relies on has the signature

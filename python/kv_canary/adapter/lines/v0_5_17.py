@@ -85,7 +85,7 @@ def prefix_cache_view(tree_cache, manager):
     return RadixCacheView(tree_cache) if RadixCacheView.supports(tree_cache) else unified_view_for(tree_cache, manager)
 
 
-LINE = SglangLine(name="0.5.17", versions=("0.5.16", "0.5.17"), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
-                  policy=POLICY_0_5_17, unported=unported, prefix_cache_view=prefix_cache_view,
-                  verified_pools=("MHATokenToKVPool", "MLATokenToKVPool"),
+LINE = SglangLine(name="0.5.17", versions=("0.5.16", "0.5.17"), hooks=HOOKS, in_tree_canary=True,
+                  flags_declared_by_sglang=True, policy=POLICY_0_5_17, unported=unported,
+                  prefix_cache_view=prefix_cache_view, verified_pools=("MHATokenToKVPool", "MLATokenToKVPool"),
                   prefix_caches="RadixCache and UnifiedRadixCache (full-attention tree)")
