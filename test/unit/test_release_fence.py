@@ -76,6 +76,15 @@ def test_each_line_covers_exactly_the_releases_whose_targets_all_match():
     assert set(release_modules()) == set(SERVED)
 
 
+def test_the_refusal_hooks_exist_on_every_release():
+    """A refused release still stops --kv-canary at startup: the refusal's own targets exist everywhere."""
+    from kv_canary.sglang_plugin import REFUSAL_HOOKS
+
+    for version in RELEASES:
+        signatures = release_signatures(TABLE, version)
+        assert all(signatures[target] is not MISSING for target in REFUSAL_HOOKS), version
+
+
 def test_a_served_release_with_one_differing_target_installs_nothing_and_names_it():
     target = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
     doctored = {**release_signatures(TABLE, "0.5.23"), target: "(self, recv_reqs, extra)"}

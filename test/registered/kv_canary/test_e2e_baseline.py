@@ -13,7 +13,7 @@ from kv_canary_testing.canary_e2e import (
     register_cpu_ci,
     register_cuda_ci,
 )
-from kv_canary_testing.line_suites import installed_line
+from kv_canary_testing.line_suites import installed_line, installed_sglang
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cpu_ci(est_time=240, suite="kv-canary-cpu")
@@ -87,6 +87,7 @@ def test_mixed_workload_has_no_violation(server):
     reserved = [ln for ln in log.text.splitlines() if "kv_canary_reserved_bytes=" in ln]
     installed = [ln for ln in log.text.splitlines() if "kv_canary_installed=1" in ln]
     assert reserved and installed, "no memory reservation / install line"
+    assert f"release={installed_sglang()}" in installed[-1] and "untested_release" not in installed[-1]
     fields = dict(item.split("=", 1) for item in installed[-1].split() if "=" in item)
     print(f"kv_canary_e2e_memory canary_bytes={fields['canary_bytes']} reserved={fields['reserved_before_kv_pool']} "
           f"kv_pool_bytes={fields['kv_pool_bytes']} pct={fields['canary_pct_of_kv_pool']}")
