@@ -20,7 +20,7 @@ import torch
 from .adapter.batch_adapter import SglangBatchAdapter
 from .adapter.disagg import check_disaggregation
 from .adapter.hicache import check_hicache
-from .adapter.lines import current_line
+from .adapter.lines import current_choice, current_line
 from .adapter.facts import SglangFacts, SpecFacts, max_prefill_tokens, read_facts
 from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
@@ -250,9 +250,14 @@ def check_groups_supported(config: CanaryConfig, groups, pool_name: str, pd_mode
 def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,
                    capacities: LaunchCapacities, disaggregation: Optional[str] = None,
                    memory: Optional[dict] = None) -> str:
-    """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=... canary_bytes=...`` (parseable)."""
+    """``kv_canary_installed=1 mode=... pool=... groups=... slots=... kernels=... canary_bytes=...`` (parseable);
+    ``release=`` the running sglang; ``untested_release=1`` when ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE``
+    let it in."""
+    choice = current_choice()
     return " ".join([
-        format_line(INSTALLED_PREFIX, 1, {"impl": "sglang-kv-canary", "sglang": current_line().name}),
+        format_line(INSTALLED_PREFIX, 1, {"impl": "sglang-kv-canary", "sglang": current_line().name,
+                                          "release": choice.version, **({"untested_release": 1}
+                                                                         if choice.untested else {})}),
         config.describe(),
         format_line("pool", pool_name, {"groups": ",".join(g.name for g in groups), "slots": groups[0].num_slots,
                                         "kernels": kernels_name, "max_batch_size": capacities.max_batch_size,

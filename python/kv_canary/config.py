@@ -222,6 +222,14 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
 }
 
 
+# read by adapter/lines when it picks the release line, not by the canary's config
+LINE_ENV_VARS: Dict[str, str] = {
+    "IMPL": "plugin (default) or in-tree: on a release with sglang's own kv_canary, which one serves --kv-canary",
+    "ALLOW_UNTESTED_RELEASE": "1: run an sglang release newer than the newest tested one when every hook target "
+                              "of the newest line has the signature it expects there (default 0: refused)",
+}
+
+
 @dataclass(frozen=True)
 class CanaryConfig:
     """Everything the canary needs to know, fixed at startup."""
@@ -337,8 +345,10 @@ class CanaryConfig:
             if not name.startswith(ENV_PREFIX):
                 continue
             suffix = name[len(ENV_PREFIX):]
+            if suffix in LINE_ENV_VARS:
+                continue
             if suffix not in ENV_VARS:
-                known = ", ".join(ENV_PREFIX + s for s in sorted(ENV_VARS))
+                known = ", ".join(ENV_PREFIX + s for s in sorted({**ENV_VARS, **LINE_ENV_VARS}))
                 raise CanaryConfigError(f"unknown env var {name}; the canary knows: {known}")
             field_name, parse, _ = ENV_VARS[suffix]
             values[field_name] = parse(name, environ[name])

@@ -45,7 +45,9 @@ Which hooks, on which targets, is the release line's business (``adapter/lines``
 supported sglang release, chosen from ``sglang.__version__``). On 0.5.23 sglang's own call
 sites for its in-tree canary drive the plugin's manager instead (``lines/v0_5_23``). On any
 other release the plugin installs nothing and refuses ``--kv-canary`` at startup, naming the
-version and the supported ones.
+version and the supported ones. Before any hook is registered the fence (``adapter/lines/fence``) checks
+that every hook target of the line exists on the running sglang with the signature the line expects; if
+one differs, nothing of the line is registered and ``--kv-canary`` is refused, naming the target.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def register() -> None:
                 HookRegistry.register(target, resolve_hook(hook), HookType(kind))
         _registered = True
         return
+    if choice.untested:
+        logger.warning("kv_canary: %s", choice.reason)
     for target, (hook, kind) in choice.line.all_hooks().items():
         HookRegistry.register(target, resolve_hook(hook), HookType(kind))
     _registered = True

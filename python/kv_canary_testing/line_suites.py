@@ -161,9 +161,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def installed_line() -> Optional[str]:
+    """The line serving the installed release (``SglangLine.versions``: 0.5.16 -> 0.5.17), else the release itself."""
+    release = installed_sglang()
+    from kv_canary.adapter.lines import LINE_MODULES, load_line
+
+    for name, module in LINE_MODULES.items():
+        if release in load_line(module).versions:
+            return name
+    return release
+
+
 def not_on_this_line() -> Dict[str, str]:
     """{test file relative to test/: why it is not run on the installed sglang line}."""
-    line = installed_sglang()
+    line = installed_line()
     # scripts/run_suite.py --hw cuda sets KVC_TEST_DEVICE; the GPU host's unit step runs pytest on a CUDA machine
     on_gpu = os.environ.get("KVC_TEST_DEVICE", "cpu") != "cpu" or _cuda_available()
 

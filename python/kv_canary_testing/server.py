@@ -74,6 +74,13 @@ def installed_sglang_version() -> str:
     return version("sglang")
 
 
+def _line() -> str:
+    """The line serving the installed release (0.5.22 -> 0.5.23): the flags follow the line."""
+    from .line_suites import installed_line
+
+    return installed_line() or installed_sglang_version()
+
+
 class ServerError(RuntimeError):
     """The server failed to start or died."""
 
@@ -163,7 +170,7 @@ class SglangServer:
             "--host", self.host,
             "--port", str(self.port),
             *DEVICE_ARGS[self.device],
-            *ADDED_ON_LINE.get((installed_sglang_version(), self.device), ()),
+            *ADDED_ON_LINE.get((_line(), self.device), ()),
             "--max-total-tokens", str(self.max_total_tokens),
         ]
         # Drop defaults that the caller overrides in extra_args.
@@ -172,7 +179,7 @@ class SglangServer:
         while i < len(defaults):
             flag = defaults[i]
             has_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("--")
-            dropped = flag in self.drop_default_args or flag in NOT_ON_LINE.get(installed_sglang_version(), ())
+            dropped = flag in self.drop_default_args or flag in NOT_ON_LINE.get(_line(), ())
             if not _flag_given(self.extra_args, flag) and not dropped:
                 merged.append(flag)
                 if has_value:

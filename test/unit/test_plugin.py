@@ -93,3 +93,4 @@ def test_forward_over_capacity_names_the_capacity_and_the_flag():
     view = ForwardView(z, z, z, z, z, z, z, batch_size=5, max_new_len=1)
     with pytest.raises(CanaryCapacityError, match="max_batch_size=4.*--max-running-requests"):
         caps.check(view)
+

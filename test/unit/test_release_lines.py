@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kv_canary.adapter.lines import IMPL_ENV, SUPPORTED_VERSIONS, UnsupportedSglang, choose_line
+from kv_canary.adapter.lines import IMPL_ENV, LINE_MODULES, UnsupportedSglang, choose_line, supported_versions
 from kv_canary.adapter.refusal import _refuse
 from kv_canary.config import CanaryConfigError
 
 
-@pytest.mark.parametrize("version", SUPPORTED_VERSIONS)
-def test_each_supported_release_gets_its_own_line(version):
+@pytest.mark.parametrize("version", LINE_MODULES)
+def test_each_line_serves_its_own_release(version):
     choice = choose_line(version, has_in_tree_canary=version != "0.5.12", environ={})
     assert choice.line is not None and choice.line.name == version and version in choice.line.versions
     assert choice.line.in_tree_canary is (version != "0.5.12")
@@ -31,7 +31,7 @@ def test_an_unsupported_release_installs_nothing_and_refuses_naming_versions(ver
     choice = choose_line(version, has_in_tree_canary=in_tree, environ={})
     assert choice.line is None and choice.refuse
     assert f"sglang {version} is not supported" in choice.reason
-    assert all(v in choice.reason for v in SUPPORTED_VERSIONS)
+    assert all(v in choice.reason for v in supported_versions())
     assert (f"{IMPL_ENV}=in-tree" in choice.reason) is in_tree
 
 

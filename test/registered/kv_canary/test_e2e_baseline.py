@@ -13,7 +13,7 @@ from kv_canary_testing.canary_e2e import (
     register_cpu_ci,
     register_cuda_ci,
 )
-from kv_canary_testing.line_suites import installed_sglang
+from kv_canary_testing.line_suites import installed_line, installed_sglang
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cpu_ci(est_time=240, suite="kv-canary-cpu")
@@ -23,7 +23,7 @@ SWEEP_INTERVAL = 8
 # On CPU the newest line's run drives the Triton kernels (the interpreter): the default configuration's launches,
 # precompile included; the kernels are the same code on every line, so 0.5.12's run takes the torch reference
 # (CI time: the interpreter costs ~13x per forward)
-CPU_KERNELS = "torch" if installed_sglang() == "0.5.12" else "triton"
+CPU_KERNELS = "torch" if installed_line() == "0.5.12" else "triton"
 # CI time: under the interpreter 200 requests took 172-198 s of serving (0.5 s a forward, ~85% of it in the
 # interpreter); 64 still evict (~5,000 uncached prompt tokens against the 2,048-token pool), chunk long prompts,
 # hit cached prefixes and abort 12, in a third of the time. The torch reference (0.5.12, GPU: compiled) runs 200.
@@ -77,7 +77,7 @@ def test_mixed_workload_has_no_violation(server):
         # Verification ran inside replayed CUDA graphs, not only in eager forwards.
         assert "cuda graph: True" in log.text
         assert log.last_stat("graph_forwards") > 0
-        if installed_sglang() == "0.5.23":
+        if installed_line() == "0.5.23":
             # 0.5.23 replays prefill forwards from its prefill CUDA graphs (breakable by default): the captured
             # transformer body inside the outer forward, whose HEAD/TAIL run eagerly around it
             prefill = [line for line in log.text.splitlines() if "Prefill batch" in line]
@@ -87,6 +87,7 @@ def test_mixed_workload_has_no_violation(server):
     reserved = [ln for ln in log.text.splitlines() if "kv_canary_reserved_bytes=" in ln]
     installed = [ln for ln in log.text.splitlines() if "kv_canary_installed=1" in ln]
     assert reserved and installed, "no memory reservation / install line"
+    assert f"release={installed_sglang()}" in installed[-1] and "untested_release" not in installed[-1]
     fields = dict(item.split("=", 1) for item in installed[-1].split() if "=" in item)
     print(f"kv_canary_e2e_memory canary_bytes={fields['canary_bytes']} reserved={fields['reserved_before_kv_pool']} "
           f"kv_pool_bytes={fields['kv_pool_bytes']} pct={fields['canary_pct_of_kv_pool']}")

@@ -1,5 +1,7 @@
 """sglang 0.5.12: no in-tree kv_canary; the plugin adds the flags and brackets every forward itself.
 
+Also serves 0.5.12.post1: every hook target has 0.5.12's signature there (``fence``, ``release_targets.json``).
+
 ``ModelRunner.forward`` gets the outside bracket, ``CudaGraphRunner.capture_one_batch_size``
 records HEAD/TAIL into the graphs, ``ModelRunner.init_memory_pool`` installs the canary, and
 the radix-cache flavours (``RadixCache``, ``SWARadixCache``, ``MambaRadixCache``) report their
@@ -121,6 +123,6 @@ def spec_v1(server_args) -> bool:
     return bool(getattr(server_args, "disable_overlap_schedule", False))
 
 
-LINE = SglangLine(name="0.5.12", versions=("0.5.12",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
-                  hicache_hooks=HICACHE_HOOKS, policy=POLICY_0_5_12, prefix_cache_view=radix_view_for,
-                  spec_v1=spec_v1, prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")
+LINE = SglangLine(name="0.5.12", versions=("0.5.12", "0.5.12.post1"), hooks=HOOKS, pd_hooks=PD_HOOKS,
+                  spec_hooks=SPEC_HOOKS, hicache_hooks=HICACHE_HOOKS, policy=POLICY_0_5_12,
+                  prefix_cache_view=radix_view_for, spec_v1=spec_v1, prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")

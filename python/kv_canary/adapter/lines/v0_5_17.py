@@ -1,5 +1,7 @@
 """sglang 0.5.17: the 0.5.23 adapter (``v0_5_23``), with CUDA graphs verified; a small diff of that line.
 
+Also serves 0.5.16: every hook target has 0.5.17's signature there (``fence``, ``release_targets.json``).
+
 0.5.17 is the newest release the GPU host can load (it pins torch 2.11.0, the host's). It ships
 the same in-tree kv_canary call sites as 0.5.23 (``model_runner.py`` binds ``install_canary`` at
 import and calls it in ``_init_post_memory_pool_components``; ``ModelRunner.forward`` enters
@@ -85,7 +87,7 @@ def prefix_cache_view(tree_cache, manager):
     return RadixCacheView(tree_cache) if RadixCacheView.supports(tree_cache) else unified_view_for(tree_cache, manager)
 
 
-LINE = SglangLine(name="0.5.17", versions=("0.5.17",), hooks=HOOKS, in_tree_canary=True, flags_declared_by_sglang=True,
-                  policy=POLICY_0_5_17, unported=unported, prefix_cache_view=prefix_cache_view,
-                  verified_pools=("MHATokenToKVPool", "MLATokenToKVPool"),
+LINE = SglangLine(name="0.5.17", versions=("0.5.16", "0.5.17"), hooks=HOOKS, in_tree_canary=True,
+                  flags_declared_by_sglang=True, policy=POLICY_0_5_17, unported=unported,
+                  prefix_cache_view=prefix_cache_view, verified_pools=("MHATokenToKVPool", "MLATokenToKVPool"),
                   prefix_caches="RadixCache and UnifiedRadixCache (full-attention tree)")

@@ -1,5 +1,7 @@
 """sglang 0.5.23: the plugin takes the in-tree kv_canary's place, driven by sglang's own call sites.
 
+Also serves 0.5.22: every hook target has 0.5.23's signature there (``fence``, ``release_targets.json``).
+
 0.5.23 ships sglang's own ``kv_canary`` (the same seed design) and calls it from its code:
 ``ModelRunner._init_post_memory_pool_components`` builds it through the module-level
 ``install_canary`` that ``model_runner.py`` binds at import; ``ModelRunner.forward`` enters
@@ -336,7 +338,7 @@ def hicache_host_pool(controller):
     return host_pool(controller)
 
 
-LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
+LINE = SglangLine(name="0.5.23", versions=("0.5.22", "0.5.23"), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank, dp_rank=dp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,

@@ -1,0 +1,109 @@
+"""Run a CPU smoke of the plugin on sglang releases its cached venvs do not hold, one JSON row per release.
+
+For each release: the wheel (``pip download sglang==X --no-deps``, reused from ``--wheels``) is installed with
+``--no-deps`` into an overlay folder (``~/.cache/sglang-kv-canary/matrix/sglang-X``, reused); the overlay goes first
+on ``PYTHONPATH`` in front of a cached venv whose release pins the same torch (the venv itself is never touched:
+its own sglang stays behind the overlay). The smoke is ``scripts/run_suite.py --hw cpu --no-rerun -- -k SMOKE``;
+the row (release, line, base venv, torch pin, pins that differ from the base release, smoke, rc, date) is
+appended to ``--out``. A release with no base venv of its torch pin, or whose wheel cannot be downloaded, gets a
+row saying so.
+
+    python scripts/release_matrix.py 0.5.12.post1 [0.5.22 ...] [--smoke test_e2e_baseline] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from typing import Dict, Optional, Set
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.expanduser("~/.cache/sglang-kv-canary")
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from release_targets import fetch_wheel  # noqa: E402
+
+from kv_canary.adapter.lines import LINE_MODULES, load_line  # noqa: E402
+
+
+def requirements(wheel: str) -> Set[str]:
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    return {line.split(":", 1)[1].strip() for line in text.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line}
+
+
+def torch_pin(reqs: Set[str]) -> Optional[str]:
+    return next((r.split("==", 1)[1].split(";")[0].strip() for r in reqs if re.match(r"torch\s*==", r)), None)
+
+
+def base_venvs() -> Dict[str, str]:
+    """sglang release -> cached venv holding it."""
+    out = {}
+    for venv in sorted(glob.glob(os.path.join(CACHE, "venv-*"))):
+        for dist in glob.glob(os.path.join(venv, "lib", "python3*", "site-packages", "sglang-*.dist-info")):
+            out[os.path.basename(dist)[len("sglang-"):-len(".dist-info")]] = venv
+    return out
+
+
+def line_of(release: str) -> str:
+    return next((name for name, m in LINE_MODULES.items() if release in load_line(m).versions), "refused")
+
+
+def run(release: str, smoke: str, wheels: str) -> dict:
+    row = {"release": release, "line": line_of(release), "smoke": smoke,
+           "date": datetime.date.today().isoformat()}
+    wheel = fetch_wheel(release, wheels)
+    if wheel is None:
+        return {**row, "result": "wheel download failed"}
+    reqs = requirements(wheel)
+    pin = torch_pin(reqs)
+    bases = {v: venv for v, venv in base_venvs().items() if v != release}
+    base = next(((v, venv) for v, venv in bases.items()
+                 if torch_pin(requirements(fetch_wheel(v, wheels) or wheel)) == pin), None)
+    row["torch"] = pin
+    if base is None:
+        return {**row, "result": f"no cached venv pins torch {pin}"}
+    base_release, venv = base
+    overlay = os.path.join(CACHE, "matrix", f"sglang-{release}")
+    if not os.path.isdir(os.path.join(overlay, "sglang")):
+        subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        overlay, wheel], check=True)
+    base_reqs = requirements(fetch_wheel(base_release, wheels) or wheel)
+    row.update(base_venv=os.path.basename(venv), base_release=base_release,
+               pins_not_swapped=sorted(reqs - base_reqs))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([overlay, os.path.join(ROOT, "python")])}
+    start = time.time()
+    proc = subprocess.run([os.path.join(venv, "bin", "python"), "scripts/run_suite.py", "--hw", "cpu", "--no-rerun",
+                           "--", "-k", smoke, "-q"], cwd=ROOT, env=env, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed|error)", line)), "")
+    return {**row, "rc": proc.returncode, "summary": summary.strip("= "), "wall_s": round(time.time() - start)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("releases", nargs="+")
+    parser.add_argument("--smoke", default="test_e2e_baseline")
+    parser.add_argument("--wheels", default="/tmp/sgl-wheels")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "release-matrix.jsonl"))
+    args = parser.parse_args()
+    for release in args.releases:
+        row = run(release, args.smoke, args.wheels)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
