@@ -283,6 +283,37 @@ def plan_eagle_args(plan: dict, eagle: str) -> List[str]:
     return list(plan[{"v2": "eagle_args", "v1": "eagle_v1_args"}[eagle]]) if eagle else []
 
 
+# the GPU flags on a line whose sglang renamed or cannot take one (the installed sglang's line): flag -> its
+# replacement, or None to leave it out. 0.5.23: the decode graphs' batch cap has its phase in its name, and its
+# server warmup must run (skipped, its post-warmup /freeze_gc call fails: kv_canary_testing.server.NOT_ON_LINE).
+# Upstream 0.5.14 servers (--upstream-site) run beside a 0.5.12 install only: they keep 0.5.12's flags.
+GPU_FLAGS_ON_LINE = {"0.5.23": {"--cuda-graph-max-bs": "--cuda-graph-max-bs-decode", "--skip-server-warmup": None}}
+
+
+def flags_for_line(args: Sequence[str], line: Optional[str]) -> List[str]:
+    """``args`` with each flag ``GPU_FLAGS_ON_LINE[line]`` names renamed or left out (its value with it)."""
+    renames = GPU_FLAGS_ON_LINE.get(line or "", {})
+    out: List[str] = []
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        if flag not in renames:
+            out.append(flag)
+        elif renames[flag] is not None:
+            out.append(renames[flag])
+        if has_value and (flag not in renames or renames[flag] is not None):
+            out.append(args[i + 1])
+        i += 2 if has_value else 1
+    return out
+
+
+def _installed_line() -> Optional[str]:
+    from kv_canary_testing.line_suites import installed_line
+
+    return installed_line()
+
+
 def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
     """Model path, token id range, pool size, extra flags and env of the servers for ``device``."""
     common = ["--skip-tokenizer-init", "--max-running-requests", str(MAX_RUNNING_REQUESTS)]
@@ -291,13 +322,13 @@ def server_plan(device: str, scale: float, rows: Sequence[Row]) -> dict:
             "model_path": write_llama_dir(default_cache_dir() / "bench-llama3-8b-dummy"),
             "token_range": (LLAMA_FIRST_TOKEN_ID, LLAMA3_8B_CONFIG["vocab_size"]),
             "max_total_tokens": max(GPU_MAX_TOTAL_TOKENS, needed_kv_tokens(rows)),
-            "args": common + [
+            "args": flags_for_line(common + [
                 "--cuda-graph-max-bs", str(CUDA_GRAPH_MAX_BS),
                 "--skip-server-warmup",
                 "--mem-fraction-static", str(GPU_MEM_FRACTION_STATIC),
                 "--chunked-prefill-size", str(GPU_CHUNKED_PREFILL),
                 "--max-prefill-tokens", str(GPU_MAX_PREFILL_TOKENS),
-            ],
+            ], _installed_line()),
             "eagle_args": eagle_args(EAGLE_TOPK),
             "eagle_v1_args": eagle_args(EAGLE_V1_TOPK) + ["--disable-overlap-schedule"],
             # SglangServer defaults this to the tiny model's package; the 8B run uses sglang's own Llama.

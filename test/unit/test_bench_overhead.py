@@ -243,3 +243,18 @@ def test_the_pd_pair_bench_sizes_both_sides_and_summarizes_against_its_first_off
     assert args.config_names == ["pd_off", "pd_ours", "pd_off"] and args.scale == overhead_plan.CPU_DEFAULT_SCALE
     with pytest.raises(SystemExit):
         pd.parse_args(["--configs", "pd_off,ours"])
+
+
+def test_the_gpu_flags_follow_the_installed_line(tmp_path, monkeypatch):
+    """0.5.23 renamed --cuda-graph-max-bs (per phase) and needs its server warmup: the plan follows the line."""
+    monkeypatch.setattr(overhead_plan, "default_cache_dir", lambda: tmp_path)
+    rows = [overhead_plan.ROWS["decode_bs1"]]
+    monkeypatch.setattr(overhead_plan, "_installed_line", lambda: "0.5.23")
+    args = overhead_plan.server_plan("cuda", 1.0, rows)["args"]
+    assert args[args.index("--cuda-graph-max-bs-decode") + 1] == str(overhead_plan.CUDA_GRAPH_MAX_BS)
+    assert "--cuda-graph-max-bs" not in args and "--skip-server-warmup" not in args
+    assert args[args.index("--mem-fraction-static") + 1] == str(overhead_plan.GPU_MEM_FRACTION_STATIC)
+    monkeypatch.setattr(overhead_plan, "_installed_line", lambda: "0.5.12")
+    args = overhead_plan.server_plan("cuda", 1.0, rows)["args"]
+    assert args[args.index("--cuda-graph-max-bs") + 1] == str(overhead_plan.CUDA_GRAPH_MAX_BS)
+    assert "--skip-server-warmup" in args
