@@ -22,8 +22,9 @@ import time
 import pytest
 import requests
 
-from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
+from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, VIOLATION_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cpu_ci
+from kv_canary_testing.ranks import by_rank, retry_aborted, settled_by_rank
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cpu_ci(est_time=240, suite="kv-canary-cpu")
@@ -63,20 +64,11 @@ def _server(tmp_path_factory, mode, name, env=None, extra=()):
 
 
 def _by_rank(lines):
-    out = {}
-    for line in lines:
-        out.setdefault(line.get("dp_rank"), []).append(line)
-    return out
+    return by_rank(lines, "dp_rank")
 
 
-def _settled(srv, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        text = srv.log_text()
-        stats = _by_rank(parse_lines(text, STATS_PREFIX))
-        if all(stats.get(r) and stats[r][-1].get("settled") == "1" for r in RANKS) or time.monotonic() > deadline:
-            return text, stats
-        time.sleep(0.5)
+def _settled(srv):
+    return settled_by_rank(srv, RANKS, "dp_rank")
 
 
 def _metrics_by_dp_rank(base_url, name):
@@ -160,13 +152,7 @@ def test_dp2_perturbed_rank_is_named_and_contain_aborts_only_its_readers(contain
     assert result.succeeded == len(specs) - len(failed) and srv.is_running()
     # retries of the aborted prompts are computed fresh (whichever rank serves them): no new violation
     before = len(parse_lines(text, VIOLATION_PREFIX))
-    by_index = {s.index: s for s in specs}
-    for o in failed:
-        r = requests.post(srv.base_url + "/generate", timeout=300, json={
-            "text": by_index[o.index].text(), "rid": f"retry-{o.rid}",
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})
-        r.raise_for_status()
-        assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
+    retry_aborted(srv, specs, failed)
     text2, stats2 = _settled(srv)
     assert len(parse_lines(text2, VIOLATION_PREFIX)) == before and srv.is_running()
     # /metrics: the canary's counters carry sglang's dp_rank label, one series per rank

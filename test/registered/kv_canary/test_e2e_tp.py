@@ -17,11 +17,11 @@ hashed byte of rank 1's shard, which rank 0 never sees -- the case where the ran
 from __future__ import annotations
 
 import pytest
-import requests
 
-from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
+from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, VIOLATION_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.model_dir import write_model_dir
+from kv_canary_testing.ranks import by_rank, retry_aborted, settled_by_rank
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cuda_ci(est_time=420, suite="kv-canary-cuda")
@@ -86,10 +86,7 @@ def _server(tmp_path_factory, mode, name, env=None, extra=()):
 
 
 def _by_rank(lines):
-    out = {}
-    for line in lines:
-        out.setdefault(line.get("tp_rank"), []).append(line)
-    return out
+    return by_rank(lines, "tp_rank")
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +99,8 @@ def contain_tp(tmp_path_factory):
         srv.stop()
 
 
-def _settled(srv, ranks=("0", "1"), timeout=60.0):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        text = srv.log_text()
-        stats = _by_rank(parse_lines(text, STATS_PREFIX))
-        if all(stats.get(r) and stats[r][-1].get("settled") == "1" for r in ranks) or time.monotonic() > deadline:
-            return text, stats
-        time.sleep(0.5)
+def _settled(srv):
+    return settled_by_rank(srv, ("0", "1"), "tp_rank")
 
 
 @pytest.mark.e2e
@@ -176,13 +165,7 @@ def test_tp2_contain_aborts_the_same_requests_on_both_ranks(contain_tp):
     assert result.succeeded == len(specs) - len(failed) and srv.is_running()
     # retries of the aborted prompts are computed fresh on both ranks: no new violation
     before = len(parse_lines(text, VIOLATION_PREFIX))
-    by_index = {s.index: s for s in specs}
-    for o in failed:
-        r = requests.post(srv.base_url + "/generate", timeout=300, json={
-            "text": by_index[o.index].text(), "rid": f"retry-{o.rid}",
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}})
-        r.raise_for_status()
-        assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
+    retry_aborted(srv, specs, failed)
     text2, _ = _settled(srv)
     assert len(parse_lines(text2, VIOLATION_PREFIX)) == before and srv.is_running()
 
