@@ -70,12 +70,14 @@ class LineChoice:
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
-    raw = str(environ.get(name, "") or "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise UnsupportedSglang(f"{name}={raw!r}: expected 1 or 0")
+    """A 1/0 env var (unset: 0), read with the canary config's own parser; a bad value refuses the release."""
+    from ...config import CanaryConfigError, _parse_bool
+
+    raw = str(environ.get(name, "") or "")
+    try:
+        return bool(raw.strip()) and _parse_bool(name, raw)
+    except CanaryConfigError as exc:
+        raise UnsupportedSglang(str(exc)) from None
 
 
 def choose_line(version: str, *, has_in_tree_canary: bool, environ: Optional[Mapping[str, str]] = None,
