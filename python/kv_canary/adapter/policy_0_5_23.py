@@ -100,14 +100,12 @@ _PREFILL_GRAPH_BACKENDS = (None, "breakable", _DISABLED)  # verified on the GPU 
 _DECODE_GRAPH_BACKENDS = (None, "full", _DISABLED)
 
 
-def _graph_config_allowed(value, _args) -> bool:
-    return value is None or (_phase_backend(value, "prefill") in _PREFILL_GRAPH_BACKENDS
-                             and _phase_backend(value, "decode") in _DECODE_GRAPH_BACKENDS)
-
-
-def _graph_config_prefill_off(value, _args) -> bool:
-    return value is None or (_phase_backend(value, "prefill") in (None, _DISABLED)
-                             and _phase_backend(value, "decode") in _DECODE_GRAPH_BACKENDS)
+def _graph_config_within(prefill: tuple, decode: tuple):
+    """The ``--cuda-graph-config`` rule: unset, or JSON whose prefill / decode backends are among these."""
+    def allowed(value, _args) -> bool:
+        return value is None or (_phase_backend(value, "prefill") in prefill
+                                 and _phase_backend(value, "decode") in decode)
+    return allowed
 
 
 _PREFILL_GRAPH_WHY = ("prefill CUDA graphs are verified on sglang 0.5.23 with its default backend, breakable (the "
@@ -116,10 +114,11 @@ _PREFILL_GRAPH_WHY = ("prefill CUDA graphs are verified on sglang 0.5.23 with it
 _BREAKABLE_WHY = ("decode CUDA graphs are verified with sglang's default backend, full (HEAD/TAIL captured into each "
                   "graph); breakable decode graphs were not run with the canary")
 # 0.5.23: the backends sglang picks by default on CUDA (docs/compatibility.md: GPU host, CUDA graphs)
+_DECODE_GRAPH_RULE = Rule(_only(*_DECODE_GRAPH_BACKENDS), "full or disabled", _BREAKABLE_WHY)
 GRAPH_RULES = {
     "cuda_graph_backend_prefill": Rule(_only(*_PREFILL_GRAPH_BACKENDS), "breakable or disabled", _PREFILL_GRAPH_WHY),
-    "cuda_graph_backend_decode": Rule(_only(*_DECODE_GRAPH_BACKENDS), "full or disabled", _BREAKABLE_WHY),
-    "cuda_graph_config": Rule(_graph_config_allowed, "unset, or JSON whose prefill backend is breakable or disabled "
+    "cuda_graph_backend_decode": _DECODE_GRAPH_RULE,
+    "cuda_graph_config": Rule(_graph_config_within(_PREFILL_GRAPH_BACKENDS, _DECODE_GRAPH_BACKENDS), "unset, or JSON whose prefill backend is breakable or disabled "
                               "and decode backend full or disabled", f"{_PREFILL_GRAPH_WHY}; {_BREAKABLE_WHY}"),
 }
 # a line that reuses this policy without 0.5.23's prefill graphs verified (0.5.17): the prefill phase disabled,
@@ -127,8 +126,8 @@ GRAPH_RULES = {
 _PREFILL_GRAPH_OFF_WHY = "prefill CUDA graphs are verified on sglang 0.5.23 only"
 PREFILL_GRAPHS_OFF_RULES = {
     "cuda_graph_backend_prefill": Rule(_only(None, _DISABLED), "disabled", _PREFILL_GRAPH_OFF_WHY),
-    "cuda_graph_backend_decode": Rule(_only(*_DECODE_GRAPH_BACKENDS), "full or disabled", _BREAKABLE_WHY),
-    "cuda_graph_config": Rule(_graph_config_prefill_off, "unset, or JSON whose prefill backend is disabled and decode "
+    "cuda_graph_backend_decode": _DECODE_GRAPH_RULE,
+    "cuda_graph_config": Rule(_graph_config_within((None, _DISABLED), _DECODE_GRAPH_BACKENDS), "unset, or JSON whose prefill backend is disabled and decode "
                               "backend full or disabled", f"{_PREFILL_GRAPH_OFF_WHY}; {_BREAKABLE_WHY}"),
     "disable_prefill_cuda_graph": Rule(
         _prefill_graph_off, "on (or --cuda-graph-backend-prefill disabled, or --disable-cuda-graph), with no "
