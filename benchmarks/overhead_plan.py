@@ -298,12 +298,9 @@ def flags_for_line(args: Sequence[str], line: Optional[str]) -> List[str]:
     while i < len(args):
         flag = args[i]
         has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
-        if flag not in renames:
-            out.append(flag)
-        elif renames[flag] is not None:
-            out.append(renames[flag])
-        if has_value and (flag not in renames or renames[flag] is not None):
-            out.append(args[i + 1])
+        kept = renames.get(flag, flag)
+        if kept is not None:
+            out += [kept, args[i + 1]] if has_value else [kept]
         i += 2 if has_value else 1
     return out
 
