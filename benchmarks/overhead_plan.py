@@ -176,6 +176,8 @@ CONFIGS: Dict[str, ServerConfig] = {
                      ALL_ROWS),
         ServerConfig("upstream_all", UPSTREAM, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "upstream",
                      ALL_ROWS, env=UPSTREAM_CANARY_ENV),
+        ServerConfig("intree_all_rows", IN_TREE, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "upstream",
+                     ALL_ROWS, env=UPSTREAM_CANARY_ENV + IN_TREE_ENV),
         ServerConfig("ours_scrub_rows", OURS, ("--kv-canary", "raise"), "ours", SCRUB_ROWS,
                      env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_ROW_SLOTS)),)),
         # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own
@@ -196,7 +198,8 @@ CONFIGS: Dict[str, ServerConfig] = {
 DEFAULT_CONFIGS = ("off", "ours", "ours_sweep16", "upstream_off", "upstream", "upstream_sweep16", "off", "storm")
 CPU_DEFAULT_CONFIGS = ("off", "ours", "ours_sweep16", "off", "storm")
 # a line with its own in-tree canary (the GPU host's newest, 0.5.17): off / ours / its in-tree canary, one sglang
-IN_TREE_CONFIGS = ("off", "ours_same_flags", "intree", "ours_same_flags_sweep16", "intree_sweep16", "off")
+IN_TREE_CONFIGS = ("off", "ours_same_flags", "intree", "ours_all_rows", "intree_all_rows", "ours_same_flags_sweep16",
+                   "intree_sweep16", "off")
 
 # ---------------------------------------------------------------- models and server flags
 

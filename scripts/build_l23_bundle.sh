@@ -31,10 +31,16 @@
 #   spatial_ops and its dist-info (engine.py checks its version). Left out: flash_ops (FA3, 1.1 GB unpacked:
 #   --attention-backend fa3 will not load), flashmla_ops, infllm_ops, sm100/ and triton_kernels/ (each loaded lazily
 #   or probed with find_spec).
+# - nvidia-cutlass-dsl 4.8.0 with its base, core and cu13 libraries (~97 MB; not libs-cu12, which its metadata also
+#   names) and sgl-flash-mla 1.0.0 (10 MB): imported unguarded on CUDA, missed by the check above because the tiny
+#   models do not reach them -- llama.py / qwen2.py's MLP builds a DualGemm, whose mode selection imports
+#   cutedsl_dual_gemm (`import cutlass`), and EAGLEWorkerV2's draft graph capture imports flashmla_backend
+#   (`import flash_mla`); found on an H200 2026-11-29 (the Llama-3-8B-shaped bench servers and the EAGLE e2e died at
+#   startup). cutlass lives under nvidia_cutlass_dsl/dsl_packages, put on sys.path by a .pth file that PYTHONPATH
+#   folders do not run: gpu_host.sh adds that folder to PYTHONPATH.
 # Imported at startup but left out, each import guarded (try/except or find_spec) in 0.5.23 or flashinfer:
-# flash-attn-4, nvidia-cutlass-dsl (flashinfer's CuTe-DSL paths, probed), nvidia-cudnn-frontend (only behind
-# cutlass), sgl-deep-gemm, sgl-deep-ep, torchcodec, zstandard (httpx). Not imported at startup: kernels,
-# llguidance, outlines, quack-kernels, humming-kernels, tilelang, nvidia-cutlass-dsl, cuda-python (a meta package).
+# flash-attn-4, nvidia-cudnn-frontend (only behind cutlass), sgl-deep-gemm, sgl-deep-ep, torchcodec, zstandard (httpx). Not imported at startup: kernels,
+# llguidance, outlines, quack-kernels, humming-kernels, tilelang, cuda-python (a meta package).
 # Not carried, from the host: triton 3.6 (torch 2.14.1's METADATA asks triton~=3.8.0, 248 MB = 5 more parts; but
 # every triton attribute and import named in sglang 0.5.23, flashinfer 0.7.2, xgrammar and torch 2.14.1's
 # _inductor, _higher_order_ops and utils that triton 3.8 has, 3.6 has too (a static check of the attribute chains,
@@ -58,7 +64,9 @@ meta_bytes=$((256 * 1024))  # install.sh, sums, lists: room left in every part
 # 0.5.23's resolved versions of the base list's wheels where they differ, and what the base list lacks
 pins=("sglang==0.5.23" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" "flashinfer-python==0.7.2"
       "openai==2.8.0" "pydantic==2.14.4" "pydantic_core==2.50.5" "transformers==5.19.0" "tokenizers==0.23.2"
-      "xgrammar==0.2.7" "torch==2.14.1" "nvidia-nccl-cu13==2.30.7" "torchvision==0.29.1" "torchaudio==2.11.0")
+      "xgrammar==0.2.7" "torch==2.14.1" "nvidia-nccl-cu13==2.30.7" "torchvision==0.29.1" "torchaudio==2.11.0"
+      "nvidia-cutlass-dsl==4.8.0" "nvidia-cutlass-dsl-libs-base==4.8.0" "nvidia-cutlass-dsl-libs-core==4.8.0"
+      "nvidia-cutlass-dsl-libs-cu13==4.8.0" "sgl-flash-mla==1.0.0")
 [ -z "${KVC_L23_TRITON:-}" ] || pins+=("triton==$KVC_L23_TRITON")
 mapfile -t reqs < <(bundle_requirements "$base_reqs" "torchao email-validator" "${pins[@]}")
 src="$dest/l23-src"; x="$(mktemp -d)"; trap 'rm -rf "$x"' EXIT

@@ -20,6 +20,7 @@
 #                                                   # (KVC_GPU_LINE=0.5.23 STEP: any later step on /tmp/site23)
 #   bash scripts/gpu_host.sh bench-start [args]     # benchmarks/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
+#     (KVC_BENCH_DIR=/tmp/kvc-bench-1 CUDA_VISIBLE_DEVICES=1 ...: a second bench on the second GPU, its own folder)
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
@@ -81,7 +82,7 @@
 #      flags (each scheduler's boundary segments and the canary's and sglang's methods, in bench.log)
 #
 # sglang 0.5.23 on the GPU (issue 57), all calls back to back (the host keeps /tmp only while warm; a part's call
-# takes ~5 s; N: the number of parts that `KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle` printed, 17 today):
+# takes ~5 s; N: the number of parts that `KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle` printed, 18 since 2026-11-29):
 #   1..N-1. stage-l23 I                               carry [.bundle/l23-I]                       timeout 120
 #   N. stage-l23 N && install-l23 && check-l23         carry [.bundle/l23-N, .bundle/kvc]          timeout 600
 #      (each step as `bash scripts/gpu_host.sh STEP`; install-l23 says which parts are missing when the host went
@@ -108,7 +109,9 @@ step="${1:?step}"; shift || true
 site=/tmp/site  # sglang 0.5.23's bundle installs into its own folder (torch 2.14.1 there)
 case "$step" in *-l23) site=/tmp/site23 ;; esac; [ "${KVC_GPU_LINE:-}" != 0.5.23 ] || site=/tmp/site23
 export PYTHONPATH="$site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-bench_dir=/tmp/kvc-bench
+# nvidia-cutlass-dsl's .pth puts dsl_packages (cutlass) on sys.path only from a site folder, not from PYTHONPATH
+[ ! -d "$site/nvidia_cutlass_dsl/dsl_packages" ] || export PYTHONPATH="$PYTHONPATH:$site/nvidia_cutlass_dsl/dsl_packages"
+bench_dir="${KVC_BENCH_DIR:-/tmp/kvc-bench}"  # another folder: a second bench at once (e.g. one per GPU)
 
 gpu_e2e() {  # FILE SECONDS DIR LOG TGZ [pytest args]: one registered e2e file on the GPU, stopped with SIGINT after
   # SECONDS so that its logs come back; its output in $out/LOG, its servers' logs (under /tmp/DIR) in $out/TGZ

@@ -18,7 +18,9 @@ Reporting starts at the end of ``Scheduler.init_model_worker`` (``start_draft_re
 the target runner learns the draft manager (the idle drain polls both). The target side: the AFTER hook on
 ``EAGLEWorkerV2.verify`` (``speculative.after_eagle_v2_verify``), as on 0.5.12.
 
-Verified on CPU (``spec_unported`` refuses the rest at startup, naming the flag): synchronous spec v2 with topk 1.
+Verified with topk 1 (``spec_unported`` refuses topk > 1 at startup, naming the flag): on CPU synchronous spec v2; on
+the GPU spec v2 with the overlap scheduler (0.5.23's default there) and without it, the target's verify, the draft
+decode phase and the draft extends replayed from sglang's CUDA graphs (docs/results/, the 0.5.23 GPU runs).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 
 from .lines.v0_5_23 import InTreeSlot
 
-SPEC_WHERE = "verified on CPU only: synchronous spec v2 (overlap scheduler off, as sglang runs it on CPU), topk 1"
+SPEC_WHERE = ("verified with topk 1: synchronous spec v2 on CPU (overlap scheduler off, as sglang runs it there), spec v2 "
+              "with the overlap scheduler (0.5.23's GPU default) or without it on the GPU, under CUDA graphs")
 
 
 def _setting(server_args: Any, field: str) -> Any:
@@ -43,16 +46,11 @@ def spec_unported(server_args: Any) -> str:
     """With ``--speculative-algorithm``: the first setting 0.5.23's speculative path is not verified with ('')."""
     if not getattr(server_args, "speculative_algorithm", None):
         return ""
-    where = f"speculative decoding on sglang 0.5.23 is {SPEC_WHERE}"
-    if str(_setting(server_args, "device") or "cuda") != "cpu":
-        return (f"{where} (not run on the GPU host yet); drop --speculative-algorithm, or use sglang 0.5.12")
-    if not _setting(server_args, "disable_overlap_schedule"):
-        return f"{where}; pass --disable-overlap-schedule, or use sglang 0.5.12"
     topk = _setting(server_args, "speculative_eagle_topk")
     if topk is not None and int(topk) != 1:
-        return (f"--speculative-eagle-topk {topk}: {where}; 0.5.23 runs topk > 1 as spec v2 tree verifies (the "
-                "accepted path compacted to the front of each request's block), which is not verified; pass "
-                "--speculative-eagle-topk 1, or use sglang 0.5.12 (spec v1)")
+        return (f"--speculative-eagle-topk {topk}: speculative decoding on sglang 0.5.23 is {SPEC_WHERE}; 0.5.23 "
+                "runs topk > 1 as spec v2 tree verifies (the accepted path compacted to the front of each request's "
+                "block), which is not verified; pass --speculative-eagle-topk 1, or use sglang 0.5.12 (spec v1)")
     return ""
 
 

@@ -34,10 +34,10 @@ SPEC_V1_GONE = "sglang 0.5.23 has no spec v1 (EAGLEWorker); topk > 1 is refused 
 
 
 def spec_v2_device() -> str:
-    """Where the spec v2 perturbation tests run ('' : skipped here): the GPU suite; on sglang 0.5.23, the CPU one."""
-    if installed_sglang() == CPU_LINE:
-        return "cpu" if e2e_device() == "cpu" else ""
-    return "cuda" if e2e_device() == "cuda" and not cuda_skip_reason() else ""
+    """Where the spec v2 perturbation tests run ('' : skipped here): the GPU suite; on sglang 0.5.23, the CPU one too."""
+    if e2e_device() == "cuda" and not cuda_skip_reason():
+        return "cuda"
+    return "cpu" if installed_sglang() == CPU_LINE and e2e_device() == "cpu" else ""
 
 MODES = {"real_kv_used": "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB",
          "req_to_token": "SGLANG_KV_CANARY_PERTURB_REQ_TO_TOKEN_PROB"}
@@ -90,7 +90,7 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
 def test_eagle_target_pool_perturbations_are_each_detected(tmp_path):
     device = spec_v2_device()
     if not device:
-        pytest.skip("GPU suite only on sglang 0.5.12 (CI time): on CPU the EAGLE server runs under the Triton "
+        pytest.skip("sglang 0.5.12: GPU suite only (CI time): on CPU the EAGLE server runs under the Triton "
                     "interpreter and test_e2e_speculative already holds the one CPU EAGLE server; the CPU run is in "
                     "docs/speculative.md")
     result, log, running = run_perturbed(tmp_path, device, 64 if device == "cuda" else 12)
@@ -101,7 +101,7 @@ def test_eagle_target_pool_perturbations_are_each_detected(tmp_path):
 def test_eagle_draft_pool_perturbations_are_each_detected(tmp_path):
     device = spec_v2_device()
     if not device:
-        pytest.skip("GPU suite only on sglang 0.5.12 (CI time): on CPU the EAGLE server runs under the Triton "
+        pytest.skip("sglang 0.5.12: GPU suite only (CI time): on CPU the EAGLE server runs under the Triton "
                     "interpreter and test_e2e_speculative already holds the one CPU EAGLE server (whose draft pool "
                     "is verified); the CPU run is in docs/speculative.md")
     result, log, running = run_perturbed(tmp_path, device, 64 if device == "cuda" else 12, target_group=DRAFT_GROUP)

@@ -22,7 +22,7 @@ bodies of ``adapter/hicache`` with this line's streams, fences and host pool (``
 consumer is named in ``InTreeSlot.with_ops_outside_graph``.
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
-Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1, synchronous, CPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
+Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1; synchronous on CPU, with the overlap scheduler on a GPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
 (the draft runner's call sites drive the draft pool's manager through ``DraftInTreeSlot``).
 Tensor parallel: each rank's canary reads its rank from 0.5.23's parallel context (``tp_rank``; the
 ``ModelRunner`` has no ``tp_rank`` there); contain's ranks agree over the scheduler's ``tp_cpu_group``.
@@ -32,8 +32,8 @@ CUDA graphs (GPU host, H200: docs/results/gpu-h200-2026-11-29-sglang-0.5.23-cuda
 capture only the transformer body, and replay it inside the outer ``model.forward``, whose HEAD/TAIL (the
 patched forward) run eagerly around it, on the live batch. Other backends are refused by the policy
 (``policy_0_5_23.GRAPH_RULES``), naming the flag.
-Not ported to this line yet, refused at startup naming the flag (``unported``): speculative settings other than
-the above, PD disaggregation.
+Not ported to this line yet, refused at startup naming the flag (``unported``): ``--speculative-eagle-topk`` > 1 (spec v2
+tree verifies), tensor parallel with speculative decoding, PD disaggregation.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
 SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
 is not covered, as on 0.5.12); checked at install.
