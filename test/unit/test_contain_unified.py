@@ -217,3 +217,52 @@ def test_aborts_speak_0_5_23s_scheduler():
     assert isinstance(abort, AbortReq) and r is queued and abort.rid == "queued" and abort.abort_message == "m-queued"
     assert abort.finished_reason["type"] == "abort" and abort.finished_reason["message"] == "m-queued"
     assert c_.aborted == 2
+
+
+def _violation(rid, slot, position, group="full"):
+    from kv_canary.violations import Violation
+
+    return Violation(seq=0, kind="kv_hash", group=group, slot=slot, position=position, rid=rid, row=-1,
+                     batch_index=-1, stored=1, expected=2, forward=40, cuda_graph=None)
+
+
+def test_a_slot_found_at_rest_names_no_request_and_goes_to_its_holders():
+    """Scrub and sweep rows abort no pseudo-request: their slot and position go to the engine, which aborts the
+    requests holding it; a reader's row and another group's rows do not."""
+    from kv_canary.containment import build_order
+
+    order = build_order([_violation("scrub", 5, 3), _violation("cache", 9, 0), _violation("r1", 7, 2),
+                         _violation("scrub", 6, 1, group="swa")], num_slots=64, engine_group="full")
+    assert order.aborts.keys() == {"r1"} and order.slots == (5, 6, 7, 9)
+    assert [(s, p) for s, p, _ in order.held_slots] == [(5, 3), (9, 0)]
+    assert "found by the scrub" in order.held_slots[0][2] and "found by the sweep" in order.held_slots[1][2]
+    assert all("kind=kv_hash" in m and "slot=" in m for _, _, m in order.held_slots)
+
+
+def test_the_holders_of_a_bad_slot_are_aborted_and_counted():
+    """0.5.23's requests (``Req.kv``): a running request whose row holds the slot at the reported position is
+    aborted; one holding it elsewhere (a reused slot), one past its allocated length, and a finished one are not."""
+    def req(rid, row, allocated, finished=False):
+        return SimpleNamespace(rid=rid, finished=lambda: finished, to_finish=None, skip_radix_cache_insert=False,
+                               extra_key=None, cache_salt=None, kv=SimpleNamespace(req_pool_idx=row,
+                                                                                   kv_allocated_len=allocated))
+
+    table = torch.zeros((4, 16), dtype=torch.int32)
+    table[0, :6] = torch.tensor([11, 12, 13, 5, 14, 15])  # holds slot 5 at position 3
+    table[1, :6] = torch.tensor([11, 12, 13, 5, 16, 17])  # a sharer of the same prefix
+    table[2, :6] = torch.tensor([5, 18, 19, 20, 21, 22])  # slot 5 at position 0: not the bad copy
+    table[3, :3] = torch.tensor([11, 12, 13])
+    table[3, 3] = 5  # a stale entry past its allocated length
+    reqs = [req("a", 0, 6), req("b", 1, 6), req("c", 2, 6), req("d", 3, 3), req("e", 1, 6, finished=True)]
+    counted = []
+    c_ = Cache("python").containment(collect_inflight_reqs=lambda: reqs,
+                                     req_to_token_pool=SimpleNamespace(req_to_token=table))
+    c_.on_holders_aborted(counted.extend)
+    from kv_canary.containment import build_order
+
+    c_.submit(build_order([_violation("scrub", 5, 3)], num_slots=64, engine_group="full"))
+    c_.apply()
+    assert reqs[0].to_finish is not None and reqs[1].to_finish is not None
+    assert "found by the scrub" in reqs[0].to_finish.message and "slot=5" in reqs[0].to_finish.message
+    assert all(r.to_finish is None for r in reqs[2:])
+    assert sorted(counted) == ["a", "b"] and c_.aborted == 2

@@ -19,6 +19,9 @@ in the meantime is matched against a tree that no longer holds the bad slots.
   chunk, leaking slots until the pool ran out (seen on an H200, 0.5.12, overlap
   scheduler); it finishes its chunks, and its bad slots stay pending until it
   releases them and are evicted then.
+* Abort the holders of a slot found at rest (the sweep's and the scrub's rows name no reader): every in-flight
+  request whose ``req_to_token`` row holds the slot at the reported position (``_holder_aborts``; it reads it at
+  its next forward), before the evictions; the canary counts them (``on_holders_aborted``).
 * Evict: the radix node holding a bad slot and its whole subtree (HiCache: from the host too,
   ``contain_hicache``), children
   first, each freed once through the allocator and removed with the tree's own
@@ -58,9 +61,12 @@ class SchedulerContainment:
         self._scheduler = scheduler
         self._tp_size = int(getattr(scheduler, "tp_size", 1) or 1)
         self._tp_group = getattr(scheduler, "tp_cpu_group", None) if self._tp_size > 1 else None
-        self._new: Tuple[Dict[str, str], List[int]] = ({}, [])  # submitted here since the last agreement (TP)
+        # submitted here since the last agreement (TP): aborts, slots, held (slot, position) -> message
+        self._new: Tuple[Dict[str, str], List[int], Dict[Tuple[int, int], str]] = ({}, [], {})
         self.exchanges = 0  # safe points at which the TP ranks exchanged orders
         self._aborts: Dict[str, str] = {}
+        self._held: Dict[Tuple[int, int], str] = {}  # bad slots found at rest: (slot, position) -> holders' message
+        self._holders_listener = None
         # a bad copy -> safe points left; keyed (tier, slot): ("slot", device slot) or ("host_slot", HiCache host slot)
         self._slots: Dict[Tuple[str, int], int] = {}
         self.aborted = 0
@@ -70,16 +76,25 @@ class SchedulerContainment:
     # ------------------------------------------------------------------ ContainmentTarget
 
     def submit(self, order: ContainOrder) -> None:
+        held = {(slot, position): message for slot, position, message in order.held_slots}
         if self._tp_group is not None:  # queued for the ranks' agreement at the next safe point
             for rid, message in order.aborts.items():
                 self._new[0].setdefault(rid, message)
             self._new[1].extend(order.slots)
+            for key, message in held.items():
+                self._new[2].setdefault(key, message)
             return
-        self._queue(order.aborts, order.slots, order.host_slots)
+        self._queue(order.aborts, order.slots, order.host_slots, held)
 
-    def _queue(self, aborts: Dict[str, str], slots, host_slots=()) -> None:
+    def on_holders_aborted(self, callback) -> None:
+        """``callback(rids)`` after the holders of bad slots found at rest were aborted (the canary counts them)."""
+        self._holders_listener = callback
+
+    def _queue(self, aborts: Dict[str, str], slots, host_slots=(), held=None) -> None:
         for rid, message in aborts.items():
             self._aborts.setdefault(rid, message)
+        for key, message in (held or {}).items():
+            self._held.setdefault(key, message)
         for slot in slots:
             self._slots[("slot", slot)] = PENDING_TTL
         for host_slot in host_slots:  # HiCache (TP is refused with it, so the TP exchange carries device slots only)
@@ -92,28 +107,65 @@ class SchedulerContainment:
         import torch
         import torch.distributed as dist
 
-        aborts, slots = self._new
-        pending = torch.tensor([len(aborts) + len(slots)], dtype=torch.int64)
+        aborts, slots, held = self._new
+        pending = torch.tensor([len(aborts) + len(slots) + len(held)], dtype=torch.int64)
         dist.all_reduce(pending, group=self._tp_group)
         if int(pending[0]) == 0:
             return
         gathered: List[object] = [None] * self._tp_size
-        dist.all_gather_object(gathered, (aborts, sorted(set(slots))), group=self._tp_group)
-        self._new = ({}, [])
+        dist.all_gather_object(gathered, (aborts, sorted(set(slots)), held), group=self._tp_group)
+        self._new = ({}, [], {})
         self.exchanges += 1
-        for rank_aborts, rank_slots in gathered:  # rank order: the lowest rank's message wins
-            self._queue(rank_aborts, rank_slots)
+        for rank_aborts, rank_slots, rank_held in gathered:  # rank order: the lowest rank's message wins
+            self._queue(rank_aborts, rank_slots, held=rank_held)
 
     def apply(self) -> None:
         if self._tp_group is not None:
             self._agree()
+        holders: Dict[str, str] = {}
+        if self._held:  # before the evictions: the holders' locks keep the node until they release it
+            held, self._held = self._held, {}
+            holders = {rid: m for rid, m in self._holder_aborts(held).items() if rid not in self._aborts}
+            self._aborts.update(holders)
         if self._aborts:
             aborts, self._aborts = self._aborts, {}
-            self._abort(aborts)
+            state = self._abort(aborts)
+            aborted = [rid for rid in holders if state.get(rid) == "aborted"]
+            if aborted and self._holders_listener is not None:
+                self._holders_listener(aborted)
         if self._slots:
             self._evict()
 
-    def _abort(self, aborts: Dict[str, str]) -> None:
+    def _holder_aborts(self, held: Dict[Tuple[int, int], str]) -> Dict[str, str]:
+        """rid -> message of every in-flight request whose row holds a bad slot at its position: it reads it at its
+        next forward. One gather of ``req_to_token`` and one host read, on the violation path only."""
+        import torch
+
+        reqs, rows, lens = [], [], []
+        for req in self._inflight_reqs():
+            row, n = self._kv_row(req)
+            if row is not None and n > 0 and not req.finished():
+                reqs.append(req)
+                rows.append(int(row))
+                lens.append(int(n))
+        if not reqs:
+            return {}
+        table = self._scheduler.req_to_token_pool.req_to_token  # int32[rows, max_context_len]
+        keys = list(held)
+        dev = table.device
+        pos = torch.tensor([p for _, p in keys], dtype=torch.int64, device=dev)
+        slots = torch.tensor([s for s, _ in keys], dtype=table.dtype, device=dev)
+        vals = table[torch.tensor(rows, dtype=torch.int64, device=dev)[:, None],
+                     pos.clamp(max=table.shape[1] - 1)[None, :]]
+        hit = ((vals == slots[None, :]) & (pos[None, :] < torch.tensor(lens, device=dev)[:, None])).cpu()
+        out: Dict[str, str] = {}
+        for i, req in enumerate(reqs):
+            cols = hit[i].nonzero().flatten().tolist()
+            if cols and req.rid not in out:
+                out[req.rid] = held[keys[cols[0]]]
+        return out
+
+    def _abort(self, aborts: Dict[str, str]) -> Dict[str, str]:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         s = self._scheduler
@@ -144,6 +196,7 @@ class SchedulerContainment:
         for rid in aborts:  # finished/gone: it completed within the detection delay (the stated bound)
             logger.error(format_line(CONTAIN_PREFIX, "abort", {"rid": rid, "state": state.get(rid, "gone")}))
         self.aborted += sum(1 for v in state.values() if v == "aborted")
+        return state
 
     # ------------------------------------------------------------------ what differs per sglang line
     # (0.5.23: contain_unified.UnifiedSchedulerContainment, chosen by SglangLine.containment)
@@ -158,6 +211,10 @@ class SchedulerContainment:
         if getattr(s, "chunked_req", None) is not None:
             running.append(s.chunked_req)
         return running
+
+    def _kv_row(self, req) -> Tuple[object, int]:
+        """(``req_to_token`` row, slots allocated in it) of a request (row None before it has one)."""
+        return getattr(req, "req_pool_idx", None), int(getattr(req, "kv_allocated_len", 0) or 0)
 
     def _answer_queued(self, req, message: str) -> None:
         """A queued request was removed from the waiting queue: answer it with ``AbortReq``."""

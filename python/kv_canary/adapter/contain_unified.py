@@ -82,6 +82,10 @@ class UnifiedSchedulerContainment(SchedulerContainment):
             self._note_namespace(req)
         return running
 
+    def _kv_row(self, req):
+        kv = getattr(req, "kv", None)  # 0.5.23 keeps a request's KV bookkeeping in ``Req.kv``
+        return (None, 0) if kv is None else (getattr(kv, "req_pool_idx", None), int(kv.kv_allocated_len or 0))
+
     def _answer_queued(self, req, message: str) -> None:
         from sglang.srt.managers.io_struct import AbortReq
         from sglang.srt.managers.schedule_batch import FINISH_ABORT

@@ -164,9 +164,9 @@ _NEW_OFF = {  # new 0.5.23 switches that must stay off: field -> why
 }
 
 _SPEC_WHY_0_5_23 = (
-    "on sglang 0.5.23 the canary verifies EAGLE's and EAGLE3's spec v2 (EAGLEWorkerV2) with topk 1, synchronous "
-    "(the overlap scheduler off, as sglang runs it on CPU), on CPU: the target model's TARGET_VERIFY forwards and the "
-    "draft model's own KV pool (docs/speculative.md); STANDALONE, NGRAM, DFLASH, DSPARK, UNO, FROZEN_KV_MTP and "
+    "on sglang 0.5.23 the canary verifies EAGLE's and EAGLE3's spec v2 (EAGLEWorkerV2) with topk 1 (synchronous on "
+    "CPU, as sglang runs it there; with the overlap scheduler and CUDA graphs on a GPU): the target model's "
+    "TARGET_VERIFY forwards and the draft model's own KV pool (docs/speculative.md); STANDALONE, NGRAM, DFLASH, DSPARK, UNO, FROZEN_KV_MTP and "
     "multi-layer/adaptive EAGLE are not verified")
 _SPEC_OFF = {  # new 0.5.23 speculative knobs that change what the draft or the verify reads, writes or accepts
     "speculative_use_rejection_sampling": "chain rejection sampling accepts drafts by sampled probabilities, which "

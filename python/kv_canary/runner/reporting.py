@@ -17,7 +17,7 @@ import torch
 
 from .. import fingerprint as fp
 from ..config import CanaryMode
-from ..containment import ContainmentTarget, build_order
+from ..containment import SCRUB_RID, SWEEP_RID, ContainmentTarget, build_order
 from ..swa_divergence import SwaDivergenceLog
 from ..violations import (
     ENGINE_ERROR_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
@@ -71,8 +71,21 @@ class Reporting:
         self.health_violations = 0
 
     def attach_containment(self, target: ContainmentTarget) -> None:
-        """The engine's abort/evict side for ``--kv-canary contain``."""
+        """The engine's abort/evict side for ``--kv-canary contain`` (it reports the holders of a bad slot found at
+        rest that it aborted, when it can: ``on_holders_aborted``)."""
         self._containment = target
+        listen = getattr(target, "on_holders_aborted", None)
+        if listen is not None:
+            listen(self.note_contained)
+
+    def note_contained(self, rids) -> None:
+        """Requests the engine aborted for holding a bad slot the scrub or the sweep found (no reader named them)."""
+        for rid in rids:
+            if rid not in self._contained:
+                self._contained[rid] = None
+                self.contained_requests += 1
+        while len(self._contained) > REPORTED_MEMORY:
+            self._contained.popitem(last=False)
 
     def _handle_counters(self, host_counters: List[int], catch_up: bool = False) -> None:
         """Read the ring rows not read yet (one budgeted read per poll; all of them when ``catch_up``)."""
@@ -166,9 +179,9 @@ class Reporting:
         entry = self._forward_info[forward % RID_HISTORY] if forward >= 0 else None
         _, rids, replayed = entry if entry is not None and entry[0] == forward else (forward, (), None)
         if batch_index == SCRUB_BATCH_INDEX:
-            return "scrub", None  # a scrub row: found by the round-robin whole-slot check
+            return SCRUB_RID, None  # a scrub row: found by the round-robin whole-slot check
         if batch_index < 0:
-            return "cache", None  # a sweep row: the slot is held by the prefix cache
+            return SWEEP_RID, None  # a sweep row: the slot is held by the prefix cache
         rid = str(rids[batch_index]) if batch_index < len(rids) else "?"
         return rid, replayed
 
@@ -240,7 +253,8 @@ class Reporting:
 
     def _contain(self, violations: List[Violation]) -> None:
         """Every row counts, repeats included: each names a request that read a bad slot."""
-        order = build_order(violations, self.groups[0].num_slots, already_aborted=self._contained)
+        order = build_order(violations, self.groups[0].num_slots, already_aborted=self._contained,
+                            engine_group=self.groups[0].name)
         if not order:
             return
         if self._containment is None:

@@ -144,3 +144,55 @@ def test_metrics_endpoint_exports_the_canary_counters(contain_server):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))
+
+
+# Flips anywhere in the slot under --kv-canary-real-data all: a slot already read once is hashed in full only by
+# the scrub (every slot of the pool each forward here), which has no reader to name; contain must abort the running
+# requests that hold it and evict it, and name no pseudo-request (issue 60).
+SCRUB_ENV = {
+    "SGLANG_KV_CANARY_PERTURB_REAL_KV_USED_PROB": "0.1",
+    "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "10",
+    "SGLANG_KV_CANARY_PERTURB_SEED": "9",
+    "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": "6",
+    "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "anywhere",
+    "SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "4096",
+}
+HELD = "found by the scrub"
+
+
+@pytest.mark.e2e
+def test_contain_aborts_the_holders_of_a_slot_the_scrub_finds(tmp_path):
+    srv = canary_server("contain", log_path=tmp_path / "server.log", env=SCRUB_ENV,
+                        extra_args=["--kv-canary-real-data", "all"])
+    with srv:
+        # long generations, sampled at 0.8: a flipped slot's holders are still running when the scrub finds it
+        specs = build_workload(24, seed=41, n_aborts=0, max_new_tokens=(24, 48))
+        result = run_requests(srv.base_url, specs, concurrency=8, timeout=600, temperature=0.8)
+        log = CanaryLog.read_settled(srv)
+        failed = [o for o in result.outcomes if o.status != "ok"]
+        by_index = {s.index: s for s in specs}
+        retried = [_generate(srv.base_url, by_index[o.index], f"retry-{o.rid}") for o in failed]
+        log2 = CanaryLog.read_settled(srv)
+        running = srv.is_running()
+    contained = {c["rid"]: c["state"] for c in parse_lines(log.text, CONTAIN_PREFIX) if c[CONTAIN_PREFIX] == "abort"}
+    scrub_rows = [v for v in log.violations if v["rid"] == "scrub"]
+    injected = {p["slot"] for p in log.perturbations}
+    print(f"kv_canary_e2e_contain_scrub {result.summary()} injections={len(log.perturbations)} "
+          f"violations={len(log.violations)} scrub_rows={len(scrub_rows)} aborted={len(failed)} "
+          f"held_aborts={sum(HELD in o.error for o in failed)} contained={log.last_stat('contained_requests')} "
+          f"latencies={log.detection_latencies()} bound={log.scrub_bound()}")
+    assert log.perturbations and log.unmatched_injections() == []
+    assert max(log.detection_latencies()) <= log.scrub_bound() == 1  # every flip within the stated bound
+    assert scrub_rows, "no flip was left to the scrub: the test proves nothing (change the seed)"
+    # no pseudo-request: nothing aborted or counted for the scrub or the sweep
+    assert not set(contained) & {"scrub", "cache", "?"}
+    assert log.last_stat("contained_requests") == len(contained)
+    # the holders of the slots the scrub found were aborted with the canary's message, naming an injected slot
+    assert any(HELD in o.error for o in failed), [o.error for o in failed]
+    for o in failed:
+        assert MESSAGE in o.error and "'type': 'abort'" in o.error and "kind=kv_hash" in o.error, o.error
+        assert o.error.split("slot=")[1].split()[0] in injected, o.error
+    assert {o.rid for o in failed} == {rid for rid, st in contained.items() if st == "aborted"}
+    # evicted: each aborted prompt, retried, is computed fresh with no new violation; the server keeps serving
+    assert all(meta["finish_reason"]["type"] == "length" for meta in retried)
+    assert len(log2.violations) == len(log.violations) and running
