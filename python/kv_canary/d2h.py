@@ -21,7 +21,7 @@ On CPU the copy is immediate and ``delay`` still applies, so the step at which
 (the counters are cumulative: a skipped copy loses nothing but time), and ``flush`` copies the last forward's
 counters if no copy has (before an idle drain, so what the host settles on is current): the host learns of a
 violation up to ``delay + interval - 1`` forwards after it, and the scheduler thread pays for 1/``interval`` of
-the copies (~25 us each on an H100 host as copies, docs/hicache-results.md 7.4; ~5 us as the kernel write below).
+the copies (~25 us each on an H100 host as copies, docs/history/hicache.md 7.4; ~5 us as the kernel write below).
 
 On CUDA with Triton, on an x86 host, the copy is a write, not a copy (``PublishGraphs``): per slot, a CUDA graph of one kernel
 that writes the counters straight into the slot's pinned host memory through its mapped address and then a

@@ -66,7 +66,7 @@ logger = logging.getLogger("kv_canary")
 # An eager outer step (an extend, on CUDA) leaves its host bookkeeping (``_catch_up``) to the next graph replay
 # (a decode step: its host work hides behind its graph), to the eager step after this many in a row, or to idle.
 # An extend's launch is a batch boundary's critical path (H200: the outer exit ~0.43 ms of it, mostly the oracle's
-# remembered chains; docs/hicache-results.md 7.18); violations surface at most this many forwards later.
+# remembered chains; docs/history/hicache.md 7.18); violations surface at most this many forwards later.
 EAGER_STEPS_WAITING = 4
 
 
