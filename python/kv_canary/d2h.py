@@ -7,7 +7,7 @@ stream (ordered after the forward that produced the counters, before the next
 one changes them) and the device-to-host copy of that buffer on a side stream.
 The forward's stream never waits for the copy engine: a device-to-host copy
 between a decode graph and sampling held sampling back ~10 us on an H200
-(docs/performance.md).
+(docs/history/performance.md).
 ``ready()`` returns, oldest first, the snapshots whose copy has finished
 (``event.query()``, never a blocking wait) and that are at least ``delay``
 forwards old. So the host learns of a violation from forward N while handling

@@ -384,7 +384,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         constant number of launches per run of changes, ~25 us of host work per 1k cached
         tokens), so a sweep is one launch per group over the pool's ``num_slots`` lanes that
         checks every held slot (H200, 131k-slot pool: ~60 us host, ~80 us device;
-        docs/performance.md).
+        docs/history/performance.md).
         """
         self._prefix_cache.before_sweep()  # a tree that is walked, not followed, refreshes the index now
         self.cache_index.apply_pending()
