@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Canary device memory against the KV pool (Llama-3-8B shape), from ``kv_canary.memory.canary_memory_bytes``.
 
-Prints the markdown table docs/performance.md and docs/operations.md quote: the pool of the
+Prints the markdown table docs/history/performance.md and docs/operations.md quote: the pool of the
 recorded H200 run (131,073 slots of 128 KiB K/V each), 65 and 4,097 request rows, contexts
 from 32k to 1M tokens, sweep on and off. ``--before`` adds the token table the oracle had
 before issue 12 (int32[rows x context]) for comparison.

@@ -7,7 +7,7 @@ stream (ordered after the forward that produced the counters, before the next
 one changes them) and the device-to-host copy of that buffer on a side stream.
 The forward's stream never waits for the copy engine: a device-to-host copy
 between a decode graph and sampling held sampling back ~10 us on an H200
-(docs/performance.md).
+(docs/history/performance.md).
 ``ready()`` returns, oldest first, the snapshots whose copy has finished
 (``event.query()``, never a blocking wait) and that are at least ``delay``
 forwards old. So the host learns of a violation from forward N while handling
@@ -21,7 +21,7 @@ On CPU the copy is immediate and ``delay`` still applies, so the step at which
 (the counters are cumulative: a skipped copy loses nothing but time), and ``flush`` copies the last forward's
 counters if no copy has (before an idle drain, so what the host settles on is current): the host learns of a
 violation up to ``delay + interval - 1`` forwards after it, and the scheduler thread pays for 1/``interval`` of
-the copies (~25 us each on an H100 host as copies, docs/hicache-results.md 7.4; ~5 us as the kernel write below).
+the copies (~25 us each on an H100 host as copies, docs/history/hicache.md 7.4; ~5 us as the kernel write below).
 
 On CUDA with Triton, on an x86 host, the copy is a write, not a copy (``PublishGraphs``): per slot, a CUDA graph of one kernel
 that writes the counters straight into the slot's pinned host memory through its mapped address and then a

@@ -31,7 +31,7 @@ TAIL records the token each draft forward is fed (so a draft record's TOKEN is t
 draft slot read, **not chain links**: sglang's radix insert (``RadixCache.cache_unfinished_req``)
 re-points a request's earlier positions at another request's slots holding the same tokens, and
 their draft records differ where one had a chunk boundary (the thrown-away sample), so a link
-written from the request's own slot breaks (docs/speculative.md). The request's own tokens are **not** checked in the draft pool
+written from the request's own slot breaks (docs/history/speculative.md). The request's own tokens are **not** checked in the draft pool
 (no token oracle): sglang leaves draft slots whose ``p + 1`` token is not the request's own --
 the last slot of a radix-cached prefix holds the KV of the cached request's next token, the last
 slot of an unfinished prefill chunk the KV of the thrown-away sample -- and never rewrites them,

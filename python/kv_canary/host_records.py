@@ -1,4 +1,4 @@
-"""Fingerprint records of the KV copies a hierarchical cache keeps in host memory (HiCache, docs/hicache.md 3.1).
+"""Fingerprint records of the KV copies a hierarchical cache keeps in host memory (HiCache, docs/history/hicache.md 3.1).
 
 ``HostRecordStore`` holds one record row per *host* slot, the same layout as a buffer group's device
 ``records`` (``fingerprint.RECORD_WIDTH`` int64: token, position, chain, KV_HASH, FULL_HASH; zeros = never
@@ -8,7 +8,7 @@ the new device slots.
 
 The table lives on the KV pool's device, indexed by host slot (40 B of device memory per host slot): a backup,
 a load-back and a host eviction are each one or two device ops queued on the caller's stream, in the engine's
-own order, with no host gather, no pinned staging and no wait on the scheduler thread (docs/hicache.md 3.1 says
+own order, with no host gather, no pinned staging and no wait on the scheduler thread (docs/history/hicache.md 3.1 says
 why it moved from host memory). A backup's records land in stream order before the engine's K/V copy starts, so
 the engine's write ack covers them. The storage tier's threads read rows out (``rows``) and put rows in (``put``)
 with a copy that completes before they return.

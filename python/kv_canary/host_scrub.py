@@ -1,4 +1,4 @@
-"""The host scrub: every K/V byte of HiCache's host copies checked against their records, at rest (docs/hicache.md 3.7).
+"""The host scrub: every K/V byte of HiCache's host copies checked against their records, at rest (docs/history/hicache.md 3.7).
 
 A flipped byte in a host copy is otherwise found when the copy is loaded back (its first read hashes every byte);
 a copy never loaded back again is never read, and nothing reports it. ``HostScrub`` walks the host pool

@@ -1,4 +1,4 @@
-"""The records of a storage page travel inside the page object, as a trailer after its K/V bytes (docs/hicache.md 3.5).
+"""The records of a storage page travel inside the page object, as a trailer after its K/V bytes (docs/history/hicache.md 3.5).
 
 A page object is ``kv bytes || trailer``; the trailer (``trailer_nbytes(page_size)`` bytes, little-endian) is
 

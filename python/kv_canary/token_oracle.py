@@ -125,7 +125,7 @@ class TokenOracle:
         admitted. ``fed_later``: leave the fed tokens to ``stage_fed``, called by the forward's TAIL on the host
         (an eager forward's: its launch is then past the model's layers, and what the host does there overlaps
         them instead of delaying the forward's start; ~80-100 us of the row workload's extend on one H200 host,
-        docs/hicache-results.md 7.19).
+        docs/history/hicache.md 7.19).
 
         Also applies row initialisations queued by ``init_row`` (any forward: call with ``[]``).
         """

@@ -1,6 +1,6 @@
 """HiCache on CPU for the e2e tests (test-only): sglang's host pool with unpinned memory and torch copies.
 
-Stock sglang cannot run ``--enable-hierarchical-cache`` on CPU (docs/hicache.md section 2): the host pool is
+Stock sglang cannot run ``--enable-hierarchical-cache`` on CPU (docs/history/hicache.md section 2): the host pool is
 ``cudaHostRegister``ed and every transfer is a CUDA op (0.5.23 does not even bind them off CUDA). This shim replaces
 exactly those, per installed sglang line: the host buffer is a plain CPU tensor, and
 ``MHATokenToKVPoolHost.load_to_device_per_layer`` / ``backup_from_device_all_layer`` copy rows with ``index_select``

@@ -54,7 +54,7 @@ ONLY_ON_LINE = {
     },
     "0.5.12 (HiCache storage)": {
         "why": "HiCache's storage tier is verified on sglang 0.5.12 only (adapter/hicache_storage; 0.5.23 refuses "
-               "--hicache-storage-backend at startup: its page get/set rows are not written, docs/hicache.md 1.4)",
+               "--hicache-storage-backend at startup: its page get/set rows are not written, docs/history/hicache.md 1.4)",
         "line": "0.5.12",
         "files": ("registered/kv_canary/test_e2e_hicache_storage.py", "unit/test_hicache_storage.py"),
     },

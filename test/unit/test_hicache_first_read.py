@@ -1,4 +1,4 @@
-"""HiCache's first-read verification of loaded slots (docs/hicache.md 3.4), Triton (interpreter on CPU) and the
+"""HiCache's first-read verification of loaded slots (docs/history/hicache.md 3.4), Triton (interpreter on CPU) and the
 torch reference side by side: TAIL tags new slots verified (outside ``all``), a load-back copies the host
 records into new device slots and zeroes their tags, HEAD lists only those (deferred: hashed beside the forward,
 whole or in runs of layers then finalized), and a byte of a loaded slot flipped outside the hashed window is

@@ -10,7 +10,7 @@ lay them out on a GPU; the accepted tokens reach the oracle through the plugin's
 ``EAGLEWorkerV2.verify`` hook with a real ``GenerationBatchResult``. The canary runs with the
 reference kernels (``kv_canary_testing.runner_harness``); page size 1 and 16.
 
-sglang 0.5.12 cannot run EAGLE on CPU (see docs/speculative.md), so these batches are built
+sglang 0.5.12 cannot run EAGLE on CPU (see docs/history/speculative.md), so these batches are built
 here, not captured from a server.
 """
 

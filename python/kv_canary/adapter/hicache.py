@@ -1,4 +1,4 @@
-"""sglang's HiCache (``--enable-hierarchical-cache``) under the canary: the startup gate (docs/hicache.md 3.13).
+"""sglang's HiCache (``--enable-hierarchical-cache``) under the canary: the startup gate (docs/history/hicache.md 3.13).
 
 What is verified (``test_e2e_hicache.py``, sglang 0.5.12: on CPU through the test shim, on a GPU with sglang's own
 pinned host pool, transfer kernels or direct copies, and layer-wise load overlap under CUDA graphs): an MHA pool
@@ -30,11 +30,11 @@ VERIFIED_DEVICES = ("cpu", "cuda")
 VERIFIED_IO_BACKENDS = ("kernel", "direct")
 VERIFIED_POOLS = ("MHATokenToKVPool",)
 VERIFIED_STORAGE_BACKENDS = ("file",)  # sglang's generic page path (adapter/hicache_storage)
-# what a line verified less of than 0.5.12 (docs/hicache.md 1.4): (allowed, why the rest is refused)
+# what a line verified less of than 0.5.12 (docs/history/hicache.md 1.4): (allowed, why the rest is refused)
 LINE_LIMITS = {
     "0.5.23": {
         "modes": (("log", "raise"), "sglang 0.5.23's tree core has no per-node host drop, so a bad host copy could "
-                                    "not be evicted (docs/hicache.md 3.9)"),
+                                    "not be evicted (docs/history/hicache.md 3.9)"),
         "devices": (("cpu",), "sglang 0.5.23's HiCache ran with the canary on CPU (through the test shim) only; "
                               "not run on the GPU host yet"),
         "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),

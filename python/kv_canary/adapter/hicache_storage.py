@@ -1,4 +1,4 @@
-"""sglang 0.5.12's HiCache storage tier under the canary: records ride inside each page object (docs/hicache.md 3.5).
+"""sglang 0.5.12's HiCache storage tier under the canary: records ride inside each page object (docs/history/hicache.md 3.5).
 
 ``HiCacheController._generic_page_set`` / ``_generic_page_get`` (the generic page path, what
 ``--hicache-storage-backend file`` uses; ``attach_storage_backend`` binds them as ``page_set_func`` /

@@ -64,7 +64,7 @@ class LaunchShape:
 
 
 # GPU: the best of a sweep on an H100 (scripts/sweep_full_row_tiles.py, at 686ff20: benchmarks/README.md;
-# docs/performance.md issue 22); LIST's one row a program keeps a short list (a decode step's first reads)
+# docs/history/performance.md issue 22); LIST's one row a program keeps a short list (a decode step's first reads)
 # spread over the GPU.
 GPU_SHAPE = LaunchShape(1024, (4, 8, 8), (4, 4, 1), (0, 128, 64), 4096, 8, 128, 64, 8)
 # The Triton interpreter (CPU servers and tests) runs programs one after another, each step a numpy op: the

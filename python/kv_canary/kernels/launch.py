@@ -3,7 +3,7 @@
 ``kernel[grid](*args, **constexprs)`` binds every argument on every call (Triton's ``JITFunction.run``: the
 specialization of each argument, a cache key built from it and the options as a string, a check of the kernel's
 globals, the launch metadata): 64-72 us a launch of the canary's ~40-argument kernels on an H200 host's CPU, 7 an
-eager extend, on the scheduler thread, while that launch is the HiCache row's critical path (docs/hicache-results.md
+eager extend, on the scheduler thread, while that launch is the HiCache row's critical path (docs/history/hicache.md
 7.12; ``scripts/bench_extend_host.py (at 686ff20, benchmarks/README.md)``). The compiled launcher called directly: ~8-14 us.
 
 ``BoundKernel`` keeps, per variant, what Triton compiled for it and calls its launcher directly. The variant key

@@ -4,7 +4,7 @@ A load-back puts host copies back into new device slots; before any forward read
 record its host copy carried, its first-read tag cleared (the slot is listed at its first read) and a load-book
 row (host slot, the consuming forward) for violation lines. As torch ops that was a gather, a scatter, a fill, a
 ``full_like``, a ``stack`` and a second scatter: six launches on the scheduler thread at every load-back boundary,
-whose extend launch is host-bound (docs/hicache-results.md 7.19). ``load_records`` is one launch.
+whose extend launch is host-bound (docs/history/hicache.md 7.19). ``load_records`` is one launch.
 
 Shapes: ``host_records`` int64[num_host_slots, RECORD_WIDTH]; ``host_idx`` int64[n] (host slots, on the device);
 ``records`` int64[num_slots, RECORD_WIDTH] (a buffer group's, rows may be strided); ``dev_idx`` int64[n] (new

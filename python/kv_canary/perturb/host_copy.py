@@ -1,4 +1,4 @@
-"""Flip one byte of a HiCache host copy (``SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB``, docs/hicache.md 3.8).
+"""Flip one byte of a HiCache host copy (``SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB``, docs/history/hicache.md 3.8).
 
 After a backup settled (its K/V copy is in host memory, no DMA races the flip), with the given probability one
 byte of one of its host slots is XORed with ``HOST_FLIP_MASK``; the byte is placed as

@@ -1,5 +1,5 @@
 """Flip one K/V byte of a page the canary wrote to the storage tier (``SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB``,
-docs/hicache.md 3.8).
+docs/history/hicache.md 3.8).
 
 After a page object (K/V bytes then the records trailer, ``storage_trailer``) was written, with the given
 probability one byte of its K/V part is XORed with ``STORAGE_FLIP_MASK`` where it rests (the file backend: in the

@@ -1,4 +1,4 @@
-"""HiCache: the records of slots a hierarchical cache copies to host memory and loads back (docs/hicache.md 3.2-3.3).
+"""HiCache: the records of slots a hierarchical cache copies to host memory and loads back (docs/history/hicache.md 3.2-3.3).
 
 The engine wiring tells the manager three things, with plain tensors:
 

@@ -12,7 +12,7 @@ in use.
 Why: a load from host memory is a copy over PCIe, layer by layer (an 8B-shaped model on an H100: ~1 ms a layer
 for 6k slots), and the GPU's memory is idle meanwhile; every run but the last hides behind a later layer's copy.
 Hashed after the forward instead (the earlier design), the list cost ~1 ms of the forward's stream per load-back
-batch (docs/hicache-results.md 7.4).
+batch (docs/history/hicache.md 7.4).
 
 On CPU (no streams: the engine's load has finished before the forward) the runs go in HEAD, in order, on the
 current stream; the torch reference backend hashes every row at the finalize.
@@ -35,7 +35,7 @@ from ..kernels import CanaryKernels
 # after the whole load landed, beside that layer's compute (two even runs left half the rows, ~0.54 ms, for
 # then: on the batch's critical path, since the consuming extend's end waits for the load; H200 profile,
 # docs/results/gpu-h200-2026-11-28-tail-runs/). Each run costs the scheduler thread a wait and a launch while it
-# launches the extend (eight even runs: 1,060 us of host time an extend, docs/hicache-results.md 7.11): three runs
+# launches the extend (eight even runs: 1,060 us of host time an extend, docs/history/hicache.md 7.11): three runs
 LAST_RUNS = (4, 1)
 
 

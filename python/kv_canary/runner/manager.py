@@ -66,7 +66,7 @@ logger = logging.getLogger("kv_canary")
 # An eager outer step (an extend, on CUDA) leaves its host bookkeeping (``_catch_up``) to the next graph replay
 # (a decode step: its host work hides behind its graph), to the eager step after this many in a row, or to idle.
 # An extend's launch is a batch boundary's critical path (H200: the outer exit ~0.43 ms of it, mostly the oracle's
-# remembered chains; docs/hicache-results.md 7.18); violations surface at most this many forwards later.
+# remembered chains; docs/history/hicache.md 7.18); violations surface at most this many forwards later.
 EAGER_STEPS_WAITING = 4
 
 
@@ -384,7 +384,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         constant number of launches per run of changes, ~25 us of host work per 1k cached
         tokens), so a sweep is one launch per group over the pool's ``num_slots`` lanes that
         checks every held slot (H200, 131k-slot pool: ~60 us host, ~80 us device;
-        docs/performance.md).
+        docs/history/performance.md).
         """
         self._prefix_cache.before_sweep()  # a tree that is walked, not followed, refreshes the index now
         self.cache_index.apply_pending()

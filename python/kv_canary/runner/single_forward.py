@@ -21,7 +21,7 @@ name this forward); the scrub moves after the write.
 Everything runs on the forward's stream, in order: HEAD, the forward, TAIL. (HEAD on
 a side stream beside the forward was measured and dropped: at decode bs32 on an H200
 the verify ran 2.2x slower beside the forward's GEMMs and the step got longer, not
-shorter; docs/performance.md.)
+shorter; docs/history/performance.md.)
 """
 
 from __future__ import annotations

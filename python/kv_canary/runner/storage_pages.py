@@ -1,4 +1,4 @@
-"""HiCache's storage tier: the records of host copies written to storage pages and read back (docs/hicache.md 3.5).
+"""HiCache's storage tier: the records of host copies written to storage pages and read back (docs/history/hicache.md 3.5).
 
 The engine wiring tells the manager, with plain tensors and strings, on the engine's storage threads:
 

@@ -2,7 +2,7 @@
 kv_canary_testing.spec_cpu``) with the tiny target and EAGLE draft models, whose import also
 gives sglang 0.5.12's CUDA-only EAGLE helpers a CPU implementation (``models.install_cpu_helpers``).
 
-Stock sglang 0.5.12 cannot serve EAGLE on CPU (docs/speculative.md lists the blockers by
+Stock sglang 0.5.12 cannot serve EAGLE on CPU (docs/history/speculative.md lists the blockers by
 file:line). The stand-ins replace only sglang's GPU kernels (any topk: the draft tree's mask, positions
 and links; the greedy tree walk), each with what the CUDA op computes, and run sglang's compiled top-k
 selection uncompiled; sglang's scheduler, EAGLE worker, KV pools, allocator and

@@ -4,7 +4,7 @@ nothing is reported. One server per configuration, shared by the tests of this m
 
 On a GPU the target's TARGET_VERIFY forwards replay from sglang's CUDA graphs (the canary's
 HEAD/TAIL captured inside them), at page size 1 and 16. On CPU, stock sglang 0.5.12 cannot
-serve EAGLE (docs/speculative.md): the server loads ``kv_canary_testing.spec_cpu``, which gives
+serve EAGLE (docs/history/speculative.md): the server loads ``kv_canary_testing.spec_cpu``, which gives
 sglang's four CUDA-only EAGLE helpers a CPU implementation (topk 1) and runs everything else --
 scheduler, EAGLE worker, pools, Triton attention under the interpreter, the canary --
 unchanged; there are no CUDA graphs on CPU, and one server (page size 1) keeps CI time down.

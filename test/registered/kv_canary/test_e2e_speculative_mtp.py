@@ -2,7 +2,7 @@
 with its ``MiMoMTP`` draft, ``--speculative-algorithm NEXTN`` (sglang's alias of EAGLE), topk 1, spec v2,
 CUDA graphs, ``--kv-canary raise``: the same ``EAGLEWorkerV2`` batches as EAGLE over two
 ``MHATokenToKVPool``s, so the target and the draft's pools are verified as for EAGLE
-(``docs/speculative.md``, "EAGLE3 and MTP"). The mixed workload: every request succeeds, nothing is
+(``docs/history/speculative.md``, "EAGLE3 and MTP"). The mixed workload: every request succeeds, nothing is
 reported, slots verified in both pools, graph replays counted.
 
 GPU only: on CPU sglang 0.5.12 cannot build MiMo's Qwen2 layers (``get_rope`` -> ``RotaryEmbedding``

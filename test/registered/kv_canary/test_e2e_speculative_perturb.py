@@ -10,7 +10,7 @@ On the GPU the verify forwards, the draft decode phases and the draft extends re
 
 On sglang 0.5.12, GPU only in CI: the CPU suite runs one EAGLE server (``test_e2e_speculative``), and a
 second one under the Triton interpreter costs minutes of CI time; the same run on CPU is recorded in
-docs/speculative.md (``run_perturbed`` with ``device="cpu"``). On sglang 0.5.23 (which the GPU host cannot
+docs/history/speculative.md (``run_perturbed`` with ``device="cpu"``). On sglang 0.5.23 (which the GPU host cannot
 load; its canary verifies synchronous spec v2 on CPU) the two spec v2 tests run in the CPU suite, 12 requests
 each; spec v1 is gone there (topk > 1 is refused at startup).
 """
@@ -92,7 +92,7 @@ def test_eagle_target_pool_perturbations_are_each_detected(tmp_path):
     if not device:
         pytest.skip("sglang 0.5.12: GPU suite only (CI time): on CPU the EAGLE server runs under the Triton "
                     "interpreter and test_e2e_speculative already holds the one CPU EAGLE server; the CPU run is in "
-                    "docs/speculative.md")
+                    "docs/history/speculative.md")
     result, log, running = run_perturbed(tmp_path, device, 64 if device == "cuda" else 12)
     check(result, log, running, "full")
 
@@ -103,7 +103,7 @@ def test_eagle_draft_pool_perturbations_are_each_detected(tmp_path):
     if not device:
         pytest.skip("sglang 0.5.12: GPU suite only (CI time): on CPU the EAGLE server runs under the Triton "
                     "interpreter and test_e2e_speculative already holds the one CPU EAGLE server (whose draft pool "
-                    "is verified); the CPU run is in docs/speculative.md")
+                    "is verified); the CPU run is in docs/history/speculative.md")
     result, log, running = run_perturbed(tmp_path, device, 64 if device == "cuda" else 12, target_group=DRAFT_GROUP)
     check(result, log, running, DRAFT_GROUP)
 
@@ -115,7 +115,7 @@ def test_eagle_spec_v1_target_pool_perturbations_are_each_detected(tmp_path):
     if e2e_device() != "cuda" or cuda_skip_reason():
         pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
                     "test_e2e_speculative_v1 already holds the one CPU spec v1 server; the CPU run is in "
-                    "docs/speculative.md")
+                    "docs/history/speculative.md")
     result, log, running = run_perturbed(tmp_path, "cuda", 64, spec_v1=True)
     check(result, log, running, "full")
 
@@ -127,7 +127,7 @@ def test_eagle_spec_v1_draft_pool_perturbations_are_each_detected(tmp_path):
     if e2e_device() != "cuda" or cuda_skip_reason():
         pytest.skip("GPU suite only (CI time): on CPU the EAGLE server runs under the Triton interpreter and "
                     "test_e2e_speculative_v1 already holds the one CPU spec v1 server (whose draft pool is "
-                    "verified); the CPU run is in docs/speculative.md")
+                    "verified); the CPU run is in docs/history/speculative.md")
     result, log, running = run_perturbed(tmp_path, "cuda", 64, target_group=DRAFT_GROUP, spec_v1=True)
     check(result, log, running, DRAFT_GROUP)
 
