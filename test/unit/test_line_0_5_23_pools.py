@@ -299,3 +299,13 @@ def test_only_the_no_buffer_mamba_strategy_is_accepted():
     assert v0_5_23.mamba_strategy(ServerArgs(mamba_radix_cache_strategy="extra_buffer", **kw)) == "extra_buffer"
     assert v0_5_23.mamba_strategy(ServerArgs(**kw)) == "auto"  # refused: it may resolve to extra_buffer later
     assert v0_5_23.mamba_strategy(ServerArgs(disable_radix_cache=True, **kw)) == "no_buffer"
+
+
+@on_0_5_23
+def test_contain_runs_where_the_evictor_interface_is_there():
+    """0.5.23 has what contain evicts through (0.5.22 does not: refused there, test_e2e_contain)."""
+    from kv_canary.adapter.contain_unified import contain_evictor_gap
+
+    args = SimpleNamespace(device="cpu", disable_cuda_graph=True, kv_canary="contain", tp_size=1, dp_size=1,
+                           disaggregation_mode="null", speculative_algorithm=None)
+    assert contain_evictor_gap() == "" and v0_5_23.unported(args) == ""

@@ -135,6 +135,22 @@ class UnifiedSchedulerContainment(SchedulerContainment):
         return [(None, None), *reversed(self._namespaces)]
 
 
+def contain_evictor_gap() -> str:
+    """What the running sglang lacks of the interface the evictor below uses ('' if nothing): checked at startup, so
+    a release mapped to this line that lacks it refuses ``--kv-canary contain`` instead of crashing the scheduler at
+    its first eviction. Found on sglang 0.5.22 by the release matrix's contain smoke (2026-11-29): no
+    ``UnifiedRadixCache._apply_eviction_result`` (so contain evicted nothing) and no ``TreePathNodeInfo.num_children``
+    (the evictor's leaf check raised in the scheduler once the first was bridged)."""
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import TreePathNodeInfo
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    missing = [name for name, ok in (
+        ("UnifiedRadixCache._apply_eviction_result", hasattr(UnifiedRadixCache, "_apply_eviction_result")),
+        ("TreePathNodeInfo.num_children", "num_children" in getattr(TreePathNodeInfo, "__struct_fields__", ())),
+    ) if not ok]
+    return ", ".join(missing)
+
+
 class UnifiedTreeEvictor:
     """Find and drop, through ``UnifiedTreeCoreInterface``, the nodes of a ``UnifiedRadixCache`` holding a slot."""
 

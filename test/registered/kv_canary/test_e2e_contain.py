@@ -18,7 +18,25 @@ import requests
 
 from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.server import ServerError
 from kv_canary_testing.workload import build_workload, run_requests
+
+
+def _evictor_gap() -> str:
+    """On a release of the 0.5.23 line whose UnifiedRadixCache lacks what contain's evictor uses (0.5.22): what."""
+    from kv_canary.adapter.lines import current_choice
+
+    line = current_choice().line
+    if line is None or line.name != "0.5.23":
+        return ""
+    from kv_canary.adapter.contain_unified import contain_evictor_gap
+
+    return contain_evictor_gap()
+
+
+GAP = _evictor_gap()
+needs_contain = pytest.mark.skipif(bool(GAP), reason=f"--kv-canary contain is refused on this release ({GAP}): "
+                                   "test_contain_is_refused_where_the_evictor_interface_is_missing runs instead")
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
@@ -56,6 +74,7 @@ def _generate(base_url, spec, rid):
 
 
 @pytest.mark.e2e
+@needs_contain
 def test_contain_aborts_exactly_the_readers_and_keeps_serving(contain_server):
     srv = contain_server
     specs = build_workload(48, seed=31, n_aborts=0)
@@ -115,6 +134,7 @@ def _total(samples, name, **labels):
 
 
 @pytest.mark.e2e
+@needs_contain
 def test_metrics_endpoint_exports_the_canary_counters(contain_server):
     """``--enable-metrics``: /metrics carries sglang:kv_canary_* with sglang's labels, and they move."""
     srv = contain_server
@@ -161,6 +181,7 @@ HELD = "found by the scrub"
 
 
 @pytest.mark.e2e
+@needs_contain
 def test_contain_aborts_the_holders_of_a_slot_the_scrub_finds(tmp_path):
     srv = canary_server("contain", log_path=tmp_path / "server.log", env=SCRUB_ENV,
                         extra_args=["--kv-canary-real-data", "all"])
@@ -196,3 +217,16 @@ def test_contain_aborts_the_holders_of_a_slot_the_scrub_finds(tmp_path):
     # evicted: each aborted prompt, retried, is computed fresh with no new violation; the server keeps serving
     assert all(meta["finish_reason"]["type"] == "length" for meta in retried)
     assert len(log2.violations) == len(log.violations) and running
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not GAP, reason="contain runs on this release (its tree interface is there)")
+def test_contain_is_refused_where_the_evictor_interface_is_missing(tmp_path):
+    """sglang 0.5.22 (the 0.5.23 line's other release) lacks the tree interface contain evicts through: the server
+    refuses --kv-canary contain at startup, naming the flag and what is missing, instead of failing at its first
+    eviction. Runs in the release matrix (scripts/release_matrix.py), not on the CI's lines, where contain runs."""
+    srv = canary_server("contain", log_path=tmp_path / "server.log", env=ENV)
+    with pytest.raises(ServerError):
+        srv.start(timeout=600)
+    text = srv.log_text()
+    assert "CanaryConfigError" in text and "--kv-canary contain" in text and GAP in text, text[-3000:]

@@ -108,6 +108,15 @@ def unported(server_args: Any) -> str:
     if int(getattr(server_args, "tp_size", 1) or 1) > 1 and getattr(server_args, "speculative_algorithm", None):
         return ("tensor parallel with speculative decoding on sglang 0.5.23 is not verified yet; drop --tp-size or "
                 "--speculative-algorithm, or use sglang 0.5.12")
+    if str(getattr(server_args, "kv_canary", "none") or "none") == "contain":
+        from ..contain_unified import contain_evictor_gap
+
+        gap = contain_evictor_gap()
+        if gap:
+            from sglang.version import __version__ as version
+
+            return (f"contain evicts bad slots through sglang 0.5.23's UnifiedRadixCache interface, which sglang "
+                    f"{version} lacks ({gap}); use --kv-canary log or raise, or sglang 0.5.23")
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
         return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")
