@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..in_tree_slot import InTreeSlot
 from ..policy_0_5_23 import POLICY_0_5_23
 from ..unified_radix import unified_view_for
 from .base import HookTable, SglangLine
@@ -128,39 +129,6 @@ def _running_line() -> SglangLine:
     from . import current_line
 
     return current_line()
-
-
-class InTreeSlot:
-    """What sglang 0.5.23's call sites for its in-tree canary call (``model_runner.canary_manager``), served by the
-    plugin's ``CanaryManager`` (``kv_canary_manager``)."""
-
-    def __init__(self, manager, model_runner=None):
-        self.kv_canary_manager = manager
-        self._model_runner = model_runner  # HiCache: its KV pool's layer counter names the load a forward consumes
-
-    def with_ops_outside_graph(self, *, single_forward_indices, maybe_inaccurate_forward_batch):
-        if self._model_runner is not None and getattr(self.kv_canary_manager, "host_records", None) is not None:
-            from ..hicache import note_load_consumer  # sglang set the consumer index before this forward
-
-            note_load_consumer(self.kv_canary_manager, self._model_runner)
-        return self.kv_canary_manager.with_ops_outside_graph(
-            single_forward_indices=single_forward_indices, maybe_inaccurate_forward_batch=maybe_inaccurate_forward_batch)
-
-    def with_active_single_forward_manager(self, index: int):
-        return self.kv_canary_manager.with_active_single_forward_manager(index)
-
-    def mark_init_finished(self) -> None:
-        """Called by sglang right after graph capture; the plugin marks at the end of ``Scheduler.init_model_worker``
-        instead (``after_init_model_worker``), after sampling prewarm and post-capture KV sizing too."""
-
-    def attach_radix_cache(self, tree_cache) -> None:
-        """The plugin attaches the tree with metrics and contain in its ``Scheduler.__init__`` hook (right after
-        this call), through the line's reader (``unified_radix``)."""
-
-    def per_forward_workspace_bytes(self) -> int:
-        """Bytes the canary allocates per forward after install, for sglang's post-capture KV sizing: none (every
-        buffer is preallocated at install)."""
-        return 0
 
 
 def install(*, server_args, model_runner, token_oracle_manager=None):
