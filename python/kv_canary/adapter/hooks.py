@@ -8,24 +8,12 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from .managers import canary_of, manager_of  # noqa: F401 - manager_of: named here too
+
 logger = logging.getLogger("kv_canary")
 
 
 # ---------------------------------------------------------------- model runner
-
-
-def canary_of(model_runner):
-    """The runner's manager, or None (canary off, draft worker, or not installed)."""
-    if getattr(model_runner, "is_draft_worker", False):
-        return None
-    return manager_of(model_runner)
-
-
-def manager_of(model_runner):
-    """``model_runner.canary_manager``: the plugin's ``CanaryManager``, or on a line whose own call sites drive it
-    (0.5.23) the slot object those call sites use, which holds it as ``kv_canary_manager``."""
-    slot = getattr(model_runner, "canary_manager", None)
-    return getattr(slot, "kv_canary_manager", slot)
 
 
 def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):

@@ -120,7 +120,7 @@ def start_draft_reporting(scheduler, target_runner) -> None:
     check as the target's (its pool was not rebuilt after install), and the target runner learns it (idle drain)."""
     from ..buffer_groups import groups_still_view
     from ..config import FLAG_MODE, CanaryConfigError
-    from .hooks import manager_of
+    from .managers import manager_of
     from .pools import pool_context
 
     runner = draft_runner_of(scheduler)

@@ -213,7 +213,7 @@ def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
     post-capture KV sizing): the canary's records and zero-copy views would no longer match it."""
     from ...buffer_groups import groups_still_view
     from ...config import FLAG_MODE, CanaryConfigError
-    from ..hooks import canary_of
+    from ..managers import canary_of
     from ..pools import pool_context
 
     from ..spec_0_5_23 import start_draft_reporting
