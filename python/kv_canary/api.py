@@ -10,10 +10,9 @@ attaches canary buffers to the KV pool, builds the ``CanaryManager`` and patches
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -22,6 +21,7 @@ from .adapter.disagg import check_disaggregation
 from .adapter.hicache import check_hicache
 from .adapter.lines import current_choice, current_line
 from .adapter.facts import SglangFacts, SpecFacts, max_prefill_tokens, read_facts
+from .adapter.forward_patch import _patch_model_forward, _with_canary_bracketing  # noqa: F401
 from .adapter.pools import register_sglang_pools
 from .config import CanaryConfig, CanaryConfigError
 from .kernels import select_kernels
@@ -29,7 +29,6 @@ from .memory import canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
 from .views import LaunchCapacities
 from .buffer_groups import attach_canary_buffers
 from .runner import CanaryManager
-from .runner.early_tail import EarlyTail
 from .transfer import TransferBook, new_origin
 from .violations import INSTALLED_PREFIX, OFF_PREFIX, format_line, set_process_tags
 
@@ -343,63 +342,3 @@ def compute_capacities(facts: SglangFacts) -> LaunchCapacities:
         max_tokens_per_forward=tokens_per_forward_bound(
             context_len=ctx, max_batch_size=max_bs, max_prefill_tokens=facts.max_prefill_tokens),
     )
-
-
-def _extract_forward_batch(args: tuple, kwargs: dict) -> Any:
-    """Find the ForwardBatch among ``model.forward``'s arguments (sglang passes it third)."""
-    fb = kwargs.get("forward_batch")
-    if fb is not None:
-        return fb
-    for arg in args:
-        if hasattr(arg, "forward_mode") and hasattr(arg, "out_cache_loc"):
-            return arg
-    raise TypeError("kv-canary: model.forward was called without a ForwardBatch argument")
-
-
-def _with_canary_bracketing(forward: Callable, manager: CanaryManager, early: Optional[EarlyTail] = None) -> Callable:
-    """Wrap ``forward``: plan + HEAD before, TAIL after (or, with ``early``, at the start of the model's last stage,
-    beside it: ``runner/early_tail.py``); nested calls share the outer bracket."""
-    depth = [0]
-
-    @functools.wraps(forward)
-    def bracketed(*args, **kwargs):
-        if depth[0]:
-            return forward(*args, **kwargs)
-        depth[0] += 1
-        try:
-            view = manager.pre_ops_maybe_inside_graph(_extract_forward_batch(args, kwargs),
-                                                      verify_later=early is not None)
-            armed = early is not None and view is not None
-            if armed:
-                early.arm(view)
-            try:
-                out = forward(*args, **kwargs)
-            except BaseException:
-                if armed and not early.finish():  # it raised before the anchor, where its verify waited
-                    try:
-                        manager.verify_deferred_on_error(view)
-                    except Exception:  # noqa: BLE001 - the forward's error is the one that propagates
-                        logger.exception("kv-canary: the deferred verify of a forward that raised failed too")
-                raise
-            ran = early.finish() if armed else False
-            if not ran:  # no anchor, or the forward never reached it
-                manager.post_ops_maybe_inside_graph(view)
-            return out
-        finally:
-            depth[0] -= 1
-
-    bracketed.__kv_canary_original__ = forward
-    return bracketed
-
-
-def _patch_model_forward(model: torch.nn.Module, manager: CanaryManager,
-                         tail_anchor: Optional[torch.nn.Module] = None) -> None:
-    """``tail_anchor``: the module whose start follows every K/V store of a forward (the adapter's
-    ``SglangFacts.tail_anchor``); the TAIL then runs there, beside the model's last stage (``manager.early_tail``)."""
-    if getattr(model.forward, "__kv_canary_original__", None) is not None:
-        raise RuntimeError("kv-canary: model.forward is already patched (install_canary ran twice)")
-    early = None
-    if tail_anchor is not None:
-        early = EarlyTail(tail_anchor, manager.post_ops_maybe_inside_graph, manager.counters.device)
-    manager.early_tail = early
-    model.forward = _with_canary_bracketing(model.forward, manager, early)
