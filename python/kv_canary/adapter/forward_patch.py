@@ -1,6 +1,6 @@
 """The ``model.forward`` patch: every forward of the model bracketed by the manager's HEAD and TAIL.
 
-``_patch_model_forward(model, manager, tail_anchor)`` at install (``api.install_canary``); the ForwardBatch is found
+``_patch_model_forward(model, manager, tail_anchor)`` at install (``install.install_canary``); the ForwardBatch is found
 among the forward's arguments (sglang passes it third).
 """
 

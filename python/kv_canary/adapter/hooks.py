@@ -28,7 +28,7 @@ def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs
 def reserve_before_kv_pool(sizer, available_bytes) -> int:
     """The canary's bytes to hold back (logged); ``sizer``: what sglang sizes the pool from (it has
     ``server_args``, ``model_config``, ``is_draft_worker``: 0.5.12's ModelRunner, 0.5.23's KVCacheConfigurator)."""
-    from ..api import canary_reserved_bytes
+    from .install import canary_reserved_bytes
 
     reserve = canary_reserved_bytes(sizer, int(available_bytes))
     if reserve > 0:
@@ -38,7 +38,7 @@ def reserve_before_kv_pool(sizer, available_bytes) -> int:
 
 
 def after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:
-    from ..api import install_canary
+    from .install import install_canary
 
     model_runner.canary_manager = install_canary(server_args=model_runner.server_args, model_runner=model_runner)
 

@@ -133,7 +133,7 @@ def _running_line() -> SglangLine:
 
 def install(*, server_args, model_runner, token_oracle_manager=None):
     """In place of sglang's in-tree ``install_canary``: the plugin's manager behind an ``InTreeSlot``, or None."""
-    from ...api import config_from_server_args, install_canary
+    from ..install import config_from_server_args, install_canary
 
     del token_oracle_manager  # sglang's token-oracle sampler (--sampling-backend token_oracle); ours is built in
     refuse_unported(server_args)
@@ -245,7 +245,7 @@ def after_add_cli_args(_result, parser) -> None:
 def after_resolve_once(_result, server_args, *args, **kwargs) -> None:
     """The settings checked once sglang resolved them, in the launching process (CLI and Engine alike), before any
     scheduler starts; the scheduler checks again at install. ``CanaryConfigError`` names the flag."""
-    from ...api import config_from_server_args
+    from ..install import config_from_server_args
     from ..server_args import check_supported
 
     refuse_unported(server_args)  # before the checks of features this line does not have yet
