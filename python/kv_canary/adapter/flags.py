@@ -103,7 +103,7 @@ def apply_canary_settings(server_args, mode, sweep_interval, real_data="partial"
     server_args.kv_canary_sweep_interval = sweep_interval
     server_args.kv_canary_real_data = getattr(real_data, "value", real_data)
     from .server_args import check_supported
-    from ..api import config_from_server_args
+    from .install import config_from_server_args
 
     config = config_from_server_args(server_args)  # CanaryConfigError (a ValueError) at startup
     if config.enabled:

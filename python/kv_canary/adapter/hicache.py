@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import FLAG_MODE, FLAG_REAL_DATA, FLAG_SWEEP_INTERVAL, CanaryConfig, CanaryConfigError
+from .hicache_pool import FLAG, _refuse, host_pool_0_5_12  # noqa: F401 - host_pool_0_5_12: named here too
 
-FLAG = "--enable-hierarchical-cache"
 VERIFIED_LINES = ("0.5.12", "0.5.23")
 VERIFIED_MODES = ("log", "raise", "contain")
 VERIFIED_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -40,11 +40,6 @@ LINE_LIMITS = {
         "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),
     },
 }
-
-
-def _refuse(what: str, why: str, do: str) -> None:
-    raise CanaryConfigError(f"{FLAG_MODE} cannot verify {FLAG} with {what}: {why}; {do}, or run this server "
-                            f"with {FLAG_MODE} none")
 
 
 def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = None) -> None:
@@ -121,15 +116,6 @@ def check_hicache_pool(pool_name: str, group_names: Sequence[str]) -> None:
         _refuse(f"the KV pool {pool_name} (groups: {', '.join(group_names)})",
                 f"host copies are verified for {', '.join(VERIFIED_POOLS)} (one buffer group) only",
                 f"drop {FLAG}")
-
-
-def host_pool_0_5_12(controller) -> Any:
-    """sglang 0.5.12's ``HiCacheController.mem_pool_host`` (``SglangLine.hicache_host_pool``'s default); a controller
-    that also copies a draft model's pool is refused (its records are not kept)."""
-    if getattr(controller, "has_draft", False):
-        _refuse("a draft model's pool (speculative decoding)", "host copies are verified for MHATokenToKVPoolHost "
-                "(no draft pool) only", f"drop {FLAG}")
-    return getattr(controller, "mem_pool_host", None)
 
 
 # ---------------------------------------------------------------- attach (scheduler init) and the hooks

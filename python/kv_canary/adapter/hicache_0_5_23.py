@@ -6,7 +6,7 @@ line reads differently from 0.5.12, one small function each; the hook bodies are
   the scheduler): on a GPU the records' copies wait for the same fences (0.5.12 has none);
 * the host pool is the ``HostPoolGroup``'s anchor entry's pool (0.5.12: ``mem_pool_host`` itself); a group with
   side pools (SWA, mamba, ...) or packed draft layers is refused;
-* a load's consumer is named where sglang's forward enters the canary (``lines.v0_5_23.InTreeSlot``); the layer
+* a load's consumer is named where sglang's forward enters the canary (``in_tree_slot.InTreeSlot``); the layer
   counter sits on the device pool as on 0.5.12 (``hicache.note_load_consumer``).
 
 ``HybridCacheController`` inherits ``HiCacheController.start_writing`` / ``start_loading`` (it overrides

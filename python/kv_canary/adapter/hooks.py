@@ -8,24 +8,12 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from .managers import canary_of, manager_of  # noqa: F401 - manager_of: named here too
+
 logger = logging.getLogger("kv_canary")
 
 
 # ---------------------------------------------------------------- model runner
-
-
-def canary_of(model_runner):
-    """The runner's manager, or None (canary off, draft worker, or not installed)."""
-    if getattr(model_runner, "is_draft_worker", False):
-        return None
-    return manager_of(model_runner)
-
-
-def manager_of(model_runner):
-    """``model_runner.canary_manager``: the plugin's ``CanaryManager``, or on a line whose own call sites drive it
-    (0.5.23) the slot object those call sites use, which holds it as ``kv_canary_manager``."""
-    slot = getattr(model_runner, "canary_manager", None)
-    return getattr(slot, "kv_canary_manager", slot)
 
 
 def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs):
@@ -40,7 +28,7 @@ def after_profile_available_bytes(available_bytes, model_runner, *args, **kwargs
 def reserve_before_kv_pool(sizer, available_bytes) -> int:
     """The canary's bytes to hold back (logged); ``sizer``: what sglang sizes the pool from (it has
     ``server_args``, ``model_config``, ``is_draft_worker``: 0.5.12's ModelRunner, 0.5.23's KVCacheConfigurator)."""
-    from ..api import canary_reserved_bytes
+    from .install import canary_reserved_bytes
 
     reserve = canary_reserved_bytes(sizer, int(available_bytes))
     if reserve > 0:
@@ -50,7 +38,7 @@ def reserve_before_kv_pool(sizer, available_bytes) -> int:
 
 
 def after_init_memory_pool(_result, model_runner, *args, **kwargs) -> None:
-    from ..api import install_canary
+    from .install import install_canary
 
     model_runner.canary_manager = install_canary(server_args=model_runner.server_args, model_runner=model_runner)
 

@@ -111,15 +111,3 @@ def after_tree_reset(_result, tree, *args, **kwargs) -> None:
     """``reset``: the tree was emptied."""
     on_reset(tree)
 
-
-def radix_view_for(tree_cache, manager):
-    """The 0.5.12 line's prefix-cache reader (``SglangLine.prefix_cache_view``): RadixCache, SWARadixCache or
-    MambaRadixCache, else None."""
-    from .mamba_radix import MambaRadixCacheView
-    from .swa_radix import SWARadixCacheView
-
-    del manager
-    for view in (RadixCacheView, SWARadixCacheView, MambaRadixCacheView):
-        if view.supports(tree_cache):
-            return view(tree_cache)
-    return None

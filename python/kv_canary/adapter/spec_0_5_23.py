@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .lines.v0_5_23 import InTreeSlot
+from .in_tree_slot import InTreeSlot
 
 SPEC_WHERE = ("verified with topk 1: synchronous spec v2 on CPU (overlap scheduler off, as sglang runs it there), spec v2 "
               "with the overlap scheduler (0.5.23's GPU default) or without it on the GPU, under CUDA graphs")
@@ -120,7 +120,7 @@ def start_draft_reporting(scheduler, target_runner) -> None:
     check as the target's (its pool was not rebuilt after install), and the target runner learns it (idle drain)."""
     from ..buffer_groups import groups_still_view
     from ..config import FLAG_MODE, CanaryConfigError
-    from .hooks import manager_of
+    from .managers import manager_of
     from .pools import pool_context
 
     runner = draft_runner_of(scheduler)

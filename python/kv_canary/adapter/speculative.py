@@ -20,7 +20,7 @@ from typing import Optional
 
 def _target_manager(worker):
     """The target runner's manager (on a line whose own call sites drive it, held by their slot object)."""
-    from .hooks import canary_of
+    from .managers import canary_of
 
     runner = getattr(getattr(worker, "target_worker", None), "model_runner", None)
     return None if runner is None else canary_of(runner)

@@ -3,15 +3,28 @@
 ``OutsideBracket`` (``CanaryManager.with_ops_outside_graph``) runs the outside pre-ops on entry and the outside
 post-ops on a clean exit; ``ActiveBracket`` (``with_active_single_forward_manager``) routes the patched
 ``model.forward`` calls inside it to one single-forward manager. Both are classes, not generators: they run on
-every forward's host path.
+every forward's host path. They take the manager as the ``Bracketed`` it is (manager.py imports this module, not
+the reverse).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Sequence
+from typing import List, Protocol, Sequence
 
-if TYPE_CHECKING:
-    from .manager import CanaryManager
+
+class Bracketed(Protocol):
+    """What ``OutsideBracket`` uses of ``CanaryManager``."""
+
+    _in_outside_bracket: bool
+    _eager_tails: int
+
+    def _check_index(self, index: int) -> None: ...
+
+    def _pre_ops_outside_graph(self, fb: object) -> None: ...
+
+    def _post_ops_outside_graph(self, fb: object, expected_forwards: int) -> None: ...
+
+    def note_failed_step(self, fb: object) -> None: ...
 
 
 class CanaryBracketError(RuntimeError):
@@ -23,7 +36,7 @@ class OutsideBracket:
 
     __slots__ = ("_m", "_indices", "_fb")
 
-    def __init__(self, manager: CanaryManager, indices: Sequence[int], fb: object):
+    def __init__(self, manager: Bracketed, indices: Sequence[int], fb: object):
         self._m, self._indices, self._fb = manager, indices, fb
 
     def __enter__(self) -> None:

@@ -7,7 +7,7 @@ inner forwards), the engine wiring does::
         with manager.with_active_single_forward_manager(0):
             model.forward(...)        # patched; eager or replayed from a CUDA graph
 
-and the patched ``model.forward`` (``api._with_canary_bracketing``) does::
+and the patched ``model.forward`` (``adapter/forward_patch._with_canary_bracketing``) does::
 
     view = manager.pre_ops_maybe_inside_graph(fb, verify_later=anchored)  # plan + HEAD
     out = original_forward(...)                       # attention reads / writes KV

@@ -3,19 +3,17 @@ serving."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from ..views import ForwardView
 
-if TYPE_CHECKING:
-    from .manager import CanaryManager
 
-
-def precompile(m: CanaryManager, block_lengths: Sequence[int], batch_sizes: Sequence[int],
+def precompile(m, block_lengths: Sequence[int], batch_sizes: Sequence[int],
                verify_staged: bool = False) -> None:
-    """Launch every kernel variant once at install so Triton compiles none while serving.
+    """Launch every kernel variant once at install so Triton compiles none while serving; ``m``: the
+    ``CanaryManager`` (manager.py imports this module, not the reverse).
 
     Inert launches: every request is row 0 with a new run of n tokens at position 0
     written to the padding slot 0, so nothing is read (no prefix) and nothing is

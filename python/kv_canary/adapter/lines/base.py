@@ -37,7 +37,7 @@ def _runner_dp_rank(model_runner: Any) -> Optional[int]:
 
 
 def _controller_host_pool(controller: Any) -> Any:
-    from ..hicache import host_pool_0_5_12
+    from ..hicache_pool import host_pool_0_5_12
 
     return host_pool_0_5_12(controller)
 

@@ -11,7 +11,7 @@ their own tables, required with their flags.
 
 from __future__ import annotations
 
-from ..radix import radix_view_for
+from ..radix import RadixCacheView
 from ..server_args import POLICY_0_5_12
 from .base import HookTable, SglangLine
 
@@ -121,6 +121,19 @@ def spec_v1(server_args) -> bool:
     """EAGLE with the overlap scheduler off runs spec v1 (``EAGLEWorker``: tree verifies, their TAIL deferred); sglang
     forces it off for topk > 1 (``ServerArgs.__post_init__``; ``SpeculativeAlgorithm.create_worker`` picks by it)."""
     return bool(getattr(server_args, "disable_overlap_schedule", False))
+
+
+def radix_view_for(tree_cache, manager):
+    """The 0.5.12 line's prefix-cache reader (``SglangLine.prefix_cache_view``): RadixCache, SWARadixCache or
+    MambaRadixCache, else None. Here, not in ``radix``: the SWA and mamba views import ``radix``."""
+    from ..mamba_radix import MambaRadixCacheView
+    from ..swa_radix import SWARadixCacheView
+
+    del manager
+    for view in (RadixCacheView, SWARadixCacheView, MambaRadixCacheView):
+        if view.supports(tree_cache):
+            return view(tree_cache)
+    return None
 
 
 LINE = SglangLine(name="0.5.12", versions=("0.5.12", "0.5.12.post1"), hooks=HOOKS, pd_hooks=PD_HOOKS,

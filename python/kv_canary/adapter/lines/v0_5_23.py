@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..in_tree_slot import InTreeSlot
 from ..policy_0_5_23 import POLICY_0_5_23
 from ..unified_radix import unified_view_for
 from .base import HookTable, SglangLine
@@ -139,42 +140,9 @@ def _running_line() -> SglangLine:
     return current_line()
 
 
-class InTreeSlot:
-    """What sglang 0.5.23's call sites for its in-tree canary call (``model_runner.canary_manager``), served by the
-    plugin's ``CanaryManager`` (``kv_canary_manager``)."""
-
-    def __init__(self, manager, model_runner=None):
-        self.kv_canary_manager = manager
-        self._model_runner = model_runner  # HiCache: its KV pool's layer counter names the load a forward consumes
-
-    def with_ops_outside_graph(self, *, single_forward_indices, maybe_inaccurate_forward_batch):
-        if self._model_runner is not None and getattr(self.kv_canary_manager, "host_records", None) is not None:
-            from ..hicache import note_load_consumer  # sglang set the consumer index before this forward
-
-            note_load_consumer(self.kv_canary_manager, self._model_runner)
-        return self.kv_canary_manager.with_ops_outside_graph(
-            single_forward_indices=single_forward_indices, maybe_inaccurate_forward_batch=maybe_inaccurate_forward_batch)
-
-    def with_active_single_forward_manager(self, index: int):
-        return self.kv_canary_manager.with_active_single_forward_manager(index)
-
-    def mark_init_finished(self) -> None:
-        """Called by sglang right after graph capture; the plugin marks at the end of ``Scheduler.init_model_worker``
-        instead (``after_init_model_worker``), after sampling prewarm and post-capture KV sizing too."""
-
-    def attach_radix_cache(self, tree_cache) -> None:
-        """The plugin attaches the tree with metrics and contain in its ``Scheduler.__init__`` hook (right after
-        this call), through the line's reader (``unified_radix``)."""
-
-    def per_forward_workspace_bytes(self) -> int:
-        """Bytes the canary allocates per forward after install, for sglang's post-capture KV sizing: none (every
-        buffer is preallocated at install)."""
-        return 0
-
-
 def install(*, server_args, model_runner, token_oracle_manager=None):
     """In place of sglang's in-tree ``install_canary``: the plugin's manager behind an ``InTreeSlot``, or None."""
-    from ...api import config_from_server_args, install_canary
+    from ..install import config_from_server_args, install_canary
 
     del token_oracle_manager  # sglang's token-oracle sampler (--sampling-backend token_oracle); ours is built in
     refuse_unported(server_args)
@@ -254,7 +222,7 @@ def after_init_model_worker(_result, scheduler, *args, **kwargs) -> None:
     post-capture KV sizing): the canary's records and zero-copy views would no longer match it."""
     from ...buffer_groups import groups_still_view
     from ...config import FLAG_MODE, CanaryConfigError
-    from ..hooks import canary_of
+    from ..managers import canary_of
     from ..pools import pool_context
 
     from ..spec_0_5_23 import start_draft_reporting
@@ -286,7 +254,7 @@ def after_add_cli_args(_result, parser) -> None:
 def after_resolve_once(_result, server_args, *args, **kwargs) -> None:
     """The settings checked once sglang resolved them, in the launching process (CLI and Engine alike), before any
     scheduler starts; the scheduler checks again at install. ``CanaryConfigError`` names the flag."""
-    from ...api import config_from_server_args
+    from ..install import config_from_server_args
     from ..server_args import check_supported
 
     refuse_unported(server_args)  # before the checks of features this line does not have yet
