@@ -79,7 +79,8 @@ class Reporting:
             listen(self.note_contained)
 
     def note_contained(self, rids) -> None:
-        """Requests the engine aborted for holding a bad slot the scrub or the sweep found (no reader named them)."""
+        """Count requests contained, once each: the readers an order names, and the requests the engine aborted for
+        holding a bad slot the scrub or the sweep found (no reader named them)."""
         for rid in rids:
             if rid not in self._contained:
                 self._contained[rid] = None
@@ -259,11 +260,7 @@ class Reporting:
             return
         if self._containment is None:
             raise CanaryBracketError("kv-canary: --kv-canary contain needs the engine's containment side attached")
-        for rid in order.aborts:
-            self._contained[rid] = None
-        while len(self._contained) > REPORTED_MEMORY:
-            self._contained.popitem(last=False)
-        self.contained_requests += len(order.aborts)
+        self.note_contained(order.aborts)  # (build_order left out the rids already contained)
         self._containment.submit(order)
 
     def metrics_snapshot(self) -> Dict[str, int]:
