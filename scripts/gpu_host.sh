@@ -24,6 +24,8 @@
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
+#   bash scripts/gpu_host.sh e2e-bg NAME FILES.. [-k ..]  # e2e files in the background (one per GPU with
+#   bash scripts/gpu_host.sh e2e-collect NAME [s]   #   CUDA_VISIBLE_DEVICES); collect: wait up to s, logs into $OUT
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
 #   bash scripts/gpu_host.sh bundle-pd              # HERE: .bundle/pd-{1,2,3} (scripts/build_pd_bundle.sh: CUDA
 #                                                   # mooncake split in 45 MiB pieces, sglang-router, Ubuntu debs)
@@ -256,6 +258,19 @@ PY
         --out "$out/decode-base.json" "$@" 2>&1 | grep -v -i "warn" | tee "$out/decode-base.log"
     fi ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
+  e2e-bg)  # NAME [pytest args]: registered e2e files on the GPU in the background (setsid), in /tmp/kvc-e2e-NAME
+    # (one per GPU with CUDA_VISIBLE_DEVICES); e2e-collect NAME [seconds] waits for it and copies its logs into $OUT
+    name="${1:?e2e-bg NAME [pytest args]}"; shift; dir="/tmp/kvc-e2e-$name"; rm -rf "$dir"; mkdir -p "$dir"
+    KVC_TEST_DEVICE=cuda setsid bash -c 'd="$0"; shift; python3 -m pytest -q -rs -s -p no:cacheprovider \
+      --basetemp="$d/pt" "$@" > "$d/e2e.log" 2>&1; echo $? > "$d/rc"' "$dir" "$@" < /dev/null > /dev/null 2>&1 &
+    echo "e2e $name started: $dir/e2e.log" ;;
+  e2e-collect)
+    name="${1:?e2e-collect NAME [seconds]}"; dir="/tmp/kvc-e2e-$name"; wait_s="${2:-0}"
+    [ -d "$dir" ] || { echo "NO_E2E: $dir missing (a fresh host?)"; exit 3; }
+    for _ in $(seq "$wait_s"); do [ ! -f "$dir/rc" ] || break; sleep 1; done
+    cp "$dir/e2e.log" "$out/e2e-$name.log"; [ ! -d "$dir/pt" ] || tar czf "$out/e2e-$name-logs.tgz" -C "$dir" pt
+    if [ -f "$dir/rc" ]; then echo "E2E_DONE $name rc=$(cat "$dir/rc")"; else echo "E2E_RUNNING $name"; fi
+    tail -5 "$dir/e2e.log" ;;
   bench)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu-info.txt"
     python3 benchmarks/bench_kernels.py --out "$out/bench_kernels.json" 2>&1 | tee "$out/bench-kernels.log"
