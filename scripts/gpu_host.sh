@@ -261,7 +261,7 @@ PY
   e2e-bg)  # NAME [pytest args]: registered e2e files on the GPU in the background (setsid), in /tmp/kvc-e2e-NAME
     # (one per GPU with CUDA_VISIBLE_DEVICES); e2e-collect NAME [seconds] waits for it and copies its logs into $OUT
     name="${1:?e2e-bg NAME [pytest args]}"; shift; dir="/tmp/kvc-e2e-$name"; rm -rf "$dir"; mkdir -p "$dir"
-    KVC_TEST_DEVICE=cuda setsid bash -c 'd="$0"; shift; python3 -m pytest -q -rs -s -p no:cacheprovider \
+    KVC_TEST_DEVICE=cuda setsid bash -c 'd="$0"; python3 -m pytest -q -rs -s -p no:cacheprovider \
       --basetemp="$d/pt" "$@" > "$d/e2e.log" 2>&1; echo $? > "$d/rc"' "$dir" "$@" < /dev/null > /dev/null 2>&1 &
     echo "e2e $name started: $dir/e2e.log" ;;
   e2e-collect)

@@ -17,7 +17,9 @@ import pytest
 import requests
 
 from kv_canary.violations import CONTAIN_PREFIX, parse_lines
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.canary_e2e import (
+    MAX_TOTAL_TOKENS, CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci,
+)
 from kv_canary_testing.server import ServerError
 from kv_canary_testing.workload import build_workload, run_requests
 
@@ -175,7 +177,8 @@ SCRUB_ENV = {
     "SGLANG_KV_CANARY_PERTURB_SEED": "9",
     "SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS": "6",
     "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "anywhere",
-    "SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "4096",
+    # every slot of the pool in one forward, whatever the device's test pool (MAX_TOTAL_TOKENS): the bound is 1
+    "SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": str(2 * MAX_TOTAL_TOKENS[e2e_device()]),
 }
 HELD = "found by the scrub"
 
