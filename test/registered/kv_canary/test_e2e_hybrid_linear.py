@@ -44,7 +44,9 @@ pytestmark = pytest.mark.skipif(
 # sglang 0.5.23 defaults to --mamba-radix-cache-strategy extra_buffer on the GPU, which the canary refuses there (not
 # verified: adapter/lines/v0_5_23.refuse_unverified_pool); no_buffer is verified, and sglang runs it only with the
 # overlap scheduler off
-LINE_ARGS = (["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
+# overlap scheduler off; and its --kv-canary-real-data defaults to none (upstream's default), where the byte flips below
+# need hashed bytes
+LINE_ARGS = (["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule", "--kv-canary-real-data", "partial"]
              if installed_line() == "0.5.23" else [])
 POOL_TOKENS = 4096  # small: the mixed workload forces radix-cache eviction
 ENV = {
