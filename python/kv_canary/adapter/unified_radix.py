@@ -28,6 +28,15 @@ only its state and keeps its KV allocated and cached (a later match reads it thr
 state), so the sweep verifies those slots, as 0.5.12's ``MambaRadixCache`` index did. The unused-cache
 pick takes nodes with no FULL lock (tombstones included). The mamba state itself is not covered.
 Any other tree (unified memory, ...) is not read: the sweep is refused naming its flag.
+
+Walking only when the tree changed (``TreeChanges``): the walk is host work O(cached slots) (Rust core, 2-core
+CPU: ~2-4 ms for 82k cached slots, plus ~2 ms to stage the rows), and a decode-heavy server's tree holds hundreds
+of thousands of slots while it changes only at admissions and finishes. With sglang's default Rust core
+(``RustUnifiedTreeCore``), every change of the tree passes through the core object's public methods (the Rust
+binding is private to it), so the view wraps them on that one instance: a call to any method not known to leave
+the walk's rows as they are marks the tree changed, before it runs, and the next sweep walks again; otherwise the
+index of the last walk is still exact and the sweep reuses it. The Python core's components reach into its nodes
+directly, so with that core the tree is walked before every sweep.
 """
 
 from __future__ import annotations
@@ -36,12 +45,65 @@ import random
 from typing import Optional, Tuple
 
 
+class TreeChanges:
+    """Whether a ``RustUnifiedTreeCore`` may have changed the walk's rows since the last ``take()`` (module doc).
+
+    Wraps the core instance's public methods, except ``UNCHANGING`` (reads, lock and pin counts: the walk emits
+    every device-resident slot, locked or not), so that a call marks the tree changed before it runs. A method
+    sglang adds later is wrapped too (it counts as a change until it is listed here).
+    """
+
+    CORES = ("RustUnifiedTreeCore",)
+    UNCHANGING = frozenset((
+        "walk_for_kv_canary", "evictable_size", "protected_size", "full_evictable_size", "full_protected_size",
+        "component_evictable_size", "component_protected_size", "swa_evictable_size", "swa_protected_size",
+        "mamba_evictable_size", "mamba_protected_size", "total_size", "get_component_device_value",
+        "get_hash_values", "get_last_hash_value", "get_prefix_hash_values", "collect_full_device_indices",
+        "collect_path_info", "root_node_handle", "node_by_id", "is_root", "is_backuped", "is_full_device_evicted",
+        "is_write_back", "is_write_through_compatible", "is_host_memory_buffer_only", "has_ongoing_insert",
+        "has_swa_host_pool", "component_has_host_value_only", "pretty_print", "sanity_check", "rotation_base_of",
+        "rotation_phase_of", "supports_fast_match_prefix", "supports_rotation_base", "dfs_weight_order",
+        "inc_lock_ref", "dec_lock_ref", "inc_full_pin", "dec_full_pin", "dec_swa_lock_only", "dec_window_lock_only",
+        "inc_host_lock_ref", "dec_host_lock_ref",
+    ))
+
+    def __init__(self, core):
+        self.changed = True
+        self.wrapped = 0
+        for name in dir(type(core)):
+            if name.startswith("_") or name in self.UNCHANGING:
+                continue
+            if not callable(getattr(type(core), name, None)) or isinstance(getattr(type(core), name), property):
+                continue
+            setattr(core, name, self._marking(getattr(core, name)))
+            self.wrapped += 1
+
+    def _marking(self, method):
+        def marked(*args, **kwargs):
+            self.changed = True
+            return method(*args, **kwargs)
+        return marked
+
+    @classmethod
+    def follow(cls, core) -> "Optional[TreeChanges]":
+        """Changes of ``core`` followed, or None where they cannot be (another core: walk every sweep)."""
+        return cls(core) if type(core).__name__ in cls.CORES else None
+
+    def take(self) -> bool:
+        """True if the tree may have changed since the last call (or this is the first)."""
+        changed, self.changed = self.changed, False
+        return changed
+
+
 class UnifiedRadixCacheView:
     def __init__(self, tree_cache, records):
         """``records``: the swept group's int64[num_slots, RECORD_WIDTH] (the held slots' tokens, see above)."""
         self._tree = tree_cache
         self._records = records
         self._index = None
+        self.changes = TreeChanges.follow(tree_cache.tree_core)
+        self.walks = 0
+        self.walks_skipped = 0
 
     COMPONENTS = (("FULL",), ("FULL", "SWA"), ("FULL", "MAMBA"))  # the trees whose slots this view reads (module doc)
 
@@ -57,9 +119,17 @@ class UnifiedRadixCacheView:
         self.before_sweep()
 
     def before_sweep(self) -> None:
+        if self.changes is not None and not self.changes.take():
+            self.walks_skipped += 1  # the last walk's rows are still the tree's: the index is exact
+            return
+        self.walks += 1
         walk = self._tree.tree_core.walk_for_kv_canary(False, False)
         preds = walk.prev_slot_indices.clamp(min=0)
         self._index.replace_rows(walk.slot_indices, walk.positions, preds, self._records)
+
+    def walk_stats(self) -> dict:
+        """For the stats line: sweeps that walked the tree, and sweeps that reused the last walk's index."""
+        return {"index_walks": self.walks, "index_walks_skipped": self.walks_skipped}
 
     def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
         """(slot, position) of a random slot held only by the cache (no running request), or None."""

@@ -309,5 +309,6 @@ class Reporting:
                 **({"tails_at_anchor": self.early_tail.early_tails} if self.early_tail is not None else {}),
                 **(self.transfer.stats() if self.transfer is not None else {}),
                 **(self.host_copies_stats() if self.host_records is not None else {}),
+                **(getattr(getattr(self, "_prefix_cache", None), "walk_stats", dict)()),
             },
         )

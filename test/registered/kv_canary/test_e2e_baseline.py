@@ -49,7 +49,8 @@ def test_mixed_workload_has_no_violation(server):
           f"slots_witnessed={log.last_stat('slots_witnessed')} "
           f"sweeps={log.last_stat('sweeps')} slots_swept={log.last_stat('slots_swept')} "
           f"violations={len(log.violations)} graph_forwards={log.last_stat('graph_forwards')} "
-          f"forwards={log.last_stat('forwards_host')}")
+          f"forwards={log.last_stat('forwards_host')} index_walks={log.stats[-1].get('index_walks') if log.stats else None} "
+          f"index_walks_skipped={log.stats[-1].get('index_walks_skipped') if log.stats else None}")
 
     assert log.installed, server.log_tail()
     assert result.sent >= N_REQUESTS
@@ -67,6 +68,8 @@ def test_mixed_workload_has_no_violation(server):
     # the write witness (on by default) proved every new slot of every forward written: none unwritten
     assert log.last_stat("slots_witnessed") == log.last_stat("slots_written")
     assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0  # the cache sweep found nothing
+    if installed_line() == "0.5.23":  # the UnifiedRadixCache is walked only after it changed (adapter/unified_radix)
+        assert log.last_stat("index_walks") > 0 and log.last_stat("index_walks_skipped") > 0
     assert log.last_stat("health_violations") == 0
     # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")

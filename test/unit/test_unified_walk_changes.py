@@ -1,0 +1,97 @@
+"""The 0.5.23 sweep walks sglang's UnifiedRadixCache again only when the tree may have changed (``TreeChanges``).
+
+Drives sglang's own Rust tree core through random inserts, matches, locks, unlocks, evictions and resets: after
+every step the sweep's index must hold exactly the rows a fresh walk gives, whether the view walked or reused
+its last walk; and a run of reads and locks must not walk at all.
+"""
+
+import random
+
+import pytest
+import torch
+
+from test_contain_unified import KV_SIZE, Cache, _seq  # sglang 0.5.23's tree, allocator and the canary's records
+
+pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache", reason="sglang 0.5.23's UnifiedRadixCache")
+
+
+def _rows(tree):
+    walk = tree.tree_core.walk_for_kv_canary(False, False)
+    return {s: (p, max(q, 0)) for s, p, q in zip(walk.slot_indices.tolist(), walk.positions.tolist(),
+                                                 walk.prev_slot_indices.tolist())}
+
+
+def _indexed(index):
+    index.apply_pending()
+    held = index.held.nonzero().flatten().tolist()
+    return {s: (int(index.position[s]), int(index.pred[s])) for s in held}
+
+
+def _view(cache):
+    from kv_canary.adapter.unified_radix import UnifiedRadixCacheView
+    from kv_canary.cache_index import CachedSlotIndex
+
+    view = UnifiedRadixCacheView(cache.tree, cache.records)
+    index = CachedSlotIndex(KV_SIZE + 1, torch.device("cpu"))
+    view.attach_index(index)
+    return view, index
+
+
+def test_the_rust_core_is_followed_and_the_python_core_walked_every_sweep():
+    assert _view(Cache("rust"))[0].changes is not None
+    view, _ = _view(Cache("python"))
+    assert view.changes is None
+    view.before_sweep()
+    view.before_sweep()
+    assert view.walks == 3 and view.walks_skipped == 0  # attach + two sweeps
+
+
+def test_the_index_is_the_trees_after_every_step_whether_walked_or_not():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+
+    cache = Cache("rust")
+    view, index = _view(cache)
+    rng = random.Random(5)
+    seqs = [_seq(rng.randrange(4, 40), start=rng.randrange(0, 300)) for _ in range(12)]
+    locks = []
+    for step in range(300):
+        op = rng.choice(["insert", "match", "lock", "unlock", "evict", "read", "read", "read"]
+                        + (["reset"] if step % 97 == 96 else []))
+        if op == "insert" and cache.alloc.available_size() > 48:
+            base = rng.choice(seqs)
+            cache.insert(base[:rng.randrange(1, len(base) + 1)] + ([rng.randrange(1000)] if rng.random() < .5 else []))
+        elif op == "match":
+            cache.hit(rng.choice(seqs))
+        elif op == "lock":
+            node = cache.tree.match_prefix(MatchPrefixParams(key=cache.key(rng.choice(seqs)))).last_device_node
+            locks.append(cache.tree.lock(node))
+        elif op == "unlock" and locks:
+            cache.tree.unlock(locks.pop(rng.randrange(len(locks))))
+        elif op == "evict":
+            cache.tree.evict(EvictParams(num_tokens=rng.randrange(1, 32)))
+        elif op == "reset" and not locks:
+            cache.tree.reset()
+        walks = view.walks
+        view.before_sweep()
+        assert _indexed(index) == _rows(cache.tree), (step, op, view.walks > walks)
+    assert view.walks_skipped > 50 and view.walks > 20, (view.walks, view.walks_skipped)
+
+
+def test_reads_and_locks_do_not_walk_and_a_change_walks_once():
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = Cache("rust")
+    a = _seq(20)
+    cache.insert(a)
+    view, index = _view(cache)
+    core = cache.tree.tree_core
+    for _ in range(5):
+        core.walk_for_kv_canary(True, False)
+        core.evictable_size(), core.protected_size(), core.total_size()
+        view.before_sweep()
+    assert view.walks == 1 and view.walks_skipped == 5
+    cache.tree.evict(EvictParams(num_tokens=8))
+    view.before_sweep()
+    view.before_sweep()
+    assert view.walks == 2 and view.walks_skipped == 6
+    assert _indexed(index) == _rows(cache.tree)
