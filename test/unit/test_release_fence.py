@@ -18,15 +18,14 @@ from kv_canary.config import CanaryConfig
 
 TABLE = load_table()
 RELEASES = TABLE["releases"]
-SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
+SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.14": "0.5.15", "0.5.15": "0.5.15",
+          "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
           "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
 # release -> a target that keeps its closest line out (the first difference the fence names)
 REFUSED = {
-    "0.5.13": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.13.post1": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.14": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.15": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.15.post1": "KVCacheConfigurator._profile_available_bytes is missing",
+    "0.5.13": "the 0.5.15 line's hook targets differ here: sglang.srt.model_executor.runner.decode_cuda_graph_runner."
+              "DecodeCudaGraphRunner.capture_one_shape is missing (sglang 0.5.15:",
+    "0.5.13.post1": "DecodeCudaGraphRunner.capture_one_shape is missing (sglang 0.5.15:",
     "0.5.18": "DecodeCudaGraphRunner.capture_one_shape is (self, size, forward, stream_idx=, variant_label=, "
               "dsa_variant=)",
     "0.5.19": "RadixCache._record_store_event is missing",
@@ -95,6 +94,22 @@ def test_a_served_release_with_one_differing_target_installs_nothing_and_names_i
     gone = {**release_signatures(TABLE, "0.5.12"), target: MISSING}
     choice = choose_line("0.5.12", has_in_tree_canary=False, environ={}, observe=lambda targets: gone)
     assert choice.line is None and f"{target} is missing" in choice.reason
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.15", "0.5.15.post1"])
+def test_the_0_5_15_line_refuses_its_releases_when_a_target_it_tells_apart_from_0_5_17_differs(version):
+    """The two targets that tell the 0.5.15 line apart from 0.5.17's: with 0.5.17's shape on one of them, a
+    release of the line is refused (nothing installed), naming the target."""
+    mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes"
+    init_new = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+    ours, later = release_signatures(TABLE, version), release_signatures(TABLE, "0.5.17")
+    assert choose(version).line.name == "0.5.15"
+    for target, phrase in [(mixin, f"{mixin} is missing (sglang 0.5.15: (self, pre_model_load_memory))"),
+                           (init_new, f"{init_new} is {later[init_new]} (sglang 0.5.15: (cls, batch, model_runner))")]:
+        doctored = {**ours, target: later[target]}
+        choice = choose_line(version, has_in_tree_canary=True, environ={}, observe=lambda targets: doctored)
+        assert choice.line is None and choice.refuse and "nothing of it is installed" in choice.reason
+        assert phrase in choice.reason, choice.reason
 
 
 def test_a_target_whose_module_does_not_import_here_is_left_to_the_applied_hooks_check():
