@@ -1,4 +1,5 @@
-"""The sglang 0.5.14/0.5.15 line (``adapter/lines/v0_5_15``): a diff of the 0.5.17 line; no sglang needed.
+"""The sglang 0.5.14/0.5.15 line (``adapter/lines/v0_5_15``), a diff of the 0.5.17 line, and the 0.5.13 line
+(``v0_5_13``), a diff of it; no sglang needed.
 
 Which releases it serves and what refuses them: ``test_release_fence``; its policies against the installed release's
 fields: ``test_server_args_policy``.
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kv_canary.adapter.lines import choose_line, v0_5_12, v0_5_15, v0_5_17
-from kv_canary.adapter.policy_0_5_15 import _NOT_YET, _NOT_YET_0_5_14, _RENAMED, POLICY_0_5_14, POLICY_0_5_15
+from kv_canary.adapter.lines import choose_line, v0_5_12, v0_5_13, v0_5_15, v0_5_17
+from kv_canary.adapter.policy_0_5_15 import (_FROM_0_5_12, _NOT_YET, _NOT_YET_0_5_13, _NOT_YET_0_5_14, _RENAMED,
+                                             POLICY_0_5_13, POLICY_0_5_14, POLICY_0_5_15)
+from kv_canary.adapter.server_args import POLICY_0_5_12
 from kv_canary.adapter.policy_0_5_17 import POLICY_0_5_17
 
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
@@ -57,3 +60,30 @@ def test_the_policies_are_0_5_17s_on_0_5_15s_and_0_5_14s_fields():
         assert not (rules & neutral) and not (rules & elsewhere) and not (elsewhere & neutral)
         for field, rule in policy.rules.items():  # the same rule objects as 0.5.17's (a renamed field: its new name's)
             assert rule is POLICY_0_5_17.rules[_RENAMED.get(field, field)]
+
+
+SHAPE = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_one_shape"
+BATCH_SIZE = "sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner.capture_one_batch_size"
+
+
+def test_the_0_5_13_line_is_0_5_15s_with_0_5_12s_decode_capture_target():
+    for version in ("0.5.13", "0.5.13.post1"):
+        line = choose_line(version, has_in_tree_canary=True, environ={}).line
+        assert line is v0_5_13.LINE and line.policy_for(version) is POLICY_0_5_13
+    ours, theirs = dict(v0_5_13.HOOKS), dict(v0_5_15.HOOKS)
+    assert set(theirs) - set(ours) == {SHAPE} and set(ours) - set(theirs) == {BATCH_SIZE}
+    assert ours[BATCH_SIZE] == v0_5_12.HOOKS[BATCH_SIZE] == theirs[SHAPE]  # the same capture hook, 0.5.12's target
+    assert all(ours[t] == theirs[t] for t in set(ours) & set(theirs))
+    assert "sglang 0.5.13" in v0_5_13.unported(SimpleNamespace(kv_canary="contain"))
+
+
+def test_the_0_5_13_policy_is_0_5_15s_less_the_phase_graph_fields_plus_0_5_12s_piecewise_ones():
+    fields_15 = set().union(*POLICY_0_5_15.classified())
+    rules, elsewhere, neutral = POLICY_0_5_13.classified()
+    assert rules | elsewhere | neutral == (fields_15 - _NOT_YET_0_5_13) | _FROM_0_5_12
+    assert not (rules & neutral) and not (rules & elsewhere) and not (elsewhere & neutral)
+    assert "cuda_graph_config" in _NOT_YET_0_5_13 and not _FROM_0_5_12 & fields_15
+    for field in _FROM_0_5_12:  # 0.5.12's class, the same rule objects
+        assert (POLICY_0_5_13.rules.get(field) is POLICY_0_5_12.rules.get(field)
+                and (field in elsewhere) == (field in POLICY_0_5_12.checked_elsewhere))
+    assert POLICY_0_5_13.rules["enforce_piecewise_cuda_graph"] is POLICY_0_5_12.rules["enforce_piecewise_cuda_graph"]

@@ -18,14 +18,11 @@ from kv_canary.config import CanaryConfig
 
 TABLE = load_table()
 RELEASES = TABLE["releases"]
-SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.14": "0.5.15", "0.5.15": "0.5.15",
-          "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
+SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
+          "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
           "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
 # release -> a target that keeps its closest line out (the first difference the fence names)
 REFUSED = {
-    "0.5.13": "the 0.5.15 line's hook targets differ here: sglang.srt.model_executor.runner.decode_cuda_graph_runner."
-              "DecodeCudaGraphRunner.capture_one_shape is missing (sglang 0.5.15:",
-    "0.5.13.post1": "DecodeCudaGraphRunner.capture_one_shape is missing (sglang 0.5.15:",
     "0.5.18": "DecodeCudaGraphRunner.capture_one_shape is (self, size, forward, stream_idx=, variant_label=, "
               "dsa_variant=)",
     "0.5.19": "RadixCache._record_store_event is missing",

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from kv_canary.adapter.policy_0_5_15 import POLICY_0_5_14, POLICY_0_5_15
+from kv_canary.adapter.policy_0_5_15 import POLICY_0_5_13, POLICY_0_5_14, POLICY_0_5_15
 from kv_canary.adapter.policy_0_5_17 import POLICY_0_5_17
 from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
 from kv_canary.adapter.server_args import POLICY_0_5_12, check_supported, flag_name
@@ -19,8 +19,8 @@ from kv_canary.config import CanaryConfigError
 server_args_mod = pytest.importorskip("sglang.srt.server_args")
 SGLANG_VERSION = pytest.importorskip("sglang.version").__version__
 
-POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.14": POLICY_0_5_14, "0.5.15": POLICY_0_5_15, "0.5.15.post1": POLICY_0_5_15,
-            "0.5.17": POLICY_0_5_17, "0.5.23": POLICY_0_5_23}
+POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.13": POLICY_0_5_13, "0.5.13.post1": POLICY_0_5_13, "0.5.14": POLICY_0_5_14,
+            "0.5.15": POLICY_0_5_15, "0.5.15.post1": POLICY_0_5_15, "0.5.17": POLICY_0_5_17, "0.5.23": POLICY_0_5_23}
 if SGLANG_VERSION not in POLICIES:
     pytest.skip(f"no server-args policy for sglang {SGLANG_VERSION}", allow_module_level=True)
 POLICY = POLICIES[SGLANG_VERSION]
