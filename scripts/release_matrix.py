@@ -72,7 +72,8 @@ SMOKES = {
 
 
 def line_of(release: str) -> str:
-    return next((name for name, m in LINE_MODULES.items() if release in load_line(m).versions), "refused")
+    return next((name for name, m in LINE_MODULES.items()
+                 if release in load_line(m).versions + load_line(m).untested_versions), "refused")
 
 
 def run(release: str, smoke: Optional[str], wheels: str) -> dict:

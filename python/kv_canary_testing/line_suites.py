@@ -167,7 +167,7 @@ def installed_line() -> Optional[str]:
     from kv_canary.adapter.lines import LINE_MODULES, load_line
 
     for name, module in LINE_MODULES.items():
-        if release in load_line(module).versions:
+        if release in load_line(module).versions + load_line(module).untested_versions:
             return name
     return release
 

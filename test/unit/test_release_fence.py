@@ -21,14 +21,13 @@ RELEASES = TABLE["releases"]
 SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
           "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
           "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
+# release -> the line whose targets all match it, statically, with no smoke run: served only with the opt-in env var
+UNTESTED = {"0.5.18": "0.5.18", "0.5.21": "0.5.21"}
 # release -> a target that keeps its closest line out (the first difference the fence names)
 REFUSED = {
-    "0.5.18": "DecodeCudaGraphRunner.capture_one_shape is (self, size, forward, stream_idx=, variant_label=, "
-              "dsa_variant=)",
     "0.5.19": "RadixCache._record_store_event is missing",
-    "0.5.20": "RadixCache._record_store_event is missing",
-    "0.5.21": "ForwardBatch.init_new is (cls, batch, model_runner, *, capture_hidden_mode=, "
-              "return_hidden_states_before_norm) (sglang 0.5.23:",
+    "0.5.20": "the 0.5.21 line's hook targets differ here: sglang.srt.managers.scheduler.Scheduler.__init__ is (self, "
+              "server_args, port_args, gpu_id,",
 }
 
 
@@ -42,7 +41,7 @@ def choose(version, signatures_of=None, env=None, in_tree=None):
 
 
 def test_every_release_from_0_5_12_to_0_5_23_is_in_the_table_with_its_wheel():
-    assert set(RELEASES) == set(SERVED) | set(REFUSED)
+    assert set(RELEASES) == set(SERVED) | set(REFUSED) | set(UNTESTED)
     assert all(r["wheel"] for r in RELEASES.values())
     assert all(rows for rows in TABLE["targets"].values())
 
@@ -68,8 +67,24 @@ def test_each_line_covers_exactly_the_releases_whose_targets_all_match():
         line = load_line(module)
         matching = {v for v, r in RELEASES.items() if r["in_tree_canary"] == line.in_tree_canary
                     and not differences(line, release_signatures(TABLE, v), TABLE)}
-        assert set(line.versions) == matching, line.name
-    assert set(release_modules()) == set(SERVED)
+        assert set(line.versions) | set(line.untested_versions) == matching, line.name
+        assert not set(line.versions) & set(line.untested_versions), line.name
+    assert set(release_modules()) == set(SERVED) | set(UNTESTED)
+
+
+@pytest.mark.parametrize("version", sorted(UNTESTED))
+def test_a_release_mapped_by_the_fence_alone_runs_only_when_allowed(version):
+    choice = choose(version)
+    assert choice.line is None and choice.refuse and ALLOW_UNTESTED_ENV in choice.reason
+    assert f"sglang {version} has not been run with sglang-kv-canary" in choice.reason
+    assert f"its hook targets all match the {UNTESTED[version]} line" in choice.reason
+    assert version not in choice.reason.split("install one of ", 1)[1]  # not listed as supported
+    choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"})
+    assert choice.line is not None and choice.line.name == UNTESTED[version] and choice.untested and not choice.refuse
+    assert version in choice.line.untested_versions and "no smoke has run on it" in choice.reason
+    other = "0.5.17" if UNTESTED[version] == "0.5.18" else "0.5.23"  # a differing target: refused even when allowed
+    choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"}, signatures_of=other)
+    assert choice.line is None and choice.refuse and "nothing of it is installed" in choice.reason
 
 
 def test_the_refusal_hooks_exist_on_every_release():

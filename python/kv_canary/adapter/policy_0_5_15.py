@@ -56,7 +56,7 @@ _FROM_0_5_12 = frozenset("""
 """.split())
 
 
-def _without(policy: ServerArgsPolicy, gone: frozenset, renamed=None, source=None) -> ServerArgsPolicy:
+def derived(policy: ServerArgsPolicy, gone: frozenset, renamed=None, source=None) -> ServerArgsPolicy:
     """``policy`` less the fields in ``gone``, plus each old name of ``renamed`` classified as its new name is in
     ``source`` (default: ``policy``)."""
     renamed = renamed or {}
@@ -78,6 +78,6 @@ def _without(policy: ServerArgsPolicy, gone: frozenset, renamed=None, source=Non
     return ServerArgsPolicy(rules, elsewhere, frozenset(neutral), offenders)
 
 
-POLICY_0_5_15 = _without(POLICY_0_5_17, _NOT_YET, _RENAMED)
-POLICY_0_5_14 = _without(POLICY_0_5_15, _NOT_YET_0_5_14)
-POLICY_0_5_13 = _without(POLICY_0_5_15, _NOT_YET_0_5_13, {field: field for field in _FROM_0_5_12}, POLICY_0_5_12)
+POLICY_0_5_15 = derived(POLICY_0_5_17, _NOT_YET, _RENAMED)
+POLICY_0_5_14 = derived(POLICY_0_5_15, _NOT_YET_0_5_14)
+POLICY_0_5_13 = derived(POLICY_0_5_15, _NOT_YET_0_5_13, {field: field for field in _FROM_0_5_12}, POLICY_0_5_12)

@@ -71,6 +71,9 @@ class SglangLine:
     in_tree_canary: bool = False
     flags_declared_by_sglang: bool = False
     policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
+    # releases whose hook targets all match the line (the fence, from their wheels) but that no smoke ran on here:
+    # served only with SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1 (adapter/lines.choose_line)
+    untested_versions: Tuple[str, ...] = ()
     # a release of the line whose ServerArgs fields differ from the line's own release -> its policy (policy_for)
     release_policies: Mapping[str, Any] = field(default_factory=dict)
     unported: Callable[[Any], str] = _nothing_unported
