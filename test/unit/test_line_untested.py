@@ -38,4 +38,5 @@ def test_their_policies_are_the_neighbour_lines_on_their_fields():
             assert rule is (source if field in added else base).rules[field] or field == _HOST_RECEIVE
     host_receive = POLICY_0_5_21.rules[_HOST_RECEIVE]
     assert host_receive.allowed(0, None) and not host_receive.allowed(1, None)
-    assert POLICY_0_5_23.rules[_HOST_RECEIVE].allowed(1, None) and not POLICY_0_5_23.rules[_HOST_RECEIVE].allowed(0, None)
+    theirs = POLICY_0_5_23.rules[_HOST_RECEIVE]
+    assert theirs.allowed(1, None) and not theirs.allowed(0, None)

@@ -30,8 +30,8 @@ _NOT_YET = frozenset("""
     weight_cache_timeout
 """.split())
 # 0.5.15 field -> the 0.5.17 field it became (same meaning, same default)
-_RENAMED = {"optimistic_prefill_retries": "optimistic_prefill_attempts", "grpc_http_sidecar_port": "smg_http_sidecar_port",
-            "enable_deepep_waterfill": "enable_waterfill"}
+_RENAMED = {"optimistic_prefill_retries": "optimistic_prefill_attempts",
+            "grpc_http_sidecar_port": "smg_http_sidecar_port", "enable_deepep_waterfill": "enable_waterfill"}
 # 0.5.15 fields that 0.5.14 does not have yet
 _NOT_YET_0_5_14 = frozenset("""
     bf16_gemm_backend dcp_size decoupled_spec_bind_endpoint decoupled_spec_connect_endpoints decoupled_spec_rank

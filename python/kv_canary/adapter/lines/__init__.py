@@ -15,9 +15,10 @@ it expects (``fence``; ``release_targets.json``, read from each release's wheel 
 At startup the fence checks the running sglang the same way: a target that is missing or differs refuses
 ``--kv-canary`` (other than ``none``), naming the release, the target and what differs; nothing of the line is
 installed. A release a line maps by the fence alone, with no smoke run on it (``SglangLine.untested_versions``),
-runs only with ``ALLOW_UNTESTED_ENV`` (below), else it is refused naming that env var. A release newer than the newest line is refused too, listing what differs, unless its targets all
-match the newest line and ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``ALLOW_UNTESTED_ENV``) lets it run
-untested (the startup lines say so). Any other release: the plugin installs nothing and a ``--kv-canary`` other
+runs only with ``ALLOW_UNTESTED_ENV`` (below), else it is refused naming that env var. A release newer than the
+newest line is refused too, listing what differs, unless its targets all match the newest line and
+``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``ALLOW_UNTESTED_ENV``) lets it run untested (the startup lines say
+so). Any other release: the plugin installs nothing and a ``--kv-canary`` other
 than ``none`` is refused at startup, naming the version and the supported ones (``refusal``).
 """
 

@@ -68,7 +68,8 @@ def unported(server_args: Any) -> str:
 def unported_on(server_args: Any, release: str, *, post_capture_kv_sizing: bool = True) -> str:
     """``unported`` naming ``release`` (a line that reuses this one: ``v0_5_15``, whose sglang has no post-capture
     KV sizing)."""
-    if post_capture_kv_sizing and os.environ.get(POST_CAPTURE_KV_SIZING_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    sizing = os.environ.get(POST_CAPTURE_KV_SIZING_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if post_capture_kv_sizing and sizing:
         return (f"{POST_CAPTURE_KV_SIZING_ENV}=1 makes sglang re-back and resize the KV pool after CUDA-graph capture, "
                 "after the canary sized its per-slot records to it; unset it")
     if str(getattr(server_args, "kv_canary", "none")) == "contain":
