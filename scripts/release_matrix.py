@@ -64,13 +64,18 @@ _CONTAIN = "test_contain_aborts_exactly_the_readers or test_contain_is_refused_w
 SMOKES = {
     "0.5.12": ("test_e2e_baseline or test_log_mode_reports_every_injection_and_keeps_serving or "
                f"test_log_mode_catches_shifted_positions_and_wrong_tokens or {_CONTAIN}"),
+    "0.5.13": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
+    "0.5.15": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
     "0.5.17": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
+    "0.5.18": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
+    "0.5.21": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
     "0.5.23": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
 }
 
 
 def line_of(release: str) -> str:
-    return next((name for name, m in LINE_MODULES.items() if release in load_line(m).versions), "refused")
+    return next((name for name, m in LINE_MODULES.items()
+                 if release in load_line(m).versions + load_line(m).untested_versions), "refused")
 
 
 def run(release: str, smoke: Optional[str], wheels: str) -> dict:

@@ -18,21 +18,16 @@ from kv_canary.config import CanaryConfig
 
 TABLE = load_table()
 RELEASES = TABLE["releases"]
-SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
+SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
+          "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
           "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
+# release -> the line whose targets all match it, statically, with no smoke run: served only with the opt-in env var
+UNTESTED = {"0.5.18": "0.5.18", "0.5.21": "0.5.21"}
 # release -> a target that keeps its closest line out (the first difference the fence names)
 REFUSED = {
-    "0.5.13": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.13.post1": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.14": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.15": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.15.post1": "KVCacheConfigurator._profile_available_bytes is missing",
-    "0.5.18": "DecodeCudaGraphRunner.capture_one_shape is (self, size, forward, stream_idx=, variant_label=, "
-              "dsa_variant=)",
     "0.5.19": "RadixCache._record_store_event is missing",
-    "0.5.20": "RadixCache._record_store_event is missing",
-    "0.5.21": "ForwardBatch.init_new is (cls, batch, model_runner, *, capture_hidden_mode=, "
-              "return_hidden_states_before_norm) (sglang 0.5.23:",
+    "0.5.20": "the 0.5.21 line's hook targets differ here: sglang.srt.managers.scheduler.Scheduler.__init__ is (self, "
+              "server_args, port_args, gpu_id,",
 }
 
 
@@ -46,7 +41,7 @@ def choose(version, signatures_of=None, env=None, in_tree=None):
 
 
 def test_every_release_from_0_5_12_to_0_5_23_is_in_the_table_with_its_wheel():
-    assert set(RELEASES) == set(SERVED) | set(REFUSED)
+    assert set(RELEASES) == set(SERVED) | set(REFUSED) | set(UNTESTED)
     assert all(r["wheel"] for r in RELEASES.values())
     assert all(rows for rows in TABLE["targets"].values())
 
@@ -72,8 +67,24 @@ def test_each_line_covers_exactly_the_releases_whose_targets_all_match():
         line = load_line(module)
         matching = {v for v, r in RELEASES.items() if r["in_tree_canary"] == line.in_tree_canary
                     and not differences(line, release_signatures(TABLE, v), TABLE)}
-        assert set(line.versions) == matching, line.name
-    assert set(release_modules()) == set(SERVED)
+        assert set(line.versions) | set(line.untested_versions) == matching, line.name
+        assert not set(line.versions) & set(line.untested_versions), line.name
+    assert set(release_modules()) == set(SERVED) | set(UNTESTED)
+
+
+@pytest.mark.parametrize("version", sorted(UNTESTED))
+def test_a_release_mapped_by_the_fence_alone_runs_only_when_allowed(version):
+    choice = choose(version)
+    assert choice.line is None and choice.refuse and ALLOW_UNTESTED_ENV in choice.reason
+    assert f"sglang {version} has not been run with sglang-kv-canary" in choice.reason
+    assert f"its hook targets all match the {UNTESTED[version]} line" in choice.reason
+    assert version not in choice.reason.split("install one of ", 1)[1]  # not listed as supported
+    choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"})
+    assert choice.line is not None and choice.line.name == UNTESTED[version] and choice.untested and not choice.refuse
+    assert version in choice.line.untested_versions and "no smoke has run on it" in choice.reason
+    other = "0.5.17" if UNTESTED[version] == "0.5.18" else "0.5.23"  # a differing target: refused even when allowed
+    choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"}, signatures_of=other)
+    assert choice.line is None and choice.refuse and "nothing of it is installed" in choice.reason
 
 
 def test_the_refusal_hooks_exist_on_every_release():
@@ -95,6 +106,22 @@ def test_a_served_release_with_one_differing_target_installs_nothing_and_names_i
     gone = {**release_signatures(TABLE, "0.5.12"), target: MISSING}
     choice = choose_line("0.5.12", has_in_tree_canary=False, environ={}, observe=lambda targets: gone)
     assert choice.line is None and f"{target} is missing" in choice.reason
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.15", "0.5.15.post1"])
+def test_the_0_5_15_line_refuses_its_releases_when_a_target_it_tells_apart_from_0_5_17_differs(version):
+    """The two targets that tell the 0.5.15 line apart from 0.5.17's: with 0.5.17's shape on one of them, a
+    release of the line is refused (nothing installed), naming the target."""
+    mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes"
+    init_new = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+    ours, later = release_signatures(TABLE, version), release_signatures(TABLE, "0.5.17")
+    assert choose(version).line.name == "0.5.15"
+    for target, phrase in [(mixin, f"{mixin} is missing (sglang 0.5.15: (self, pre_model_load_memory))"),
+                           (init_new, f"{init_new} is {later[init_new]} (sglang 0.5.15: (cls, batch, model_runner))")]:
+        doctored = {**ours, target: later[target]}
+        choice = choose_line(version, has_in_tree_canary=True, environ={}, observe=lambda targets: doctored)
+        assert choice.line is None and choice.refuse and "nothing of it is installed" in choice.reason
+        assert phrase in choice.reason, choice.reason
 
 
 def test_a_target_whose_module_does_not_import_here_is_left_to_the_applied_hooks_check():

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from kv_canary.adapter.lines import IMPL_ENV, LINE_MODULES, UnsupportedSglang, choose_line, supported_versions
+from kv_canary.adapter.lines import (ALLOW_UNTESTED_ENV, IMPL_ENV, LINE_MODULES, UnsupportedSglang, choose_line,
+                                     load_line, supported_versions)
 from kv_canary.adapter.refusal import _refuse
 from kv_canary.config import CanaryConfigError
 
 
 @pytest.mark.parametrize("version", LINE_MODULES)
 def test_each_line_serves_its_own_release(version):
-    choice = choose_line(version, has_in_tree_canary=version != "0.5.12", environ={})
-    assert choice.line is not None and choice.line.name == version and version in choice.line.versions
+    untested = version in load_line(LINE_MODULES[version]).untested_versions  # a line no smoke ran on: the opt-in
+    choice = choose_line(version, has_in_tree_canary=version != "0.5.12",
+                         environ={ALLOW_UNTESTED_ENV: "1"} if untested else {})
+    assert choice.line is not None and choice.line.name == version and choice.untested is untested
+    assert version in (choice.line.untested_versions if untested else choice.line.versions)
     assert choice.line.in_tree_canary is (version != "0.5.12")
     hooks = choice.line.all_hooks()
     assert hooks and all(kind in ("before", "after", "around", "replace") for _, kind in hooks.values())
@@ -26,7 +30,7 @@ def test_the_newest_line_replaces_the_in_tree_install_and_declares_no_flags_of_i
     assert "sglang.srt.model_executor.model_runner.ModelRunner.forward" not in line.hooks  # sglang brackets it
 
 
-@pytest.mark.parametrize("version,in_tree", [("0.5.13", True), ("0.5.21", True), ("0.5.11", False), ("0.6.0", True)])
+@pytest.mark.parametrize("version,in_tree", [("0.5.19", True), ("0.5.20", True), ("0.5.11", False), ("0.6.0", True)])
 def test_an_unsupported_release_installs_nothing_and_refuses_naming_versions(version, in_tree):
     choice = choose_line(version, has_in_tree_canary=in_tree, environ={})
     assert choice.line is None and choice.refuse
@@ -50,8 +54,8 @@ def test_the_refusal_hook_passes_none_and_refuses_any_other_mode(monkeypatch):
 
     from kv_canary.adapter import lines
 
-    monkeypatch.setattr(lines, "_current", choose_line("0.5.21", has_in_tree_canary=True, environ={}))
+    monkeypatch.setattr(lines, "_current", choose_line("0.5.20", has_in_tree_canary=True, environ={}))
     _refuse(SimpleNamespace(kv_canary="none"))
     _refuse(SimpleNamespace())
-    with pytest.raises(CanaryConfigError, match="--kv-canary log: sglang 0.5.21 is not supported"):
+    with pytest.raises(CanaryConfigError, match="--kv-canary log: sglang 0.5.20 is not supported"):
         _refuse(SimpleNamespace(kv_canary="log"))

@@ -10,7 +10,10 @@ import dataclasses
 
 import pytest
 
+from kv_canary.adapter.policy_0_5_15 import POLICY_0_5_13, POLICY_0_5_14, POLICY_0_5_15
 from kv_canary.adapter.policy_0_5_17 import POLICY_0_5_17
+from kv_canary.adapter.policy_0_5_18 import POLICY_0_5_18
+from kv_canary.adapter.policy_0_5_21 import POLICY_0_5_21
 from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
 from kv_canary.adapter.server_args import POLICY_0_5_12, check_supported, flag_name
 from kv_canary.config import CanaryConfigError
@@ -18,12 +21,15 @@ from kv_canary.config import CanaryConfigError
 server_args_mod = pytest.importorskip("sglang.srt.server_args")
 SGLANG_VERSION = pytest.importorskip("sglang.version").__version__
 
-POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.17": POLICY_0_5_17, "0.5.23": POLICY_0_5_23}
+POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.13": POLICY_0_5_13, "0.5.13.post1": POLICY_0_5_13, "0.5.14": POLICY_0_5_14,
+            "0.5.15": POLICY_0_5_15, "0.5.15.post1": POLICY_0_5_15, "0.5.17": POLICY_0_5_17, "0.5.18": POLICY_0_5_18,
+            "0.5.21": POLICY_0_5_21, "0.5.23": POLICY_0_5_23}
 if SGLANG_VERSION not in POLICIES:
     pytest.skip(f"no server-args policy for sglang {SGLANG_VERSION}", allow_module_level=True)
 POLICY = POLICIES[SGLANG_VERSION]
 on_0_5_23 = pytest.mark.skipif(POLICY is not POLICY_0_5_23, reason="sglang 0.5.23's rules")
-PHASE_GRAPH_LINES = (POLICY_0_5_17,)  # per-phase CUDA graph config with prefill graphs refused (0.5.23 verifies them)
+# per-phase CUDA graph config with prefill graphs refused (0.5.23 verifies them)
+PHASE_GRAPH_LINES = (POLICY_0_5_14, POLICY_0_5_15, POLICY_0_5_17, POLICY_0_5_18)
 on_phase_graph_lines = pytest.mark.skipif(POLICY not in PHASE_GRAPH_LINES, reason="sglang 0.5.17's rules")
 
 
@@ -68,13 +74,13 @@ def test_every_server_args_field_is_classified_exactly_once():
 
 
 def test_the_line_adapter_carries_this_policy():
-    from kv_canary.adapter.lines import LINE_MODULES, load_line
+    from kv_canary.adapter.lines import load_line, release_modules
 
     try:
-        line = load_line(LINE_MODULES[SGLANG_VERSION])
+        line = load_line(release_modules()[SGLANG_VERSION])
     except ImportError as exc:
         pytest.skip(f"the sglang {SGLANG_VERSION} line adapter is not importable here: {exc}")
-    assert line.policy is POLICY
+    assert line.policy_for(SGLANG_VERSION) is POLICY
 
 
 def test_sglang_defaults_are_supported():
@@ -108,7 +114,8 @@ def test_raw_flags_not_given_are_left_to_sglang():
 def test_prefill_cuda_graphs_are_refused(monkeypatch, flags, refused):
     from sglang.srt.model_executor import cuda_graph_config
 
-    monkeypatch.setattr(cuda_graph_config, "default_prefill_backend", lambda: "breakable")  # sglang's CUDA default
+    monkeypatch.setattr(cuda_graph_config, "default_prefill_backend", lambda: "breakable",  # CUDA default
+                        raising=False)  # 0.5.14 has none (tc_piecewise, its config default)
     with pytest.raises(CanaryConfigError, match=f"cannot verify {refused}"):
         check_supported(Settings(**flags), "log", policy=POLICY)
 
@@ -120,7 +127,7 @@ def test_prefill_cuda_graphs_are_refused(monkeypatch, flags, refused):
 def test_prefill_cuda_graphs_off_are_supported(monkeypatch, flags):
     from sglang.srt.model_executor import cuda_graph_config
 
-    monkeypatch.setattr(cuda_graph_config, "default_prefill_backend", lambda: "breakable")
+    monkeypatch.setattr(cuda_graph_config, "default_prefill_backend", lambda: "breakable", raising=False)
     check_supported(Settings(**flags), "log", policy=POLICY)
     check_supported(Settings(**flags), "log", given_only=True, policy=POLICY)
 

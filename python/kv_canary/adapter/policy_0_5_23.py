@@ -87,8 +87,12 @@ def _prefill_graph_backend(args: Any) -> Any:
         return _DISABLED
     if str(getattr(args, "device", None)) == "cpu":
         return _DISABLED
-    from sglang.srt.model_executor.cuda_graph_config import default_prefill_backend
+    try:
+        from sglang.srt.model_executor.cuda_graph_config import default_prefill_backend
+    except ImportError:  # sglang 0.5.14: no platform default, the config's own (tc_piecewise)
+        from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 
+        return CudaGraphConfig().prefill.backend
     return default_prefill_backend()  # breakable on CUDA
 
 

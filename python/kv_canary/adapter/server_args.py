@@ -270,9 +270,9 @@ def check_supported(server_args: Any, mode: str, *, given_only: bool = False,
     the running sglang line's (``adapter/lines``) unless given.
     """
     if policy is None:
-        from .lines import current_line
+        from .lines import current_choice, current_line
 
-        policy = current_line().policy
+        policy = current_line().policy_for(current_choice().version)
     for field, rule in policy.rules.items():
         value = getattr(server_args, field, None)
         if given_only and value is None:

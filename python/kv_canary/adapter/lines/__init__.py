@@ -3,16 +3,22 @@
 | sglang | adapter | in-tree kv_canary |
 | --- | --- | --- |
 | 0.5.12, 0.5.12.post1 | ``v0_5_12`` | none |
+| 0.5.13, 0.5.13.post1 | ``v0_5_13`` | yes: as 0.5.15 (a diff of ``v0_5_15``: the decode capture hook, the policy) |
+| 0.5.14, 0.5.15, 0.5.15.post1 | ``v0_5_15`` | yes: as 0.5.17 (a diff of ``v0_5_17``: the KV sizing hook, the policy) |
 | 0.5.16, 0.5.17 | ``v0_5_17`` | yes: as 0.5.23 (a diff of ``v0_5_23``; CUDA graphs verified on the GPU host) |
+| 0.5.18 (untested) | ``v0_5_18`` | yes: as 0.5.17 (``capture_one_shape`` gained ``dsa_variant=``; its policy) |
+| 0.5.21 (untested) | ``v0_5_21`` | yes: as 0.5.23 (``ForwardBatch.init_new`` lacks 4 keywords; its policy) |
 | 0.5.22, 0.5.23 | ``v0_5_23`` | yes: the plugin takes its place (``SGLANG_KV_CANARY_IMPL=in-tree`` keeps sglang's own) |
 
 A line covers the releases (``SglangLine.versions``) on which every hook target it relies on has the signature
 it expects (``fence``; ``release_targets.json``, read from each release's wheel by ``scripts/release_targets.py``).
 At startup the fence checks the running sglang the same way: a target that is missing or differs refuses
 ``--kv-canary`` (other than ``none``), naming the release, the target and what differs; nothing of the line is
-installed. A release newer than the newest line is refused too, listing what differs, unless its targets all
-match the newest line and ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``ALLOW_UNTESTED_ENV``) lets it run
-untested (the startup lines say so). Any other release: the plugin installs nothing and a ``--kv-canary`` other
+installed. A release a line maps by the fence alone, with no smoke run on it (``SglangLine.untested_versions``),
+runs only with ``ALLOW_UNTESTED_ENV`` (below), else it is refused naming that env var. A release newer than the
+newest line is refused too, listing what differs, unless its targets all match the newest line and
+``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``ALLOW_UNTESTED_ENV``) lets it run untested (the startup lines say
+so). Any other release: the plugin installs nothing and a ``--kv-canary`` other
 than ``none`` is refused at startup, naming the version and the supported ones (``refusal``).
 """
 
@@ -26,7 +32,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 from .base import SglangLine
 
 # line (the release it was built on) -> adapter module of this package; each line lists the releases it covers
-LINE_MODULES = {"0.5.12": "v0_5_12", "0.5.17": "v0_5_17", "0.5.23": "v0_5_23"}
+LINE_MODULES = {"0.5.12": "v0_5_12", "0.5.13": "v0_5_13", "0.5.15": "v0_5_15", "0.5.17": "v0_5_17", "0.5.18": "v0_5_18",
+                "0.5.21": "v0_5_21", "0.5.23": "v0_5_23"}
 IMPL_ENV = "SGLANG_KV_CANARY_IMPL"
 IMPL_PLUGIN, IMPL_IN_TREE = "plugin", "in-tree"
 ALLOW_UNTESTED_ENV = "SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE"
@@ -35,12 +42,14 @@ Observe = Callable[[Iterable[str]], Mapping[str, Optional[str]]]
 
 
 def release_modules() -> Dict[str, str]:
-    """release -> adapter module, from each line's ``versions``."""
-    return {version: module for module in LINE_MODULES.values() for version in load_line(module).versions}
+    """release -> adapter module, from each line's ``versions`` and ``untested_versions``."""
+    return {version: module for module in LINE_MODULES.values()
+            for version in load_line(module).versions + load_line(module).untested_versions}
 
 
 def supported_versions() -> Tuple[str, ...]:
-    return tuple(release_modules())
+    """The releases served without the opt-in (a smoke ran on them)."""
+    return tuple(version for module in LINE_MODULES.values() for version in load_line(module).versions)
 
 
 def release_key(version: str) -> Tuple[int, ...]:
@@ -101,6 +110,12 @@ def choose_line(version: str, *, has_in_tree_canary: bool, environ: Optional[Map
         diffs = _fence(line, observe, has_in_tree_canary)
         if diffs:
             return LineChoice(version, None, fence_message(version, line, diffs, untested=False), refuse=True)
+        if version in line.untested_versions:
+            if not allow_untested:
+                return LineChoice(version, None, untested_message(version, line), refuse=True)
+            return LineChoice(version, line, f"sglang {version}: its hook targets all match the {line.name} line, but "
+                                             f"no smoke has run on it; run untested ({ALLOW_UNTESTED_ENV}=1)",
+                              untested=True)
         return LineChoice(version, line)
     newest = load_line(LINE_MODULES[max(LINE_MODULES, key=release_key)])
     if release_key(version) > release_key(newest.name) and observe is not None:
@@ -141,6 +156,12 @@ def fence_message(version: str, line: SglangLine, diffs: List[str], *, untested:
                              "install (not stock sglang?), so nothing of it is installed;")
     return (f"{head} {len(diffs)} hook target(s) differ from the {line.name} line: {'; '.join(diffs)}. Install "
             f"stock sglang {' or '.join(supported_versions())}, or run with --kv-canary none")
+
+
+def untested_message(version: str, line: SglangLine) -> str:
+    return (f"sglang {version} has not been run with sglang-kv-canary: its hook targets all match the {line.name} line "
+            f"(read from its wheel), but no smoke ran on it; set {ALLOW_UNTESTED_ENV}=1 to run it untested, install "
+            f"one of {', '.join(supported_versions())}, or run with --kv-canary none")
 
 
 def unsupported_message(version: str, has_in_tree_canary: bool) -> str:

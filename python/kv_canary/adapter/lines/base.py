@@ -71,6 +71,11 @@ class SglangLine:
     in_tree_canary: bool = False
     flags_declared_by_sglang: bool = False
     policy: Any = None  # adapter.server_args.ServerArgsPolicy: every ServerArgs field of this line classified
+    # releases whose hook targets all match the line (the fence, from their wheels) but that no smoke ran on here:
+    # served only with SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1 (adapter/lines.choose_line)
+    untested_versions: Tuple[str, ...] = ()
+    # a release of the line whose ServerArgs fields differ from the line's own release -> its policy (policy_for)
+    release_policies: Mapping[str, Any] = field(default_factory=dict)
     unported: Callable[[Any], str] = _nothing_unported
     req_row: Callable[[Any], int] = _req_pool_idx  # a scheduler Req's req_to_token row
     tp_rank: Callable[[Any], int] = _runner_tp_rank  # a ModelRunner's tensor-parallel rank
@@ -93,6 +98,10 @@ class SglangLine:
     def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),
                 **(self.hicache_hooks if hicache else {})}
+
+    def policy_for(self, version: str) -> Any:
+        """The server-args policy of release ``version`` of this line."""
+        return self.release_policies.get(version, self.policy)
 
     def all_hooks(self) -> HookTable:
         return {**self.hooks, **self.pd_hooks, **self.spec_hooks, **self.hicache_hooks}

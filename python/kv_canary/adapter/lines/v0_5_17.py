@@ -62,21 +62,28 @@ POST_CAPTURE_KV_SIZING_ENV = "SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"
 
 def unported(server_args: Any) -> str:
     """The first setting this line's adapter does not verify yet, as a refusal ('' if none)."""
-    if os.environ.get(POST_CAPTURE_KV_SIZING_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    return unported_on(server_args, LINE.name)
+
+
+def unported_on(server_args: Any, release: str, *, post_capture_kv_sizing: bool = True) -> str:
+    """``unported`` naming ``release`` (a line that reuses this one: ``v0_5_15``, whose sglang has no post-capture
+    KV sizing)."""
+    sizing = os.environ.get(POST_CAPTURE_KV_SIZING_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if post_capture_kv_sizing and sizing:
         return (f"{POST_CAPTURE_KV_SIZING_ENV}=1 makes sglang re-back and resize the KV pool after CUDA-graph capture, "
                 "after the canary sized its per-slot records to it; unset it")
     if str(getattr(server_args, "kv_canary", "none")) == "contain":
         return ("contain (aborts and radix-cache evictions at the scheduler's safe point) is not verified on sglang "
-                "0.5.17 yet; use --kv-canary log or raise, or sglang 0.5.12")
+                f"{release} yet; use --kv-canary log or raise, or sglang 0.5.12")
     if getattr(server_args, "speculative_algorithm", None):
-        return ("speculative decoding on sglang 0.5.17 is not verified yet; drop --speculative-algorithm, or use "
+        return (f"speculative decoding on sglang {release} is not verified yet; drop --speculative-algorithm, or use "
                 "sglang 0.5.12")
     if int(getattr(server_args, "tp_size", 1) or 1) > 1:
-        return "tensor parallel on sglang 0.5.17 is not verified yet; drop --tp-size, or use sglang 0.5.12"
+        return f"tensor parallel on sglang {release} is not verified yet; drop --tp-size, or use sglang 0.5.12"
     if int(getattr(server_args, "dp_size", 1) or 1) > 1:
-        return "data parallel on sglang 0.5.17 is not verified yet; drop --dp-size, or use sglang 0.5.23"
+        return f"data parallel on sglang {release} is not verified yet; drop --dp-size, or use sglang 0.5.23"
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
-        return ("PD disaggregation on sglang 0.5.17 is not verified yet; drop --disaggregation-mode, or use "
+        return (f"PD disaggregation on sglang {release} is not verified yet; drop --disaggregation-mode, or use "
                 "sglang 0.5.12")
     return ""
 

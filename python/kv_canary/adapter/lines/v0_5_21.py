@@ -1,0 +1,21 @@
+"""sglang 0.5.21: the 0.5.23 adapter (``v0_5_23``) where 0.5.21 differs from it; a small diff of that line.
+
+0.5.21 ships 0.5.23's in-tree kv_canary call sites and every hook target of the 0.5.23 line with 0.5.23's
+signature but one: ``ForwardBatch.init_new`` lacks 0.5.23's ``extend_position_info=, spec_mrope_positions=,
+kv_loc_plan=, write_cols=`` (the same hook: it takes ``*args, **kwargs``); the fence expects 0.5.21's signature.
+Its own server-args policy (``adapter/policy_0_5_21``: 0.5.23's, on 0.5.21's fields). HiCache stays refused
+(``adapter/hicache.VERIFIED_LINES`` names lines, not this one).
+
+Not run here: 0.5.21 pins torch 2.13.0 (and ``cuda-tile==1.6.0rc5``) and no cached venv has that torch, so the
+release is served only with ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``SglangLine.untested_versions``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..policy_0_5_21 import POLICY_0_5_21
+from . import v0_5_23
+
+LINE = dataclasses.replace(v0_5_23.LINE, name="0.5.21", versions=(), untested_versions=("0.5.21",),
+                           policy=POLICY_0_5_21)
