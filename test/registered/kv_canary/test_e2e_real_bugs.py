@@ -23,9 +23,10 @@ from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, SWA_WINDOW
 from kv_canary_testing.real_bug_runs import pool_leaks, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-# #22470's and #18694's three servers each in CI (~340 s); #24318's three by hand (KVC_REAL_BUGS_TIMING=1): its
-# outcome depends on the scheduler's timing (a crash in most runs, silent or not firing in others: docs/real-bugs.md)
-register_cpu_ci(est_time=340, suite="kv-canary-cpu")
+# #22470's three servers in CI (~240 s); by hand (KVC_REAL_BUGS_TIMING=1, the by-hand flag): #24318's three, whose
+# outcome depends on the scheduler's timing (a crash in most runs, silent or not firing in others: docs/real-bugs.md),
+# and #18694's three (deterministic, ~110 s: left out for CI time; it crashes at sglang's own guard, no wrong KV read)
+register_cpu_ci(est_time=240, suite="kv-canary-cpu")
 
 # ---- #22470: SWA eviction up to the radix insert boundary ---------------------------------------------------------
 
@@ -299,6 +300,10 @@ def preempt_at_a_finish(srv):
 @pytest.fixture(scope="module")
 def preempt_runs(tmp_path_factory):
     from kv_canary_testing.model_dir import write_model_dir
+
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip("#18694 by hand (KVC_REAL_BUGS_TIMING=1): three more servers (~110 s) for a bug that crashes at "
+                    "sglang's own guard with no wrong KV read (docs/real-bugs.md)")
 
     return three_runs(PREEMPT_BUG, PREEMPT_ARGS, PREEMPT_ENV, preempt_at_a_finish, 1024, tmp_path_factory,
                       model_path=write_model_dir(), describe=preempt_outputs)
