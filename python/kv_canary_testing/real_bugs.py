@@ -37,6 +37,7 @@ REVERSES_ON = {
     "swa_bigram_evict_frontier_pr34870": ("0.5.23",),
     "swa_match_tombstone_reset_pr17061": ("0.5.12",),  # step 3 (issue 53): 0.5.23 has no SWARadixCache file
     "swa_recover_locked_full_pr29352": ("0.5.23",),  # step 3: UnifiedRadixCache's SWA component
+    "priority_preempt_finished_pr18694": ("0.5.12",),  # step 3: priority preemption of a finished request
 }
 MARKER = "KVC_REAL_BUG.json"  # written beside the patched package: which bug, on which release
 

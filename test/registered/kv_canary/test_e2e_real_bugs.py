@@ -23,8 +23,9 @@ from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, SWA_WINDOW
 from kv_canary_testing.real_bug_runs import pool_leaks, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-# #22470's three servers in CI (~240 s); #24318's three by hand (KVC_REAL_BUGS_TIMING=1): its outcome depends on the
-# scheduler's timing (a crash in most runs, silent or not firing in others: docs/real-bugs.md)
+# #22470's three servers in CI (~240 s); by hand (KVC_REAL_BUGS_TIMING=1, the by-hand flag): #24318's three, whose
+# outcome depends on the scheduler's timing (a crash in most runs, silent or not firing in others: docs/real-bugs.md),
+# and #18694's three (deterministic, ~110 s: left out for CI time; it crashes at sglang's own guard, no wrong KV read)
 register_cpu_ci(est_time=240, suite="kv-canary-cpu")
 
 # ---- #22470: SWA eviction up to the radix insert boundary ---------------------------------------------------------
@@ -235,6 +236,115 @@ def test_hybrid_swa_chunked_stash_c_fixed_has_no_violation(stash_runs):
         out["decodes"].errors, out["x"], out["long"])
     assert log.violations == [] and log.last_stat("violations") == 0
     assert "memory leak detected" not in log.text
+
+
+# ---- #18694: priority preemption picks a request that finished in the last decode step ----------------------------
+
+PREEMPT_BUG = "priority_preempt_finished_pr18694"
+# the plain tiny model (full attention); two running at most, so a waiting request preempts; a 1024-token pool
+PREEMPT_ARGS = ["--enable-priority-scheduling", "--max-running-requests", "2", "--page-size", "1"]
+# the scheduler's reservation per running request is its remaining new tokens times new_token_ratio, which decays
+# from 0.7 step by step; held at 1.0 the arithmetic below is exact whatever the server did before
+PREEMPT_ENV = {"SGLANG_INIT_NEW_TOKEN_RATIO": "1.0", "SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "1.0"}
+PREEMPT_TIMEOUT_S = 90  # a request not answered by then is lost (the workload takes seconds when it is not)
+
+
+def preempt_at_a_finish(srv):
+    """L2 (120 words, 400 decoded, priority 95) and then L1 (120 words, 120 decoded, priority 0) fill the two running
+    slots; H (10 words, 450 decoded, priority 100) queues behind them. H may preempt L1 (100 - 0 > the threshold 10),
+    never L2 (100 - 95 = 5). A waiting request's preemption check counts its max_new_tokens (its extend length is 0 until
+    it is matched), and preempting L1 gives back only L1's reservation: H's 450 is more than free minus L2's
+    reservation while L1 decodes (385 - s at L1's step s; the ratio held at 1.0), less once L1 has finished (its 240
+    tokens evictable, its reservation 0: 504). So H's first preemption that commits is in the step right after L1
+    finished, while L1 is still in running_batch (filtered after the prefill is scheduled): buggy, it takes L1 and
+    releases it a second time; fixed, L1 is skipped, nothing is preempted, and H runs once L1 is filtered out. Token
+    arithmetic, not timing: H only has to arrive before L1's 120 steps end."""
+    import random
+    import threading
+    import time
+
+    import requests
+
+    from kv_canary_testing.model_dir import word_token_id
+
+    rng = random.Random(18)
+    ids = lambda n: [word_token_id(rng.randrange(NUM_WORDS)) for _ in range(n)]  # noqa: E731
+    plan = {"L2": (ids(120), 400, 95), "L1": (ids(120), 120, 0), "H": (ids(10), 450, 100)}
+    out, workers = {}, []
+
+    def send(key):
+        prompt, n, priority = plan[key]
+        session = requests.Session()
+        session.trust_env = False
+        try:
+            r = session.post(srv.base_url + "/generate", json={"input_ids": prompt, "priority": priority,
+                             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}},
+                             timeout=PREEMPT_TIMEOUT_S)
+            out[key] = (r.status_code, r.json().get("output_ids") if r.ok else r.text[:300])
+        except requests.RequestException as e:
+            out[key] = (None, f"{type(e).__name__}: {e}")
+
+    admitted = lambda: len(re.findall(r"Prefill batch, #new-seq: \d+, #new-token: 120,", srv.log_text()))  # noqa
+    for key, wait_for in (("L2", 1), ("L1", 2), ("H", None)):
+        workers.append(threading.Thread(target=send, args=(key,)))
+        workers[-1].start()
+        deadline = time.monotonic() + 60
+        while wait_for and admitted() < wait_for:  # L2 runs before L1 is sent, L1 before H
+            assert time.monotonic() < deadline, f"{key} was not admitted"
+            time.sleep(0.02)
+    for w in workers:
+        w.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def preempt_runs(tmp_path_factory):
+    from kv_canary_testing.model_dir import write_model_dir
+
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip("#18694 by hand (KVC_REAL_BUGS_TIMING=1): three more servers (~110 s) for a bug that crashes at "
+                    "sglang's own guard with no wrong KV read (docs/real-bugs.md)")
+
+    return three_runs(PREEMPT_BUG, PREEMPT_ARGS, PREEMPT_ENV, preempt_at_a_finish, 1024, tmp_path_factory,
+                      model_path=write_model_dir(), describe=preempt_outputs)
+
+
+def preempt_outputs(run):
+    return "outputs=" + str({k: (c, len(v) if isinstance(v, list) else v) for k, (c, v) in sorted(run.result.items())})
+
+
+PREEMPT_CRASH = "Only MambaRadixCache allow freeing before alloc"  # release_kv_cache, on a request already released
+
+
+@pytest.mark.e2e
+def test_priority_preempt_finished_a_fires_without_the_canary(preempt_runs):
+    """sglang's own evidence: the scheduler dies in release_req on the finished L1 (its row was released when it
+    finished: release_kv_cache's guard for a request without a row asserts); L1 was answered, L2 and H never."""
+    out, log, running = preempt_runs["a"]
+    print(f"kv_canary_real_bug {PREEMPT_BUG} a: running={running} crash={PREEMPT_CRASH in crash_of(log)} "
+          f"{preempt_outputs(preempt_runs['a'])}")
+    assert not running and PREEMPT_CRASH in crash_of(log) and "release_req" in crash_of(log), crash_of(log)[-1500:]
+    assert out["L1"][0] == 200 and len(out["L1"][1]) == 120
+    assert out["L2"][0] is None and out["H"][0] is None
+
+
+@pytest.mark.e2e
+def test_priority_preempt_finished_b_canary_log(preempt_runs):
+    """The same crash with the canary on. Nothing wrong was read: the second release dies at sglang's guard before
+    it frees anything, between forwards, so the canary has nothing to report (0 violations)."""
+    out, log, running = preempt_runs["b"]
+    print(f"kv_canary_real_bug {PREEMPT_BUG} b: running={running} violations={len(log.violations)}")
+    assert log.installed and not running and PREEMPT_CRASH in crash_of(log)
+    assert log.violations == []
+
+
+@pytest.mark.e2e
+def test_priority_preempt_finished_c_fixed_has_no_violation(preempt_runs):
+    """Fixed: L1 is skipped, nothing is preempted (L2 is above the threshold), H runs once L1 is filtered out."""
+    out, log, running = preempt_runs["c"]
+    assert running and log.installed and not crash_of(log)
+    assert {k: (c, len(v)) for k, (c, v) in out.items()} == {"L1": (200, 120), "L2": (200, 400), "H": (200, 450)}
+    assert log.violations == [] and log.last_stat("violations") == 0
 
 
 if __name__ == "__main__":
