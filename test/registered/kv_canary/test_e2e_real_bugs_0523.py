@@ -170,10 +170,9 @@ def test_swa_repoint_short_match_a_fires_without_the_canary(repoint_runs):
 
 @pytest.mark.e2e
 def test_swa_repoint_short_match_b_nothing_read_yet(repoint_runs):
-    """Records what was seen (2026-11-29), not a detection: the bug leaves slots both free and owned by the tree, and
-    the canary reports nothing. A possible miss, not settled (docs/real-bugs.md): outside PD freed pages are handed
-    out first, so the last request's 48-token hit probably read rewritten full KV; not traced yet. When it is, this
-    test changes to what the trace shows."""
+    """The bug fires (the idle pool check), the canary correctly reports nothing: a trace (docs/real-bugs.md) showed
+    the short re-match at the four 120-word requests' finish, which free [112, 144) of paths no later request reads;
+    the last request's 48-token hit reads R1's path, intact. Not a detection: a reader of a freed path is not written."""
     out, log, running = repoint_runs["b"]
     assert running and log.installed
     print(f"kv_canary_real_bug {REPOINT_BUG} b: {len(log.violations)} violations first={log.violations[:3]}")
