@@ -38,6 +38,7 @@ REVERSES_ON = {
     "swa_match_tombstone_reset_pr17061": ("0.5.12",),  # step 3 (issue 53): 0.5.23 has no SWARadixCache file
     "swa_recover_locked_full_pr29352": ("0.5.23",),  # step 3: UnifiedRadixCache's SWA component
     "priority_preempt_finished_pr18694": ("0.5.12",),  # step 3: priority preemption of a finished request
+    "swa_repoint_short_match_0523": ("0.5.23",),  # step 3: a 0.5.22 -> 0.5.23 fix, found by diffing the releases
 }
 MARKER = "KVC_REAL_BUG.json"  # written beside the patched package: which bug, on which release
 

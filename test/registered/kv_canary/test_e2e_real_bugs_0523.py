@@ -6,6 +6,7 @@ As test_e2e_real_bugs (0.5.12): a real fix reversed on a private copy of the ven
 tiny model (window 24, ``--swa-full-tokens-ratio 1.0``), 0.5.23's UnifiedRadixCache.
 """
 
+import os
 import random
 import re
 import threading
@@ -15,7 +16,7 @@ import pytest
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
-from kv_canary_testing.real_bug_runs import three_runs
+from kv_canary_testing.real_bug_runs import pool_leaks, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=190, suite="kv-canary-cpu")
@@ -115,6 +116,77 @@ def test_swa_recover_locked_full_c_fixed_has_no_violation(locked_runs):
     assert running and log.installed
     check_shape(out)
     assert log.violations == [] and log.last_stat("violations") == 0
+
+
+# ---- the 0.5.22 -> 0.5.23 repoint fix: an insert's re-match stops short of the path it inserted -----------------
+
+REPOINT_BUG = "swa_repoint_short_match_0523"
+# page 16 > window 24 % 16: 0.5.22 frees SWA up to floor16(pre_len - 24), so a leaf ending at floor16(seq) can keep
+# 16 live SWA tokens, less than a window; its re-match stops short and the request protects less than the tree owns
+REPOINT_ARGS = ["--page-size", "16"]
+REPOINT_ENV = {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", "SGLANG_SWA_EVICTION_INTERVAL": "2"}
+
+
+def repoint_short_match(srv):
+    """R1 (40 words, 20 decoded: 59 committed, a leaf to 48 whose live SWA may start at 32); R2 = R1's sequence and
+    20 words (overlaps R1's path); then four 120-word requests at once (reuse freed slots), then R1's sequence and
+    4 words again (reads R1's path if it is matched)."""
+    rng = random.Random(53)
+    words = lambda n: tuple(rng.randrange(NUM_WORDS) for _ in range(n))  # noqa: E731
+    one = lambda spec: run_requests(srv.base_url, [spec], concurrency=1, use_input_ids=True,  # noqa: E731
+                                    timeout=600).outcomes[0]
+    r1 = RequestSpec(0, "shared", words(40), 20)
+    out = {0: one(r1)}
+    seq1 = r1.words + tuple(t - FIRST_WORD_ID for t in out[0].output_ids)
+    out[1] = one(RequestSpec(1, "shared", seq1 + words(20), 20))
+    many = run_requests(srv.base_url, [RequestSpec(2 + i, "long", words(120), 40) for i in range(4)],
+                        concurrency=4, use_input_ids=True, timeout=600).outcomes
+    out.update({2 + i: o for i, o in enumerate(many)})
+    out[6] = one(RequestSpec(6, "shared", seq1 + words(4), 8))
+    return out
+
+
+@pytest.fixture(scope="module")
+def repoint_runs(tmp_path_factory):
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip("the 0.5.23 repoint fix by hand (KVC_REAL_BUGS_TIMING=1): three more servers")
+    return three_runs(REPOINT_BUG, REPOINT_ARGS, REPOINT_ENV, repoint_short_match, 1024, tmp_path_factory,
+                      describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
+                                                             for i, o in sorted(run.result.items())}))
+
+
+@pytest.mark.e2e
+def test_swa_repoint_short_match_a_fires_without_the_canary(repoint_runs):
+    out, log, running = repoint_runs["a"]
+    fixed = repoint_runs["c"].result
+    differ = [i for i in sorted(out) if out[i].output_ids != fixed[i].output_ids]
+    leaks = pool_leaks(log.text)
+    print(f"kv_canary_real_bug {REPOINT_BUG} a: running={running} differing={differ} pool_leaks={leaks}")
+    if not running:
+        pytest.fail("the scheduler died: " + log.text[-1500:])
+    if not (differ or leaks):
+        pytest.fail("the bug did not fire on this workload (same outputs as the fixed run, no pool warning)")
+
+
+@pytest.mark.e2e
+def test_swa_repoint_short_match_b_nothing_read_yet(repoint_runs):
+    """The bug fires (the idle pool check), the canary correctly reports nothing: a trace (docs/real-bugs.md) showed
+    the short re-match at the four 120-word requests' finish, which free [112, 144) of paths no later request reads;
+    the last request's 48-token hit reads R1's path, intact. Not a detection: a reader of a freed path is not written."""
+    out, log, running = repoint_runs["b"]
+    assert running and log.installed
+    print(f"kv_canary_real_bug {REPOINT_BUG} b: {len(log.violations)} violations first={log.violations[:3]}")
+    assert pool_leaks(log.text), "the bug did not fire in the log run"
+    assert log.violations == [], log.violations[:3]
+
+
+@pytest.mark.e2e
+def test_swa_repoint_short_match_c_fixed_has_no_violation(repoint_runs):
+    out, log, running = repoint_runs["c"]
+    assert running and log.installed
+    assert all(o.status == "ok" for o in out.values()), [o.error for o in out.values()]
+    assert log.violations == [] and log.last_stat("violations") == 0
+    assert pool_leaks(log.text) == []
 
 
 if __name__ == "__main__":
