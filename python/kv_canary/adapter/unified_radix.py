@@ -69,14 +69,10 @@ class TreeChanges:
 
     def __init__(self, core):
         self.changed = True
-        self.wrapped = 0
         for name in dir(type(core)):
-            if name.startswith("_") or name in self.UNCHANGING:
-                continue
-            if not callable(getattr(type(core), name, None)) or isinstance(getattr(type(core), name), property):
-                continue
-            setattr(core, name, self._marking(getattr(core, name)))
-            self.wrapped += 1
+            # a property object is not callable: attributes and properties are left as they are
+            if not name.startswith("_") and name not in self.UNCHANGING and callable(getattr(type(core), name)):
+                setattr(core, name, self._marking(getattr(core, name)))
 
     def _marking(self, method):
         def marked(*args, **kwargs):
