@@ -40,8 +40,8 @@ if [ ! -f "$KVC_VENV/.kvc-ready" ]; then
 else
   echo "setup_env: reusing $KVC_VENV"
 fi
-# PD-disaggregation extras (mooncake transfer engine, sglang's router), 0.5.12 only (PD is not verified on 0.5.23
-# yet): a separate guarded step with its own marker, so the base venv (and its hash) stays as it is. mooncake's
+# PD-disaggregation extras (mooncake transfer engine, sglang's router), on the lines PD is verified on (0.5.12,
+# 0.5.23): a separate guarded step with its own marker, so the base venv (and its hash) stays as it is. mooncake's
 # import needs Debian's ibverbs/rdmacm/numa.
 KVC_EXTRAS=("mooncake-transfer-engine-non-cuda==0.3.13.post1" "sglang-router==0.3.2")
 KVC_APT=(libibverbs1 librdmacm1 libnuma1)
@@ -53,7 +53,7 @@ kvc_apt_missing() {
   done
   echo "${missing[@]}"
 }
-if [ "$KVC_SGLANG" = 0.5.12 ] && { [ ! -f "$kvc_extras_marker" ] || [ -n "$(kvc_apt_missing)" ]; }; then
+if { [ "$KVC_SGLANG" = 0.5.12 ] || [ "$KVC_SGLANG" = 0.5.23 ]; } && { [ ! -f "$kvc_extras_marker" ] || [ -n "$(kvc_apt_missing)" ]; }; then
   missing="$(kvc_apt_missing)"
   if [ -n "$missing" ]; then
     echo "setup_env: installing Debian packages for the PD extras: $missing"

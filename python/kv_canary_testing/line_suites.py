@@ -24,7 +24,7 @@ ONLY_ON_LINE = {
         ),
     },
     "0.5.12": {
-        "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): spec v1, PD, MTP "
+        "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): spec v1, MTP "
                "(not verified on 0.5.23: its GPU run died in sglang's MiMo forward); or the "
                "test drives 0.5.12's own classes (SWARadixCache, MambaRadixCache, ...)",
         "files": (
@@ -34,10 +34,15 @@ ONLY_ON_LINE = {
             "unit/test_speculative_v1_draft.py",
             "unit/test_swa_radix_index.py", "unit/test_perturb_and_radix.py", "unit/test_plugin.py", "unit/test_pd.py",
             "unit/test_speculative_eagle3.py",
-            "registered/kv_canary/test_e2e_pd.py",
             "registered/kv_canary/test_e2e_speculative_mtp.py",
             "registered/kv_canary/test_e2e_speculative_v1.py", "registered/kv_canary/test_refused_configs.py",
         ),
+    },
+    "0.5.12 and 0.5.23 (PD)": {
+        "why": "PD disaggregation is verified on sglang 0.5.12 and 0.5.23 (adapter/disagg; 0.5.17 refuses "
+               "--disaggregation-mode at startup: its hooks are not written)",
+        "line": ("0.5.12", "0.5.23"),
+        "files": ("registered/kv_canary/test_e2e_pd.py",),
     },
     "0.5.12 and 0.5.23 (sglang's own Qwen3-Next, GPU only)": {
         "why": "sglang's Qwen3NextForCausalLM builds on CUDA only (the file skips on CPU, naming why); 0.5.17 refuses "

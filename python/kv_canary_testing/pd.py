@@ -22,6 +22,7 @@ from typing import Mapping, Optional, Sequence
 
 import requests
 
+from kv_canary_testing import pd_cpu
 from kv_canary_testing.server import ServerError, SglangServer, free_port
 
 PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "MC_TCP_ENABLE_CONNECTION_POOL": "true"}
@@ -36,6 +37,8 @@ GPU_PD_HINT = ("on the GPU host: scripts/gpu_host.sh bundle-pd here, then instal
 def pd_env(device: str = "cpu") -> dict:
     """Both servers' env: mooncake on loopback; on GPU also TCP only (no RDMA NIC) and the PD libraries."""
     env = dict(PD_ENV)
+    if device == "cpu":
+        env[pd_cpu.ENV] = "1"  # sglang 0.5.23's prefill sends host-computed page indices (kv_canary_testing.pd_cpu)
     if device == "cuda":
         env["MC_FORCE_TCP"] = "true"
         if os.path.isdir(PD_LIBS):
@@ -78,7 +81,7 @@ def device_args(device: str, mode: str, drop_default_args: Sequence[str] = ()) -
     runs count forwards and arrivals from the start, and sglang's warmup request would be one outside the workload.
     """
     if device != "cuda":
-        return []
+        return pd_cpu.server_args(mode) + line_args(mode)
     import torch
 
     args = ["--mem-fraction-static", "0.35"]
@@ -86,6 +89,21 @@ def device_args(device: str, mode: str, drop_default_args: Sequence[str] = ()) -
         args.append("--skip-server-warmup")
     if mode == "decode" and torch.cuda.device_count() > 1:
         args += ["--base-gpu-id", "1"]
+    return args + line_args(mode)
+
+
+def line_args(mode: str) -> list:
+    """What the canary needs of a PD side on the installed line. On 0.5.23: both sides name the real-data mode
+    (sglang's default there is ``none``; PD is verified with ``partial`` on both sides, so the prefill's records
+    hash what the decode side hashes), and a decode server names its retraction backup (unset resolves to
+    ``host_pool``, which the canary refuses; ``cpu_tensor`` carries the records)."""
+    from kv_canary_testing.line_suites import installed_line
+
+    if installed_line() != "0.5.23":
+        return []
+    args = ["--kv-canary-real-data", "partial"]
+    if mode == "decode":
+        args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     return args
 
 

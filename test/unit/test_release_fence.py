@@ -20,7 +20,7 @@ TABLE = load_table()
 RELEASES = TABLE["releases"]
 SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
           "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
-          "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
+          "0.5.22": "0.5.22", "0.5.23": "0.5.23"}
 # release -> the line whose targets all match it, statically, with no smoke run: served only with the opt-in env var
 UNTESTED = {"0.5.18": "0.5.18", "0.5.21": "0.5.21"}
 # release -> a target that keeps its closest line out (the first difference the fence names)
@@ -147,10 +147,12 @@ def test_a_newer_release_is_refused_by_default_and_runs_untested_only_when_allow
 
 def test_a_newer_release_whose_targets_differ_is_refused_even_when_allowed():
     for env in ({}, {ALLOW_UNTESTED_ENV: "1"}):
-        choice = choose("0.5.24", "0.5.21", env=env)  # 0.5.21's ForwardBatch.init_new, as if a release moved it
+        # 0.5.21's ForwardBatch.init_new and PD sender, as if a release moved them
+        choice = choose("0.5.24", "0.5.21", env=env)
         assert choice.line is None and choice.refuse
-        assert "1 hook target(s) differ from the 0.5.23 line: sglang.srt.model_executor.forward_batch_info." \
-               "ForwardBatch.init_new is" in choice.reason
+        assert "2 hook target(s) differ from the 0.5.23 line: sglang.srt.disaggregation.common.conn.CommonKVSender." \
+               "send is" in choice.reason and "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new is" \
+               in choice.reason
 
 
 def test_the_opt_in_env_var_is_validated_and_known_to_the_config():

@@ -1,4 +1,4 @@
-"""sglang 0.5.12 PD disaggregation wiring: the canary's records travel with the KV.
+"""PD disaggregation wiring (sglang 0.5.12 and 0.5.23): the canary's records travel with the KV.
 
 Hook bodies (registered by ``sglang_plugin``), reading sglang objects by attribute:
 
@@ -116,6 +116,15 @@ def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optio
                 f"{head} is verified with the default {name} only: the prefill's records must hash what the "
                 f"decode side hashes; unset {name}"
             )
+    # sglang 0.5.23: an unset retraction backup resolves to host_pool on a decode server, which the canary does not
+    # follow (the KV comes back from a HiCache host pool without its records); cpu_tensor carries them
+    backup = getattr(server_args, "disaggregation_decode_retraction_backup", "absent")
+    if mode == "decode" and backup not in ("absent", "cpu_tensor", "none"):
+        raise CanaryConfigError(
+            f"{head} is verified with --disaggregation-decode-retraction-backup cpu_tensor or none, not "
+            f"{backup or 'unset (host_pool on a decode server)'}: pass --disaggregation-decode-retraction-backup "
+            "cpu_tensor"
+        )
     staging = str(environ.get("SGLANG_DISAGG_STAGING_BUFFER", "")).strip().lower()
     if staging in ("1", "true", "yes", "on"):
         raise CanaryConfigError(
@@ -129,7 +138,15 @@ def _manager_of_scheduler(scheduler: Any):
     runner = getattr(worker, "model_runner", None)
     if runner is None or getattr(runner, "is_draft_worker", False):
         return None
-    return getattr(runner, "canary_manager", None)
+    slot = getattr(runner, "canary_manager", None)
+    return getattr(slot, "kv_canary_manager", slot)  # 0.5.23: the plugin's manager behind an InTreeSlot
+
+
+def _req_row(req) -> int:
+    """The request's req_to_token row, as the running line keeps it (0.5.23: ``req.kv.req_pool_idx``)."""
+    from .lines import current_line
+
+    return int(current_line().req_row(req))
 
 
 # ---------------------------------------------------------------- both sides: the buffer list
@@ -193,10 +210,17 @@ def around_send_kvcache_slice(original, kv_manager, *args, **kwargs):
 
 
 def before_sender_send(sender, kv_indices, *args, **kwargs) -> None:
-    """Prefill side: stamp (bootstrap room, slot) on the pages about to travel."""
+    """Prefill side: stamp (bootstrap room, slot) on the pages about to travel.
+
+    0.5.23 on a GPU may pass page indices still being copied to the host, with the event that completes the copy
+    (``indices_event``; sglang's transfer worker waits on it): wait for it before reading them.
+    """
     stamp = getattr(getattr(sender, "kv_mgr", None), "kv_canary_origin", None)
     if stamp is None or kv_indices is None or len(kv_indices) == 0:
         return None
+    event = kwargs.get("indices_event")
+    if event is not None:
+        event.synchronize()
     origin, page_size = stamp
     mark_sent(origin, [int(x) for x in kv_indices], page_size, int(sender.bootstrap_room or 0))
     return None
@@ -219,7 +243,7 @@ def after_get_new_prebuilt_batch(batch, scheduler, *args, **kwargs) -> None:
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     for req in batch.reqs:
-        row, rid = int(req.req_pool_idx), str(req.rid)
+        row, rid = _req_row(req), str(req.rid)
         prompt, outputs = list(req.origin_input_ids), list(req.output_ids)
         if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:  # sglang's warmup / health check
             manager.note_fake_arrival(row, rid, prompt, outputs)
@@ -249,7 +273,7 @@ def _groups_of_allocator(allocator):
 
 
 def _committed_slots(req, req_to_token_pool):
-    return req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1]
+    return req_to_token_pool.req_to_token[_req_row(req), : req.seqlen - 1]
 
 
 def after_offload_kv_cache(_result, req, req_to_token_pool, token_to_kv_pool_allocator, *args, **kwargs) -> None:

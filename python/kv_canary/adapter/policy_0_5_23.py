@@ -138,7 +138,7 @@ PREFILL_GRAPHS_OFF_RULES = {
         "--cuda-graph-backend-prefill or --cuda-graph-config prefill backend other than disabled",
         f"{_PREFILL_GRAPH_OFF_WHY}; pass --disable-prefill-cuda-graph"),
 }
-_PD = "PD disaggregation is not verified on sglang 0.5.23 yet"
+_PD = "not verified with PD disaggregation on sglang 0.5.23 yet"
 _NEW_OFF = {  # new 0.5.23 switches that must stay off: field -> why
     "enable_unified_cache_external_linker": "the external linker loads KV from an external store into slots the "
                                            "canary has not fingerprinted",
@@ -194,9 +194,11 @@ RULES.update({
                                 "replaces the radix cache the canary follows"),
     "hicache_host_memory_mode": Rule(_only("cache"), "cache", "buffer_only stages KV through host memory to a "
                                      "storage backend outside the forwards the canary brackets"),
+    # a decode server must name one of the two (adapter/disagg: unset resolves to host_pool on a decode server)
     "disaggregation_decode_retraction_backup": Rule(
-        _only(None, "none"), "unset or none", f"{_PD}; a retraction backup offloads KV to host memory and loads it "
-        "back into slots the canary has not fingerprinted"),
+        _only(None, "none", "cpu_tensor"), "unset, none or cpu_tensor", f"host_pool is {_PD}: the retraction backup "
+        "goes through a HiCache host pool and comes back into slots without the canary's records (cpu_tensor: the "
+        "records go to the host and back with the KV)"),
     "disaggregation_decode_host_receive_threshold": Rule(
         _only(1), "1", f"{_PD}; host receive lands KV in the host pool outside the forwards the canary brackets"),
     "disaggregation_decode_allocation_policy": Rule(
@@ -212,7 +214,7 @@ RULES.update({
 })
 
 CHECKED_ELSEWHERE = {
-    "disaggregation_mode": f"{_ELSEWHERE_0_5_12['disaggregation_mode']}; lines.v0_5_23.unported (PD not ported yet)",
+    "disaggregation_mode": _ELSEWHERE_0_5_12["disaggregation_mode"],
     "kv_canary": "config.CanaryConfig.build",
     "kv_canary_real_data": "config.CanaryConfig.build",
     "kv_canary_sweep_interval": "config.CanaryConfig.build",

@@ -3,6 +3,7 @@
 sglang's registry imports every module of this package and collects ``EntryClass``.
 """
 
-from kv_canary_testing.hicache_cpu import install_if_enabled
+from kv_canary_testing import hicache_cpu, pd_cpu
 
-install_if_enabled()  # HiCache on CPU, test-only (KVC_TEST_HICACHE_CPU=1 from the e2e fixture)
+hicache_cpu.install_if_enabled()  # HiCache on CPU, test-only (KVC_TEST_HICACHE_CPU=1 from the e2e fixture)
+pd_cpu.install_if_enabled()  # PD on CPU (0.5.23), test-only (KVC_TEST_PD_CPU=1 from the PD fixture)

@@ -1,6 +1,7 @@
 """sglang 0.5.23: the plugin takes the in-tree kv_canary's place, driven by sglang's own call sites.
 
-Also serves 0.5.22: every hook target has 0.5.23's signature there (``fence``, ``release_targets.json``).
+0.5.22 is served by this line less its PD hooks (``v0_5_22``: its PD sender differs; ``fence``,
+``release_targets.json``).
 
 0.5.23 ships sglang's own ``kv_canary`` (the same seed design) and calls it from its code:
 ``ModelRunner._init_post_memory_pool_components`` builds it through the module-level
@@ -32,8 +33,9 @@ CUDA graphs (GPU host, H200: docs/results/gpu-h200-2026-11-29-sglang-0.5.23-cuda
 capture only the transformer body, and replay it inside the outer ``model.forward``, whose HEAD/TAIL (the
 patched forward) run eagerly around it, on the live batch. Other backends are refused by the policy
 (``policy_0_5_23.GRAPH_RULES``), naming the flag.
+PD disaggregation (mooncake): ``PD_HOOKS``, 0.5.12's hook bodies (``adapter/disagg``); CPU CI (issue 52).
 Not ported to this line yet, refused at startup naming the flag (``unported``): ``--speculative-eagle-topk`` > 1 (spec v2
-tree verifies), tensor parallel with speculative decoding, PD disaggregation.
+tree verifies), tensor parallel with speculative decoding, PD on 0.5.21/0.5.22.
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
 SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
 is not covered, as on 0.5.12); checked at install.
@@ -96,6 +98,26 @@ HICACHE_HOOKS: HookTable = {
     "sglang.srt.mem_cache.pool_host.base.HostKVCache.free": ("hicache.after_host_free", "after"),
     "sglang.srt.mem_cache.pool_host.base.HostKVCache.clear": ("hicache.after_host_clear", "after"),
 }
+# PD disaggregation (adapter/disagg, as on 0.5.12): the records and origin stamps travel with the KV through mooncake;
+# required with --disaggregation-mode only. 0.5.23's targets are 0.5.12's but the sender's (send gained
+# indices_event=, send_kvcache dst_layer_ids=, ...: the hooks take them as they come); a decode server names
+# --disaggregation-decode-retraction-backup cpu_tensor or none (disagg.check_disaggregation)
+PD_HOOKS: HookTable = {
+    "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": ("disagg.around_init_kv_manager",
+                                                                                "around"),
+    "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": ("disagg.around_init_kv_manager",
+                                                                             "around"),
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache": ("disagg.around_send_kvcache", "around"),
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_slice": (
+        "disagg.around_send_kvcache_slice", "around"),
+    # MooncakeKVSender.send is wrapped by mooncake_trace_func here ((self, *args, **kwargs) at runtime, no
+    # __wrapped__): the hook sits on the base class's send, which it calls with keywords
+    "sglang.srt.disaggregation.common.conn.CommonKVSender.send": ("disagg.before_sender_send", "before"),
+    "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch": (
+        "disagg.after_get_new_prebuilt_batch", "after"),
+    "sglang.srt.managers.schedule_batch.Req.offload_kv_cache": ("disagg.after_offload_kv_cache", "after"),
+    "sglang.srt.managers.schedule_batch.Req.load_kv_cache": ("disagg.around_load_kv_cache", "around"),
+}
 VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
 
 
@@ -119,8 +141,11 @@ def unported(server_args: Any) -> str:
             return (f"contain evicts bad slots through sglang 0.5.23's UnifiedRadixCache interface, which sglang "
                     f"{version} lacks ({gap}); use --kv-canary log or raise, or sglang 0.5.23")
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
-        return ("PD disaggregation on sglang 0.5.23 is not verified yet; drop --disaggregation-mode, or use "
-                "sglang 0.5.12")
+        from sglang.version import __version__ as version
+
+        if version != "0.5.23":  # a release reusing this line's hooks (0.5.21, 0.5.22): its PD path never ran
+            return (f"PD disaggregation is verified on sglang 0.5.23 (and 0.5.12), not on {version}; drop "
+                    "--disaggregation-mode, or use one of those releases")
     return ""
 
 
@@ -315,7 +340,8 @@ def hicache_host_pool(controller):
     return host_pool(controller)
 
 
-LINE = SglangLine(name="0.5.23", versions=("0.5.22", "0.5.23"), hooks=HOOKS, spec_hooks=SPEC_HOOKS, in_tree_canary=True,
+LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
+                  in_tree_canary=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank, dp_rank=dp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
