@@ -305,7 +305,7 @@ GATE_CASES = [
      "--disaggregation-transfer-backend mooncake only, not fake"),
     (["--kv-canary", "log", *PD, "--disaggregation-decode-enable-radix-cache"], {},
      "does not verify --disaggregation-decode-enable-radix-cache"),
-    (["--kv-canary", "log", *PD, "--page-size", "16"], {}, "--page-size 1 only, not 16"),
+    (["--kv-canary", "log", *PD, "--page-size", "16"], {}, "--page-size 1 only on sglang 0.5.12, not 16"),
     (["--kv-canary", "log", *PD], {"SGLANG_DISAGG_STAGING_BUFFER": "1"}, "SGLANG_DISAGG_STAGING_BUFFER=1"),
     (["--kv-canary", "log"], {"SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB": "0.5"},
      "SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB corrupts KV received by PD transfer"),

@@ -86,9 +86,13 @@ def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optio
         value = getattr(server_args, attr, ok)
         if value is not None and int(value) != ok:
             raise CanaryConfigError(f"{head} is verified with {flag} {ok} only, not {value}")
+    from .lines import current_line
+
+    page_sizes = current_line().pd_page_sizes
     page_size = getattr(server_args, "page_size", None)
-    if page_size not in (None, 1):
-        raise CanaryConfigError(f"{head} is verified with --page-size 1 only, not {page_size}")
+    if int(page_size or 1) not in page_sizes:
+        raise CanaryConfigError(f"{head} is verified with --page-size {' or '.join(map(str, page_sizes))} only on "
+                                f"sglang {current_line().name}, not {page_size}")
     for flag, attr in (
         ("--enable-dp-attention", "enable_dp_attention"),
         ("--disaggregation-decode-enable-radix-cache", "disaggregation_decode_enable_radix_cache"),

@@ -28,6 +28,7 @@ from kv_canary_testing.canary_e2e import (
     register_cpu_ci,
     register_cuda_ci,
 )
+from kv_canary_testing.line_suites import installed_line
 from kv_canary_testing.pd import pd_skip_reason
 from kv_canary_testing.workload import RequestSpec, build_workload, run_requests
 
@@ -48,6 +49,9 @@ PERTURB_COMMON = {"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "2", "SGLANG_KV_CANAR
 # its TAIL is then read by nobody on the prefill side, only by the decode side after the transfer (the seed's
 # case: the prefill stays clean).
 PREFILL_NO_SHARING = ["--disable-radix-cache", "--chunked-prefill-size", "8192"]
+# sglang 0.5.23's PD is verified at page size 16 too (SglangLine.pd_page_sizes): its perturbed deployment runs there
+# (whole pages travel; the records of a page's unfilled tail travel with it and are never read), the clean one at 1
+PERTURBED_PAGE = ["--page-size", "16"] if installed_line() == "0.5.23" else []
 N_SERIAL = 12  # perturbed run: requests sent one at a time before the concurrent rest
 
 
@@ -83,7 +87,7 @@ def perturbed(request, tmp_path_factory):
     return _cluster(request, tmp_path_factory, "pd-perturbed", prefill_mode="log", decode_mode="log",
                     prefill_env={POST_FORWARD: "0.3", **PERTURB_COMMON},
                     decode_env={TRANSFER: "0.15", **PERTURB_COMMON},
-                    prefill_args=PREFILL_NO_SHARING)
+                    prefill_args=PREFILL_NO_SHARING + PERTURBED_PAGE, decode_args=PERTURBED_PAGE)
 
 
 def explained_by_prefill(violation, injection) -> bool:
@@ -186,7 +190,7 @@ class TestPDPerturbed:
         # no end-to-end startup request: the perturbed prefill may corrupt any request, and the first one
         # to reach this decode server must be the test's
         decode = restart_canary_decode(perturbed, "raise", decode_env={TRANSFER: "1", **PERTURB_COMMON},
-                                       wait_generate=False)
+                                       decode_args=PERTURBED_PAGE, wait_generate=False)
         result = run_requests(perturbed.base_url, unique_short_requests(12, seed=12), concurrency=4, timeout=300)
         code = decode.wait_exit(timeout=120)
         p, d = CanaryLog.read_settled(perturbed.prefill), CanaryLog.read(decode)

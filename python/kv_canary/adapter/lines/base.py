@@ -94,6 +94,8 @@ class SglangLine:
     # HiCache's cache controller -> the host pool whose copies the canary keeps records for (0.5.12: its
     # ``mem_pool_host``; 0.5.23: the host pool group's anchor entry); refuses a pool it does not verify
     hicache_host_pool: Callable[[Any], Any] = _controller_host_pool
+    # --page-size values PD disaggregation is verified with on this line (adapter/disagg); others refused
+    pd_page_sizes: Tuple[int, ...] = (1,)
 
     def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),
