@@ -271,6 +271,10 @@ class _Client:
             if r.status_code != 200:
                 return RequestOutcome(spec.index, spec.kind, "failed",
                                       error=f"HTTP {r.status_code}: {r.text[:300]}")
+            if spec.abort_after_chunks == 0 and how == "disconnect":
+                # gone once the response started, before any token: the request is aborted mid-prefill (or, with
+                # PD, while its KV is in flight to the decode server)
+                return RequestOutcome(spec.index, spec.kind, "aborted")
             chunks = 0
             abort_sent = False
             last = {}

@@ -17,6 +17,8 @@ prefill wrote, and its own TAIL writes continue the same chain:
 Two deployments (clean; perturbed) and one decode restart keep the startup cost down.
 """
 
+import random
+
 import pytest
 
 from kv_canary_testing.canary_e2e import (
@@ -57,8 +59,6 @@ N_SERIAL = 12  # perturbed run: requests sent one at a time before the concurren
 
 def unique_short_requests(n, seed, max_new_tokens=6):
     """Prompts shorter than a chunk, each starting with its own word."""
-    import random
-
     rng = random.Random(seed)
     return [RequestSpec(i, "short", (i, *(rng.randrange(508) for _ in range(rng.randrange(8, 60)))), max_new_tokens)
             for i in range(n)]
@@ -141,6 +141,27 @@ class TestPDClean:
         if e2e_device() == "cuda":  # the first reads of transferred slots ran inside decode graph replays
             assert d.last_stat("graph_forwards") > 0
         assert "Traceback" not in p.text + d.text and "kv_canary_jit_after_startup" not in p.text + d.text
+
+    def test_aborts_while_the_kv_is_in_flight_leave_nothing_that_accuses_the_next_owner(self, clean):
+        """Requests dropped right after their response starts (mid-prefill or mid-transfer), with short requests
+        sent beside and after them into the slots they freed: no violation on either side (``raise``), every
+        short request served, both servers up."""
+        before = CanaryLog.read_settled(clean.decode)
+        rng = random.Random(29)
+        dropped = [RequestSpec(i, "abort", tuple(rng.randrange(508) for _ in range(rng.randrange(300, 480))), 64,
+                               abort_after_chunks=0) for i in range(10)]
+        after = unique_short_requests(24, seed=30)
+        after = [RequestSpec(100 + s.index, s.kind, s.words, s.max_new_tokens) for s in after]
+        result = run_requests(clean.base_url, dropped + after, concurrency=8, abort_mode="disconnect", timeout=600)
+        p, d = CanaryLog.read_settled(clean.prefill), CanaryLog.read_settled(clean.decode)
+        received = d.last_stat("pd_requests_received") - before.last_stat("pd_requests_received")
+        print(f"kv_canary_e2e_pd_aborts_in_flight {result.summary()} decode_requests_received={received} "
+              f"(of {len(dropped) + len(after)} sent) violations={len(p.violations)}+{len(d.violations)}")
+        assert result.failed == 0, "\n".join(result.errors[:5]) + "\n" + clean.decode.log_tail()
+        assert result.aborted == len(dropped) and result.succeeded == len(after)
+        assert clean.prefill.is_running() and clean.decode.is_running()
+        assert p.violations == [] and d.violations == [], (p.violations + d.violations)[:5]
+        assert d.last_stat("violations") == 0 and p.last_stat("violations") == 0
 
 
 @pytest.mark.e2e
