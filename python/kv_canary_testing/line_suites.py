@@ -44,6 +44,12 @@ ONLY_ON_LINE = {
         "line": ("0.5.12", "0.5.23"),
         "files": ("registered/kv_canary/test_e2e_pd.py",),
     },
+    "0.5.23 (PD with TP)": {
+        "why": "PD with --tp-size > 1 is verified on sglang 0.5.23 (SglangLine.pd_tensor_parallel); 0.5.12 refuses it "
+               "at startup, naming --tp-size",
+        "line": "0.5.23",
+        "files": ("registered/kv_canary/test_e2e_pd_tp.py",),
+    },
     "0.5.12 and 0.5.23 (sglang's own Qwen3-Next, GPU only)": {
         "why": "sglang's Qwen3NextForCausalLM builds on CUDA only (the file skips on CPU, naming why); 0.5.17 refuses "
                "HybridLinearKVPool. On 0.5.23 it runs with the verified mamba strategy (no_buffer, overlap off)",

@@ -78,16 +78,18 @@ def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optio
             f"{head} is verified with --disaggregation-transfer-backend {', '.join(VERIFIED_TRANSFER_BACKENDS)} "
             f"only, not {backend}: the canary's records must travel with the KV through the transfer engine"
         )
+    from .lines import current_line
+
     for flag, attr, ok in (
         ("--tp-size", "tp_size", 1),
         ("--pp-size", "pp_size", 1),
         ("--dp-size", "dp_size", 1),
     ):
         value = getattr(server_args, attr, ok)
+        if attr == "tp_size" and current_line().pd_tensor_parallel:
+            continue  # each rank's KV manager registers its own shard's records (the same TP size on both sides)
         if value is not None and int(value) != ok:
             raise CanaryConfigError(f"{head} is verified with {flag} {ok} only, not {value}")
-    from .lines import current_line
-
     page_sizes = current_line().pd_page_sizes
     page_size = getattr(server_args, "page_size", None)
     if int(page_size or 1) not in page_sizes:

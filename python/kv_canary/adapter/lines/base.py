@@ -96,6 +96,8 @@ class SglangLine:
     hicache_host_pool: Callable[[Any], Any] = _controller_host_pool
     # --page-size values PD disaggregation is verified with on this line (adapter/disagg); others refused
     pd_page_sizes: Tuple[int, ...] = (1,)
+    # PD disaggregation verified with --tp-size > 1 (the same on both sides) on this line
+    pd_tensor_parallel: bool = False
 
     def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),

@@ -49,6 +49,7 @@ from typing import Any
 from ..in_tree_slot import InTreeSlot
 from ..policy_0_5_23 import POLICY_0_5_23
 from ..unified_radix import unified_view_for
+from . import v0_5_12
 from .base import HookTable, SglangLine
 
 logger = logging.getLogger("kv_canary")
@@ -102,21 +103,12 @@ HICACHE_HOOKS: HookTable = {
 # required with --disaggregation-mode only. 0.5.23's targets are 0.5.12's but the sender's (send gained
 # indices_event=, send_kvcache dst_layer_ids=, ...: the hooks take them as they come); a decode server names
 # --disaggregation-decode-retraction-backup cpu_tensor or none (disagg.check_disaggregation)
+_MOONCAKE_SEND = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender.send"
 PD_HOOKS: HookTable = {
-    "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager": ("disagg.around_init_kv_manager",
-                                                                                "around"),
-    "sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager": ("disagg.around_init_kv_manager",
-                                                                             "around"),
-    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache": ("disagg.around_send_kvcache", "around"),
-    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_slice": (
-        "disagg.around_send_kvcache_slice", "around"),
+    **{target: hook for target, hook in v0_5_12.PD_HOOKS.items() if target != _MOONCAKE_SEND},
     # MooncakeKVSender.send is wrapped by mooncake_trace_func here ((self, *args, **kwargs) at runtime, no
     # __wrapped__): the hook sits on the base class's send, which it calls with keywords
-    "sglang.srt.disaggregation.common.conn.CommonKVSender.send": ("disagg.before_sender_send", "before"),
-    "sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch": (
-        "disagg.after_get_new_prebuilt_batch", "after"),
-    "sglang.srt.managers.schedule_batch.Req.offload_kv_cache": ("disagg.after_offload_kv_cache", "after"),
-    "sglang.srt.managers.schedule_batch.Req.load_kv_cache": ("disagg.around_load_kv_cache", "around"),
+    "sglang.srt.disaggregation.common.conn.CommonKVSender.send": v0_5_12.PD_HOOKS[_MOONCAKE_SEND],
 }
 VERIFIED_POOLS = ("MHATokenToKVPool", "MLATokenToKVPool", "SWAKVPool", "HybridLinearKVPool")
 
@@ -341,7 +333,7 @@ def hicache_host_pool(controller):
 
 
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
-                  in_tree_canary=True, pd_page_sizes=(1, 16),
+                  in_tree_canary=True, pd_page_sizes=(1, 16), pd_tensor_parallel=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank, dp_rank=dp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
