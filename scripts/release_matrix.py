@@ -75,6 +75,21 @@ SMOKES = {
 }
 
 
+RUN_ENV = "KVC_RELEASE_MATRIX_RUN"
+
+
+def _kill_marked(token: str) -> None:
+    """Kill the process group of every process whose environment carries ``RUN_ENV=token`` (left by a smoke)."""
+    mark = f"{RUN_ENV}={token}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    os.killpg(os.getpgid(int(pid)), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def line_of(release: str) -> str:
     return next((name for name, m in LINE_MODULES.items()
                  if release in load_line(m).versions + load_line(m).untested_versions), "refused")
@@ -108,7 +123,7 @@ def run(release: str, smoke: Optional[str], wheels: str, timeout_s: int = 1500) 
     row.update(base_venv=os.path.basename(venv), base_release=base_release,
                pins_not_swapped=sorted(reqs - base_reqs))
     path = ([overlay] if base_release != release else []) + [os.path.join(ROOT, "python")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), RUN_ENV: f"{release}-{os.getpid()}-{time.time()}"}
     start = time.time()
     # its own session, so a smoke past the limit is stopped with its server (0.5.18 off its pins once hung)
     proc = subprocess.Popen([os.path.join(venv, "bin", "python"), "scripts/run_suite.py", "--hw", "cpu", "--no-rerun",
@@ -118,7 +133,9 @@ def run(release: str, smoke: Optional[str], wheels: str, timeout_s: int = 1500) 
         out, rc = proc.communicate(timeout=timeout_s)[0], proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, rc = proc.communicate()[0] + f"\ntimed out after {timeout_s} s (no pytest result)", 124
+        out, rc = proc.communicate()[0] + f"\ntimed out after {timeout_s} s (stopped)", 124
+    finally:  # the test's sglang server runs in a process group of its own: found by the run's env token
+        _kill_marked(env[RUN_ENV])
     tail = out.strip().splitlines()
     summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed|error)|timed out", line)), "")
     return {**row, "rc": rc, "summary": summary.strip("= "), "wall_s": round(time.time() - start)}
