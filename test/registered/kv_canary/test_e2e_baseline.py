@@ -70,7 +70,8 @@ def test_mixed_workload_has_no_violation(server):
     # the write witness (on by default) proved every new slot of every forward written: none unwritten
     assert log.last_stat("slots_witnessed") == log.last_stat("slots_written")
     assert log.last_stat("sweeps") > 0 and log.last_stat("slots_swept") > 0  # the cache sweep found nothing
-    assert log.last_stat("index_walks") > 0 or installed_line() != "0.5.23"  # the UnifiedRadixCache was walked
+    # the UnifiedRadixCache was walked (0.5.23 only: other lines' stats have no index_walks field)
+    assert installed_line() != "0.5.23" or log.last_stat("index_walks") > 0
     assert log.last_stat("health_violations") == 0
     # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
