@@ -136,8 +136,13 @@ def run(release: str, smoke: Optional[str], wheels: str, timeout_s: int = 1500) 
         out, rc = proc.communicate()[0] + f"\ntimed out after {timeout_s} s (stopped)", 124
     finally:  # the test's sglang server runs in a process group of its own: found by the run's env token
         _kill_marked(env[RUN_ENV])
+    log = os.path.join(CACHE, "matrix", f"smoke-{release}-{time.strftime('%Y%m%dT%H%M%S')}.log")  # the whole output
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    with open(log, "w", encoding="utf-8") as f:
+        f.write(out)
     tail = out.strip().splitlines()
     summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed|error)|timed out", line)), "")
+    print(f"release_matrix: {release}: output in {log}", file=sys.stderr)
     return {**row, "rc": rc, "summary": summary.strip("= "), "wall_s": round(time.time() - start)}
 
 
