@@ -1,6 +1,6 @@
 """The 0.5.19 line (``v0_5_19``, a diff of 0.5.18): the store hook on ``RadixCache._insert_helper`` in place of the
 ``_record_store_event`` 0.5.19 lacks, 0.5.23's ``Req.kv`` reader, and a fence target only 0.5.19 has; no sglang
-needed. Which releases it serves (0.5.19, with the opt-in only): ``test_release_fence``."""
+needed. Which releases it serves (0.5.19): ``test_release_fence``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache."
 
 def test_the_line_is_0_5_18s_with_the_store_hook_moved_and_the_kv_reader():
     line, base = v0_5_19.LINE, v0_5_18.LINE
-    assert line.versions == () and line.untested_versions == ("0.5.19",)
+    assert line.versions == ("0.5.19",) and line.untested_versions == ()
     assert set(line.hooks) ^ set(base.hooks) == {_RADIX + "_record_store_event", _RADIX + "_insert_helper",
                                                  "sglang.srt.mem_cache.events.KVCacheEventRecorder.record_store"}
     assert all(line.hooks[t] == hook for t, hook in base.hooks.items() if t in line.hooks)

@@ -20,9 +20,9 @@ TABLE = load_table()
 RELEASES = TABLE["releases"]
 SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
           "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
-          "0.5.18": "0.5.18", "0.5.21": "0.5.21", "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
+          "0.5.18": "0.5.18", "0.5.19": "0.5.19", "0.5.21": "0.5.21", "0.5.22": "0.5.23", "0.5.23": "0.5.23"}
 # release -> the line whose targets all match it, statically, with no smoke run: served only with the opt-in env var
-UNTESTED = {"0.5.19": "0.5.19"}  # 0.5.18 and 0.5.21 left it with their own-pin smokes (2026-11-29)
+UNTESTED = {}  # none since the own-pin smokes of 0.5.18, 0.5.19 and 0.5.21 (2026-11-29); the mechanism stays
 # release -> a target that keeps its closest line out (the first difference the fence names)
 REFUSED = {
     "0.5.20": "the 0.5.21 line's hook targets differ here: sglang.srt.managers.scheduler.Scheduler.__init__ is (self, "

@@ -13,8 +13,9 @@ does not know its tree). What differs:
 * ``Req.req_pool_idx`` moved to ``Req.kv`` (0.5.23's reader, ``v0_5_23.req_row``).
 * Its own server-args policy (``adapter/policy_0_5_19``: 0.5.18's plus 16 fields, classified as 0.5.23's policy does).
 
-Not run here yet: served only with ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``SglangLine.untested_versions``)
-until its smoke passes. 0.5.19 loses a disconnected stream's abort as 0.5.18 does (docs/compatibility.md).
+Served as a tested release since its CPU smoke passed on its own pins (2026-11-29, ``KVC_SGLANG=0.5.19`` venv,
+torch 2.13.0: 0 violations, the sweep over the index this hook builds, injections caught; docs/compatibility.md).
+0.5.19 loses a disconnected stream's abort as 0.5.18 does: the e2e workloads abort through ``/abort_request``.
 """
 
 from __future__ import annotations
@@ -50,5 +51,5 @@ def unported(server_args: Any) -> str:
     return v0_5_17.unported_on(server_args, LINE.name)
 
 
-LINE = dataclasses.replace(v0_5_18.LINE, name="0.5.19", versions=(), untested_versions=("0.5.19",), hooks=HOOKS,
+LINE = dataclasses.replace(v0_5_18.LINE, name="0.5.19", versions=("0.5.19",), untested_versions=(), hooks=HOOKS,
                            req_row=v0_5_23.req_row, unported=unported, policy=POLICY_0_5_19)
