@@ -4,6 +4,7 @@
 #   KVC_SGLANG=0.5.23 source scripts/setup_env.sh   # sets KVC_PY to the venv's python (default line: 0.5.23)
 #   KVC_SGLANG=0.5.12 source scripts/setup_env.sh
 #   KVC_SGLANG=0.5.17 source scripts/setup_env.sh   # the newest release the GPU host can run (torch 2.11)
+#   KVC_SGLANG=0.5.18 source scripts/setup_env.sh   # or 0.5.19-0.5.21: torch 2.13.0, for release_matrix.py
 #
 # The venv lives outside the checkout ($KVC_VENV, default
 # ~/.cache/sglang-kv-canary/venv-<hash>), keyed by a hash of the dependency pins
@@ -18,23 +19,35 @@ kvc_pip() {  # pip, quiet unless it fails (this machine's pip config adds noisy 
 }
 KVC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 KVC_SGLANG="${KVC_SGLANG:-0.5.23}"
+KVC_NODEPS=""
 case "$KVC_SGLANG" in
   0.5.12) KVC_DEPS=("sglang==0.5.12" "kernels==0.14.1" "torch==2.11.0") ;;
   0.5.17) KVC_DEPS=("sglang==0.5.17") ;;  # pins torch 2.11.0 (the GPU host's), kernels 0.14.1
   0.5.23) KVC_DEPS=("sglang==0.5.23") ;;  # pins torch 2.14.1, kernels<0.15
-  *) echo "setup_env: KVC_SGLANG=$KVC_SGLANG: supported sglang lines are 0.5.12, 0.5.17 and 0.5.23" >&2
+  # 0.5.18-0.5.21 pin cuda-tile==1.6.0rc5, a stub whose build downloads from an outside index, and torch==2.13.0,
+  # which resolves to 2.13.0+cpu here (torchvision's ops then fail to load): sglang goes in --no-deps, then its own
+  # requirements with those two swapped for the ones below (KVC_NODEPS; see docs/compatibility.md).
+  0.5.18|0.5.19|0.5.20|0.5.21) KVC_NODEPS="sglang==$KVC_SGLANG"; KVC_DEPS=("torch===2.13.0" "cuda-tile>=1.6") ;;
+  *) echo "setup_env: KVC_SGLANG=$KVC_SGLANG: supported sglang lines are 0.5.12, 0.5.17, 0.5.18-0.5.21 and 0.5.23" >&2
      return 2 2>/dev/null || exit 2 ;;
 esac
 KVC_DEPS+=("pytest>=8" "requests>=2.31" "hatchling>=1.25" "editables>=0.5")
 KVC_PYTHON="${KVC_PYTHON:-python3}"
-kvc_hash="$(printf '%s\n' "${KVC_DEPS[@]}" "$("$KVC_PYTHON" -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-12)"
+kvc_hash="$(printf '%s\n' ${KVC_NODEPS:+"$KVC_NODEPS"} "${KVC_DEPS[@]}" "$("$KVC_PYTHON" -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-12)"
 KVC_VENV="${KVC_VENV:-$HOME/.cache/sglang-kv-canary/venv-$kvc_hash}"
 if [ ! -f "$KVC_VENV/.kvc-ready" ]; then
   echo "setup_env: building $KVC_VENV (sglang $KVC_SGLANG + CUDA torch wheels; several minutes)"
   rm -rf "$KVC_VENV"
   mkdir -p "$(dirname "$KVC_VENV")"
   "$KVC_PYTHON" -m venv "$KVC_VENV"
-  kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check "${KVC_DEPS[@]}"
+  kvc_reqs=()
+  if [ -n "${KVC_NODEPS:-}" ]; then  # the release alone, then its requirements less the pins KVC_DEPS replaces
+    kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check --no-deps "$KVC_NODEPS"
+    mapfile -t kvc_reqs < <("$KVC_VENV/bin/python" -c 'import importlib.metadata as m, re
+for r in m.requires("sglang"):
+    if "extra ==" not in r and not re.match(r"(torch|cuda-tile)\s*==", r): print(r)')
+  fi
+  kvc_pip "$KVC_VENV/bin/python" -m pip install --disable-pip-version-check "${KVC_DEPS[@]}" ${kvc_reqs[@]+"${kvc_reqs[@]}"}
   "$KVC_VENV/bin/python" -c "import sglang, torch, triton, pytest, requests" # fail here, not later
   touch "$KVC_VENV/.kvc-ready"
 else

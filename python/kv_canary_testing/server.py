@@ -59,16 +59,18 @@ DEVICE_ARGS = {
 
 DEFAULT_MAX_TOTAL_TOKENS = {"cpu": 4096, "cuda": 65536}
 # default flags left out on a later sglang line (0.5.23: no piecewise flag (off on CPU anyway); its server warmup
-# must run, else its post-warmup /freeze_gc call fails with a traceback)
+# must run, else its post-warmup /freeze_gc call fails with a traceback: 0.5.18 and later)
 NOT_ON_LINE = {"0.5.15": ("--disable-piecewise-cuda-graph",), "0.5.17": ("--disable-piecewise-cuda-graph",),
-               "0.5.18": ("--disable-piecewise-cuda-graph",),
+               "0.5.18": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
+               "0.5.19": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.21": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
 # default flags added on a line, per device (0.5.17: prefill CUDA graphs, breakable by default on CUDA, replaced the
 # piecewise ones; the canary needs them off)
 ADDED_ON_LINE = {("0.5.15", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.17", "cuda"): ("--disable-prefill-cuda-graph",),
-                 ("0.5.18", "cuda"): ("--disable-prefill-cuda-graph",)}
+                 ("0.5.18", "cuda"): ("--disable-prefill-cuda-graph",),
+                 ("0.5.19", "cuda"): ("--disable-prefill-cuda-graph",)}
 
 
 def installed_sglang_version() -> str:

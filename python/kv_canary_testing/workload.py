@@ -37,6 +37,16 @@ from kv_canary_testing.model_dir import NUM_WORDS, word, word_token_id
 ABORT_MODES = ("mixed", "disconnect", "api")
 # sglang 0.5.12 aborts a disconnected stream from a background task that first sleeps 2 s.
 DISCONNECT_ABORT_DELAY_S = 2.0
+# Releases that never abort a disconnected stream (stock sglang, canary off too: docs/compatibility.md): their
+# TokenizerManager.generate_request drops the rid's state on the disconnect (``except BaseException`` ->
+# ``_discard_pending_req_states``), so the abort task finds no state and sends the scheduler nothing; the request
+# decodes to its max_new_tokens while its reservation stalls the queue. Their workloads abort through the API only.
+DISCONNECT_ABORT_LOST = ("0.5.18", "0.5.19")
+
+
+def abort_mode_for(release) -> str:
+    """``"mixed"``, or ``"api"`` on a release in ``DISCONNECT_ABORT_LOST``."""
+    return "api" if release in DISCONNECT_ABORT_LOST else "mixed"
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""Lines mapped by the fence alone (``SglangLine.untested_versions``): sglang 0.5.18 (``v0_5_18``, a diff of 0.5.17)
-and 0.5.21 (``v0_5_21``, a diff of 0.5.23); no sglang needed. Which releases they serve, and only with the opt-in:
-``test_release_fence``."""
+"""The lines of 0.5.18 (``v0_5_18``, a diff of 0.5.17) and 0.5.21 (``v0_5_21``, a diff of 0.5.23), mapped by the
+fence alone (``SglangLine.untested_versions``) until their CPU smokes passed on their own pins (2026-11-29); no
+sglang needed. Which releases they serve: ``test_release_fence``."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from kv_canary.adapter.policy_0_5_21 import _FROM_0_5_17, _HOST_RECEIVE, _NOT_YE
 from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
 
 
-def test_the_0_5_18_line_is_0_5_17s_hooks_as_they_are_with_its_own_policy_and_no_tested_release():
+def test_the_0_5_18_line_is_0_5_17s_hooks_as_they_are_with_its_own_policy_and_serves_0_5_18():
     line = v0_5_18.LINE
-    assert line.versions == () and line.untested_versions == ("0.5.18",)
+    assert line.versions == ("0.5.18",) and line.untested_versions == ()
     assert line.all_hooks() == v0_5_17.LINE.all_hooks() and line.policy is POLICY_0_5_18
     assert "sglang 0.5.18" in line.unported(SimpleNamespace(kv_canary="contain"))
     assert (line.in_tree_canary, line.verified_pools) == (v0_5_17.LINE.in_tree_canary, v0_5_17.LINE.verified_pools)
 
 
-def test_the_0_5_21_line_is_0_5_23s_with_its_own_policy_and_no_tested_release():
+def test_the_0_5_21_line_is_0_5_23s_with_its_own_policy_and_serves_0_5_21():
     line = v0_5_21.LINE
-    assert line.versions == () and line.untested_versions == ("0.5.21",)
+    assert line.versions == ("0.5.21",) and line.untested_versions == ()
     assert line.all_hooks() == v0_5_23.LINE.all_hooks() and line.policy is POLICY_0_5_21
     assert line.unported is v0_5_23.LINE.unported and line.containment is v0_5_23.LINE.containment
 

@@ -20,12 +20,11 @@ TABLE = load_table()
 RELEASES = TABLE["releases"]
 SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
           "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
-          "0.5.22": "0.5.22", "0.5.23": "0.5.23"}
+          "0.5.18": "0.5.18", "0.5.19": "0.5.19", "0.5.21": "0.5.21", "0.5.22": "0.5.22", "0.5.23": "0.5.23"}
 # release -> the line whose targets all match it, statically, with no smoke run: served only with the opt-in env var
-UNTESTED = {"0.5.18": "0.5.18", "0.5.21": "0.5.21"}
+UNTESTED = {}  # none since the own-pin smokes of 0.5.18, 0.5.19 and 0.5.21 (2026-11-29); the mechanism stays
 # release -> a target that keeps its closest line out (the first difference the fence names)
 REFUSED = {
-    "0.5.19": "RadixCache._record_store_event is missing",
     "0.5.20": "the 0.5.21 line's hook targets differ here: sglang.srt.managers.scheduler.Scheduler.__init__ is (self, "
               "server_args, port_args, gpu_id,",
 }
@@ -82,7 +81,8 @@ def test_a_release_mapped_by_the_fence_alone_runs_only_when_allowed(version):
     choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"})
     assert choice.line is not None and choice.line.name == UNTESTED[version] and choice.untested and not choice.refuse
     assert version in choice.line.untested_versions and "no smoke has run on it" in choice.reason
-    other = "0.5.17" if UNTESTED[version] == "0.5.18" else "0.5.23"  # a differing target: refused even when allowed
+    # a differing target: refused even when allowed
+    other = "0.5.17" if UNTESTED[version] in ("0.5.18", "0.5.19") else "0.5.23"
     choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"}, signatures_of=other)
     assert choice.line is None and choice.refuse and "nothing of it is installed" in choice.reason
 

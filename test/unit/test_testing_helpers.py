@@ -6,7 +6,7 @@ import json
 from kv_canary_testing.libcuda_stub import STUB_SYMBOLS, ensure_libcuda_stub
 from kv_canary_testing.model_dir import ARCHITECTURE, write_model_dir
 from kv_canary_testing.server import SglangServer, free_port
-from kv_canary_testing.workload import build_workload
+from kv_canary_testing.workload import DISCONNECT_ABORT_LOST, abort_mode_for, build_workload
 
 
 def test_model_dir_is_idempotent_and_tokenizes_words(tmp_path):
@@ -65,3 +65,9 @@ def test_workload_plan_is_deterministic():
     assert a == build_workload(50, seed=3)
     assert a != build_workload(50, seed=4)
     assert {s.kind for s in a} == {"shared", "long", "short", "abort"}
+
+
+def test_releases_that_lose_a_disconnects_abort_abort_through_the_api_only():
+    assert DISCONNECT_ABORT_LOST == ("0.5.18", "0.5.19")
+    assert {abort_mode_for(r) for r in DISCONNECT_ABORT_LOST} == {"api"}
+    assert {abort_mode_for(r) for r in ("0.5.12", "0.5.17", "0.5.20", "0.5.21", "0.5.23", None)} == {"mixed"}

@@ -11,9 +11,10 @@ line is 0.5.17's hooks as they are; what differs:
 * Its own server-args policy (``adapter/policy_0_5_18``: 0.5.17's, less 2 fields 0.5.18 dropped, plus 16 fields
   0.5.23 has too, classified as 0.5.23's policy classifies them).
 
-Not run here: 0.5.18 pins torch 2.13.0 (and ``cuda-tile==1.6.0rc5``) and no cached venv has that torch, so the
-release is served only with ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``SglangLine.untested_versions``).
-Not ported, refused at startup naming the flag (as on 0.5.17).
+Served as a tested release since its CPU smoke passed on its own pins (2026-11-29: ``KVC_SGLANG=0.5.18`` venv,
+torch 2.13.0; ``scripts/release_matrix.py``, docs/compatibility.md). 0.5.18 never aborts a disconnected stream
+(stock sglang: its tokenizer drops the state first), so the e2e workloads abort through ``/abort_request`` there
+(``kv_canary_testing.workload.DISCONNECT_ABORT_LOST``). Not ported, refused at startup naming the flag (as on 0.5.17).
 """
 
 from __future__ import annotations
@@ -30,5 +31,5 @@ def unported(server_args: Any) -> str:
     return v0_5_17.unported_on(server_args, LINE.name)
 
 
-LINE = dataclasses.replace(v0_5_17.LINE, name="0.5.18", versions=(), untested_versions=("0.5.18",),
+LINE = dataclasses.replace(v0_5_17.LINE, name="0.5.18", versions=("0.5.18",), untested_versions=(),
                            policy=POLICY_0_5_18, unported=unported)

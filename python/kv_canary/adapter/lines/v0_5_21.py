@@ -6,8 +6,8 @@ kv_loc_plan=, write_cols=`` (the same hook: it takes ``*args, **kwargs``); the f
 Its own server-args policy (``adapter/policy_0_5_21``: 0.5.23's, on 0.5.21's fields). HiCache stays refused
 (``adapter/hicache.VERIFIED_LINES`` names lines, not this one).
 
-Not run here: 0.5.21 pins torch 2.13.0 (and ``cuda-tile==1.6.0rc5``) and no cached venv has that torch, so the
-release is served only with ``SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE=1`` (``SglangLine.untested_versions``).
+Served as a tested release since its CPU smoke passed on its own pins (2026-11-29: ``KVC_SGLANG=0.5.21`` venv,
+torch 2.13.0; ``scripts/release_matrix.py``, docs/compatibility.md); ``contain`` was not part of it.
 """
 
 from __future__ import annotations
@@ -17,5 +17,5 @@ import dataclasses
 from ..policy_0_5_21 import POLICY_0_5_21
 from . import v0_5_23
 
-LINE = dataclasses.replace(v0_5_23.LINE, name="0.5.21", versions=(), untested_versions=("0.5.21",),
+LINE = dataclasses.replace(v0_5_23.LINE, name="0.5.21", versions=("0.5.21",), untested_versions=(),
                            policy=POLICY_0_5_21)
