@@ -81,3 +81,7 @@ def test_each_decode_rank_verifies_the_shard_it_received(cluster):
     flipped = {(i["slot"], i["rid"]) for i in injections["1"]}
     assert all((v["slot"], v["rid"]) in flipped for v in violations["1"]), violations["1"][:3]
     assert STATS_PREFIX in d_text and "Traceback" not in p_text + d_text
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
