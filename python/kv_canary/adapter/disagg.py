@@ -80,21 +80,21 @@ def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optio
         )
     from .lines import current_line
 
+    line = current_line()
     for flag, attr, ok in (
         ("--tp-size", "tp_size", 1),
         ("--pp-size", "pp_size", 1),
         ("--dp-size", "dp_size", 1),
     ):
         value = getattr(server_args, attr, ok)
-        if attr == "tp_size" and current_line().pd_tensor_parallel:
+        if attr == "tp_size" and line.pd_tensor_parallel:
             continue  # each rank's KV manager registers its own shard's records (the same TP size on both sides)
         if value is not None and int(value) != ok:
             raise CanaryConfigError(f"{head} is verified with {flag} {ok} only, not {value}")
-    page_sizes = current_line().pd_page_sizes
     page_size = getattr(server_args, "page_size", None)
-    if int(page_size or 1) not in page_sizes:
-        raise CanaryConfigError(f"{head} is verified with --page-size {' or '.join(map(str, page_sizes))} only on "
-                                f"sglang {current_line().name}, not {page_size}")
+    if int(page_size or 1) not in line.pd_page_sizes:
+        raise CanaryConfigError(f"{head} is verified with --page-size {' or '.join(map(str, line.pd_page_sizes))} "
+                                f"only on sglang {line.name}, not {page_size}")
     for flag, attr in (
         ("--enable-dp-attention", "enable_dp_attention"),
         ("--disaggregation-decode-enable-radix-cache", "disaggregation_decode_enable_radix_cache"),

@@ -194,11 +194,11 @@ RULES.update({
                                 "replaces the radix cache the canary follows"),
     "hicache_host_memory_mode": Rule(_only("cache"), "cache", "buffer_only stages KV through host memory to a "
                                      "storage backend outside the forwards the canary brackets"),
-    # a decode server must name one of the two (adapter/disagg: unset resolves to host_pool on a decode server)
     # PD with tensor parallel: each rank's KV manager carries its own shard's records (adapter/disagg; CPU CI)
     "tp_size": Rule(lambda value, _args: value is None or (isinstance(value, int) and value >= 1),
                     "any size (each rank verifies its own KV shard, with PD too: each rank's records travel with "
                     "its shard)", "tensor parallel ranks"),
+    # a decode server must name cpu_tensor or none (adapter/disagg: unset resolves to host_pool on a decode server)
     "disaggregation_decode_retraction_backup": Rule(
         _only(None, "none", "cpu_tensor"), "unset, none or cpu_tensor", f"host_pool is {_PD}: the retraction backup "
         "goes through a HiCache host pool and comes back into slots without the canary's records (cpu_tensor: the "

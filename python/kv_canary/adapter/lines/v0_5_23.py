@@ -1,7 +1,7 @@
 """sglang 0.5.23: the plugin takes the in-tree kv_canary's place, driven by sglang's own call sites.
 
-0.5.22 is served by this line less its PD hooks (``v0_5_22``: its PD sender differs; ``fence``,
-``release_targets.json``).
+0.5.22 is served by this line's hooks expecting 0.5.22's signatures (``v0_5_22``: its PD sender differs; ``fence``,
+``release_targets.json``); ``unported`` refuses PD there.
 
 0.5.23 ships sglang's own ``kv_canary`` (the same seed design) and calls it from its code:
 ``ModelRunner._init_post_memory_pool_components`` builds it through the module-level
