@@ -15,6 +15,17 @@ import requests
 from kv_canary.violations import STATS_PREFIX, parse_lines
 
 
+def cpu_tp_env() -> Dict[str, str]:
+    """A CPU-only host's ``--tp-size 2`` setting: the cores split over the two ranks (sglang binds one rank per NUMA
+    node otherwise), and no NCCL library (the CUDA build of torch in the test venv ships one, and sglang's PyNccl
+    communicator would take it and ask for a CUDA device)."""
+    import os
+
+    half = max(2, os.cpu_count() or 2) // 2
+    return {"SGLANG_CPU_OMP_THREADS_BIND": f"0-{half - 1}|{half}-{2 * half - 1}",
+            "SGLANG_NCCL_SO_PATH": "/nonexistent/kv-canary-cpu-tp/libnccl.so.2"}
+
+
 def by_rank(lines: Sequence[dict], key: str) -> Dict[str, List[dict]]:
     """{rank: its lines}: ``key`` is ``tp_rank`` or ``dp_rank``."""
     out: Dict[str, List[dict]] = {}

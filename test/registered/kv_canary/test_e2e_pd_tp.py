@@ -4,8 +4,8 @@ registers its own shard's records, so every decode rank verifies the shard its p
 One deployment: prefill ``raise`` (it stays clean), decode ``log`` with a transfer perturbation on rank 1 only
 (``SGLANG_KV_CANARY_PERTURB_TP_RANK=1``: bytes of rank 1's received shard flipped right after arrival). Every
 injection is a rank-1 ``kv_hash`` violation on the flipped slot, rank 0 sees nothing, both decode ranks verified
-every slot they received, serving goes on. CPU as in ``test_e2e_tp`` (``KvcTinyTpForCausalLM``, one core per rank,
-no NCCL library; both servers' ranks share the machine's cores).
+every slot they received, serving goes on. CPU as in ``test_e2e_tp`` (``KvcTinyTpForCausalLM``, the cores split
+over the ranks, no NCCL library: ``ranks.cpu_tp_env``; both servers' ranks share the machine's cores).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kv_canary.violations import PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX,
 from kv_canary_testing.canary_e2e import MAX_TOTAL_TOKENS, canary_env_and_args, e2e_device, register_cpu_ci
 from kv_canary_testing.model_dir import write_model_dir
 from kv_canary_testing.pd import PDCluster, pd_skip_reason
-from kv_canary_testing.ranks import by_rank, settled_by_rank
+from kv_canary_testing.ranks import by_rank, cpu_tp_env, settled_by_rank
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
@@ -30,8 +30,6 @@ pytestmark = [
 TRANSFER = {"SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB": "0.2", "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "2",
             "SGLANG_KV_CANARY_PERTURB_SEED": "5", "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "hashed",
             "SGLANG_KV_CANARY_PERTURB_TP_RANK": "1"}
-# one core per rank (sglang binds one rank per NUMA node otherwise), no NCCL library (test_e2e_tp says why)
-CPU_TP_ENV = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", "SGLANG_NCCL_SO_PATH": "/nonexistent/kv-canary-cpu-tp/libnccl.so.2"}
 TP = ["--tp-size", "2"]
 
 
@@ -39,8 +37,8 @@ TP = ["--tp-size", "2"]
 def cluster(tmp_path_factory):
     model = write_model_dir(tmp_path_factory.mktemp("pd-tp-tiny"), config_overrides={
         "architectures": ["KvcTinyTpForCausalLM"]})
-    p_env, p_args = canary_env_and_args("raise", CPU_TP_ENV, TP, "cpu", 20, "torch")
-    d_env, d_args = canary_env_and_args("log", {**CPU_TP_ENV, **TRANSFER}, TP, "cpu", 20, "torch")
+    p_env, p_args = canary_env_and_args("raise", cpu_tp_env(), TP, "cpu", 20, "torch")
+    d_env, d_args = canary_env_and_args("log", {**cpu_tp_env(), **TRANSFER}, TP, "cpu", 20, "torch")
     c = PDCluster(log_dir=tmp_path_factory.mktemp("pd-tp"), prefill_args=p_args, decode_args=d_args, prefill_env=p_env,
                   decode_env=d_env, device="cpu", max_total_tokens=MAX_TOTAL_TOKENS["cpu"], model_path=model)
     c.start(timeout=900)

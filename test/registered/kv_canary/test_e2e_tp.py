@@ -21,7 +21,7 @@ import pytest
 from kv_canary.violations import CONTAIN_PREFIX, PERTURB_PREFIX, VIOLATION_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import canary_server, e2e_device, register_cpu_ci, register_cuda_ci
 from kv_canary_testing.model_dir import write_model_dir
-from kv_canary_testing.ranks import by_rank, retry_aborted, settled_by_rank
+from kv_canary_testing.ranks import by_rank, cpu_tp_env, retry_aborted, settled_by_rank
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cuda_ci(est_time=420, suite="kv-canary-cuda")
@@ -66,20 +66,10 @@ def _tp_model(tmp_path_factory):
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "bfloat16"})
 
 
-def _cpu_tp_env():
-    """A CPU-only host's TP setting: the cores split over the two ranks, no NCCL library."""
-    import os
-
-    n = max(2, os.cpu_count() or 2)
-    half = n // 2
-    return {"SGLANG_CPU_OMP_THREADS_BIND": f"0-{half - 1}|{half}-{2 * half - 1}",
-            "SGLANG_NCCL_SO_PATH": "/nonexistent/kv-canary-cpu-tp/libnccl.so.2"}
-
-
 def _server(tmp_path_factory, mode, name, env=None, extra=()):
     device_args = [] if CPU else ["--dtype", "bfloat16", "--cuda-graph-max-bs", "16"]
     srv = canary_server(mode, log_path=tmp_path_factory.mktemp(name) / "server.log",
-                        env={**(_cpu_tp_env() if CPU else {}), **(env or {})},
+                        env={**(cpu_tp_env() if CPU else {}), **(env or {})},
                         extra_args=["--tp-size", "2", *device_args, "--model-path", str(_tp_model(tmp_path_factory)),
                                     "--kv-canary-real-data", "partial", *extra])  # 0.5.23's default is none
     return srv
