@@ -71,6 +71,7 @@ SMOKES = {
     "0.5.17": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
     "0.5.18": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
     "0.5.19": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
+    "0.5.20": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
     "0.5.21": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
     "0.5.23": f"test_e2e_baseline or (test_log_mode_detects_every_injection and all) or {_CONTAIN}",
 }

@@ -132,8 +132,8 @@ ONLY_ON_LINE = {
                "bracket and RadixCache sweep by test_e2e_baseline, injections by test_e2e_perturb_real_kv_used / "
                "test_e2e_real_data and unit/test_perturb_and_radix, the pool readers by test_e2e_real_data); "
                "0.5.12's MLA pool and TP=2 are recorded on the GPU host (docs/results)",
-        # 0.5.13, 0.5.15, 0.5.18, 0.5.19, 0.5.21: diffs of 0.5.17 or 0.5.23 (the release matrix's smoke)
-        "line": ("0.5.23", "0.5.17", "0.5.15", "0.5.13", "0.5.18", "0.5.19", "0.5.21"),
+        # 0.5.13, 0.5.15, 0.5.18-0.5.21: diffs of 0.5.17 or 0.5.23 (the release matrix's smoke)
+        "line": ("0.5.23", "0.5.17", "0.5.15", "0.5.13", "0.5.18", "0.5.19", "0.5.20", "0.5.21"),
         "cpu_only": True,  # a GPU-host run on 0.5.12 still runs them
         "files": ("registered/kv_canary/test_e2e_perturb_modes.py", "registered/kv_canary/test_e2e_mla_fp8.py",
                   "registered/test_fixture_smoke.py"),

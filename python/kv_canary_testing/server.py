@@ -63,6 +63,7 @@ DEFAULT_MAX_TOTAL_TOKENS = {"cpu": 4096, "cuda": 65536}
 NOT_ON_LINE = {"0.5.15": ("--disable-piecewise-cuda-graph",), "0.5.17": ("--disable-piecewise-cuda-graph",),
                "0.5.18": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.19": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
+               "0.5.20": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.21": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
 # default flags added on a line, per device (0.5.17: prefill CUDA graphs, breakable by default on CUDA, replaced the
@@ -70,7 +71,8 @@ NOT_ON_LINE = {"0.5.15": ("--disable-piecewise-cuda-graph",), "0.5.17": ("--disa
 ADDED_ON_LINE = {("0.5.15", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.17", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.18", "cuda"): ("--disable-prefill-cuda-graph",),
-                 ("0.5.19", "cuda"): ("--disable-prefill-cuda-graph",)}
+                 ("0.5.19", "cuda"): ("--disable-prefill-cuda-graph",),
+                 ("0.5.20", "cuda"): ("--disable-prefill-cuda-graph",)}
 
 
 def installed_sglang_version() -> str:

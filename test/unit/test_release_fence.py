@@ -20,14 +20,12 @@ TABLE = load_table()
 RELEASES = TABLE["releases"]
 SERVED = {"0.5.12": "0.5.12", "0.5.12.post1": "0.5.12", "0.5.13": "0.5.13", "0.5.13.post1": "0.5.13",
           "0.5.14": "0.5.15", "0.5.15": "0.5.15", "0.5.15.post1": "0.5.15", "0.5.16": "0.5.17", "0.5.17": "0.5.17",
-          "0.5.18": "0.5.18", "0.5.19": "0.5.19", "0.5.21": "0.5.21", "0.5.22": "0.5.22", "0.5.23": "0.5.23"}
+          "0.5.18": "0.5.18", "0.5.19": "0.5.19", "0.5.20": "0.5.20", "0.5.21": "0.5.21", "0.5.22": "0.5.22",
+          "0.5.23": "0.5.23"}
 # release -> the line whose targets all match it, statically, with no smoke run: served only with the opt-in env var
 UNTESTED = {}  # none since the own-pin smokes of 0.5.18, 0.5.19 and 0.5.21 (2026-11-29); the mechanism stays
 # release -> a target that keeps its closest line out (the first difference the fence names)
-REFUSED = {
-    "0.5.20": "the 0.5.21 line's hook targets differ here: sglang.srt.managers.scheduler.Scheduler.__init__ is (self, "
-              "server_args, port_args, gpu_id,",
-}
+REFUSED = {}  # none since the 0.5.20 line (2026-11-30; 0.5.20 was refused before); the mechanism stays
 
 
 def stored(version):
@@ -85,6 +83,17 @@ def test_a_release_mapped_by_the_fence_alone_runs_only_when_allowed(version):
     other = "0.5.17" if UNTESTED[version] in ("0.5.18", "0.5.19") else "0.5.23"
     choice = choose(version, env={ALLOW_UNTESTED_ENV: "1"}, signatures_of=other)
     assert choice.line is None and choice.refuse and "nothing of it is installed" in choice.reason
+
+
+def test_a_release_no_line_maps_is_refused_naming_what_keeps_the_closest_line_out():
+    """A release between the lines (no line lists it) whose targets are 0.5.20's but 0.5.19's store recorder: the
+    closest lines (0.5.19, 0.5.20) differ by one target each; the newer is named, with the target that differs."""
+    target = "sglang.srt.mem_cache.events.KVCacheEventRecorder.record_store"
+    doctored = {**release_signatures(TABLE, "0.5.20"), target: release_signatures(TABLE, "0.5.19")[target]}
+    choice = choose_line("0.5.20.post9", has_in_tree_canary=True, environ={}, observe=lambda targets: doctored)
+    assert choice.line is None and choice.refuse and "sglang 0.5.20.post9 is not supported" in choice.reason
+    assert (f"the 0.5.20 line's hook targets differ here: {target} is (self, node, medium=) (sglang 0.5.20: "
+            "(self, node, medium=, *, session_id=))") in choice.reason, choice.reason
 
 
 def test_the_refusal_hooks_exist_on_every_release():

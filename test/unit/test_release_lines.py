@@ -30,7 +30,7 @@ def test_the_newest_line_replaces_the_in_tree_install_and_declares_no_flags_of_i
     assert "sglang.srt.model_executor.model_runner.ModelRunner.forward" not in line.hooks  # sglang brackets it
 
 
-@pytest.mark.parametrize("version,in_tree", [("0.5.20", True), ("0.5.11", False), ("0.6.0", True)])
+@pytest.mark.parametrize("version,in_tree", [("0.5.24", True), ("0.5.11", False), ("0.6.0", True)])
 def test_an_unsupported_release_installs_nothing_and_refuses_naming_versions(version, in_tree):
     choice = choose_line(version, has_in_tree_canary=in_tree, environ={})
     assert choice.line is None and choice.refuse
@@ -54,8 +54,8 @@ def test_the_refusal_hook_passes_none_and_refuses_any_other_mode(monkeypatch):
 
     from kv_canary.adapter import lines
 
-    monkeypatch.setattr(lines, "_current", choose_line("0.5.20", has_in_tree_canary=True, environ={}))
+    monkeypatch.setattr(lines, "_current", choose_line("0.5.11", has_in_tree_canary=False, environ={}))
     _refuse(SimpleNamespace(kv_canary="none"))
     _refuse(SimpleNamespace())
-    with pytest.raises(CanaryConfigError, match="--kv-canary log: sglang 0.5.20 is not supported"):
+    with pytest.raises(CanaryConfigError, match="--kv-canary log: sglang 0.5.11 is not supported"):
         _refuse(SimpleNamespace(kv_canary="log"))

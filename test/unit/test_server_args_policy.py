@@ -14,6 +14,7 @@ from kv_canary.adapter.policy_0_5_15 import POLICY_0_5_13, POLICY_0_5_14, POLICY
 from kv_canary.adapter.policy_0_5_17 import POLICY_0_5_17
 from kv_canary.adapter.policy_0_5_18 import POLICY_0_5_18
 from kv_canary.adapter.policy_0_5_19 import POLICY_0_5_19
+from kv_canary.adapter.policy_0_5_20 import POLICY_0_5_20
 from kv_canary.adapter.policy_0_5_21 import POLICY_0_5_21
 from kv_canary.adapter.policy_0_5_23 import POLICY_0_5_23
 from kv_canary.adapter.server_args import POLICY_0_5_12, check_supported, flag_name
@@ -24,13 +25,13 @@ SGLANG_VERSION = pytest.importorskip("sglang.version").__version__
 
 POLICIES = {"0.5.12": POLICY_0_5_12, "0.5.13": POLICY_0_5_13, "0.5.13.post1": POLICY_0_5_13, "0.5.14": POLICY_0_5_14,
             "0.5.15": POLICY_0_5_15, "0.5.15.post1": POLICY_0_5_15, "0.5.17": POLICY_0_5_17, "0.5.18": POLICY_0_5_18,
-            "0.5.19": POLICY_0_5_19, "0.5.21": POLICY_0_5_21, "0.5.23": POLICY_0_5_23}
+            "0.5.19": POLICY_0_5_19, "0.5.20": POLICY_0_5_20, "0.5.21": POLICY_0_5_21, "0.5.23": POLICY_0_5_23}
 if SGLANG_VERSION not in POLICIES:
     pytest.skip(f"no server-args policy for sglang {SGLANG_VERSION}", allow_module_level=True)
 POLICY = POLICIES[SGLANG_VERSION]
 on_0_5_23 = pytest.mark.skipif(POLICY is not POLICY_0_5_23, reason="sglang 0.5.23's rules")
 # per-phase CUDA graph config with prefill graphs refused (0.5.23 verifies them)
-PHASE_GRAPH_LINES = (POLICY_0_5_14, POLICY_0_5_15, POLICY_0_5_17, POLICY_0_5_18, POLICY_0_5_19)
+PHASE_GRAPH_LINES = (POLICY_0_5_14, POLICY_0_5_15, POLICY_0_5_17, POLICY_0_5_18, POLICY_0_5_19, POLICY_0_5_20)
 on_phase_graph_lines = pytest.mark.skipif(POLICY not in PHASE_GRAPH_LINES, reason="sglang 0.5.17's rules")
 
 

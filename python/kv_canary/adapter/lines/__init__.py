@@ -8,6 +8,7 @@
 | 0.5.16, 0.5.17 | ``v0_5_17`` | yes: as 0.5.23 (a diff of ``v0_5_23``; CUDA graphs verified on the GPU host) |
 | 0.5.18 | ``v0_5_18`` | yes: as 0.5.17 (``capture_one_shape`` gained ``dsa_variant=``; its policy) |
 | 0.5.19 | ``v0_5_19`` | yes: as 0.5.18 (the store hook on ``_insert_helper``, ``Req.kv``) |
+| 0.5.20 | ``v0_5_20`` | yes: as 0.5.19 (a msgspec ``ServerArgs``: checked after ``resolve_once``; its policy) |
 | 0.5.21 | ``v0_5_21`` | yes: as 0.5.23 (``ForwardBatch.init_new`` lacks 4 keywords; its policy) |
 | 0.5.22 | ``v0_5_22`` | yes: as 0.5.23 (a diff of ``v0_5_23``: its PD sender differs; PD refused, never run) |
 | 0.5.23 | ``v0_5_23`` | yes: the plugin takes its place (``SGLANG_KV_CANARY_IMPL=in-tree`` keeps sglang's own) |
@@ -35,7 +36,7 @@ from .base import SglangLine
 
 # line (the release it was built on) -> adapter module of this package; each line lists the releases it covers
 LINE_MODULES = {"0.5.12": "v0_5_12", "0.5.13": "v0_5_13", "0.5.15": "v0_5_15", "0.5.17": "v0_5_17", "0.5.18": "v0_5_18",
-                "0.5.19": "v0_5_19", "0.5.21": "v0_5_21", "0.5.22": "v0_5_22", "0.5.23": "v0_5_23"}
+                "0.5.19": "v0_5_19", "0.5.20": "v0_5_20", "0.5.21": "v0_5_21", "0.5.22": "v0_5_22", "0.5.23": "v0_5_23"}
 IMPL_ENV = "SGLANG_KV_CANARY_IMPL"
 IMPL_PLUGIN, IMPL_IN_TREE = "plugin", "in-tree"
 ALLOW_UNTESTED_ENV = "SGLANG_KV_CANARY_ALLOW_UNTESTED_RELEASE"
