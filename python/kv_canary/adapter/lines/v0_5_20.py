@@ -11,10 +11,11 @@ hook passes every argument on). What differs:
   starts.
 * Its own server-args policy (``adapter/policy_0_5_20``: 0.5.19's on 0.5.20's fields).
 
-Not ported, refused at startup naming the flag, as on 0.5.19: ``contain`` (0.5.20's ``UnifiedRadixCache`` lacks
-what ``adapter/contain_unified`` evicts through, as 0.5.21's and 0.5.22's do), speculative decoding, tensor and data
-parallel, PD. 0.5.20 does not lose a disconnected stream's abort (0.5.18 and 0.5.19 do): the e2e workloads
-disconnect there.
+Served as a tested release since its CPU smoke passed on its own pins (2026-11-30: ``KVC_SGLANG=0.5.20`` venv, torch
+2.13.0; ``scripts/release_matrix.py``, docs/compatibility.md). Not ported, refused at startup naming the flag, as on
+0.5.19: ``contain`` (0.5.20's ``UnifiedRadixCache`` lacks what ``adapter/contain_unified`` evicts through:
+``_apply_eviction_result``, ``TreePathNodeInfo``), speculative decoding, tensor and data parallel, PD. 0.5.20 does
+not lose a disconnected stream's abort (0.5.18 and 0.5.19 do): the e2e workloads disconnect there.
 """
 
 from __future__ import annotations
