@@ -59,3 +59,30 @@ def test_the_refusal_hook_passes_none_and_refuses_any_other_mode(monkeypatch):
     _refuse(SimpleNamespace())
     with pytest.raises(CanaryConfigError, match="--kv-canary log: sglang 0.5.11 is not supported"):
         _refuse(SimpleNamespace(kv_canary="log"))
+
+
+@pytest.mark.parametrize("version", LINE_MODULES)
+def test_pd_is_verified_only_on_the_lines_it_ran_on(version):
+    """The line record says whether PD ran on its releases (``pd_verified``); only a line with PD hooks can say so.
+    0.5.21 and 0.5.22 carry 0.5.23's PD hooks, which never ran there."""
+    line = load_line(LINE_MODULES[version])
+    assert line.pd_verified is (version in ("0.5.12", "0.5.23"))
+    assert not line.pd_verified or line.pd_hooks
+
+
+def test_the_pd_gate_refuses_a_line_whose_pd_path_never_ran_and_passes_a_verified_one(monkeypatch):
+    from types import SimpleNamespace
+
+    from kv_canary.adapter import lines
+    from kv_canary.adapter.disagg import check_disaggregation
+    from kv_canary.config import CanaryConfig
+
+    config = CanaryConfig.build(mode="log", environ={})
+    args = SimpleNamespace(disaggregation_mode="prefill", page_size=1, tp_size=1)
+    for version in ("0.5.21", "0.5.22"):
+        monkeypatch.setattr(lines, "_current", choose_line(version, has_in_tree_canary=True, environ={}))
+        with pytest.raises(CanaryConfigError, match=f"--disaggregation-mode prefill is verified on sglang 0.5.12, "
+                                                    f"0.5.12.post1, 0.5.23, not on sglang {version} "):
+            check_disaggregation(args, config, environ={})
+    monkeypatch.setattr(lines, "_current", choose_line("0.5.23", has_in_tree_canary=True, environ={}))
+    check_disaggregation(args, config, environ={})  # the same settings pass on the line PD ran on

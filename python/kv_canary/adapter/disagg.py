@@ -72,15 +72,19 @@ def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optio
             f"SGLANG_KV_CANARY_PERTURB_TRANSFER_PROB needs --disaggregation-mode decode, not {mode}"
         )
     head = f"{FLAG_MODE} {config.mode.value} with --disaggregation-mode {mode}"
+    from .lines import LINE_MODULES, current_line, load_line
+
+    line = current_line()
+    if not line.pd_verified:  # a line whose PD hooks never ran on its releases (0.5.21, 0.5.22: 0.5.23's hooks)
+        verified = [v for m in LINE_MODULES.values() if load_line(m).pd_verified for v in load_line(m).versions]
+        raise CanaryConfigError(f"{head} is verified on sglang {', '.join(verified)}, not on sglang {line.name} (its "
+                                "PD path never ran there): drop --disaggregation-mode, or use one of those releases")
     backend = str(getattr(server_args, "disaggregation_transfer_backend", "mooncake"))
     if backend not in VERIFIED_TRANSFER_BACKENDS:
         raise CanaryConfigError(
             f"{head} is verified with --disaggregation-transfer-backend {', '.join(VERIFIED_TRANSFER_BACKENDS)} "
             f"only, not {backend}: the canary's records must travel with the KV through the transfer engine"
         )
-    from .lines import current_line
-
-    line = current_line()
     for flag, attr, ok in (
         ("--tp-size", "tp_size", 1),
         ("--pp-size", "pp_size", 1),

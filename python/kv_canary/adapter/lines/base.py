@@ -98,6 +98,9 @@ class SglangLine:
     pd_page_sizes: Tuple[int, ...] = (1,)
     # PD disaggregation verified with --tp-size > 1 (the same on both sides) on this line
     pd_tensor_parallel: bool = False
+    # PD disaggregation ran on this line's releases (its pd_hooks verified there); else --disaggregation-mode is
+    # refused at startup (adapter/disagg): 0.5.21 and 0.5.22 carry 0.5.23's PD hooks, which never ran on them
+    pd_verified: bool = False
 
     def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),

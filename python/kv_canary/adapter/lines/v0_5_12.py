@@ -136,6 +136,6 @@ def radix_view_for(tree_cache, manager):
     return None
 
 
-LINE = SglangLine(name="0.5.12", versions=("0.5.12", "0.5.12.post1"), hooks=HOOKS, pd_hooks=PD_HOOKS,
+LINE = SglangLine(name="0.5.12", versions=("0.5.12", "0.5.12.post1"), hooks=HOOKS, pd_hooks=PD_HOOKS, pd_verified=True,
                   spec_hooks=SPEC_HOOKS, hicache_hooks=HICACHE_HOOKS, policy=POLICY_0_5_12,
                   prefix_cache_view=radix_view_for, spec_v1=spec_v1, prefix_caches="RadixCache, SWARadixCache and MambaRadixCache")

@@ -1,7 +1,7 @@
 """sglang 0.5.23: the plugin takes the in-tree kv_canary's place, driven by sglang's own call sites.
 
 0.5.22 is served by this line's hooks expecting 0.5.22's signatures (``v0_5_22``: its PD sender differs; ``fence``,
-``release_targets.json``); ``unported`` refuses PD there.
+``release_targets.json``); its line record says PD never ran there (``pd_verified``), so the PD gate refuses it.
 
 0.5.23 ships sglang's own ``kv_canary`` (the same seed design) and calls it from its code:
 ``ModelRunner._init_post_memory_pool_components`` builds it through the module-level
@@ -35,7 +35,7 @@ patched forward) run eagerly around it, on the live batch. Other backends are re
 (``policy_0_5_23.GRAPH_RULES``), naming the flag.
 PD disaggregation (mooncake): ``PD_HOOKS``, 0.5.12's hook bodies (``adapter/disagg``); CPU CI (issue 52).
 Not ported to this line yet, refused at startup naming the flag (``unported``): ``--speculative-eagle-topk`` > 1 (spec v2
-tree verifies), tensor parallel with speculative decoding, PD on 0.5.21/0.5.22.
+tree verifies), tensor parallel with speculative decoding; PD on 0.5.21/0.5.22 (``pd_verified``: adapter/disagg).
 Verified pools: ``MHATokenToKVPool``, ``MLATokenToKVPool``, ``SWAKVPool`` (two MHA halves, the paged
 SWA allocator's mapping), ``HybridLinearKVPool`` (its full-attention layers' inner pool; the mamba state
 is not covered, as on 0.5.12); checked at install.
@@ -132,12 +132,6 @@ def unported(server_args: Any) -> str:
 
             return (f"contain evicts bad slots through sglang 0.5.23's UnifiedRadixCache interface, which sglang "
                     f"{version} lacks ({gap}); use --kv-canary log or raise, or sglang 0.5.23")
-    if str(getattr(server_args, "disaggregation_mode", "null") or "null") != "null":
-        from sglang.version import __version__ as version
-
-        if version != "0.5.23":  # a release reusing this line's hooks (0.5.21, 0.5.22): its PD path never ran
-            return (f"PD disaggregation is verified on sglang 0.5.23 (and 0.5.12), not on {version}; drop "
-                    "--disaggregation-mode, or use one of those releases")
     return ""
 
 
@@ -333,7 +327,7 @@ def hicache_host_pool(controller):
 
 
 LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, pd_hooks=PD_HOOKS, spec_hooks=SPEC_HOOKS,
-                  in_tree_canary=True, pd_page_sizes=(1, 16), pd_tensor_parallel=True,
+                  in_tree_canary=True, pd_page_sizes=(1, 16), pd_tensor_parallel=True, pd_verified=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank, dp_rank=dp_rank,
                   verified_pools=VERIFIED_POOLS, containment=containment,
