@@ -9,6 +9,9 @@
 #   bash scripts/gpu_host.sh install-b              # call 2 (carry .bundle/part-b and .bundle/kvc)
 #   bash scripts/gpu_host.sh install-upstream       # sglang 0.5.14 into /tmp/site-upstream (carry .bundle/upstream)
 #   KVC_GPU_LINE=0.5.17 bash scripts/gpu_host.sh bundle   # HERE: .bundle/line-{a,b} (sglang 0.5.17 in place of 0.5.12)
+#   bash scripts/build_release_overlay.sh 0.5.14 .bundle   # HERE: .bundle/rel-0.5.14 (what 0.5.14 pins unlike 0.5.12)
+#   bash scripts/gpu_host.sh install-rel 0.5.14     # after install-b: /tmp/site-0.5.14 (carry .bundle/rel-0.5.14, .bundle/kvc);
+#                                                   # later steps with KVC_GPU_RELEASE=0.5.14 run that release
 #   bash scripts/gpu_host.sh install-line-a         # in place of install-a (carry .bundle/line-a)
 #   bash scripts/gpu_host.sh install-line-b         # in place of install-b (carry .bundle/line-b, .bundle/kvc)
 #   KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle   # HERE: .bundle/l23-{1..N} (scripts/build_l23_bundle.sh:
@@ -110,6 +113,8 @@ out="${OUT:-gpu-out}"; mkdir -p "$out"
 step="${1:?step}"; shift || true
 site=/tmp/site  # sglang 0.5.23's bundle installs into its own folder (torch 2.14.1 there)
 case "$step" in *-l23) site=/tmp/site23 ;; esac; [ "${KVC_GPU_LINE:-}" != 0.5.23 ] || site=/tmp/site23
+# a release overlay (build_release_overlay.sh) in front of the 0.5.12 bundle: KVC_GPU_RELEASE=0.5.14 STEP
+[ -z "${KVC_GPU_RELEASE:-}" ] || site="/tmp/site-$KVC_GPU_RELEASE:$site"
 export PYTHONPATH="$site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # nvidia-cutlass-dsl's .pth puts dsl_packages (cutlass) on sys.path only from a site folder, not from PYTHONPATH
 [ ! -d "$site/nvidia_cutlass_dsl/dsl_packages" ] || export PYTHONPATH="$PYTHONPATH:$site/nvidia_cutlass_dsl/dsl_packages"
@@ -243,6 +248,11 @@ PY
     fi
     python3 -c "import torch, sglang; print(sglang.__version__, torch.__version__, torch.cuda.is_available())" ;;
   check-l23) python3 scripts/check_l23.py "$@" 2>&1 | tee "$out/check-l23.log" ;;
+  install-rel)  # RELEASE: its overlay into /tmp/site-RELEASE, after install-a/-b (carry .bundle/rel-RELEASE)
+    r="${1:?install-rel RELEASE}"; bash ".bundle/rel-$r/install.sh"
+    # the plugin beside it: test servers put the plugin's own folder first on PYTHONPATH, so it must be the overlay
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/site-$r" --upgrade .bundle/kvc/*.whl
+    PYTHONPATH="/tmp/site-$r:$PYTHONPATH" python3 -c 'import sglang, torch; from kv_canary.adapter.lines import current_choice as c; print("sglang", sglang.__version__, torch.__version__, torch.cuda.is_available(), "line:", c().line.name if c().line else c().reason)' ;;
   install-line-a) bash .bundle/line-a/install.sh; nvidia-smi -L ;;
   install-line-b)  # after install-line-a (same warm host), with the plugin's wheel: the plugin picks its line
     bash .bundle/line-b/install.sh

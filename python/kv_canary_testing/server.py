@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -68,7 +69,7 @@ NOT_ON_LINE = {"0.5.15": ("--disable-piecewise-cuda-graph",), "0.5.17": ("--disa
                "0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
 # default flags added on a line, per device (0.5.17: prefill CUDA graphs, breakable by default on CUDA, replaced the
 # piecewise ones; the canary needs them off)
-ADDED_ON_LINE = {("0.5.15", "cuda"): ("--disable-prefill-cuda-graph",),
+ADDED_ON_LINE = {("0.5.15", "cuda"): ("--disable-piecewise-cuda-graph",),  # its prefill graphs off (no other flag)
                  ("0.5.17", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.18", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.19", "cuda"): ("--disable-prefill-cuda-graph",),
@@ -187,13 +188,16 @@ class SglangServer:
         while i < len(defaults):
             flag = defaults[i]
             has_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("--")
-            dropped = flag in self.drop_default_args or flag in NOT_ON_LINE.get(_line(), ())
+            dropped = flag in self.drop_default_args or (flag in NOT_ON_LINE.get(_line(), ())
+                                                         and flag not in ADDED_ON_LINE.get((_line(), self.device), ()))
             if not _flag_given(self.extra_args, flag) and not dropped:
                 merged.append(flag)
                 if has_value:
                     merged.append(defaults[i + 1])
             i += 2 if has_value else 1
-        return [self.python, "-m", "sglang.launch_server", *merged, *self.extra_args]
+        # KVC_TEST_SERVER_ARGS: flags added to every test server (e.g. a CUDA graph backend the GPU host verifies)
+        added = shlex.split(os.environ.get("KVC_TEST_SERVER_ARGS", ""))
+        return [self.python, "-m", "sglang.launch_server", *merged, *self.extra_args, *added]
 
     def environment(self) -> dict[str, str]:
         """Return the environment the server process runs with."""

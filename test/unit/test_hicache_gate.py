@@ -39,9 +39,12 @@ def test_verified_combinations_pass(kw):
 
 @pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
                                 {"hicache_write_policy": "write_through_selective"}, {"hicache_io_backend": "direct"},
-                                {"hicache_mem_layout": "page_first"}])
+                                {"hicache_mem_layout": "page_first"}, {"device": "cuda"},
+                                {"device": "cuda", "page_size": 16, "hicache_write_policy": "write_back"},
+                                {"device": "cuda", "hicache_io_backend": "direct",
+                                 "hicache_write_policy": "write_through_selective"}])
 def test_verified_combinations_pass_on_0_5_23(kw):
-    """sglang 0.5.23: log and raise, on CPU (through the test shim; not run on the GPU host yet)."""
+    """sglang 0.5.23: log and raise, on CPU (through the test shim) and on a GPU (layer_first there)."""
     check_hicache(_args(**kw), _config(), line="0.5.23")
     check_hicache(_args(**kw), _config("log"), line="0.5.23")
 
@@ -51,7 +54,8 @@ def test_verified_combinations_pass_on_0_5_23(kw):
     ({"hicache_storage_backend": "mooncake"}, "0.5.12", {}, "--hicache-storage-backend mooncake"),
     ({"hicache_storage_backend": "hf3fs"}, "0.5.12", {}, "--hicache-storage-backend hf3fs"),
     ({}, "0.5.23", {"mode": "contain"}, "--kv-canary contain on sglang 0.5.23"),
-    ({"device": "cuda"}, "0.5.23", {}, "--device cuda"),
+    ({"device": "npu"}, "0.5.23", {}, "--device npu"),
+    ({"hicache_mem_layout": "page_first", "device": "cuda"}, "0.5.23", {}, "--hicache-mem-layout page_first"),
     ({"hicache_mem_layout": "page_first_direct"}, "0.5.23", {}, "--hicache-mem-layout page_first_direct"),
     ({"hicache_storage_backend": "file"}, "0.5.23", {}, "--hicache-storage-backend file"),
     ({"page_size": 64}, "0.5.23", {}, "--page-size 64"),

@@ -7,8 +7,8 @@ pinned host pool, transfer kernels or direct copies, and layer-wise load overlap
 (``layer_first`` only; the records ride
 inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
 rank, ``--kv-canary log|raise|contain``
-with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim,
-``log|raise`` only, no storage backend. Everything else is refused at startup naming the flag and its value.
+with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim and on
+a GPU with sglang's own host pool and transfer engine (GPU host, 2026-11-30), ``log|raise`` only, no storage backend. Everything else is refused at startup naming the flag and its value.
 
 The hook bodies are shared by the lines; what a line reads differently (0.5.23's transfer streams, fences and
 host pool group) comes in as small functions from that line's adapter (``hicache_0_5_23``).
@@ -35,8 +35,6 @@ LINE_LIMITS = {
     "0.5.23": {
         "modes": (("log", "raise"), "sglang 0.5.23's tree core has no per-node host drop, so a bad host copy could "
                                     "not be evicted (docs/history/hicache.md 3.9)"),
-        "devices": (("cpu",), "sglang 0.5.23's HiCache ran with the canary on CPU (through the test shim) only; "
-                              "not run on the GPU host yet"),
         "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),
     },
 }

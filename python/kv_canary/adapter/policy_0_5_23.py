@@ -116,7 +116,8 @@ _PREFILL_GRAPH_WHY = ("prefill CUDA graphs are verified on sglang 0.5.23 with it
                       "outer forward, HEAD/TAIL included, runs eagerly around the replayed transformer body; GPU host, "
                       "docs/results); full prefill graphs were not run with the canary")
 _BREAKABLE_WHY = ("decode CUDA graphs are verified with sglang's default backend, full (HEAD/TAIL captured into each "
-                  "graph); breakable decode graphs were not run with the canary")
+                  "graph); breakable decode graphs fail at capture in sglang 0.5.23 itself, canary off too "
+                  "('Unsupported BCG output type: LogitsProcessorOutput', GPU host 2026-11-30)")
 # 0.5.23: the backends sglang picks by default on CUDA (docs/compatibility.md: GPU host, CUDA graphs)
 _DECODE_GRAPH_RULE = Rule(_only(*_DECODE_GRAPH_BACKENDS), "full or disabled", _BREAKABLE_WHY)
 GRAPH_RULES = {
@@ -222,7 +223,7 @@ CHECKED_ELSEWHERE = {
     "kv_canary": "config.CanaryConfig.build",
     "kv_canary_real_data": "config.CanaryConfig.build",
     "kv_canary_sweep_interval": "config.CanaryConfig.build",
-    # HiCache: verified on this line too, log/raise on CPU (adapter/hicache.LINE_LIMITS)
+    # HiCache: verified on this line too, log/raise on CPU and GPU (adapter/hicache.LINE_LIMITS)
     "enable_hierarchical_cache": _ELSEWHERE_0_5_12["enable_hierarchical_cache"],
     "hicache_storage_backend": _ELSEWHERE_0_5_12["hicache_storage_backend"],
 }
