@@ -138,6 +138,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
         span = groups[0].num_slots - 1
         logger.info(format_line("kv_canary_scrub", config.scrub_slots_per_forward, {
             "pool_slots": span, "every_slot_within_forwards": -(-span // config.scrub_slots_per_forward)}))
+    log_coverage(config, groups[0])
     logger.info(installed_line(config, facts.pool_name, groups, kernels.name, capacities, facts.pd_mode, memory={
         "req_rows": req_rows, "canary_bytes": memory.total, "kv_pool_bytes": kv_bytes,
         "canary_pct_of_kv_pool": f"{memory.pct_of(kv_bytes):.3f}",
@@ -246,6 +247,23 @@ def check_groups_supported(config: CanaryConfig, groups, pool_name: str, pd_mode
             f"--kv-canary {config.mode.value} with --disaggregation-mode {pd_mode} is not supported with the KV "
             f"pool {pool_name} (groups {names}): only the first group's records travel; use --kv-canary none"
         )
+
+
+def log_coverage(config: CanaryConfig, group) -> None:
+    """``kv_canary_coverage=<real data> window_bytes_per_read=... slot_bytes=... every_byte=0|1``: how many bytes of
+    a slot each read hashes and whether every byte is hashed (``all``: at its first read and by the scrub); when not
+    every byte, a warning names the flag that gets it (issue 60: on 0.5.23 sglang's default is ``none``)."""
+    window = 4 * group.hashed_word_count
+    slot = 4 * sum(row.words for row in group.rows)
+    every = int(config.real_data.value == "all")
+    logger.info(format_line("kv_canary_coverage", config.real_data.value, {
+        "group": group.name, "window_bytes_per_read": window, "slot_bytes": slot, "every_byte": every}))
+    if not every:
+        seen = ("is seen only by the scrub, at rest" if config.scrub_slots_per_forward else "is not seen")
+        logger.warning("kv_canary: --kv-canary-real-data %s hashes %d of the %d bytes of each %s slot at a read; a "
+                       "byte flipped outside them %s. --kv-canary-real-data all hashes every byte at a slot's first "
+                       "read and by the scrub (docs/detection.md)", config.real_data.value, window, slot, group.name,
+                       seen)
 
 
 def installed_line(config: CanaryConfig, pool_name: str, groups, kernels_name: str,

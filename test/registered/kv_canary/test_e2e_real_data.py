@@ -32,6 +32,13 @@ def test_mixed_workload_has_no_violation(tmp_path, real_data, page_size):
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"slots_swept={log.last_stat('slots_swept')} violations={len(log.violations)}")
     assert f"real_data={real_data}" in log.text
+    # the startup says what a read hashes and whether every byte is covered (and, when not, the flag for it)
+    coverage = [ln for ln in log.text.splitlines() if f"kv_canary_coverage={real_data} " in ln]
+    assert coverage, "no coverage line"
+    cov = dict(item.split("=", 1) for item in coverage[-1].split() if "=" in item)
+    assert cov["every_byte"] == ("1" if real_data == "all" else "0"), cov
+    assert (int(cov["window_bytes_per_read"]) == 0) == (real_data == "none"), cov
+    assert ("--kv-canary-real-data all hashes every byte" in log.text) == (real_data != "all")
     assert result.failed == 0 and running, "\n".join(result.errors[:5]) + srv.log_tail()
     assert result.cached_tokens > 0, "no radix-cache prefix hits"
     assert result.uncached_prompt_tokens > pool, "no eviction forced"
