@@ -2,7 +2,7 @@
 
 Drives sglang's own Rust tree core through random inserts, matches, locks, unlocks, evictions and resets: after
 every step the sweep's index must hold exactly the rows a fresh walk gives, whether the view walked or reused
-its last walk; and a run of reads and locks must not walk at all.
+its last walk (less the slots evicted since); a run of reads and locks must not walk at all, nor evictions.
 """
 
 import random
@@ -74,12 +74,11 @@ def test_the_index_is_the_trees_after_every_step_whether_walked_or_not():
         walks = view.walks
         view.before_sweep()
         assert _indexed(index) == _rows(cache.tree), (step, op, view.walks > walks)
-    assert view.walks_skipped > 50 and view.walks > 20, (view.walks, view.walks_skipped)
+    assert view.walks_skipped > 50 and view.walks > 20 and view.slots_evicted > 0, (view.walks, view.walks_skipped,
+                                                                                   view.slots_evicted)
 
 
 def test_reads_and_locks_do_not_walk_and_a_change_walks_once():
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
     cache = Cache("rust")
     a = _seq(20)
     cache.insert(a)
@@ -90,8 +89,49 @@ def test_reads_and_locks_do_not_walk_and_a_change_walks_once():
         core.evictable_size(), core.protected_size(), core.total_size()
         view.before_sweep()
     assert view.walks == 1 and view.walks_skipped == 5
-    cache.tree.evict(EvictParams(num_tokens=8))
+    cache.insert(_seq(6, start=400))
     view.before_sweep()
     view.before_sweep()
     assert view.walks == 2 and view.walks_skipped == 6
     assert _indexed(index) == _rows(cache.tree)
+
+
+def test_evictions_drop_their_slots_without_a_walk():
+    """A full pool evicting leaf after leaf (a decode under memory pressure, issue 57): no walk, and the index
+    less the freed slots is the tree's after each sweep."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = Cache("rust")
+    for i in range(20):  # 20 leaves of 24 slots under one shared 4-token node: 484 of the 512 slots
+        cache.insert(_seq(4, start=900) + _seq(20, start=i * 20))
+    view, index = _view(cache)
+    held = len(_indexed(index))
+    for _ in range(6):
+        cache.tree.evict(EvictParams(num_tokens=30))  # two leaves each time
+        view.before_sweep()
+        assert _indexed(index) == _rows(cache.tree)
+    assert view.walks == 1 and view.walks_skipped == 6
+    assert view.slots_evicted == held - len(_rows(cache.tree)) >= 6 * 30
+
+
+def test_an_eviction_step_result_is_read_by_what_it_freed():
+    """``TreeChanges.note_eviction``: the walk's brackets (None) change nothing; a step's FULL frees are kept, other
+    components' frees (SWA, mamba state) are not rows of the walk; a result of another shape walks again."""
+    from types import SimpleNamespace
+
+    from kv_canary.adapter.unified_radix import TreeChanges
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    changes = TreeChanges(Cache("rust").tree.tree_core)
+    assert changes.take() == (True, [])  # the first call walks
+    changes.note_eviction(None)
+    changes.note_eviction(SimpleNamespace(device_frees={}))
+    changes.note_eviction(SimpleNamespace(device_frees={ComponentType.SWA: [torch.arange(3)]}))
+    assert changes.take() == (False, [])
+    freed = torch.arange(5, 9)
+    changes.note_eviction(SimpleNamespace(device_frees={ComponentType.FULL: [freed, torch.zeros(0)],
+                                                        ComponentType.SWA: [torch.arange(3)]}))
+    must_walk, evicted = changes.take()
+    assert not must_walk and len(evicted) == 1 and evicted[0] is freed
+    changes.note_eviction(SimpleNamespace(tracker={}))
+    assert changes.take() == (True, [])

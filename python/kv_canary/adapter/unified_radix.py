@@ -37,12 +37,21 @@ binding is private to it), so the view wraps them on that one instance: a call t
 the walk's rows as they are marks the tree changed, before it runs, and the next sweep walks again; otherwise the
 index of the last walk is still exact and the sweep reuses it. The Python core's components reach into its nodes
 directly, so with that core the tree is walked before every sweep.
+
+Evictions do not walk (``TreeChanges.EVICTING``): a server whose pool is full evicts a cached leaf every few decode
+steps (issue 57: every sweep walked). An eviction step only takes device values away, and every FULL slot it takes
+is in its result's ``device_frees`` (sglang frees exactly those), from leaves only (a device-resident node's
+ancestors stay resident), so the other rows (positions, chain links) stay as they were: the sweep drops the freed
+slots from the last walk's index (``CachedSlotIndex.remove``) instead of walking. Write-back eviction (``demote``,
+``drop_subtree_no_host``) and the mamba/SWA state steps still mark the tree changed.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
+
+import torch
 
 
 class TreeChanges:
@@ -50,7 +59,8 @@ class TreeChanges:
 
     Wraps the core instance's public methods, except ``UNCHANGING`` (reads, lock and pin counts: the walk emits
     every device-resident slot, locked or not), so that a call marks the tree changed before it runs. A method
-    sglang adds later is wrapped too (it counts as a change until it is listed here).
+    sglang adds later is wrapped too (it counts as a change until it is listed here). ``EVICTING`` methods do not
+    mark it: the FULL slots their results free are kept for the sweep to drop from the index.
     """
 
     CORES = ("RustUnifiedTreeCore",)
@@ -66,13 +76,18 @@ class TreeChanges:
         "inc_lock_ref", "dec_lock_ref", "inc_full_pin", "dec_full_pin", "dec_swa_lock_only", "dec_window_lock_only",
         "inc_host_lock_ref", "dec_host_lock_ref",
     ))
+    # sglang's device eviction walk (UnifiedRadixCache._evict_components): the start/end brackets return nothing
+    # and free nothing; a step's result lists what it freed (``device_frees``, per component)
+    EVICTING = frozenset(("evict_device_start", "evict_device_next_node", "evict_device_leaf", "evict_device_end"))
 
     def __init__(self, core):
         self.changed = True
+        self.evicted: List[torch.Tensor] = []
         for name in dir(type(core)):
             # a property object is not callable: attributes and properties are left as they are
             if not name.startswith("_") and name not in self.UNCHANGING and callable(getattr(type(core), name)):
-                setattr(core, name, self._marking(getattr(core, name)))
+                wrap = self._evicting if name in self.EVICTING else self._marking
+                setattr(core, name, wrap(getattr(core, name)))
 
     def _marking(self, method):
         def marked(*args, **kwargs):
@@ -80,15 +95,40 @@ class TreeChanges:
             return method(*args, **kwargs)
         return marked
 
+    def _evicting(self, method):
+        def evicted(*args, **kwargs):
+            try:
+                result = method(*args, **kwargs)
+            except BaseException:  # what a failed step left is unknown: walk again
+                self.changed = True
+                raise
+            self.note_eviction(result)
+            return result
+        return evicted
+
+    def note_eviction(self, result) -> None:
+        """Keep the FULL slots an eviction step freed (read before sglang drains ``device_frees``)."""
+        if result is None:  # the walk's start / end
+            return
+        frees = getattr(result, "device_frees", None)
+        if frees is None:  # not the step result this was written for: walk again
+            self.changed = True
+            return
+        for component, tensors in frees.items():
+            if getattr(component, "name", None) == "FULL":
+                self.evicted.extend(t for t in tensors if t.numel())
+
     @classmethod
     def follow(cls, core) -> "Optional[TreeChanges]":
         """Changes of ``core`` followed, or None where they cannot be (another core: walk every sweep)."""
         return cls(core) if type(core).__name__ in cls.CORES else None
 
-    def take(self) -> bool:
-        """True if the tree may have changed since the last call (or this is the first)."""
-        changed, self.changed = self.changed, False
-        return changed
+    def take(self) -> Tuple[bool, List[torch.Tensor]]:
+        """(walk, evicted) since the last call: whether the tree may have changed other than by evictions (or this
+        is the first call), and the FULL slots evicted (to drop from the last walk's index when not walking)."""
+        changed, evicted = self.changed, self.evicted
+        self.changed, self.evicted = False, []
+        return changed, evicted
 
 
 class UnifiedRadixCacheView:
@@ -100,6 +140,7 @@ class UnifiedRadixCacheView:
         self.changes = TreeChanges.follow(tree_cache.tree_core)
         self.walks = 0
         self.walks_skipped = 0
+        self.slots_evicted = 0  # slots dropped from the index without a walk (evictions between two sweeps)
 
     COMPONENTS = (("FULL",), ("FULL", "SWA"), ("FULL", "MAMBA"))  # the trees whose slots this view reads (module doc)
 
@@ -115,8 +156,12 @@ class UnifiedRadixCacheView:
         self.before_sweep()
 
     def before_sweep(self) -> None:
-        if self.changes is not None and not self.changes.take():
-            self.walks_skipped += 1  # the last walk's rows are still the tree's: the index is exact
+        must_walk, evicted = self.changes.take() if self.changes is not None else (True, [])
+        if not must_walk:
+            if evicted:  # the last walk's rows less the evicted slots are the tree's (module doc)
+                self.slots_evicted += sum(t.numel() for t in evicted)
+                self._index.remove(torch.cat(evicted).to(device=self._index.held.device, dtype=torch.int64))
+            self.walks_skipped += 1  # the index is exact
             return
         self.walks += 1
         walk = self._tree.tree_core.walk_for_kv_canary(False, False)
@@ -124,8 +169,10 @@ class UnifiedRadixCacheView:
         self._index.replace_rows(walk.slot_indices, walk.positions, preds, self._records)
 
     def walk_stats(self) -> dict:
-        """For the stats line: sweeps that walked the tree, and sweeps that reused the last walk's index."""
-        return {"index_walks": self.walks, "index_walks_skipped": self.walks_skipped}
+        """For the stats line: sweeps that walked the tree, sweeps that reused the last walk's index, and the
+        evicted slots those dropped from it."""
+        return {"index_walks": self.walks, "index_walks_skipped": self.walks_skipped,
+                "index_slots_evicted": self.slots_evicted}
 
     def pick_unused_slot(self, rng: random.Random) -> Optional[Tuple[int, int]]:
         """(slot, position) of a random slot held only by the cache (no running request), or None."""

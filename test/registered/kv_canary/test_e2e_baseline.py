@@ -132,5 +132,32 @@ def test_unchanged_tree_is_not_walked_again(server):
     assert after.violations == [] and after.last_stat("violations") == 0
 
 
+@pytest.mark.e2e
+@pytest.mark.skipif(installed_line() != "0.5.23", reason="the UnifiedRadixCache (0.5.23's tree) is the one walked "
+                    "only after it changed (adapter/unified_radix); older lines' trees are read in place")
+def test_decode_evicting_from_a_full_pool_is_not_walked_again(server):
+    """Several requests decoding together while the pool, full of cached leaves, evicts one every few steps (issue
+    57: on the GPU host every sweep walked): the sweeps drop the evicted slots from the index instead of walking."""
+    # 64 cached leaves of ~30 slots, each its own first word: ~1,920 of the 2,048 slots (CPU)
+    fill = [RequestSpec(index=i, kind="short", words=(i,) + tuple((i * 29 + j) % 480 for j in range(29)),
+                        max_new_tokens=1) for i in range(64)]
+    filled = run_requests(server.base_url, fill, concurrency=16, timeout=300)
+    assert filled.succeeded == len(fill), "\n".join(filled.errors[:5]) + "\n" + server.log_tail()
+    before = CanaryLog.read_settled(server)
+    # 16 requests, 16 new slots a decode step: a leaf evicted every ~2 steps, several in every sweep's interval
+    specs = [RequestSpec(index=100 + k, kind="short", words=(480 + k, k, k + 1, k + 2, k + 3, k + 4),
+                         max_new_tokens=8 * SWEEP_INTERVAL) for k in range(16)]
+    result = run_requests(server.base_url, specs, concurrency=len(specs), timeout=300)
+    after = CanaryLog.read_settled(server)
+    assert result.succeeded == len(specs), "\n".join(result.errors) + "\n" + server.log_tail()
+    grew = {k: after.last_stat(k) - before.last_stat(k)
+            for k in ("sweeps", "index_walks", "index_walks_skipped", "index_slots_evicted")}
+    print(f"kv_canary_e2e_evicting_decode {grew}")
+    assert grew["sweeps"] >= 6, grew  # 64 decode forwards at one sweep every 8
+    assert grew["index_walks"] <= 3, grew  # the admissions' (their prefill batches), none while decoding
+    assert grew["index_slots_evicted"] >= 300, grew  # the pool did evict between the sweeps
+    assert after.violations == [] and after.last_stat("violations") == 0
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))
