@@ -83,7 +83,7 @@ ONLY_ON_LINE = {
     "0.5.23": {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
         "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py",
-                  "unit/test_unified_walk_changes.py"),
+                  "unit/test_unified_walk_changes.py", "unit/test_hicache_storage_0_5_23.py"),
     },
     "0.5.23 (TP on CPU)": {
         "why": "tensor parallel on CPU (two gloo ranks) drives 0.5.23's parallel-context rank reader; 0.5.12's TP=2 "
