@@ -42,9 +42,12 @@ def test_verified_combinations_pass(kw):
                                 {"hicache_mem_layout": "page_first"}, {"device": "cuda"},
                                 {"device": "cuda", "page_size": 16, "hicache_write_policy": "write_back"},
                                 {"device": "cuda", "hicache_io_backend": "direct",
-                                 "hicache_write_policy": "write_through_selective"}])
+                                 "hicache_write_policy": "write_through_selective"},
+                                {"hicache_storage_backend": "file"},
+                                {"hicache_storage_backend": "file", "page_size": 16}])
 def test_verified_combinations_pass_on_0_5_23(kw):
-    """sglang 0.5.23: log and raise, on CPU (through the test shim) and on a GPU (layer_first there)."""
+    """sglang 0.5.23: log and raise, on CPU (through the test shim) and on a GPU (layer_first there); the ``file``
+    storage tier on CPU."""
     check_hicache(_args(**kw), _config(), line="0.5.23")
     check_hicache(_args(**kw), _config("log"), line="0.5.23")
 
@@ -57,7 +60,12 @@ def test_verified_combinations_pass_on_0_5_23(kw):
     ({"device": "npu"}, "0.5.23", {}, "--device npu"),
     ({"hicache_mem_layout": "page_first", "device": "cuda"}, "0.5.23", {}, "--hicache-mem-layout page_first"),
     ({"hicache_mem_layout": "page_first_direct"}, "0.5.23", {}, "--hicache-mem-layout page_first_direct"),
-    ({"hicache_storage_backend": "file"}, "0.5.23", {}, "--hicache-storage-backend file"),
+    ({"hicache_storage_backend": "file", "device": "cuda"}, "0.5.23", {},
+     "--hicache-storage-backend file on --device cuda"),
+    ({"hicache_storage_backend": "file"}, "0.5.23", {"mode": "contain"}, "--kv-canary contain on sglang 0.5.23"),
+    ({"hicache_storage_backend": "mooncake"}, "0.5.23", {}, "--hicache-storage-backend mooncake"),
+    ({"hicache_mem_layout": "page_first", "hicache_storage_backend": "file"}, "0.5.23", {},
+     "--hicache-mem-layout page_first"),
     ({"page_size": 64}, "0.5.23", {}, "--page-size 64"),
     ({"device": "npu"}, "0.5.12", {}, "--device npu"),
     ({"hicache_io_backend": "kernel_ascend"}, "0.5.12", {}, "--hicache-io-backend kernel_ascend"),
@@ -94,6 +102,7 @@ STORAGE_FLIP = {"SGLANG_KV_CANARY_PERTURB_STORAGE_PAGE_PROB": "0.5"}
 
 def test_storage_page_perturbation_needs_file_storage():
     check_hicache(_args(hicache_storage_backend="file"), _config("log", environ=STORAGE_FLIP), line="0.5.12")
+    check_hicache(_args(hicache_storage_backend="file"), _config("log", environ=STORAGE_FLIP), line="0.5.23")
     with pytest.raises(CanaryConfigError, match="--hicache-storage-backend is unset"):
         check_hicache(_args(), _config("log", environ=STORAGE_FLIP), line="0.5.12")
     with pytest.raises(CanaryConfigError, match="PERTURB_STORAGE_PAGE_PROB.*--enable-hierarchical-cache"):

@@ -8,7 +8,9 @@ pinned host pool, transfer kernels or direct copies, and layer-wise load overlap
 inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
 rank, ``--kv-canary log|raise|contain``
 with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim and on
-a GPU with sglang's own host pool and transfer engine (GPU host, 2026-11-30), ``log|raise`` only, no storage backend. Everything else is refused at startup naming the flag and its value.
+a GPU with sglang's own host pool and transfer engine (GPU host, 2026-11-30), ``log|raise`` only, the ``file`` storage
+tier on CPU only (``hicache_0_5_23``'s page get/set). Everything else is refused at startup naming the flag and its
+value.
 
 The hook bodies are shared by the lines; what a line reads differently (0.5.23's transfer streams, fences and
 host pool group) comes in as small functions from that line's adapter (``hicache_0_5_23``).
@@ -35,7 +37,7 @@ LINE_LIMITS = {
     "0.5.23": {
         "modes": (("log", "raise"), "sglang 0.5.23's tree core has no per-node host drop, so a bad host copy could "
                                     "not be evicted (docs/history/hicache.md 3.9)"),
-        "storage_backends": ((), "the records' page rows are built for sglang 0.5.12's page get/set only"),
+        "storage_devices": (("cpu",), "sglang 0.5.23's storage tier ran on CPU through the test shim only"),
     },
 }
 
@@ -81,6 +83,9 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
                                                             f"{', '.join(VERIFIED_DEVICES)} only"))
     if device not in devices:
         _refuse(f"--device {device}", why, f"drop {FLAG}")
+    devices, why = limits.get("storage_devices", (VERIFIED_DEVICES, ""))
+    if storage and device not in devices:
+        _refuse(f"--hicache-storage-backend {storage} on --device {device}", why, "drop --hicache-storage-backend")
     # page_first ran through the CPU test shim only (no GPU run yet), and never with storage
     layouts = ("layer_first",) if storage or device != "cpu" else VERIFIED_LAYOUTS
     checks = (

@@ -11,6 +11,15 @@ line reads differently from 0.5.12, one small function each; the hook bodies are
 
 ``HybridCacheController`` inherits ``HiCacheController.start_writing`` / ``start_loading`` (it overrides
 ``write``/``load`` only: they allocate and queue), so the hooks sit on the base class, as on 0.5.12.
+
+The storage tier (``--hicache-storage-backend file``; the bodies: ``hicache_storage.page_set_body`` /
+``page_get_body``):
+
+* the pages' host pool is ``controller.storage_host_pool`` (the group's anchor pool; 0.5.12: ``mem_pool_host``);
+* ``_generic_page_get`` returns the pages it read and checks ``operation.is_terminated()`` before each page
+  (0.5.12: returns None and counts each page with ``operation.increment``);
+* the hit query is the hybrid controller's own ``_storage_hit_query``: not hooked (it serves ``contain`` only,
+  refused on this line).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from .hicache import FLAG, _refuse, start_loading_body, start_writing_body
+from .hicache_storage import _manager, page_get_body, page_set_body
 
 
 def d2h_stream(controller) -> Any:
@@ -58,3 +68,33 @@ def around_start_writing(original, controller, *args, **kwargs):
 def around_start_loading(original, controller, *args, **kwargs):
     """``HiCacheController.start_loading`` on 0.5.23 (``adapter/hicache.start_loading_body``)."""
     return start_loading_body(original, controller, args, kwargs, fence=load_fence)
+
+
+def storage_host(controller) -> Any:
+    """The host pool the storage tier reads and writes pages of (0.5.23: the anchor pool)."""
+    return controller.storage_host_pool
+
+
+def may_read(operation) -> bool:
+    """0.5.23 reads no page after the controller terminated the prefetch."""
+    return not operation.is_terminated()
+
+
+def fetched(operation, tokens: int) -> bool:
+    """0.5.23 counts the pages read by the return value: nothing to tell the operation."""
+    del operation, tokens
+    return True
+
+
+def around_generic_page_set(original, controller, hash_values, host_indices, extra_info=None) -> bool:
+    """``HiCacheController._generic_page_set`` on 0.5.23 (``hicache_storage.page_set_body``)."""
+    return page_set_body(original, controller, hash_values, host_indices, extra_info, host=storage_host(controller))
+
+
+def around_generic_page_get(original, controller, operation, hash_values, host_indices, extra_info=None) -> int:
+    """``HiCacheController._generic_page_get`` on 0.5.23: the pages read (``hicache_storage.page_get_body``)."""
+    manager = _manager(controller)
+    if manager is None or manager.host_records is None:
+        return original(controller, operation, hash_values, host_indices, extra_info)
+    return page_get_body(manager, controller, operation, hash_values, host_indices, host=storage_host(controller),
+                         may_read=may_read, fetched=fetched)

@@ -1,4 +1,5 @@
-"""sglang 0.5.12's HiCache storage tier under the canary: records ride inside each page object (docs/history/hicache.md 3.5).
+"""HiCache's storage tier under the canary: records ride inside each page object (docs/history/hicache.md 3.5).
+sglang 0.5.12's hooks here; 0.5.23's (``hicache_0_5_23``) run the same bodies (``page_set_body``, ``page_get_body``).
 
 ``HiCacheController._generic_page_set`` / ``_generic_page_get`` (the generic page path, what
 ``--hicache-storage-backend file`` uses; ``attach_storage_backend`` binds them as ``page_set_func`` /
@@ -64,11 +65,16 @@ def _file_xor(backend):
 
 
 def around_generic_page_set(original, controller, hash_values, host_indices, extra_info=None):
-    """``HiCacheController._generic_page_set``: each new page's K/V bytes, then its records' trailer."""
+    """``HiCacheController._generic_page_set`` on 0.5.12 (``page_set_body``; the host pool: ``mem_pool_host``)."""
+    return page_set_body(original, controller, hash_values, host_indices, extra_info, host=controller.mem_pool_host)
+
+
+def page_set_body(original, controller, hash_values, host_indices, extra_info, *, host):
+    """Each new page's K/V bytes from ``host``, then its records' trailer (the lines' shared body)."""
     manager = _manager(controller)
     if manager is None or manager.host_records is None:
         return original(controller, hash_values, host_indices, extra_info)
-    backend, host, page = controller.storage_backend, controller.mem_pool_host, controller.page_size
+    backend, page = controller.storage_backend, controller.page_size
     fresh = [i for i, key in enumerate(hash_values) if not backend.exists(key)]
     kv_pages = [host.get_data_page(host_indices[i * page]) for i in fresh]
     pick = torch.cat([host_indices[i * page:(i + 1) * page] for i in fresh]) if fresh else host_indices[:0]
@@ -81,13 +87,38 @@ def around_generic_page_set(original, controller, hash_values, host_indices, ext
 
 
 def around_generic_page_get(original, controller, operation, hash_values, host_indices, extra_info=None):
-    """``HiCacheController._generic_page_get``: K/V to the host pages as sglang does, records to their host slots."""
+    """``HiCacheController._generic_page_get`` on 0.5.12: each page counts as fetched through
+    ``operation.increment`` (False: terminated by the controller); returns None, as sglang's."""
     manager = _manager(controller)
     if manager is None or manager.host_records is None:
         return original(controller, operation, hash_values, host_indices, extra_info)
-    backend, host, page = controller.storage_backend, controller.mem_pool_host, controller.page_size
+    page_get_body(manager, controller, operation, hash_values, host_indices, host=controller.mem_pool_host,
+                  may_read=always_read, fetched=increment)
+    return None
+
+
+def always_read(operation) -> bool:
+    """0.5.12 tells a termination only through ``increment``'s answer."""
+    del operation
+    return True
+
+
+def increment(operation, tokens: int) -> bool:
+    """0.5.12 counts each page on the operation; False: terminated by the controller."""
+    return operation.increment(tokens)
+
+
+def page_get_body(manager, controller, operation, hash_values, host_indices, *, host, may_read, fetched) -> int:
+    """K/V to the host pages as sglang does, records to their host slots (the lines' shared body); the pages read.
+
+    ``may_read(operation)``: False ends the read before the next page (0.5.23: terminated);
+    ``fetched(operation, tokens)``: after a page landed, False ends the read (0.5.12: ``increment``)."""
+    backend, page = controller.storage_backend, controller.page_size
     kv_nbytes = _kv_page_nbytes(host)
+    count = 0
     for i, key in enumerate(hash_values):
+        if not may_read(operation):
+            break
         target = torch.empty(kv_nbytes + trailer_nbytes(page), dtype=torch.uint8)
         try:
             got = backend.get(key, target)
@@ -105,8 +136,10 @@ def around_generic_page_get(original, controller, operation, hash_values, host_i
         # the K/V before the page counts as fetched (sglang's order), and its records with it
         host.set_from_flat_data_page(host_indices[i * page], kv.view(host.kv_buffer.dtype))
         manager.storage_page_read(key, host_indices[i * page:(i + 1) * page], records)
-        if not operation.increment(page):
+        count += 1
+        if not fetched(operation, page):
             break  # terminated by the controller
+    return count
 
 
 def after_storage_hit_query(result, controller, *args, **kwargs):

@@ -20,7 +20,8 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 
 HiCache (``--enable-hierarchical-cache``, ``log``/``raise``, CPU through the test shim): ``HICACHE_HOOKS``, the hook
 bodies of ``adapter/hicache`` with this line's streams, fences and host pool (``adapter/hicache_0_5_23``); a load's
-consumer is named in ``InTreeSlot.with_ops_outside_graph``.
+consumer is named in ``InTreeSlot.with_ops_outside_graph``. Its ``file`` storage tier: ``adapter/hicache_storage``'s
+bodies with this line's page get/set contract (``adapter/hicache_0_5_23``).
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
 Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1; synchronous on CPU, with the overlap scheduler on a GPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
@@ -98,6 +99,12 @@ HICACHE_HOOKS: HookTable = {
                                                                                 "around"),
     "sglang.srt.mem_cache.pool_host.base.HostKVCache.free": ("hicache.after_host_free", "after"),
     "sglang.srt.mem_cache.pool_host.base.HostKVCache.clear": ("hicache.after_host_clear", "after"),
+    # the storage tier (--hicache-storage-backend file): the records ride inside each page object, as on 0.5.12;
+    # HybridCacheController inherits both (AROUND: sglang's own bodies run when the controller has no canary)
+    "sglang.srt.managers.cache_controller.HiCacheController._generic_page_set": (
+        "hicache_0_5_23.around_generic_page_set", "around"),
+    "sglang.srt.managers.cache_controller.HiCacheController._generic_page_get": (
+        "hicache_0_5_23.around_generic_page_get", "around"),
 }
 # PD disaggregation (adapter/disagg, as on 0.5.12): the records and origin stamps travel with the KV through mooncake;
 # required with --disaggregation-mode only. 0.5.23's targets are 0.5.12's but the sender's (send gained
