@@ -61,7 +61,7 @@ DEVICE_ARGS = {
 DEFAULT_MAX_TOTAL_TOKENS = {"cpu": 4096, "cuda": 65536}
 # default flags left out on a later sglang line (0.5.23: no piecewise flag (off on CPU anyway); its server warmup
 # must run, else its post-warmup /freeze_gc call fails with a traceback: 0.5.18 and later)
-NOT_ON_LINE = {"0.5.15": ("--disable-piecewise-cuda-graph",), "0.5.17": ("--disable-piecewise-cuda-graph",),
+NOT_ON_LINE = {"0.5.17": ("--disable-piecewise-cuda-graph",),
                "0.5.18": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.19": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
                "0.5.20": ("--disable-piecewise-cuda-graph", "--skip-server-warmup"),
@@ -69,8 +69,8 @@ NOT_ON_LINE = {"0.5.15": ("--disable-piecewise-cuda-graph",), "0.5.17": ("--disa
                "0.5.23": ("--disable-piecewise-cuda-graph", "--skip-server-warmup")}
 # default flags added on a line, per device (0.5.17: prefill CUDA graphs, breakable by default on CUDA, replaced the
 # piecewise ones; the canary needs them off)
-ADDED_ON_LINE = {("0.5.15", "cuda"): ("--disable-piecewise-cuda-graph",),  # its prefill graphs off (no other flag)
-                 ("0.5.17", "cuda"): ("--disable-prefill-cuda-graph",),
+# (0.5.14 and 0.5.15 take the piecewise flag as their alias of prefill graphs off, and have no other flag for it)
+ADDED_ON_LINE = {("0.5.17", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.18", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.19", "cuda"): ("--disable-prefill-cuda-graph",),
                  ("0.5.20", "cuda"): ("--disable-prefill-cuda-graph",)}
@@ -188,8 +188,7 @@ class SglangServer:
         while i < len(defaults):
             flag = defaults[i]
             has_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("--")
-            dropped = flag in self.drop_default_args or (flag in NOT_ON_LINE.get(_line(), ())
-                                                         and flag not in ADDED_ON_LINE.get((_line(), self.device), ()))
+            dropped = flag in self.drop_default_args or flag in NOT_ON_LINE.get(_line(), ())
             if not _flag_given(self.extra_args, flag) and not dropped:
                 merged.append(flag)
                 if has_value:
