@@ -76,7 +76,7 @@ def _check_disaggregation(server_args: Any, config: CanaryConfig, environ: Optio
 
     line = current_line()
     if not line.pd_verified:  # a line whose PD hooks never ran on its releases (0.5.21, 0.5.22: 0.5.23's hooks)
-        verified = [v for m in LINE_MODULES.values() if load_line(m).pd_verified for v in load_line(m).versions]
+        verified = [v for other in map(load_line, LINE_MODULES.values()) if other.pd_verified for v in other.versions]
         raise CanaryConfigError(f"{head} is verified on sglang {', '.join(verified)}, not on sglang {line.name} (its "
                                 "PD path never ran there): drop --disaggregation-mode, or use one of those releases")
     backend = str(getattr(server_args, "disaggregation_transfer_backend", "mooncake"))

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from .hicache import FLAG, _refuse, start_loading_body, start_writing_body
-from .hicache_storage import _manager, page_get_body, page_set_body
+from .hicache_storage import page_get_body, page_set_body
 
 
 def d2h_stream(controller) -> Any:
@@ -93,8 +93,5 @@ def around_generic_page_set(original, controller, hash_values, host_indices, ext
 
 def around_generic_page_get(original, controller, operation, hash_values, host_indices, extra_info=None) -> int:
     """``HiCacheController._generic_page_get`` on 0.5.23: the pages read (``hicache_storage.page_get_body``)."""
-    manager = _manager(controller)
-    if manager is None or manager.host_records is None:
-        return original(controller, operation, hash_values, host_indices, extra_info)
-    return page_get_body(manager, controller, operation, hash_values, host_indices, host=storage_host(controller),
-                         may_read=may_read, fetched=fetched)
+    return page_get_body(original, controller, operation, hash_values, host_indices, extra_info,
+                         host=storage_host(controller), may_read=may_read, fetched=fetched)

@@ -89,10 +89,7 @@ def page_set_body(original, controller, hash_values, host_indices, extra_info, *
 def around_generic_page_get(original, controller, operation, hash_values, host_indices, extra_info=None):
     """``HiCacheController._generic_page_get`` on 0.5.12: each page counts as fetched through
     ``operation.increment`` (False: terminated by the controller); returns None, as sglang's."""
-    manager = _manager(controller)
-    if manager is None or manager.host_records is None:
-        return original(controller, operation, hash_values, host_indices, extra_info)
-    page_get_body(manager, controller, operation, hash_values, host_indices, host=controller.mem_pool_host,
+    page_get_body(original, controller, operation, hash_values, host_indices, extra_info, host=controller.mem_pool_host,
                   may_read=always_read, fetched=increment)
     return None
 
@@ -108,11 +105,16 @@ def increment(operation, tokens: int) -> bool:
     return operation.increment(tokens)
 
 
-def page_get_body(manager, controller, operation, hash_values, host_indices, *, host, may_read, fetched) -> int:
-    """K/V to the host pages as sglang does, records to their host slots (the lines' shared body); the pages read.
+def page_get_body(original, controller, operation, hash_values, host_indices, extra_info, *, host, may_read,
+                  fetched):
+    """K/V to the host pages as sglang does, records to their host slots (the lines' shared body); the pages read
+    (sglang's own body's result when the controller has no canary).
 
     ``may_read(operation)``: False ends the read before the next page (0.5.23: terminated);
     ``fetched(operation, tokens)``: after a page landed, False ends the read (0.5.12: ``increment``)."""
+    manager = _manager(controller)
+    if manager is None or manager.host_records is None:
+        return original(controller, operation, hash_values, host_indices, extra_info)
     backend, page = controller.storage_backend, controller.page_size
     kv_nbytes = _kv_page_nbytes(host)
     count = 0

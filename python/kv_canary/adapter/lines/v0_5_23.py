@@ -18,7 +18,8 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 ``--kv-canary-sweep-interval``, upstream's names, meanings and defaults: real data
 ``none`` unless given); the plugin adds ``contain`` to ``--kv-canary``'s choices.
 
-HiCache (``--enable-hierarchical-cache``, ``log``/``raise``, CPU through the test shim): ``HICACHE_HOOKS``, the hook
+HiCache (``--enable-hierarchical-cache``, ``log``/``raise``; CPU through the test shim, and the GPU host):
+``HICACHE_HOOKS``, the hook
 bodies of ``adapter/hicache`` with this line's streams, fences and host pool (``adapter/hicache_0_5_23``); a load's
 consumer is named in ``InTreeSlot.with_ops_outside_graph``. Its ``file`` storage tier: ``adapter/hicache_storage``'s
 bodies with this line's page get/set contract (``adapter/hicache_0_5_23``).
