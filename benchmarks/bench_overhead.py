@@ -30,7 +30,8 @@ hit rate is checked from sglang's cached-token counts) and
 with the off server's decode bs64).
 
 Issue 22 (full-byte verification): ``ours_all_rows`` / ``upstream_all`` (``--kv-canary-real-data all``, rows
-``decode_bs1_all``, ``decode_bs64_all``, ``prefill_bs8_all``) and ``ours_scrub_rows`` (``decode_bs64_scrub``,
+``decode_bs1_all``, ``decode_bs32_all``, ``decode_bs64_all``, ``prefill_bs8_all``, ``shared_prefix_all``: issue 60's every
+row) and ``ours_scrub_rows`` (``decode_bs64_scrub``,
 ``SCRUB_ROW_SLOTS`` slots per forward), each against its own stack's off server: ``--configs`` from
 ``ALL_CONFIGS`` with ``--rows decode_bs1_all,decode_bs64_all,prefill_bs8_all,decode_bs64_scrub``. The older
 ``ours_all`` / ``ours_scrub`` variants (issue 7) keep their meaning (plain rows, role variant).

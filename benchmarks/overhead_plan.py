@@ -75,15 +75,19 @@ ROWS: Dict[str, Row] = {
         Row("decode_bs64_sweep16", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
         # issue 22: --kv-canary-real-data all (ours and upstream's) and the scrub, each against its stack's off
         Row("decode_bs1_all", batch=1, input_len=1024, output_len=512, baseline_row="decode_bs1"),
+        Row("decode_bs32_all", batch=32, input_len=1024, output_len=256, baseline_row="decode_bs32"),
         Row("decode_bs64_all", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
         Row("prefill_bs8_all", batch=8, input_len=8192, output_len=1, baseline_row="prefill_bs8"),
+        # issue 60: every row with every byte
+        Row("shared_prefix_all", batch=64, input_len=SHARED_PREFIX_LEN + SHARED_OWN_LEN, output_len=256,
+            shared_prefix_len=SHARED_PREFIX_LEN, baseline_row="shared_prefix"),
         Row("decode_bs64_scrub", batch=64, input_len=1024, output_len=256, baseline_row="decode_bs64"),
     )
 }
 BASE_ROWS = ("decode_bs1", "decode_bs32", "decode_bs64", "prefill_bs8", "shared_prefix")
 SWEEP_ROWS = ("decode_bs64_sweep16",)
 SWEEP_INTERVAL = 16
-ALL_ROWS = ("decode_bs1_all", "decode_bs64_all", "prefill_bs8_all")
+ALL_ROWS = ("decode_bs1_all", "decode_bs32_all", "decode_bs64_all", "prefill_bs8_all", "shared_prefix_all")
 SCRUB_ROWS = ("decode_bs64_scrub",)
 DEFAULT_ROWS = tuple(r for r in ROWS if r not in ALL_ROWS + SCRUB_ROWS)  # issue 22's rows: --rows, ALL_CONFIGS
 SCRUB_ROW_SLOTS = 132  # the decode_bs64_scrub row's slots per forward (every slot of 131,072 within 993 forwards)
