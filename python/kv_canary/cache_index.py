@@ -84,6 +84,15 @@ class CachedSlotIndex:
         if len(slots):
             self._pending.append(("remove", slots))
 
+    def remove_all(self, slots: Sequence[torch.Tensor]) -> None:
+        """The cache no longer holds any of ``slots`` (int[n] tensors the engine made, possibly on its own stream):
+        concatenated on the current stream, each first kept from reuse until this stream has read it (without
+        that, a tensor the engine dropped returns to its stream's pool while the concatenation is still queued
+        here, and the index reads another tensor's values: a device-side index assert, H200, issue 57)."""
+        parts = [self._on_this_stream(t) for t in slots if t.numel()]
+        if parts:
+            self.remove(torch.cat(parts).to(device=self.device, dtype=torch.int64))
+
     def clear(self) -> None:
         """The cache dropped everything."""
         self._pending = [("clear",)]

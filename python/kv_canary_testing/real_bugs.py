@@ -58,7 +58,10 @@ def patch_path(name: str) -> Path:
 
 def _clean_env() -> Dict[str, str]:
     env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # the venv's own sglang, never an earlier buggy copy
+    # the venv's own sglang, never an earlier buggy copy; other entries stay (the GPU host's sglang is on PYTHONPATH)
+    kept = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p and "real-bugs" not in Path(p).parts]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
     return env
 
 

@@ -35,7 +35,8 @@ def _mtp_server(tmp_path_factory, mode: str):
                                      "--speculative-draft-model-path", str(model),
                                      "--speculative-draft-load-format", "dummy", "--speculative-num-steps", "3",
                                      "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
-                                     "--max-running-requests", "8", "--kv-canary-sweep-interval", "4"],
+                                     "--max-running-requests", "8",
+                                     *(["--kv-canary-sweep-interval", "4"] if mode != "none" else [])],
                          max_total_tokens=2048)
 
 
