@@ -135,6 +135,11 @@ def test_a_flipped_storage_page_is_caught_when_loaded_back(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.skipif(installed_sglang() == "0.5.23" and os.environ.get("KVC_HICACHE_CONTAIN_0523_ALL") != "1",
+                    reason="CI time: on sglang 0.5.23 by hand, KVC_HICACHE_CONTAIN_0523_ALL=1 (passed on 2026-11-30, "
+                           "CPU, 49 s: 6 flipped pages reported, each at one load-back only, 2 readers aborted, 40 "
+                           "storage keys poisoned, 14 later hits cut); CI runs 0.5.23's contain through "
+                           "test_e2e_hicache's load-back case")
 def test_contain_poisons_a_bad_storage_page_so_it_never_comes_back(tmp_path):
     """``contain`` + storage-page flips (at most ``FLIPS``): each flipped page loaded back is reported, its readers
     are contained, its node leaves the device and the host, and its storage keys are poisoned
