@@ -71,7 +71,7 @@ ONLY_ON_LINE = {
     "0.5.12 and 0.5.23 (HiCache storage)": {
         "why": "HiCache's storage tier is verified on sglang 0.5.12 and 0.5.23 (adapter/hicache_storage, "
                "hicache_0_5_23; 0.5.17 refuses --enable-hierarchical-cache at startup); on 0.5.23 on CPU only, "
-               "without contain (adapter/hicache.LINE_LIMITS)",
+               "contain on sglang's Python tree core (adapter/hicache.LINE_LIMITS)",
         "line": ("0.5.12", "0.5.23"),
         "files": ("registered/kv_canary/test_e2e_hicache_storage.py", "unit/test_hicache_storage.py"),
     },
@@ -84,7 +84,8 @@ ONLY_ON_LINE = {
     "0.5.23": {
         "why": "drives sglang 0.5.23's own code (the in-tree canary's call sites, its flags, UnifiedRadixCache)",
         "files": ("registered/kv_canary/test_e2e_newest_line.py", "unit/test_contain_unified.py",
-                  "unit/test_unified_walk_changes.py", "unit/test_hicache_storage_0_5_23.py"),
+                  "unit/test_unified_walk_changes.py", "unit/test_hicache_storage_0_5_23.py",
+                  "unit/test_contain_hicache_0_5_23.py"),
     },
     "0.5.23 (TP on CPU)": {
         "why": "tensor parallel on CPU (two gloo ranks) drives 0.5.23's parallel-context rank reader; 0.5.12's TP=2 "

@@ -52,6 +52,33 @@ def test_verified_combinations_pass_on_0_5_23(kw):
     check_hicache(_args(**kw), _config("log"), line="0.5.23")
 
 
+CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+
+@pytest.mark.parametrize("kw", [{}, {"page_size": 16}, {"hicache_write_policy": "write_back"},
+                                {"hicache_mem_layout": "page_first"}])
+def test_contain_on_0_5_23_runs_on_the_python_tree_core_only(kw, monkeypatch):
+    """sglang 0.5.23's Rust tree core (the default) has no per-node host drop: contain needs the Python core
+    (``contain_hicache_0_5_23``); with the storage tier too (its keys poisoned)."""
+    monkeypatch.setenv(CORE_ENV, "python")
+    check_hicache(_args(**kw), _config("contain"), line="0.5.23")
+    if "hicache_mem_layout" not in kw:  # storage: layer_first only
+        check_hicache(_args(**{**kw, "hicache_storage_backend": "file"}), _config("contain"), line="0.5.23")
+    with pytest.raises(CanaryConfigError) as e:  # run on CPU (the test shim) only
+        check_hicache(_args(**{**kw, "device": "cuda", "hicache_mem_layout": "layer_first"}), _config("contain"),
+                      line="0.5.23")
+    assert "--kv-canary contain on sglang 0.5.23 on --device cuda" in str(e.value)
+    for core in ("rust", ""):  # unset or empty: sglang's default, rust
+        monkeypatch.setenv(CORE_ENV, core)
+        with pytest.raises(CanaryConfigError) as e:
+            check_hicache(_args(**kw), _config("contain"), line="0.5.23")
+        assert f"contain on sglang 0.5.23 with {CORE_ENV}=rust" in str(e.value)
+        assert f"set {CORE_ENV}=python" in str(e.value)
+    monkeypatch.setenv(CORE_ENV, "rust")
+    check_hicache(_args(**kw), _config("log"), line="0.5.23")  # log/raise: any core
+    check_hicache(_args(**kw), _config("contain"), line="0.5.12")  # 0.5.12 has no tree core to choose
+
+
 @pytest.mark.parametrize("kw,line,config,needle", [
     ({}, "0.5.17", {}, "sglang 0.5.17"),
     ({"hicache_storage_backend": "mooncake"}, "0.5.12", {}, "--hicache-storage-backend mooncake"),
@@ -80,7 +107,8 @@ def test_verified_combinations_pass_on_0_5_23(kw):
     ({"kv_canary_sweep_interval": 8}, "0.5.12", {"sweep": 8}, "--kv-canary-sweep-interval 8"),
     ({}, "0.5.12", {"real_data": "all"}, "--kv-canary-real-data all"),
 ])
-def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, needle):
+def test_unverified_combinations_are_refused_naming_the_flag(kw, line, config, needle, monkeypatch):
+    monkeypatch.delenv(CORE_ENV, raising=False)  # sglang 0.5.23's default tree core (rust)
     with pytest.raises(CanaryConfigError) as e:
         check_hicache(_args(**kw), _config(**config), line=line)
     msg = str(e.value)

@@ -156,11 +156,12 @@ def test_a_newer_release_is_refused_by_default_and_runs_untested_only_when_allow
 
 def test_a_newer_release_whose_targets_differ_is_refused_even_when_allowed():
     for env in ({}, {ALLOW_UNTESTED_ENV: "1"}):
-        # 0.5.21's ForwardBatch.init_new and PD sender, as if a release moved them
+        # 0.5.21's ForwardBatch.init_new, PD sender and HiCache storage hit query (pp_rank=), as if a release
+        # moved them
         choice = choose("0.5.24", "0.5.21", env=env)
         assert choice.line is None and choice.refuse
-        assert "2 hook target(s) differ from the 0.5.23 line: sglang.srt.disaggregation.common.conn.CommonKVSender." \
-               "send is" in choice.reason and "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new is" \
+        assert "3 hook target(s) differ from the 0.5.23 line: sglang.srt.disaggregation.common.conn.CommonKVSender." \
+               "send is" in choice.reason and "HybridCacheController._storage_hit_query is" in choice.reason and "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new is" \
                in choice.reason
 
 

@@ -32,8 +32,9 @@ applied to 0.5.23's scheduler and its ``UnifiedRadixCache``. Diff it against ``c
   A bad slot not cached (yet), or whose node a running request holds, is retried at later safe points, as
   on 0.5.12 (``PENDING_TTL``); so is one whose subtree is not fully resolved (nothing is dropped then).
 
-Supported tree: ``UnifiedRadixCache`` with the FULL component only, no HiCache (the policy refuses it), page
-size 1 or 16, no EAGLE bigram keys (speculative decoding is refused on 0.5.23).
+Supported tree: ``UnifiedRadixCache`` with the FULL component only, page size 1 or 16, no EAGLE bigram keys
+(speculative decoding is refused on 0.5.23). With HiCache (the Python tree core only) the evictions are
+``contain_hicache_0_5_23``'s: the node leaves the device and the host (``_evict_hicache``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import numpy as np
 
 from ..fingerprint import F_TOKEN
 from ..violations import CONTAIN_PREFIX, format_line
+from . import contain_hicache_0_5_23 as hicache_0_5_23
 from .contain import SchedulerContainment
 
 logger = logging.getLogger("kv_canary")
@@ -62,6 +64,14 @@ class UnifiedSchedulerContainment(SchedulerContainment):
         self._namespaces: "OrderedDict[Namespace, None]" = OrderedDict()
         tree = getattr(scheduler, "tree_cache", None)
         self._evictor = UnifiedTreeEvictor(tree, self._records) if UnifiedTreeEvictor.supports(tree) else None
+        self._hicache_tree = tree if hicache_0_5_23.supports(tree) else None  # HiCache: device and host copies go
+        if self._hicache_tree is None and getattr(getattr(tree, "tree_core", None), "enable_hicache", False):
+            from ..config import CanaryConfigError  # check_hicache refuses it at startup; this is the backstop
+
+            raise CanaryConfigError(
+                f"--kv-canary contain cannot evict host copies from this HiCache tree ({type(tree).__name__}, tree "
+                f"core {type(tree.tree_core).__name__}): set SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python or use "
+                "--kv-canary log or raise")
 
     # ------------------------------------------------------------------ abort (0.5.23's scheduler)
 
@@ -104,6 +114,8 @@ class UnifiedSchedulerContainment(SchedulerContainment):
     # ------------------------------------------------------------------ evict (UnifiedRadixCache)
 
     def _evict(self) -> None:
+        if self._hicache_tree is not None:
+            return self._evict_hicache(self._hicache_tree)
         evictor = self._evictor
         snap = evictor.snapshot() if evictor is not None else None
         freed = set()  # slots freed in this pass (a slot may sit below an earlier slot's node)
@@ -130,6 +142,37 @@ class UnifiedSchedulerContainment(SchedulerContainment):
                 if self._slots[key] <= 0:
                     del self._slots[key]
             snap = evictor.snapshot()  # the tree changed
+
+    def _evict_hicache(self, tree) -> None:
+        """HiCache (``contain_hicache_0_5_23``): a bad device or host slot's node and subtree leave both tiers."""
+        device = {slot for tier, slot in self._slots if tier == "slot"}
+        host = {slot for tier, slot in self._slots if tier == "host_slot"}
+        dev_nodes, host_nodes = hicache_0_5_23.holders(tree, device, host)
+        removed = set()  # ids of nodes evicted in this pass (a slot may sit below an earlier slot's node)
+        for key in list(self._slots):
+            node = (dev_nodes if key[0] == "slot" else host_nodes).get(key[1])
+            if node is not None and id(node) in removed:
+                del self._slots[key]  # already evicted with an ancestor's subtree: free nothing twice
+                continue
+            if node is None or hicache_0_5_23.subtree_busy(tree, node):  # not cached (yet), or held: retried
+                self._slots[key] -= 1
+                if self._slots[key] <= 0:
+                    del self._slots[key]
+                continue
+            nodes, tokens, host_slots, keys = hicache_0_5_23.evict_subtree(tree, node, removed)
+            self.evicted_nodes += nodes
+            self.evicted_tokens += tokens
+            fields = {key[0]: key[1], "nodes": nodes, "tokens": tokens, "host_slots": host_slots}
+            manager = getattr(tree, "kv_canary_manager", None)
+            if keys and manager is not None and getattr(manager, "storage_on", False):  # storage has no delete
+                fields.update(storage_keys_poisoned=manager.poison_storage_keys(keys))
+            logger.error(format_line(CONTAIN_PREFIX, "evict", fields))
+            if id(node) in removed:
+                del self._slots[key]
+            else:  # stopped below the bad slot's node: the rest is retried
+                self._slots[key] -= 1
+                if self._slots[key] <= 0:
+                    del self._slots[key]
 
     def _namespace_order(self) -> List[Namespace]:
         return [(None, None), *reversed(self._namespaces)]

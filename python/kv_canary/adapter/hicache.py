@@ -8,8 +8,9 @@ pinned host pool, transfer kernels or direct copies, and layer-wise load overlap
 inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
 rank, ``--kv-canary log|raise|contain``
 with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim and on
-a GPU with sglang's own host pool and transfer engine (GPU host, 2026-11-30), ``log|raise`` only, the ``file`` storage
-tier on CPU only (``hicache_0_5_23``'s page get/set). Everything else is refused at startup naming the flag and its
+a GPU with sglang's own host pool and transfer engine (GPU host, 2026-11-30), ``contain`` on CPU with the Python tree
+core only (``contain_hicache_0_5_23``), the ``file`` storage tier on CPU only (``hicache_0_5_23``'s
+page get/set). Everything else is refused at startup naming the flag and its
 value.
 
 The hook bodies are shared by the lines; what a line reads differently (0.5.23's transfer streams, fences and
@@ -18,6 +19,7 @@ host pool group) comes in as small functions from that line's adapter (``hicache
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional, Sequence
 
 from ..config import FLAG_MODE, FLAG_REAL_DATA, FLAG_SWEEP_INTERVAL, CanaryConfig, CanaryConfigError
@@ -31,12 +33,15 @@ VERIFIED_PAGE_SIZES = (1, 16)
 VERIFIED_DEVICES = ("cpu", "cuda")
 VERIFIED_IO_BACKENDS = ("kernel", "direct")
 VERIFIED_POOLS = ("MHATokenToKVPool",)
+CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # sglang 0.5.23's tree core: rust (default) or python
 VERIFIED_STORAGE_BACKENDS = ("file",)  # sglang's generic page path (adapter/hicache_storage)
 # what a line verified less of than 0.5.12 (docs/history/hicache.md 1.4): (allowed, why the rest is refused)
 LINE_LIMITS = {
     "0.5.23": {
-        "modes": (("log", "raise"), "sglang 0.5.23's tree core has no per-node host drop, so a bad host copy could "
-                                    "not be evicted (docs/history/hicache.md 3.9)"),
+        # contain: only on the Python tree core (contain_hicache_0_5_23)
+        "contain_core": (CORE_ENV, "python", "sglang 0.5.23's Rust tree core (its default) has no per-node host drop, "
+                         "so a bad host copy could not be evicted; its Python tree core has one"),
+        "contain_devices": (("cpu",), "sglang 0.5.23's HiCache contain ran on CPU through the test shim only"),
         "storage_devices": (("cpu",), "sglang 0.5.23's storage tier ran on CPU through the test shim only"),
     },
 }
@@ -70,6 +75,17 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
     modes, why = limits.get("modes", (VERIFIED_MODES, "only these modes were run"))
     if config.mode.value not in modes:
         _refuse(f"--kv-canary {config.mode.value} on sglang {line}", why, f"use --kv-canary {' or '.join(modes)}")
+    if config.mode.value == "contain" and "contain_core" in limits:
+        env, value, why = limits["contain_core"]
+        core = os.environ.get(env, "rust") or "rust"
+        if core != value:
+            _refuse(f"--kv-canary contain on sglang {line} with {env}={core}", why,
+                    f"set {env}={value} or use --kv-canary log or raise")
+        devices, why = limits.get("contain_devices", (VERIFIED_DEVICES, ""))
+        device = str(getattr(server_args, "device", None) or "cuda")
+        if device not in devices:
+            _refuse(f"--kv-canary contain on sglang {line} on --device {device}", why,
+                    "use --kv-canary log or raise")
     backends, why = limits.get("storage_backends", (VERIFIED_STORAGE_BACKENDS, (
         f"the records ride inside page objects of sglang's generic page path, verified with "
         f"{', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write host memory directly and cannot "

@@ -18,8 +18,9 @@ The storage tier (``--hicache-storage-backend file``; the bodies: ``hicache_stor
 * the pages' host pool is ``controller.storage_host_pool`` (the group's anchor pool; 0.5.12: ``mem_pool_host``);
 * ``_generic_page_get`` returns the pages it read and checks ``operation.is_terminated()`` before each page
   (0.5.12: returns None and counts each page with ``operation.increment``);
-* the hit query is the hybrid controller's own ``_storage_hit_query``: not hooked (it serves ``contain`` only,
-  refused on this line).
+* the hit query is the hybrid controller's own ``HybridCacheController._storage_hit_query`` (same contract as
+  0.5.12's: the leading hits' keys and their tokens; it also notes the KV pool's hit pages on the operation):
+  ``contain`` cuts it before a poisoned key (``after_storage_hit_query``), as on 0.5.12.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from .hicache import FLAG, _refuse, start_loading_body, start_writing_body
+from .hicache_storage import after_storage_hit_query as _cut_hits
 from .hicache_storage import page_get_body, page_set_body
 
 
@@ -95,3 +97,20 @@ def around_generic_page_get(original, controller, operation, hash_values, host_i
     """``HiCacheController._generic_page_get`` on 0.5.23: the pages read (``hicache_storage.page_get_body``)."""
     return page_get_body(original, controller, operation, hash_values, host_indices, extra_info,
                          host=storage_host(controller), may_read=may_read, fetched=fetched)
+
+
+def after_storage_hit_query(result, controller, *args, **kwargs):
+    """``HybridCacheController._storage_hit_query`` -> (keys, tokens): cut before the first key ``contain`` poisoned
+    (``hicache_storage.after_storage_hit_query``); the KV pool's hit pages noted on the operation follow the cut."""
+    cut = _cut_hits(result, controller, *args, **kwargs)
+    if cut is result:
+        return result
+    operation = args[0] if args else kwargs.get("operation")
+    pages = len(cut[0])
+    verdicts = getattr(operation, "query_pool_hit_pages", None)
+    for name in list(verdicts or ()):
+        verdicts[name] = min(int(verdicts[name]), pages)
+    pooled = getattr(operation, "pool_storage_result", None)
+    if pooled is not None and getattr(pooled, "kv_hit_pages", 0) > pages:
+        pooled.kv_hit_pages = pages
+    return cut

@@ -223,7 +223,8 @@ CHECKED_ELSEWHERE = {
     "kv_canary": "config.CanaryConfig.build",
     "kv_canary_real_data": "config.CanaryConfig.build",
     "kv_canary_sweep_interval": "config.CanaryConfig.build",
-    # HiCache: verified on this line too, log/raise on CPU and GPU (adapter/hicache.LINE_LIMITS)
+    # HiCache: verified on this line too, log/raise on CPU and GPU, contain on CPU with the Python tree core
+    # (adapter/hicache.LINE_LIMITS)
     "enable_hierarchical_cache": _ELSEWHERE_0_5_12["enable_hierarchical_cache"],
     "hicache_storage_backend": _ELSEWHERE_0_5_12["hicache_storage_backend"],
 }

@@ -18,11 +18,12 @@ The flags are sglang's own fields here (``--kv-canary``, ``--kv-canary-real-data
 ``--kv-canary-sweep-interval``, upstream's names, meanings and defaults: real data
 ``none`` unless given); the plugin adds ``contain`` to ``--kv-canary``'s choices.
 
-HiCache (``--enable-hierarchical-cache``, ``log``/``raise``; CPU through the test shim, and the GPU host):
-``HICACHE_HOOKS``, the hook
+HiCache (``--enable-hierarchical-cache``, ``log``/``raise``; CPU through the test shim, and the GPU host; ``contain``
+on sglang's Python tree core, CPU): ``HICACHE_HOOKS``, the hook
 bodies of ``adapter/hicache`` with this line's streams, fences and host pool (``adapter/hicache_0_5_23``); a load's
 consumer is named in ``InTreeSlot.with_ops_outside_graph``. Its ``file`` storage tier: ``adapter/hicache_storage``'s
-bodies with this line's page get/set contract (``adapter/hicache_0_5_23``).
+bodies with this line's page get/set contract and hit query (``adapter/hicache_0_5_23``); ``contain`` evicts a bad
+node from the device and the host and poisons its pages' storage keys (``adapter/contain_hicache_0_5_23``).
 The sweep reads 0.5.23's ``UnifiedRadixCache`` through sglang's own walk (``adapter/unified_radix``);
 ``contain`` evicts from it through its tree-core interface (``adapter/contain_unified``).
 Speculative decoding (EAGLE/EAGLE3 spec v2, topk 1; synchronous on CPU, with the overlap scheduler on a GPU): ``SPEC_HOOKS`` and ``adapter/spec_0_5_23``
@@ -106,6 +107,9 @@ HICACHE_HOOKS: HookTable = {
         "hicache_0_5_23.around_generic_page_set", "around"),
     "sglang.srt.managers.cache_controller.HiCacheController._generic_page_get": (
         "hicache_0_5_23.around_generic_page_get", "around"),
+    # contain: a storage lookup stops before a page key whose host copy contain evicted as bad
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController._storage_hit_query": (
+        "hicache_0_5_23.after_storage_hit_query", "after"),
 }
 # PD disaggregation (adapter/disagg, as on 0.5.12): the records and origin stamps travel with the KV through mooncake;
 # required with --disaggregation-mode only. 0.5.23's targets are 0.5.12's but the sender's (send gained
