@@ -63,15 +63,19 @@ def pad_runs(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_cudagraph_swa_pad_loc_a_outputs_differ(pad_runs):
-    """Expected (not yet run): Triton reads the overwritten SWA slots on the GPU, so greedy outputs differ."""
+    """Triton reads the overwritten SWA slots on the GPU, so greedy outputs differ (H200, 2026-11-30: they did)."""
     out, fixed = pad_runs["a"].result, pad_runs["c"].result
     assert all(o.status == "ok" for o in out.values())
     assert any(out[i].output_ids != fixed[i].output_ids for i in out), "no output changed: the bug did not fire"
 
 
 @pytest.mark.e2e
+@pytest.mark.xfail(strict=True, reason=(
+    "a known miss (H200, 2026-11-30, docs/real-bugs.md): the pad row recomputes the live request's last token at its "
+    "position, so its store is byte-identical in layer 0, the layer real data partial hashes; the deeper layers' "
+    "K/V it changes are never hashed at a later read"))
 def test_cudagraph_swa_pad_loc_b_canary_reports_the_overwrite(pad_runs):
-    """Expected (not yet run): ``kv_hash`` in the swa group, at the slot the pad row wrote, in the next forward."""
+    """``kv_hash`` in the swa group, at the slot the pad row wrote, in the next forward (not seen: the xfail)."""
     log = pad_runs["b"].log
     assert log.installed and log.violations, "the canary reported nothing"
     assert {v["group"] for v in log.violations} == {"swa"}, log.violations[:5]
