@@ -47,6 +47,7 @@ REVERSES_ON = {
 # fixes applied forward: the release named ships the bug (a later release fixed it); the venv is the buggy run
 APPLIES_ON = {
     "swa_recover_locked_full_legacy_0512": ("0.5.12",),  # #29352's SWARadixCache half (in 0.5.15), on 0.5.12
+    "hicache_loadback_protect_host_0512": ("0.5.12",),  # HiRadixCache load_back's host protection (in 0.5.15)
 }
 MARKER = "KVC_REAL_BUG.json"  # written beside the patched package: which bug, on which release
 

@@ -3,7 +3,8 @@
 As test_e2e_real_bugs (its file is full): one workload three times through ``real_bug_runs.three_runs``. The bugs
 here are ones 0.5.12 *ships* (a later release fixed them): their patches apply the fix forward
 (``real_bugs.APPLIES_ON``), so (a) and (b) run the venv's sglang as installed and (c) the copy with the fix applied.
-CPU, the hybrid-SWA tiny model (window 24, ``--swa-full-tokens-ratio 1.0``), 0.5.12's default ``SWARadixCache``.
+CPU: #29352's legacy half on the hybrid-SWA tiny model (window 24, ``--swa-full-tokens-ratio 1.0``, 0.5.12's default
+``SWARadixCache``); the HiCache load-back one on the plain tiny model through the HiCache test shim.
 """
 
 import random
@@ -13,12 +14,13 @@ import time
 
 import pytest
 
-from kv_canary_testing.canary_e2e import register_cpu_ci
-from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
+from kv_canary_testing.canary_e2e import e2e_device, register_cpu_ci
+from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
+from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
 from kv_canary_testing.real_bug_runs import three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-register_cpu_ci(est_time=200, suite="kv-canary-cpu")
+register_cpu_ci(est_time=260, suite="kv-canary-cpu")
 
 # ---- #29352's SWARadixCache half (fixed in 0.5.15): tombstone recovery frees Full KV a running request holds ------
 
@@ -118,6 +120,94 @@ def test_swa_recover_locked_full_legacy_c_fixed_has_no_violation(legacy_runs):
     assert running and log.installed
     check_shape(out)
     assert log.violations == [] and log.last_stat("violations") == 0
+
+
+# ---- HiRadixCache load-back over host pages its own eviction frees (write_back; fixed in 0.5.15, #28614) ----------
+
+LOADBACK_BUG = "hicache_loadback_protect_host_0512"
+# the plain tiny model, HiCache write_back, a host pool just over the device pool (0.5.12 requires host > device), no
+# chunking (each prompt one tree node), CPU through the HiCache test shim
+LOADBACK_ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "1.2", "--hicache-write-policy", "write_back",
+                 "--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first", "--page-size", "1",
+                 "--kv-canary-real-data", "partial", "--chunked-prefill-size", "2048"]
+P_WORDS, X_WORDS = 600, 900
+FULL_LEAK = re.compile(r"pool memory leak detected! \[full\] total=(\d+), available=(\d+), evictable=(\d+)")
+
+
+def loadback_over_evicted_host(srv):
+    """Device 1,024 slots, host 1,229. P1 (600 words, 2 decoded) leaves P on the device, not backed up (write_back);
+    X1 (900 words) needs the room: the device evicts P, backing it up to the host (601 of 1,229). P2 = P + 4 words hits
+    P on the host (600): load_back's first load finds 123 free device slots and evicts X1, whose write-back (900) does
+    not fit the host's 628 free slots, so write_backup calls evict_host, which frees P's host pages (the only host
+    leaves, unprotected) and hands them to X1's copy; the second load then copies them into P2's prefix. P3 = P + 4
+    other words comes after."""
+    rng = random.Random(28614)
+    words = lambda n: tuple(rng.randrange(NUM_WORDS) for _ in range(n))  # noqa: E731
+    one = lambda spec: run_requests(srv.base_url, [spec], concurrency=1, use_input_ids=True,  # noqa: E731
+                                    timeout=600).outcomes[0]
+    p = words(P_WORDS)
+    out = {0: one(RequestSpec(0, "p", p, 2))}
+    out[1] = one(RequestSpec(1, "x", words(X_WORDS), 2))
+    out[2] = one(RequestSpec(2, "p", p + words(4), 40))
+    out[3] = one(RequestSpec(3, "p", p + words(4), 40))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loadback_runs(tmp_path_factory):
+    if e2e_device() != "cpu":
+        pytest.skip("CPU through the HiCache shim")
+    return three_runs(LOADBACK_BUG, LOADBACK_ARGS, {SHIM_ENV: "1"}, loadback_over_evicted_host, 1024,
+                      tmp_path_factory, model_path=write_model_dir(),
+                      describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
+                                                             for i, o in sorted(run.result.items())})
+                      + f" full_leaks={FULL_LEAK.findall(run.log.text)}")
+
+
+@pytest.mark.e2e
+def test_hicache_loadback_protect_host_a_fires_without_the_canary(loadback_runs):
+    """sglang's own evidence: its idle pool check (the tree counts more evictable slots than the pool has: P's nodes,
+    detached from the tree by evict_host, were given device slots anyway), and P2's greedy output against the fixed
+    run's."""
+    out, log, running = loadback_runs["a"]
+    fixed = loadback_runs["c"].result
+    assert running and all(o.status == "ok" for o in out.values()), [o.error for o in out.values()]
+    leaks = FULL_LEAK.findall(log.text)
+    differ = [i for i in sorted(out) if out[i].output_ids != fixed[i].output_ids]
+    print(f"kv_canary_real_bug {LOADBACK_BUG} a: pool_leaks={leaks} differing={differ} "
+          f"hits={[out[i].cached_tokens for i in sorted(out)]} fixed_hits={[fixed[i].cached_tokens for i in sorted(fixed)]}")
+    assert leaks and any(int(a) + int(e) > int(t) for t, a, e in leaks), leaks
+    assert out[2].cached_tokens == P_WORDS  # P2 loaded P back from the host
+
+
+@pytest.mark.e2e
+def test_hicache_loadback_protect_host_b_canary_reports_the_load(loadback_runs):
+    """The loaded-back slots carry X1's records (its positions) where P2 expects P's: the canary reports them at P2's
+    prefill, the first forward that reads the load (``hicache=load``), naming P2."""
+    out, log, running = loadback_runs["b"]
+    assert running and log.installed
+    assert log.violations, "the canary reported nothing"
+    kinds = sorted({v["kind"] for v in log.violations})
+    forwards = sorted({int(v["forward"]) for v in log.violations})
+    positions = sorted({int(v["position"]) for v in log.violations})
+    print(f"kv_canary_real_bug {LOADBACK_BUG} b: {len(log.violations)} violations kinds={kinds} "
+          f"rids={sorted({v['rid'] for v in log.violations})} hicache={sorted({str(v.get('hicache')) for v in log.violations})} "
+          f"positions={positions[0]}..{positions[-1]} ({len(positions)}) forwards={forwards} "
+          f"counted={log.last_stat('violations')} first={log.violations[0]}")
+    assert {v["rid"] for v in log.violations} == {out[2].rid}
+    assert forwards[0] == min(int(v["forward"]) for v in log.violations if v.get("hicache") == "load")
+    assert {v["group"] for v in log.violations} == {"full"}
+    assert all(set(k.split("+")) <= {"position", "chain", "kv_hash", "token"} for k in kinds), kinds
+    assert positions[-1] < P_WORDS  # inside the loaded-back prefix
+
+
+@pytest.mark.e2e
+def test_hicache_loadback_protect_host_c_fixed_has_no_violation(loadback_runs):
+    out, log, running = loadback_runs["c"]
+    assert running and log.installed
+    assert all(o.status == "ok" for o in out.values()), [o.error for o in out.values()]
+    assert log.violations == [] and log.last_stat("violations") == 0
+    assert not FULL_LEAK.findall(log.text)
 
 
 if __name__ == "__main__":
