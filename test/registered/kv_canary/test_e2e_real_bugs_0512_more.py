@@ -7,6 +7,7 @@ CPU: #29352's legacy half on the hybrid-SWA tiny model (window 24, ``--swa-full-
 ``SWARadixCache``); the HiCache load-back one on the plain tiny model through the HiCache test shim.
 """
 
+import os
 import random
 import re
 import threading
@@ -20,7 +21,10 @@ from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_di
 from kv_canary_testing.real_bug_runs import three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-register_cpu_ci(est_time=260, suite="kv-canary-cpu")
+# By hand (KVC_REAL_BUGS_TIMING=1, the by-hand flag), not in CI: each bug's three servers take over the ~2-minute CI
+# budget per bug on the 2-core machine (the HiCache load-back's 149-171 s, #29352's SWARadixCache half's 167-212 s).
+# To put one in CI, drop its fixture's skip and raise est_time by its time
+register_cpu_ci(est_time=10, suite="kv-canary-cpu")
 
 # ---- #29352's SWARadixCache half (fixed in 0.5.15): tombstone recovery frees Full KV a running request holds ------
 
@@ -65,6 +69,8 @@ def locked_tombstone_recovered(srv):
 
 @pytest.fixture(scope="module")
 def legacy_runs(tmp_path_factory):
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip("#29352's SWARadixCache half by hand (KVC_REAL_BUGS_TIMING=1): three more servers (CI time)")
     return three_runs(LEGACY_BUG, ["--page-size", "1"], {}, locked_tombstone_recovered, 1024, tmp_path_factory,
                       describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
                                                              for i, o in sorted(run.result.items())}))
@@ -157,6 +163,8 @@ def loadback_over_evicted_host(srv):
 def loadback_runs(tmp_path_factory):
     if e2e_device() != "cpu":
         pytest.skip("CPU through the HiCache shim")
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip("the HiCache load-back bug by hand (KVC_REAL_BUGS_TIMING=1): three more servers (CI time)")
     return three_runs(LOADBACK_BUG, LOADBACK_ARGS, {SHIM_ENV: "1"}, loadback_over_evicted_host, 1024,
                       tmp_path_factory, model_path=write_model_dir(),
                       describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
