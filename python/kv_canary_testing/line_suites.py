@@ -58,9 +58,10 @@ ONLY_ON_LINE = {
     },
     "0.5.12 (real bugs)": {
         "why": "puts real sglang bugs back (kv_canary_testing.real_bugs): the fixes it reverses were checked against "
-               "sglang 0.5.12 and do not reverse on 0.5.23 (real_bug_patches/README.md)",
+               "sglang 0.5.12 and do not reverse on 0.5.23; the fixes it applies forward (bugs 0.5.12 ships) were "
+               "checked against 0.5.12 only (real_bug_patches/README.md)",
         "line": "0.5.12",
-        "files": ("registered/kv_canary/test_e2e_real_bugs.py",),
+        "files": ("registered/kv_canary/test_e2e_real_bugs.py", "registered/kv_canary/test_e2e_real_bugs_0512_more.py"),
     },
     "0.5.23 (real bugs)": {
         "why": "puts back real sglang bugs whose fixes reverse on sglang 0.5.23 only (real_bug_patches/README.md): "

@@ -2,7 +2,9 @@
 
 ``three_runs(bug, args, env, workload, pool)`` starts three CPU servers one after the other on the same
 workload: (a) the bug in (``real_bugs.buggy_env``), ``--kv-canary none``; (b) the bug in, ``--kv-canary log``;
-(c) the fixed sglang (the venv as is), ``--kv-canary raise``. Each run gives ``Run(result, log, running)``:
+(c) the fixed sglang (the venv as is), ``--kv-canary raise``. For a fix the installed release lacks
+(``real_bugs.APPLIES_ON``: the release ships the bug), (a) and (b) run the venv as is and (c) the copy with the fix
+applied forward. Each run gives ``Run(result, log, running)``:
 ``workload(server)``'s result, the settled ``CanaryLog`` and whether the server was still up after the workload.
 sglang's idle pool check warns instead of raising (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0``) in all
 three, so a run that trips it keeps serving and the warning is the evidence (``pool_leaks``).
@@ -15,7 +17,7 @@ from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
 
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server
 from kv_canary_testing.model_dir import write_swa_model_dir
-from kv_canary_testing.real_bugs import buggy_env
+from kv_canary_testing.real_bugs import APPLIES_ON, run_env
 
 QUIET_IDLE_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
 SWA_ARGS = ("--swa-full-tokens-ratio", "1.0")  # test_e2e_swa: torch_native reads SWA layers untranslated on CPU
@@ -37,11 +39,12 @@ def pool_leaks(text: str):
 
 
 def serve(mode: str, bug: Optional[str], tmp_path_factory, args: Sequence[str], env: Mapping[str, str],
-          workload: Callable, pool: int, model_path=None, python: Optional[str] = None) -> Run:
-    """Run ``workload(server)`` on one server with bug ``bug`` in (None: the fixed sglang); default model: the
-    hybrid-SWA tiny model with ``SWA_ARGS``."""
-    full_env = {**QUIET_IDLE_CHECK, **env, **(buggy_env(bug, python) if bug else {})}
-    log_path = tmp_path_factory.mktemp(f"{mode}-{'bug' if bug else 'fixed'}") / "server.log"
+          workload: Callable, pool: int, model_path=None, python: Optional[str] = None, bug_in: bool = True) -> Run:
+    """Run ``workload(server)`` on one server with bug ``bug`` in (``bug_in``) or fixed (a reversed fix: the venv as
+    is; a forward fix, ``APPLIES_ON``: the copy with the fix applied); default model: the hybrid-SWA tiny model with
+    ``SWA_ARGS``."""
+    full_env = {**QUIET_IDLE_CHECK, **env, **run_env(bug, bug_in, python)}
+    log_path = tmp_path_factory.mktemp(f"{mode}-{'bug' if bug_in else 'fixed'}") / "server.log"
     swa = model_path is None
     srv = canary_server(mode, log_path=log_path, env=full_env, model_path=write_swa_model_dir() if swa else model_path,
                         extra_args=[*(SWA_ARGS if swa else ()), *args], max_total_tokens=pool)
@@ -64,9 +67,10 @@ def three_runs(bug: str, args: Sequence[str], env: Mapping[str, str], workload: 
     for name, mode, bug_in in RUNS:
         if name not in runs:
             continue
-        run = serve(mode, bug if bug_in else None, tmp_path_factory, args, env, workload, pool, model_path)
+        run = serve(mode, bug, tmp_path_factory, args, env, workload, pool, model_path, bug_in=bug_in)
         out[name] = run
-        print(f"kv_canary_real_bug {bug} run={name} mode={mode} bug_in={bug_in} running={run.running} "
+        print(f"kv_canary_real_bug {bug} run={name} mode={mode} bug_in={bug_in} forward_fix={bug in APPLIES_ON} "
+              f"running={run.running} "
               f"pool_leaks={pool_leaks(run.log.text)} violations={len(run.log.violations)} "
               f"{describe(run) if describe else ''}", flush=True)
     return out
