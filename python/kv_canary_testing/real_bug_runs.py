@@ -74,3 +74,26 @@ def three_runs(bug: str, args: Sequence[str], env: Mapping[str, str], workload: 
               f"pool_leaks={pool_leaks(run.log.text)} violations={len(run.log.violations)} "
               f"{describe(run) if describe else ''}", flush=True)
     return out
+
+
+class ViolationSummary(NamedTuple):
+    """What a (b) run's violations name: sorted kinds, positions and forwards, and one printable line."""
+
+    kinds: list
+    positions: list
+    forwards: list
+    line: str
+
+
+def summarize_violations(bug: str, log: CanaryLog) -> ViolationSummary:
+    """The (b) run's violations of ``bug`` (``log.violations`` must not be empty), for its assertions and its line."""
+    vs = log.violations
+    kinds = sorted({v["kind"] for v in vs})
+    positions = sorted({int(v["position"]) for v in vs})
+    forwards = sorted({int(v["forward"]) for v in vs})
+    line = (f"kv_canary_real_bug {bug} b: {len(vs)} violations (counted {log.last_stat('violations')}) kinds={kinds} "
+            f"groups={sorted({v['group'] for v in vs})} rids={sorted({v['rid'] for v in vs})} "
+            f"hicache={sorted({str(v.get('hicache')) for v in vs})} slots={sorted({int(v['slot']) for v in vs})[:12]} "
+            f"positions={positions[0]}..{positions[-1]} ({len(positions)}) forwards={forwards[0]}..{forwards[-1]} "
+            f"first={vs[0]}")
+    return ViolationSummary(kinds, positions, forwards, line)

@@ -18,7 +18,7 @@ import pytest
 from kv_canary_testing.canary_e2e import e2e_device, register_cpu_ci
 from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
-from kv_canary_testing.real_bug_runs import three_runs
+from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 # By hand (KVC_REAL_BUGS_TIMING=1, the by-hand flag), not in CI: each bug's three servers take over the ~2-minute CI
@@ -107,13 +107,8 @@ def test_swa_recover_locked_full_legacy_b_canary_reports_the_read(legacy_runs):
     assert running and log.installed
     check_shape(out)
     assert log.violations, "the canary reported nothing"
-    kinds = sorted({v["kind"] for v in log.violations})
-    positions = sorted({int(v["position"]) for v in log.violations})
-    forwards = sorted({int(v["forward"]) for v in log.violations})
-    print(f"kv_canary_real_bug {LEGACY_BUG} b: {len(log.violations)} violations kinds={kinds} "
-          f"groups={sorted({v['group'] for v in log.violations})} rids={sorted({v['rid'] for v in log.violations})} "
-          f"slots={sorted({int(v['slot']) for v in log.violations})[:12]} "
-          f"positions={positions} forwards={forwards[0]}..{forwards[-1]} first={log.violations[0]}")
+    kinds, positions, _, line = summarize_violations(LEGACY_BUG, log)
+    print(line)
     assert {v["group"] for v in log.violations} == {"full"}
     assert {v["rid"] for v in log.violations} == {out[1].rid}
     assert all(set(k.split("+")) <= {"position", "chain", "kv_hash"} for k in kinds), kinds
@@ -195,13 +190,8 @@ def test_hicache_loadback_protect_host_b_canary_reports_the_load(loadback_runs):
     out, log, running = loadback_runs["b"]
     assert running and log.installed
     assert log.violations, "the canary reported nothing"
-    kinds = sorted({v["kind"] for v in log.violations})
-    forwards = sorted({int(v["forward"]) for v in log.violations})
-    positions = sorted({int(v["position"]) for v in log.violations})
-    print(f"kv_canary_real_bug {LOADBACK_BUG} b: {len(log.violations)} violations kinds={kinds} "
-          f"rids={sorted({v['rid'] for v in log.violations})} hicache={sorted({str(v.get('hicache')) for v in log.violations})} "
-          f"positions={positions[0]}..{positions[-1]} ({len(positions)}) forwards={forwards} "
-          f"counted={log.last_stat('violations')} first={log.violations[0]}")
+    kinds, positions, forwards, line = summarize_violations(LOADBACK_BUG, log)
+    print(line)
     assert {v["rid"] for v in log.violations} == {out[2].rid}
     assert forwards[0] == min(int(v["forward"]) for v in log.violations if v.get("hicache") == "load")
     assert {v["group"] for v in log.violations} == {"full"}

@@ -16,7 +16,7 @@ import pytest
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
-from kv_canary_testing.real_bug_runs import pool_leaks, three_runs
+from kv_canary_testing.real_bug_runs import pool_leaks, summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=190, suite="kv-canary-cpu")
@@ -97,13 +97,8 @@ def test_swa_recover_locked_full_b_canary_reports_the_read(locked_runs):
     assert running and log.installed
     check_shape(out)
     assert log.violations, "the canary reported nothing"
-    kinds = sorted({v["kind"] for v in log.violations})
-    positions = sorted({int(v["position"]) for v in log.violations})
-    forwards = sorted({int(v["forward"]) for v in log.violations})
-    print(f"kv_canary_real_bug {LOCKED_BUG} b: {len(log.violations)} violations kinds={kinds} "
-          f"groups={sorted({v['group'] for v in log.violations})} "
-          f"slots={sorted({int(v['slot']) for v in log.violations})} "
-          f"positions={positions} forwards={forwards[0]}..{forwards[-1]} first={log.violations[0]}")
+    kinds, positions, _, line = summarize_violations(LOCKED_BUG, log)
+    print(line)
     assert {v["group"] for v in log.violations} == {"full"}
     assert {v["rid"] for v in log.violations} == {out[1].rid}
     assert set(kinds) <= {"position", "position+chain", "chain", "kv_hash"}, kinds
