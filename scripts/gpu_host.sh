@@ -55,6 +55,9 @@
 #   6. pd-e2e -k TestPDPerturbed                      (no carry)                                  timeout 600
 #   The PD pair's overhead row (off / ours / off on both sides, ~10 min): after step 5's installs,
 #      pd-bench-start && pd-bench-wait 540, then pd-bench-wait until BENCH_DONE        timeout 600 each
+#   On sglang 0.5.23 (issue 52): the 0.5.23 bundle's calls first (stage-l23 1..N, install-l23), then steps 3-6 with
+#   KVC_GPU_LINE=0.5.23 (install-pd then installs mooncake's CUDA build, 0.3.13.post1 as the CPU CI's 0.5.23 venv has, into
+#   /tmp/site23; torch 2.14.1+cu130 brings the libcudart.so.13 it links)
 # (one install-pd-part per part that bundle-pd printed; pd-e2e finds /tmp/pd-libs/lib by itself, skips with the
 # reason when mooncake's CUDA build does not load, stops pytest with SIGINT after KVC_PD_E2E_TIMEOUT s (480) so
 # that its logs come back, and leaves gpu-pd-e2e.log and pd-logs.tgz (server and router logs) in $OUT)
@@ -169,8 +172,8 @@ case "$step" in
     n="${1:?install-pd-part N}"; [ -d ".bundle/pd-$n" ] || { echo "no .bundle/pd-$n (carry it)" >&2; exit 1; }
     mkdir -p /tmp/pd-parts; cp -r ".bundle/pd-$n/." /tmp/pd-parts/
     echo "pd part $n of $(cat /tmp/pd-parts/N_PARTS) in /tmp/pd-parts"; du -sh /tmp/pd-parts ;;
-  install-pd)  # after install-a/-b and every install-pd-part (same warm host)
-    bash /tmp/pd-parts/install.sh
+  install-pd)  # after install-a/-b (or install-l23 with KVC_GPU_LINE=0.5.23) and every install-pd-part (same warm host)
+    PD_SITE="${site%%:*}" bash /tmp/pd-parts/install.sh  # the line's site: /tmp/site, or /tmp/site23 for 0.5.23
     export LD_LIBRARY_PATH="/tmp/pd-libs/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     python3 - <<'PY'
 import torch, mooncake.engine, sglang_router.launch_router  # noqa: F401  (torch first: it loads libcudart)
