@@ -226,6 +226,12 @@ class SchedulerContainment:
             req,
         )
 
+    def _retry_later(self, key) -> None:
+        """``key`` stays pending one safe point less (dropped after ``PENDING_TTL``)."""
+        self._slots[key] -= 1
+        if self._slots[key] <= 0:
+            del self._slots[key]
+
     def _evict(self) -> None:
         tree = getattr(self._scheduler, "tree_cache", None)
         device = {slot for tier, slot in self._slots if tier == "slot"}
@@ -243,17 +249,13 @@ class SchedulerContainment:
                 continue
             busy = node is not None and (subtree_busy(tree, node) if hicache else node.lock_ref > 0)
             if node is None or busy:  # not cached (yet), or a running request (HiCache: or a copy) still holds it
-                self._slots[key] -= 1
-                if self._slots[key] <= 0:
-                    del self._slots[key]
+                self._retry_later(key)
                 continue
             fields = {key[0]: key[1]}
             if hicache:
                 nodes, tokens, host_slots, keys = evict_hicache_subtree(tree, node, removed)
                 fields.update(nodes=nodes, tokens=tokens, host_slots=host_slots)
-                manager = getattr(tree, "kv_canary_manager", None)
-                if keys and manager is not None and getattr(manager, "storage_on", False):
-                    fields.update(storage_keys_poisoned=manager.poison_storage_keys(keys))
+                fields.update(poison_storage_keys(tree, keys))
             else:
                 nodes, tokens = _evict_subtree(tree, node, removed)
                 fields.update(nodes=nodes, tokens=tokens)
@@ -261,6 +263,14 @@ class SchedulerContainment:
             self.evicted_tokens += tokens
             logger.error(format_line(CONTAIN_PREFIX, "evict", fields))
             del self._slots[key]
+
+
+def poison_storage_keys(tree, keys) -> Dict[str, int]:
+    """The evicted pages' storage keys poisoned (storage has no delete), as a log field; {} without storage."""
+    manager = getattr(tree, "kv_canary_manager", None)
+    if keys and manager is not None and getattr(manager, "storage_on", False):
+        return {"storage_keys_poisoned": manager.poison_storage_keys(keys)}
+    return {}
 
 
 def _slot_holders(tree, slots) -> Dict[int, object]:

@@ -49,7 +49,7 @@ import numpy as np
 from ..fingerprint import F_TOKEN
 from ..violations import CONTAIN_PREFIX, format_line
 from . import contain_hicache_0_5_23 as hicache_0_5_23
-from .contain import SchedulerContainment
+from .contain import SchedulerContainment, poison_storage_keys
 
 logger = logging.getLogger("kv_canary")
 
@@ -126,9 +126,7 @@ class UnifiedSchedulerContainment(SchedulerContainment):
                 continue
             nodes = snap.subtree_nodes(slot, self._namespace_order()) if snap is not None else None
             if nodes is None:  # not cached (yet), a running request still holds it, or not resolved
-                self._slots[key] -= 1
-                if self._slots[key] <= 0:
-                    del self._slots[key]
+                self._retry_later(key)
                 continue
             dropped, tokens, slots = evictor.drop(nodes)
             freed |= slots
@@ -138,9 +136,7 @@ class UnifiedSchedulerContainment(SchedulerContainment):
             if dropped == len(nodes):
                 del self._slots[key]
             else:  # stopped below the bad slot's node (see drop): the rest is retried
-                self._slots[key] -= 1
-                if self._slots[key] <= 0:
-                    del self._slots[key]
+                self._retry_later(key)
             snap = evictor.snapshot()  # the tree changed
 
     def _evict_hicache(self, tree) -> None:
@@ -155,24 +151,18 @@ class UnifiedSchedulerContainment(SchedulerContainment):
                 del self._slots[key]  # already evicted with an ancestor's subtree: free nothing twice
                 continue
             if node is None or hicache_0_5_23.subtree_busy(tree, node):  # not cached (yet), or held: retried
-                self._slots[key] -= 1
-                if self._slots[key] <= 0:
-                    del self._slots[key]
+                self._retry_later(key)
                 continue
             nodes, tokens, host_slots, keys = hicache_0_5_23.evict_subtree(tree, node, removed)
             self.evicted_nodes += nodes
             self.evicted_tokens += tokens
             fields = {key[0]: key[1], "nodes": nodes, "tokens": tokens, "host_slots": host_slots}
-            manager = getattr(tree, "kv_canary_manager", None)
-            if keys and manager is not None and getattr(manager, "storage_on", False):  # storage has no delete
-                fields.update(storage_keys_poisoned=manager.poison_storage_keys(keys))
+            fields.update(poison_storage_keys(tree, keys))  # storage has no delete
             logger.error(format_line(CONTAIN_PREFIX, "evict", fields))
             if id(node) in removed:
                 del self._slots[key]
             else:  # stopped below the bad slot's node: the rest is retried
-                self._slots[key] -= 1
-                if self._slots[key] <= 0:
-                    del self._slots[key]
+                self._retry_later(key)
 
     def _namespace_order(self) -> List[Namespace]:
         return [(None, None), *reversed(self._namespaces)]
