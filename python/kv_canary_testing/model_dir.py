@@ -200,25 +200,28 @@ def write_swa_model_dir(path: str | os.PathLike | None = None, window: int = SWA
 MLA_ARCHITECTURE = "MiniCPM3ForCausalLM"  # kvc_tiny_mla: the tiny model with MLA attention under an MLA name
 
 
-def mla_config_overrides(wide: bool = False) -> dict:
+def mla_config_overrides(wide: bool = False, rope_apart: bool = False) -> dict:
     """Config of the MLA tiny model: latent 32 + rotary 16 values per slot and layer (192 bytes in float32).
 
     ``wide``: DeepSeek-V2/V3's widths, latent 512 + rotary 64 (576 values per row), the only MLA head sizes
     sglang 0.5.12's Triton MLA kernels are built for (``decode_attention``/``extend_attention``: Lk 576 or
     288 take the split latent/rotary path; the narrow row does not compile there). For the GPU host.
+    ``rope_apart``: the model stores its row through ``set_mla_kv_buffer`` (latent and rotary part apart), as the
+    backends of DeepSeek's absorbed path need (fa3: ``kvc_tiny_mla``'s ``kvc_mla_rope_apart``).
     """
     lora, rope = (512, 64) if wide else (32, 16)
     # wide: bf16 as DeepSeek serves (the Triton MLA kernels' tiles are sized for 16-bit queries; CPU passes
     # --dtype float32 whatever the config says)
     return {"architectures": [MLA_ARCHITECTURE], "kv_lora_rank": lora, "qk_rope_head_dim": rope,
             "qk_nope_head_dim": 128 if wide else 16, "v_head_dim": lora,
-            **({"torch_dtype": "bfloat16"} if wide else {})}
+            **({"torch_dtype": "bfloat16"} if wide else {}), **({"kvc_mla_rope_apart": True} if rope_apart else {})}
 
 
-def write_mla_model_dir(path: str | os.PathLike | None = None, wide: bool = False) -> Path:
-    """``write_model_dir`` for the MLA tiny model (default folder ``<cache>/tiny-model-mla[-wide]``)."""
-    out = Path(path) if path is not None else default_cache_dir() / ("tiny-model-mla-wide" if wide else "tiny-model-mla")
-    return write_model_dir(out, config_overrides=mla_config_overrides(wide))
+def write_mla_model_dir(path: str | os.PathLike | None = None, wide: bool = False, rope_apart: bool = False) -> Path:
+    """``write_model_dir`` for the MLA tiny model (default folder ``<cache>/tiny-model-mla[-wide][-rope-apart]``)."""
+    name = "tiny-model-mla" + ("-wide" if wide else "") + ("-rope-apart" if rope_apart else "")
+    out = Path(path) if path is not None else default_cache_dir() / name
+    return write_model_dir(out, config_overrides=mla_config_overrides(wide, rope_apart))
 
 
 QWEN3_NEXT_ARCHITECTURE = "Qwen3NextForCausalLM"  # sglang's own class (no external model: GPU host only)

@@ -23,7 +23,8 @@ QUIET_IDLE_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
 SWA_ARGS = ("--swa-full-tokens-ratio", "1.0")  # test_e2e_swa: torch_native reads SWA layers untranslated on CPU
 LEAK = re.compile(r"pool memory leak detected! \[full\] total=(\d+), available=(\d+), evictable=(\d+).*?\n"
                   r"\[swa\] total=(\d+), available=(\d+), evictable=(\d+)")
-RUNS = (("a", "none", True), ("b", "log", True), ("c", "raise", False))  # (name, --kv-canary, bug in?)
+# (name, --kv-canary, bug in?); "b2": (b) again, for a rerun with other canary flags (``three_runs``' run_args)
+RUNS = (("a", "none", True), ("b", "log", True), ("c", "raise", False), ("b2", "log", True))
 
 
 class Run(NamedTuple):
@@ -57,20 +58,23 @@ def serve(mode: str, bug: Optional[str], tmp_path_factory, args: Sequence[str], 
 
 def three_runs(bug: str, args: Sequence[str], env: Mapping[str, str], workload: Callable, pool: int,
                tmp_path_factory, *, model_path=None, describe: Optional[Callable[[Run], str]] = None,
-               runs: Sequence[str] = ("a", "b", "c")) -> Dict[str, Run]:
+               runs: Sequence[str] = ("a", "b", "c"),
+               run_args: Optional[Mapping[str, Sequence[str]]] = None) -> Dict[str, Run]:
     """{"a": bug in, canary off; "b": bug in, log; "c": fixed, raise} on the same workload, args, env and pool.
 
     ``describe(run)`` adds to the ``kv_canary_real_bug`` line printed per run (what the record in
-    docs/real-bugs.md is read from); ``runs`` picks a subset (a by-hand rerun of one).
+    docs/real-bugs.md is read from); ``runs`` picks a subset (a by-hand rerun of one) or adds ``"b2"`` (bug in,
+    ``log``, again); ``run_args`` adds flags to one run's server (``{"b2": ["--kv-canary-real-data", "all"]}``).
     """
     out: Dict[str, Run] = {}
     for name, mode, bug_in in RUNS:
         if name not in runs:
             continue
-        run = serve(mode, bug, tmp_path_factory, args, env, workload, pool, model_path, bug_in=bug_in)
+        these = [*args, *(run_args or {}).get(name, ())]
+        run = serve(mode, bug, tmp_path_factory, these, env, workload, pool, model_path, bug_in=bug_in)
         out[name] = run
         print(f"kv_canary_real_bug {bug} run={name} mode={mode} bug_in={bug_in} forward_fix={bug in APPLIES_ON} "
-              f"running={run.running} "
+              f"running={run.running} run_args={list((run_args or {}).get(name, ()))} "
               f"pool_leaks={pool_leaks(run.log.text)} violations={len(run.log.violations)} "
               f"{describe(run) if describe else ''}", flush=True)
     return out

@@ -377,3 +377,28 @@ def run_mixed_workload(
     specs = build_workload(n_requests, seed, **plan_kwargs)
     return run_requests(base_url, specs, concurrency, use_input_ids=use_input_ids,
                         timeout=timeout, abort_mode=abort_mode, settle=settle)
+
+
+def run_embeddings(base_url: str, specs: Sequence[RequestSpec], concurrency: int = 4, *,
+                   timeout: float = 120.0, rid_prefix: str = "kvc-emb-") -> dict[int, list[float] | str]:
+    """POST each spec's ``input_ids`` to sglang's ``/encode`` (a server started with ``--is-embedding``) as request
+    ``rid_prefix + index``, with ``concurrency`` threads: ``{spec.index: embedding}``, or the error text for a
+    request that failed."""
+
+    def one(spec: RequestSpec):
+        s = requests.Session()
+        s.trust_env = False  # loopback only
+        try:
+            r = s.post(base_url + "/encode", json={"input_ids": spec.input_ids(), "rid": f"{rid_prefix}{spec.index}"},
+                       timeout=timeout)
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            if r.status_code != 200 or "embedding" not in body:
+                return spec.index, f"HTTP {r.status_code}: {r.text[:300]}"
+            return spec.index, [float(x) for x in body["embedding"]]
+        except requests.RequestException as e:
+            return spec.index, f"{type(e).__name__}: {e}"
+        finally:
+            s.close()
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+        return dict(pool.map(one, specs))

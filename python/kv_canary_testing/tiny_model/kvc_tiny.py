@@ -13,6 +13,9 @@ context held in the KV cache.
 ``KVC_TINY_FAIL_AT_EXTEND=N`` (tests): the model's N-th extend (prefill) forward of the process (1-based; decode
 forwards, which CUDA graphs replay without calling it, are not counted) raises ``RuntimeError`` after its logits: an
 engine error of the model's own, after the canary's TAIL ran.
+
+Served with ``--is-embedding`` (sglang passes ``get_embedding=True``), the forward returns sglang's ``Pooler``
+output (the last token's hidden state, normalized) instead of logits.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.pooler import Pooler, PoolingType
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -178,6 +182,7 @@ class KvcTinyForCausalLM(nn.Module):
         self.model = KvcTinyModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_processor = LogitsProcessor(config)
+        self.pooler = Pooler(pooling_type=PoolingType.LAST, normalize=True)  # --is-embedding
         self.capture_aux_hidden_states = False
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -212,7 +217,10 @@ class KvcTinyForCausalLM(nn.Module):
         aux = None
         if self.capture_aux_hidden_states:
             hidden, aux = hidden
-        out = self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux)
+        if get_embedding:
+            out = self.pooler(hidden, forward_batch)
+        else:
+            out = self.logits_processor(input_ids, hidden, self.lm_head, forward_batch, aux)
         if forward_batch.forward_mode.is_extend():
             _count_extend_and_maybe_fail()
         return out

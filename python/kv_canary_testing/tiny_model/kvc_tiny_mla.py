@@ -12,6 +12,10 @@ stored row), queries projected straight into that space. Plain torch plus
 sglang's ``RadixAttention`` (``num_kv_heads=1``, ``v_head_dim=kv_lora_rank``),
 so every KV write and read goes through sglang's MLA pool and the
 ``torch_native`` backend on CPU.
+
+``kvc_mla_rope_apart`` (config, default false): pass the latent as K and the rotary key part as ``k_rope``, the way
+DeepSeek's absorbed path calls the backends that store the row from its two halves (``set_mla_kv_buffer``: fa3,
+flashinfer, ...). Default: the whole row as K (``set_kv_buffer``: torch_native, triton).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class KvcTinyMLAAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, self.num_heads * (self.lora + self.rope_dim), bias=False)
         self.kv_a_proj = nn.Linear(hidden, self.lora + self.rope_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.lora, hidden, bias=False)
+        self.rope_apart = bool(_cfg(config, "kvc_mla_rope_apart", False))
         self.rotary = Rotary(self.rope_dim, _cfg(config, "max_position_embeddings", 4096), _rope_theta(config))
         self.attn = RadixAttention(
             self.num_heads, self.lora + self.rope_dim, (self.lora + self.rope_dim) ** -0.5, num_kv_heads=1,
@@ -51,7 +56,11 @@ class KvcTinyMLAAttention(nn.Module):
         k = kv.new_empty(kv.shape)
         k[..., : self.lora] = c
         k[..., self.lora:] = self.rotary(positions, k_rope.contiguous())
-        out = self.attn(q.reshape(n, -1), k, c.contiguous(), forward_batch)
+        if self.rope_apart:
+            c = c.contiguous()
+            out = self.attn(q.reshape(n, -1), c, c, forward_batch, k_rope=k[..., self.lora:].contiguous())
+        else:
+            out = self.attn(q.reshape(n, -1), k, c.contiguous(), forward_batch)
         return self.o_proj(out.reshape(n, -1))
 
 
