@@ -4,8 +4,10 @@ Each test here skips, naming why, where it cannot run. Two kinds:
 
 * **GPU host** (the lead runs them: ``KVC_TEST_DEVICE=cuda``): the bug lives in code that CPU servers never run
   (CUDA graph replay, the fa3 backend, a race between CUDA streams).
-  ``test_cudagraph_swa_pad_loc`` is a written workload, **not yet run on a GPU** (this session had none): its
-  assertions are the expected outcome, to be confirmed or corrected with what the GPU host shows.
+  ``test_cudagraph_swa_pad_loc`` (#24743) ran there (H200, 2026-11-30: (a) fired, (b) missed: the strict xfail);
+  its fourth run, (b2) with ``--kv-canary-real-data all`` (the scrub) and the sweep at every forward, is a written
+  workload, **not yet run on a GPU**: its assertion is the expected outcome. #24097 and #36738 have written
+  workloads in ``test_e2e_real_bugs_gpu_more.py``.
 * **Refused by the canary**: the configuration the bug needs is one the adapter refuses at startup on the line the
   patch reverses on (docs/compatibility.md), so (b) and (c) cannot run anywhere today.
 """
@@ -14,7 +16,7 @@ import pytest
 
 from kv_canary_testing.canary_e2e import e2e_device, register_cuda_ci
 from kv_canary_testing.model_dir import NUM_WORDS
-from kv_canary_testing.real_bug_runs import three_runs
+from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
 from kv_canary_testing.server import installed_sglang_version
 from kv_canary_testing.workload import RequestSpec, run_requests
 
@@ -89,22 +91,47 @@ def test_cudagraph_swa_pad_loc_c_fixed_has_no_violation(pad_runs):
     assert log.installed and log.violations == [] and log.last_stat("violations") == 0
 
 
-# ---- the others: GPU-only code, or a configuration the canary refuses ---------------------------------------------
+# (b2): the bug in, log, every byte: `all` hashes every byte at a slot's first read (before the overwrite: blind) and
+# turns on the scrub (256 slots a forward: every slot of this 4,096-slot pool within 16 forwards, while the requests
+# still hold them); the sweep (config.py: every N forwards, every slot the radix cache holds; 1: the smallest) adds the
+# window check of cached slots, which layer 0's identical bytes pass
+PAD_B2_ARGS = ["--kv-canary-real-data", "all", "--kv-canary-sweep-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def pad_b2_run(tmp_path_factory):
+    needs_gpu_and_line(("0.5.12",), PAD_WHY)
+    args = ["--page-size", "1", "--cuda-graph-bs", "1", "2", "4", "8", "--max-running-requests", str(PAD_N)]
+    return three_runs(PAD_BUG, args, {}, shrinking_decode_batch, 4096, tmp_path_factory, runs=("b2",),
+                      run_args={"b2": PAD_B2_ARGS})["b2"]
+
+
+@pytest.mark.e2e
+def test_cudagraph_swa_pad_loc_b2_scrub_reports_the_overwrite(pad_b2_run):
+    """The scrub that ``all`` turns on finds the deeper layers' bytes changed under the slot's stored full-row hash:
+    ``kv_hash`` in the swa group. A scrub row is found at rest, so it names no reader (``rid=scrub``,
+    ``containment.SCRUB_RID``); a workload request's rid may appear only if a read catches it. Expected, **not yet
+    run on a GPU**; if it misses, a slot scrubbed only after its holder finished is the first suspect (raise
+    SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD to the pool's 4,096 for the upper bound)."""
+    log = pad_b2_run.log
+    assert pad_b2_run.running and log.installed and "real_data=all" in log.text, log.text[-2000:]
+    assert log.violations, "the scrub and the sweep reported nothing"
+    kinds, positions, forwards, line = summarize_violations(PAD_BUG, log)
+    print(line)
+    assert {v["group"] for v in log.violations} == {"swa"}, log.violations[:5]
+    assert all("kv_hash" in k.split("+") for k in kinds), kinds
+    rids = {v["rid"] for v in log.violations}
+    assert rids <= {"scrub", "cache"} | {o.rid for o in pad_b2_run.result.values()}, rids  # scrub expected
+
+
+# ---- the others: GPU-only code without a workload yet, or a configuration the canary refuses -----------------------
 
 NOT_ON_CPU = {
-    "fa3_mla_embedding_skip_kv_pr24097": (
-        ("0.5.12", "0.5.23"), True,
-        "the fa3 backend (Hopper) with an MLA model served as an embedding model: the fast path that skips the KV "
-        "store is fa3's; torch_native on CPU has no such path"),
     "swa_match_tombstone_reset_pr17061": (
         ("0.5.12",), True,
         "a live run shorter than a window between two SWA tombstones, which only SWA-pool LRU eviction of an internal "
         "node makes; CPU servers need --swa-full-tokens-ratio 1.0 (torch_native reads SWA layers untranslated), so "
         "SWA never runs out before the full pool (a decode-eviction workload did not fire it: docs/real-bugs.md)"),
-    "hicache_loadback_fence_pr36738": (
-        ("0.5.23",), True,
-        "a race between HiCache's host-to-device transfer stream and the forward stream (the PR: the load-back must "
-        "wait for the forward stream); on CPU the test shim's copies run in program order, so the race cannot occur"),
     "pd_swa_tail_stale_mapping_pr25805": (
         ("0.5.23",), False,
         "PD decode side + hybrid SWA + EAGLE/MTP: sglang 0.5.23's adapter refuses --disaggregation-mode and refuses "
