@@ -96,14 +96,17 @@ def test_cudagraph_swa_pad_loc_c_fixed_has_no_violation(pad_runs):
 # still hold them); the sweep (config.py: every N forwards, every slot the radix cache holds; 1: the smallest) adds the
 # window check of cached slots, which layer 0's identical bytes pass
 PAD_B2_ARGS = ["--kv-canary-real-data", "all", "--kv-canary-sweep-interval", "1"]
+# the scrub's rate: all's default (256 slots a forward), and the whole pool every forward (the upper bound: a missed
+# overwrite there is not the scrub's rate)
+PAD_B2_SCRUB = {"all-default": {}, "whole-pool": {"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "4096"}}
 
 
-@pytest.fixture(scope="module")
-def pad_b2_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(PAD_B2_SCRUB))
+def pad_b2_run(request, tmp_path_factory):
     needs_gpu_and_line(("0.5.12",), PAD_WHY)
     args = ["--page-size", "1", "--cuda-graph-bs", "1", "2", "4", "8", "--max-running-requests", str(PAD_N)]
-    return three_runs(PAD_BUG, args, {}, shrinking_decode_batch, 4096, tmp_path_factory, runs=("b2",),
-                      run_args={"b2": PAD_B2_ARGS})["b2"]
+    return three_runs(PAD_BUG, args, PAD_B2_SCRUB[request.param], shrinking_decode_batch, 4096, tmp_path_factory,
+                      runs=("b2",), run_args={"b2": PAD_B2_ARGS})["b2"]
 
 
 @pytest.mark.e2e
@@ -111,8 +114,8 @@ def test_cudagraph_swa_pad_loc_b2_scrub_reports_the_overwrite(pad_b2_run):
     """The scrub that ``all`` turns on finds the deeper layers' bytes changed under the slot's stored full-row hash:
     ``kv_hash`` in the swa group. A scrub row is found at rest, so it names no reader (``rid=scrub``,
     ``containment.SCRUB_RID``); a workload request's rid may appear only if a read catches it. Expected, **not yet
-    run on a GPU**; if it misses, a slot scrubbed only after its holder finished is the first suspect (raise
-    SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD to the pool's 4,096 for the upper bound)."""
+    run on a GPU**. Two servers: the scrub at ``all``'s default rate and over the whole pool every forward; a miss at
+    the default rate only means the slot left its holder (finished, or out of the window) before its turn came."""
     log = pad_b2_run.log
     assert pad_b2_run.running and log.installed and "real_data=all" in log.text, log.text[-2000:]
     assert log.violations, "the scrub and the sweep reported nothing"
