@@ -20,7 +20,7 @@ from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
 from kv_canary_testing.server import installed_sglang_version
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-register_cuda_ci(est_time=240, suite="kv-canary-cuda")
+register_cuda_ci(est_time=360, suite="kv-canary-cuda")  # #24743: three servers, b2 two more
 
 CUDA = e2e_device() == "cuda"
 LINE = installed_sglang_version()
