@@ -65,17 +65,19 @@ from kv_canary_testing.server import PACKAGE_PARENT, SglangServer  # noqa: E402
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 IDLE_ENV = "KVC_DIAG_CANARY_IDLE"  # read by the sampler directory's sitecustomize (canary_idle.py)
 
-# name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward
+# name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward.
+# Real data named: partial is 0.5.12's default, and what sglang 0.5.23 (default none) verifies with HiCache
+OURS = ("--kv-canary", "raise", "--kv-canary-real-data", "partial")
 CONFIGS: Dict[str, tuple] = {"hc_off": ("off", ("--kv-canary", "none"), {}),
-                             "hc_ours": ("ours", ("--kv-canary", "raise"), {}),
-                             "hc_ours_d2h4": ("ours", ("--kv-canary", "raise"), {"SGLANG_KV_CANARY_D2H_INTERVAL": "4"}),
+                             "hc_ours": ("ours", OURS, {}),
+                             "hc_ours_d2h4": ("ours", OURS, {"SGLANG_KV_CANARY_D2H_INTERVAL": "4"}),
                              # ablation (not a setting to run): the copy interval, no token oracle, no write witness
-                             "hc_ours_lean": ("ours", ("--kv-canary", "raise"),
+                             "hc_ours_lean": ("ours", OURS,
                                               {"SGLANG_KV_CANARY_D2H_INTERVAL": "4",
                                                "SGLANG_KV_CANARY_ENABLE_TOKEN_ORACLE": "0",
                                                "SGLANG_KV_CANARY_WRITE_WITNESS": "0"}),
                              # ablation: installed, its per-forward work skipped (stack_sampler/canary_idle.py)
-                             "hc_ours_idle": ("ours", ("--kv-canary", "raise"), {IDLE_ENV: "1"})}
+                             "hc_ours_idle": ("ours", OURS, {IDLE_ENV: "1"})}
 DEFAULT_CONFIGS = ("hc_off", "hc_ours", "hc_off")
 # (conversations, system_len, turns, turn_len, output_len, group, max_total_tokens, hicache_ratio) per device:
 # on the GPU 48 x ~1.3k tokens of prefixes against a 16k-token device pool and a 5x host pool

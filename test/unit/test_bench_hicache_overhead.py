@@ -282,7 +282,7 @@ def test_idle_ablation_skips_the_managers_per_forward_work_only_when_asked():
 
     hc = _load("bench_hicache_overhead")
     role, args, env = hc.CONFIGS["hc_ours_idle"]
-    assert role == "ours" and args == ("--kv-canary", "raise") and env == {hc.IDLE_ENV: "1"}
+    assert role == "ours" and args == hc.OURS == ("--kv-canary", "raise", "--kv-canary-real-data", "partial") and env == {hc.IDLE_ENV: "1"}
     probe = ("from kv_canary.runner.manager import CanaryManager as M; "
              "print(getattr(M, 'kvc_diag_idle', False), M.pre_ops_maybe_inside_graph(None, None), "
              "M.record_sampled(None, None), M.post_ops_maybe_inside_graph.__name__)")

@@ -3,15 +3,13 @@
 What is verified (``test_e2e_hicache.py``, sglang 0.5.12: on CPU through the test shim, on a GPU with sglang's own
 pinned host pool, transfer kernels or direct copies, and layer-wise load overlap under CUDA graphs): an MHA pool
 (one buffer group), ``--page-size`` 1 or 16, the write policies in ``VERIFIED_WRITE_POLICIES``, both
-``--hicache-io-backend`` choices, the ``layer_first`` and ``page_first`` host layouts, no storage backend or ``file``
-(``layer_first`` only; the records ride
-inside each page object: ``hicache_storage``; ``contain`` poisons the storage keys of the pages it evicts), one TP
-rank, ``--kv-canary log|raise|contain``
-with ``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim and on
-a GPU with sglang's own host pool and transfer engine (GPU host, 2026-11-30), ``contain`` on CPU with the Python tree
-core only (``contain_hicache_0_5_23``), the ``file`` storage tier on CPU only (``hicache_0_5_23``'s
-page get/set). Everything else is refused at startup naming the flag and its
-value.
+``--hicache-io-backend`` choices, the ``layer_first`` host layout (``page_first`` on CPU), no storage backend or
+``file`` (``layer_first`` only; the records ride inside each page object: ``hicache_storage``; ``contain`` poisons
+the storage keys of the pages it evicts), one TP rank, ``--kv-canary log|raise|contain`` with
+``--kv-canary-real-data partial``. sglang 0.5.23 (``LINE_LIMITS``): the same on CPU through the test shim and on a GPU
+with sglang's own host pool and transfer engine (GPU host, 2026-11-30 and -30c), ``page_first`` on the GPU too, and
+``contain`` with the Python tree core only (``contain_hicache_0_5_23``; the ``file`` tier through ``hicache_0_5_23``'s
+page get/set). Everything else is refused at startup naming the flag and its value.
 
 The hook bodies are shared by the lines; what a line reads differently (0.5.23's transfer streams, fences and
 host pool group) comes in as small functions from that line's adapter (``hicache_0_5_23``).
@@ -41,8 +39,8 @@ LINE_LIMITS = {
         # contain: only on the Python tree core (contain_hicache_0_5_23)
         "contain_core": (CORE_ENV, "python", "sglang 0.5.23's Rust tree core (its default) has no per-node host drop, "
                          "so a bad host copy could not be evicted; its Python tree core has one"),
-        "contain_devices": (("cpu",), "sglang 0.5.23's HiCache contain ran on CPU through the test shim only"),
-        "storage_devices": (("cpu",), "sglang 0.5.23's storage tier ran on CPU through the test shim only"),
+        # page_first (0.5.23's default host layout) ran on its GPU too (without storage)
+        "gpu_layouts": VERIFIED_LAYOUTS,
     },
 }
 
@@ -81,11 +79,6 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
         if core != value:
             _refuse(f"--kv-canary contain on sglang {line} with {env}={core}", why,
                     f"set {env}={value} or use --kv-canary log or raise")
-        devices, why = limits.get("contain_devices", (VERIFIED_DEVICES, ""))
-        device = str(getattr(server_args, "device", None) or "cuda")
-        if device not in devices:
-            _refuse(f"--kv-canary contain on sglang {line} on --device {device}", why,
-                    "use --kv-canary log or raise")
     backends, why = limits.get("storage_backends", (VERIFIED_STORAGE_BACKENDS, (
         f"the records ride inside page objects of sglang's generic page path, verified with "
         f"{', '.join(VERIFIED_STORAGE_BACKENDS)} only (zero-copy backends write host memory directly and cannot "
@@ -99,11 +92,9 @@ def check_hicache(server_args: Any, config: CanaryConfig, line: Optional[str] = 
                                                             f"{', '.join(VERIFIED_DEVICES)} only"))
     if device not in devices:
         _refuse(f"--device {device}", why, f"drop {FLAG}")
-    devices, why = limits.get("storage_devices", (VERIFIED_DEVICES, ""))
-    if storage and device not in devices:
-        _refuse(f"--hicache-storage-backend {storage} on --device {device}", why, "drop --hicache-storage-backend")
-    # page_first ran through the CPU test shim only (no GPU run yet), and never with storage
-    layouts = ("layer_first",) if storage or device != "cpu" else VERIFIED_LAYOUTS
+    # page_first never ran with storage; on a GPU only where the line says so (0.5.12: through the CPU test shim only)
+    layouts = ("layer_first",) if storage else (
+        VERIFIED_LAYOUTS if device == "cpu" else limits.get("gpu_layouts", ("layer_first",)))
     checks = (
         (FLAG_REAL_DATA, config.real_data.value, ("partial",), "only partial was run with HiCache"),
         ("--page-size", getattr(server_args, "page_size", None) or 1, VERIFIED_PAGE_SIZES,

@@ -1,6 +1,7 @@
 """HiCache (``--enable-hierarchical-cache``, sglang 0.5.12 and 0.5.23): prefixes evicted from the device to the host
 tier and loaded back into new device slots are verified by the canary, every byte once at their first read. On
-0.5.23 ``contain`` is refused at startup (the refusal is tested here), ``log``/``raise`` run.
+0.5.23 ``contain`` runs on sglang's Python tree core and is refused on its default Rust core (the refusal is tested
+here).
 
 On CPU sglang's host pool and transfer ops run through the test shim (``kv_canary_testing.hicache_cpu``,
 ``KVC_TEST_HICACHE_CPU=1``); everything else is sglang's own code. Workload: 12 conversations, each a
@@ -127,10 +128,10 @@ def test_hicache_serves_on_cpu_with_the_canary_off(tmp_path):
 
 
 HICACHE_LINE = re.compile(r"kv_canary_hicache=1 .*host_record_bytes=(\d+).* layout=(\w+)")
-# page_first: sglang 0.5.23's default host layout (so its case passes no --hicache-mem-layout); named on 0.5.12. On a
-# GPU it is refused (run on CPU through the test shim only): there the pages-of-16 case keeps layer_first
+# page_first: sglang 0.5.23's default host layout (so its case passes no --hicache-mem-layout); named on 0.5.12. On
+# 0.5.12's GPU it is refused (run on CPU through the test shim only): there that case keeps layer_first
 PAGE_FIRST = None if installed_sglang() == "0.5.23" else "page_first"
-PAGES_LAYOUT = PAGE_FIRST if e2e_device() == "cpu" else "layer_first"
+PAGES_LAYOUT = PAGE_FIRST if e2e_device() == "cpu" or installed_sglang() == "0.5.23" else "layer_first"
 
 
 @pytest.mark.e2e

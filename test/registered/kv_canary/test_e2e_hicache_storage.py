@@ -1,6 +1,6 @@
 """HiCache's storage tier (``--hicache-storage-backend file``, sglang 0.5.12 and 0.5.23): pages written to files carry
 their records in a trailer, and host copies read back from storage are verified like any host copy at their
-load-back. On 0.5.23 (CPU only) ``contain`` runs on sglang's Python tree core
+load-back. On 0.5.23 (CPU and the GPU host) ``contain`` runs on sglang's Python tree core
 (``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python``).
 
 The conversations of ``test_e2e_hicache`` against a host pool only 1.5x the device pool, with pages of 16 (a file
@@ -28,9 +28,6 @@ from test_e2e_hicache import MAX_TOTAL_TOKENS, conversations, shim_env
 
 register_cpu_ci(est_time=240, suite="kv-canary-cpu")
 register_cuda_ci(est_time=240, suite="kv-canary-cuda")
-pytestmark = pytest.mark.skipif(installed_sglang() == "0.5.23" and e2e_device() != "cpu",
-                                reason="sglang 0.5.23 refuses --hicache-storage-backend file on a GPU (run on CPU "
-                                       "through the test shim only: adapter/hicache.LINE_LIMITS)")
 
 PAGE_SIZE, PASSES = 16, 2
 FLIPS = 6  # storage-page flips of the contain run
