@@ -114,23 +114,6 @@ def test_evictions_drop_their_slots_without_a_walk():
     assert view.slots_evicted == held - len(_rows(cache.tree)) >= 6 * 30
 
 
-def test_evictions_walk_where_they_are_not_followed():
-    """``follow_evictions=False`` (a CUDA device until a GPU run confirms ``remove_all``): an eviction step marks the
-    tree changed like any other call, and the next sweep walks."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    from kv_canary.adapter.unified_radix import TreeChanges
-
-    cache = Cache("rust")
-    for i in range(4):
-        cache.insert(_seq(24, start=i * 24))
-    changes = TreeChanges(cache.tree.tree_core, follow_evictions=False)
-    assert changes.take() == (True, [])
-    assert changes.take() == (False, [])
-    cache.tree.evict(EvictParams(num_tokens=30))
-    assert changes.take() == (True, [])
-
-
 def test_remove_all_drops_each_tensors_slots():
     """``CachedSlotIndex.remove_all``: several engine tensors (one empty) dropped as one queued remove."""
     from kv_canary.cache_index import CachedSlotIndex
