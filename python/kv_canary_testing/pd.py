@@ -77,16 +77,22 @@ def pd_skip_reason(device: str = "cpu") -> Optional[str]:
 def device_args(device: str, mode: str, drop_default_args: Sequence[str] = ()) -> list:
     """Both servers share one host: on GPU each takes a modest share of memory, the decode the second GPU if any.
 
-    On GPU also ``--skip-server-warmup`` (the CPU flags have it) unless the test drops it: the perturbation
-    runs count forwards and arrivals from the start, and sglang's warmup request would be one outside the workload.
+    On GPU also ``--skip-server-warmup`` (the CPU flags have it) unless the test drops it or the installed line
+    needs its warmup (``server.NOT_ON_LINE``: 0.5.18 and later fail their post-warmup ``/freeze_gc`` call with a
+    traceback without it): the perturbation runs count forwards and arrivals from the start, and sglang's warmup
+    request would be one outside the workload.
     """
     if device != "cuda":
         return pd_cpu.server_args(mode) + line_args(mode)
     import torch
 
+    from kv_canary_testing.line_suites import installed_line
+    from kv_canary_testing.server import NOT_ON_LINE
+
     args = ["--mem-fraction-static", "0.35"]
-    if "--skip-server-warmup" not in drop_default_args:
-        args.append("--skip-server-warmup")
+    skip = "--skip-server-warmup"
+    if skip not in drop_default_args and skip not in NOT_ON_LINE.get(installed_line(), ()):
+        args.append(skip)
     if mode == "decode" and torch.cuda.device_count() > 1:
         args += ["--base-gpu-id", "1"]
     return args + line_args(mode)
