@@ -24,8 +24,9 @@ ONLY_ON_LINE = {
         ),
     },
     "0.5.12": {
-        "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): spec v1, MTP "
-               "(not verified on 0.5.23: its GPU run died in sglang's MiMo forward); or the "
+        "why": "sglang 0.5.23's adapter refuses these at startup (docs/compatibility.md): spec v1; MTP over "
+               "the tiny MiMo config does not run on sglang 0.5.23's GPU at all (the canary-off control died in "
+               "sglang's MiMo forward too: a 0-token extend, H200 2026-11-30c); or the "
                "test drives 0.5.12's own classes (SWARadixCache, MambaRadixCache, ...)",
         "files": (
             "unit/test_mamba_radix_index.py", "unit/test_pools.py", "unit/test_speculative.py",

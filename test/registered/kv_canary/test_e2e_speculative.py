@@ -28,6 +28,7 @@ from kv_canary_testing.canary_e2e import (
 from kv_canary.draft_pool import DRAFT_INSTALLED_PREFIX, DRAFT_STATS_PREFIX
 from kv_canary.violations import parse_lines
 from kv_canary_testing.model_dir import write_eagle_model_dirs
+from kv_canary_testing.server import installed_sglang_version
 from kv_canary_testing.workload import build_workload, run_requests
 
 register_cpu_ci(est_time=260, suite="kv-canary-cpu")
@@ -36,7 +37,11 @@ register_cuda_ci(est_time=240, suite="kv-canary-cuda")
 NUM_STEPS, NUM_DRAFT_TOKENS = 3, 4  # 2 draft decode steps per round: two single-forward managers
 DRAFT_SKIPPED = "the speculative draft model's KV pool is not verified"
 CUDA = e2e_device() == "cuda"
-PAGE_SIZES = [1, 16] if CUDA else [1]
+# (page size, synchronous): on a GPU sglang runs spec v2 with the overlap scheduler; 0.5.23 also runs it synchronously
+# with --disable-overlap-schedule (0.5.12 then runs spec v1: test_e2e_speculative_v1). CPU is synchronous anyway.
+CONFIGS = [(1, False), (16, False)] if CUDA else [(1, False)]
+if CUDA and installed_sglang_version() != "0.5.12":
+    CONFIGS.append((1, True))
 MAX_TOTAL_TOKENS = 2048 if CUDA else 1024  # the target's pool: the uncached prompt tokens exceed it (eviction)
 N_REQUESTS, N_ABORTS = (64, 4) if CUDA else (16, 1)
 # CPU: shorter generations (CI time: each verify round is several forwards under the Triton interpreter); the
@@ -44,16 +49,17 @@ N_REQUESTS, N_ABORTS = (64, 4) if CUDA else (16, 1)
 NEW_TOKENS = (8, 24) if CUDA else (4, 12)
 
 
-@pytest.fixture(scope="module", params=PAGE_SIZES, ids=lambda p: f"page{p}")
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"page{c[0]}" + ("-sync" if c[1] else ""))
 def eagle_server(request, tmp_path_factory):
+    page, sync = request.param
     target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
     extra = [
         "--model-path", str(target), "--attention-backend", "triton",
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
         "--speculative-num-steps", str(NUM_STEPS), "--speculative-eagle-topk", "1",
         "--speculative-num-draft-tokens", str(NUM_DRAFT_TOKENS), "--speculative-draft-load-format", "dummy",
-        "--max-running-requests", "8", "--kv-canary-sweep-interval", "4", "--page-size", str(request.param),
-    ]
+        "--max-running-requests", "8", "--kv-canary-sweep-interval", "4", "--page-size", str(page),
+    ] + (["--disable-overlap-schedule"] if sync else [])
     srv = canary_server("raise", log_path=tmp_path_factory.mktemp("logs") / "server.log", extra_args=extra,
                         max_total_tokens=MAX_TOTAL_TOKENS,
                         env={"SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
