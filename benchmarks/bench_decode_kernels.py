@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=200, help="timed replays per graph (default 200)")
     p.add_argument("--canary-env", action="append", default=[], metavar="SGLANG_KV_CANARY_X=V")
     p.add_argument("--no-hicache", action="store_true", help="the canary's settings without HiCache")
+    p.add_argument("--real-data", default="partial", choices=("none", "partial", "all"),
+                   help="--kv-canary-real-data of the canary's settings (default partial; all: every byte at a "
+                        "slot's first read, and the scrub)")
     p.add_argument("--label", default="", help="a name for this run in the json")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: proves it runs")
     p.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
@@ -77,7 +80,8 @@ class DecodeRig:
         from kv_canary.views import ForwardView, LaunchCapacities
 
         self.torch, self.fp, self.bs, self.ctx = torch, fp, bs, ctx
-        self.config = CanaryConfig.build(mode="raise", environ=args.environ, hicache=not args.no_hicache)
+        self.config = CanaryConfig.build(mode="raise", real_data=args.real_data, environ=args.environ,
+                                         hicache=not args.no_hicache)
         gen = torch.Generator(device=device).manual_seed(0)
         n = pool_slots
         if n < bs * (ctx + 1) + 1:
@@ -325,7 +329,8 @@ def main(argv=None):
             print(f"    {k['mean_us']:7.2f} us x{k['launches_per_step']:g}  {name[:90]}", flush=True)
         del rig
     report = {"label": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "config": {"hicache": not args.no_hicache, "env": args.environ, "pool_slots": pool},
+              "config": {"hicache": not args.no_hicache, "real_data": args.real_data, "env": args.environ,
+                         "pool_slots": pool},
               "timing": "CUDA graph replay after an L2 flush, CUDA events, median (cold); kernels: profiler mean "
                         "over 50 replays without flush (hot)", "results": results}
     with open(args.out, "w") as f:
