@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
 
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server
+from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device
 from kv_canary_testing.model_dir import write_swa_model_dir
 from kv_canary_testing.real_bugs import APPLIES_ON, run_env
+from kv_canary_testing.server import installed_sglang_version
 
 QUIET_IDLE_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
 SWA_ARGS = ("--swa-full-tokens-ratio", "1.0")  # test_e2e_swa: torch_native reads SWA layers untranslated on CPU
@@ -101,3 +102,14 @@ def summarize_violations(bug: str, log: CanaryLog) -> ViolationSummary:
             f"positions={positions[0]}..{positions[-1]} ({len(positions)}) forwards={forwards[0]}..{forwards[-1]} "
             f"first={vs[0]}")
     return ViolationSummary(kinds, positions, forwards, line)
+
+
+def needs_gpu_and_line(lines: Sequence[str], why: str) -> None:
+    """Skip (pytest) unless on the GPU host (``why``: what CPU servers cannot run) and on one of ``lines``."""
+    import pytest
+
+    if e2e_device() != "cuda":
+        pytest.skip(f"GPU host: {why}")
+    line = installed_sglang_version()
+    if line not in lines:
+        pytest.skip(f"the patch reverses on sglang {', '.join(lines)}, this is {line}")

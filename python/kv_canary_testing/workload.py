@@ -402,3 +402,17 @@ def run_embeddings(base_url: str, specs: Sequence[RequestSpec], concurrency: int
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return dict(pool.map(one, specs))
+
+
+def flush_cache(base_url: str, timeout: float = 60.0) -> None:
+    """sglang's ``/flush_cache`` (the tree, the device and the host pools reset; refused while busy: retried)."""
+    session = requests.Session()
+    session.trust_env = False
+    deadline = time.monotonic() + timeout
+    while True:
+        r = session.post(f"{base_url}/flush_cache", timeout=30)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    if r.status_code != 200:
+        raise RuntimeError(f"/flush_cache: HTTP {r.status_code} {r.text[:200]}")

@@ -18,7 +18,6 @@ import re
 import time
 
 import pytest
-import requests
 
 from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci
@@ -27,7 +26,7 @@ from kv_canary_testing.line_suites import installed_sglang
 from kv_canary_testing.model_dir import NUM_WORDS
 from kv_canary_testing.prometheus import sglang_counter
 from kv_canary_testing.server import ServerError
-from kv_canary_testing.workload import RequestSpec, run_requests
+from kv_canary_testing.workload import RequestSpec, flush_cache, run_requests
 
 register_cpu_ci(est_time=300, suite="kv-canary-cpu")
 register_cuda_ci(est_time=300, suite="kv-canary-cuda")
@@ -69,19 +68,6 @@ def conversations(seed: int = 24, first_turn_times: int = 1):
             for _ in range(first_turn_times if t == 0 else 1):
                 specs.append(RequestSpec(len(specs), "shared", words, 4))
     return specs
-
-
-def flush_cache(base_url: str, timeout: float = 60.0) -> None:
-    """sglang's ``/flush_cache`` (the tree, the device and the host pools reset; refused while busy: retried)."""
-    session = requests.Session()
-    session.trust_env = False
-    deadline = time.monotonic() + timeout
-    while True:
-        r = session.post(f"{base_url}/flush_cache", timeout=30)
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    assert r.status_code == 200, f"/flush_cache: HTTP {r.status_code} {r.text[:200]}"
 
 
 def serve(mode: str, tmp_path, *, page_size: int = 1, policy: str = "write_through", io_backend: str = "kernel",

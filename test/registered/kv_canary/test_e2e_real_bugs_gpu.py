@@ -14,23 +14,12 @@ Each test here skips, naming why, where it cannot run. Two kinds:
 
 import pytest
 
-from kv_canary_testing.canary_e2e import e2e_device, register_cuda_ci
+from kv_canary_testing.canary_e2e import register_cuda_ci
 from kv_canary_testing.model_dir import NUM_WORDS
-from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
-from kv_canary_testing.server import installed_sglang_version
+from kv_canary_testing.real_bug_runs import needs_gpu_and_line, summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cuda_ci(est_time=360, suite="kv-canary-cuda")  # #24743: three servers, b2 two more
-
-CUDA = e2e_device() == "cuda"
-LINE = installed_sglang_version()
-
-
-def needs_gpu_and_line(lines, why):
-    if not CUDA:
-        pytest.skip(f"GPU host: {why}")
-    if LINE not in lines:
-        pytest.skip(f"the patch reverses on sglang {', '.join(lines)}, this is {LINE}")
 
 
 # ---- #24743: padded CUDA-graph decode replay keeps the last replay's SWA slot indices ------------------------------

@@ -12,29 +12,19 @@ corrected with what the GPU host shows (``KVC_TEST_DEVICE=cuda``); on CPU every 
 
 import math
 import random
-import time
 
 import pytest
-import requests
 
-from kv_canary_testing.canary_e2e import e2e_device, register_cuda_ci
+from kv_canary_testing.canary_e2e import register_cuda_ci
 from kv_canary_testing.model_dir import NUM_WORDS, write_mla_model_dir, write_model_dir
 from kv_canary_testing.prometheus import sglang_counter
-from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
+from kv_canary_testing.real_bug_runs import needs_gpu_and_line, summarize_violations, three_runs
 from kv_canary_testing.server import installed_sglang_version
-from kv_canary_testing.workload import RequestSpec, run_embeddings, run_requests
+from kv_canary_testing.workload import RequestSpec, flush_cache, run_embeddings, run_requests
 
 register_cuda_ci(est_time=600, suite="kv-canary-cuda")
 
-CUDA = e2e_device() == "cuda"
 LINE = installed_sglang_version()
-
-
-def needs_gpu_and_line(lines, why):
-    if not CUDA:
-        pytest.skip(f"GPU host: {why}")
-    if LINE not in lines:
-        pytest.skip(f"the patch reverses on sglang {', '.join(lines)}, this is {LINE}")
 
 
 # ---- #24097: fa3's embedding fast path skips the MLA KV store, and MLA reads the pool anyway ------------------------
@@ -162,19 +152,6 @@ def loadback_race(srv):
     fresh = run_requests(srv.base_url, hit_specs, concurrency=1, use_input_ids=True, timeout=300).outcomes
     return {"hits": hits, "fresh": {o.index: o for o in fresh}, "loaded": loaded, "churn_failed": churn_failed,
             "racy_rids": racy_rids}
-
-
-def flush_cache(base_url, timeout=60.0):
-    """sglang's ``/flush_cache`` (tree, device and host pools reset; refused while busy: retried)."""
-    session = requests.Session()
-    session.trust_env = False
-    deadline = time.monotonic() + timeout
-    while True:
-        r = session.post(f"{base_url}/flush_cache", timeout=30)
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    assert r.status_code == 200, f"/flush_cache: HTTP {r.status_code} {r.text[:200]}"
 
 
 def differing(run):
