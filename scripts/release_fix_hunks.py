@@ -7,7 +7,10 @@ prints each small hunk whose added code lines all survive in the target and whos
 eviction or KV bookkeeping. docs/real-bugs.md (the fourth pass) records what reading them found.
 
     python scripts/release_fix_hunks.py 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23 [--wheels /tmp/sgl-wheels]
-        [--src /tmp/sgl-src] [--target 0.5.23] [--max-lines 14]
+        [--src /tmp/sgl-src] [--target 0.5.23] [--max-lines 14] [--hicache]
+
+``--hicache`` (the sixth pass) also reads ``managers/cache_controller.py`` and keeps the hunks that name HiCache
+(the default skips them) and the host-tier words (host, load_back, backup, prefetch).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ FILES = ("mem_cache", "managers/schedule_batch.py", "managers/schedule_policy.py
 KV_WORDS = re.compile(r"free|lock|evict|protected|seqlen|prefix_len|kv_committed|kv_allocated|req_to_token|"
                       r"out_cache_loc|last_loc|swa_|release|retract|page_floor|ceil_align|// page|% page")
 SKIP = re.compile(r"mamba|hicache|dllm|dsv4|deepseek|npu|hip|lora|multimodal|mm_|logger|metrics|profil|import ", re.I)
+HICACHE_FILES = ("managers/cache_controller.py",)
+HICACHE_WORDS = re.compile(r"host|load_back|backup|prefetch|write_through|write_back")
+HICACHE_SKIP = re.compile(r"mamba|dllm|dsv4|deepseek|npu|hip|lora|multimodal|mm_|logger|metrics|profil|import |"
+                          r"mooncake|nixl|hf3fs|eic|hisparse", re.I)
 
 
 def unzip(wheels: str, src: str, version: str) -> str:
@@ -37,9 +44,9 @@ def unzip(wheels: str, src: str, version: str) -> str:
     return os.path.join(root, "sglang", "srt")
 
 
-def hunks(old: str, new: str):
-    """(file relative to srt, hunk text) of ``diff -ruN old new`` over FILES."""
-    for part in FILES:
+def hunks(old: str, new: str, files=FILES):
+    """(file relative to srt, hunk text) of ``diff -ruN old new`` over ``files``."""
+    for part in files:
         out = subprocess.run(["diff", "-ruN", os.path.join(old, part), os.path.join(new, part)],
                              capture_output=True, text=True).stdout
         for chunk in re.split(r"(?m)^diff -ruN ", out)[1:]:
@@ -59,17 +66,22 @@ def main() -> None:
     ap.add_argument("--src", default="/tmp/sgl-src")
     ap.add_argument("--target", default="0.5.23")
     ap.add_argument("--max-lines", type=int, default=14)
+    ap.add_argument("--hicache", action="store_true", help="HiCache hunks too (cache_controller, host-tier words)")
     a = ap.parse_args()
+    files, skip, words = FILES, SKIP, KV_WORDS
+    if a.hicache:
+        files, skip = FILES + HICACHE_FILES, HICACHE_SKIP
+        words = re.compile(KV_WORDS.pattern + "|" + HICACHE_WORDS.pattern)
     target = unzip(a.wheels, a.src, a.target)
     srt = {v: unzip(a.wheels, a.src, v) for v in a.versions}
     count = 0
     for old, new in zip(a.versions, a.versions[1:]):
-        for rel, h in hunks(srt[old], srt[new]):
+        for rel, h in hunks(srt[old], srt[new], files):
             lines = h.splitlines()
             plus, minus = code(lines, "+"), code(lines, "-")
-            if not plus or not minus or len(plus) + len(minus) > a.max_lines or SKIP.search(h):
+            if not plus or not minus or len(plus) + len(minus) > a.max_lines or skip.search(h):
                 continue
-            if not any(KV_WORDS.search(l) for l in plus + minus):
+            if not any(words.search(l) for l in plus + minus):
                 continue
             path = os.path.join(target, rel)
             text = open(path).read() if os.path.isfile(path) else ""
