@@ -36,7 +36,9 @@ written from the request's own slot breaks (docs/history/speculative.md). The re
 the last slot of a radix-cached prefix holds the KV of the cached request's next token, the last
 slot of an unfinished prefill chunk the KV of the thrown-away sample -- and never rewrites them,
 so a token check there would report what sglang does by design (a stale draft KV only lowers the
-acceptance rate; the target verifies every token).
+acceptance rate; the target verifies every token). The chunk-end case is not design but sglang bug #26329 (fixed by
+#26800 in 0.5.13; 0.5.12 ships it): reversed on 0.5.23 it goes unreported here (docs/real-bugs.md,
+``eagle_chunked_tail_token_pr26800``). The radix-prefix-end case is sglang's design.
 
 Perturbations: ``SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft`` moves every perturbation from the
 target's pool to the draft's (the target then injects nothing); otherwise the draft injects

@@ -66,9 +66,9 @@ ONLY_ON_LINE = {
     },
     "0.5.23 (real bugs)": {
         "why": "puts back real sglang bugs whose fixes reverse on sglang 0.5.23 only (real_bug_patches/README.md): "
-               "UnifiedRadixCache's SWA component",
+               "UnifiedRadixCache's SWA component, EAGLE spec v2's draft worker",
         "line": "0.5.23",
-        "files": ("registered/kv_canary/test_e2e_real_bugs_0523.py",),
+        "files": ("registered/kv_canary/test_e2e_real_bugs_0523.py", "registered/kv_canary/test_e2e_real_bugs_spec_0523.py"),
     },
     "0.5.12 and 0.5.23 (HiCache storage)": {
         "why": "HiCache's storage tier is verified on sglang 0.5.12 and 0.5.23 (adapter/hicache_storage, "

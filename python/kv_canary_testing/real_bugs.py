@@ -43,6 +43,8 @@ REVERSES_ON = {
     "swa_recover_locked_full_pr29352": ("0.5.23",),  # step 3: UnifiedRadixCache's SWA component
     "priority_preempt_finished_pr18694": ("0.5.12",),  # step 3: priority preemption of a finished request
     "swa_repoint_short_match_0523": ("0.5.23",),  # step 3: a 0.5.22 -> 0.5.23 fix, found by diffing the releases
+    "eagle_draft_decode_positions_pr25015": ("0.5.23",),  # step 3 (PD/spec pass): EAGLE draft decode positions
+    "eagle_chunked_tail_token_pr26800": ("0.5.23",),  # step 3 (PD/spec pass): EAGLE chunk-end draft token
 }
 # fixes applied forward: the release named ships the bug (a later release fixed it); the venv is the buggy run
 APPLIES_ON = {

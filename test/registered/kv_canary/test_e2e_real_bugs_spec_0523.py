@@ -1,0 +1,204 @@
+"""Real sglang speculative-decoding bugs put back on sglang 0.5.23 (issue 53, the PD/speculative pass;
+docs/real-bugs.md): the three runs per bug, by hand (``KVC_REAL_BUGS_TIMING=1``), not in CI (CI time).
+
+As test_e2e_real_bugs_0523: a real fix reversed on a private copy of the venv's sglang (``kv_canary_testing.real_bugs``),
+the same workload three times through ``real_bug_runs.three_runs``: (a) bug in, ``--kv-canary none``; (b) bug in,
+``--kv-canary log``; (c) the fixed sglang, ``--kv-canary raise``. CPU, EAGLE spec v2 with topk 1 on the tiny target
+and draft (``kv_canary_testing.spec_cpu``, as test_e2e_speculative; synchronous: sglang turns the overlap scheduler off
+on CPU), page size 1.
+"""
+
+import os
+import random
+import re
+from typing import NamedTuple
+
+import pytest
+import requests
+
+from kv_canary_testing.canary_e2e import register_cpu_ci
+from kv_canary_testing.model_dir import NUM_WORDS, write_eagle_model_dirs
+from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
+from kv_canary_testing.workload import RequestSpec
+
+register_cpu_ci(est_time=10, suite="kv-canary-cpu")  # CI: the skip only (the servers run by hand)
+
+BY_HAND = "by hand (KVC_REAL_BUGS_TIMING=1): three more EAGLE servers (CI time)"
+NUM_STEPS, NUM_DRAFT_TOKENS = 3, 4  # test_e2e_speculative's: 2 draft decode steps per round
+SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"}
+
+
+def spec_args(target, draft):
+    return ["--attention-backend", "triton", "--speculative-algorithm", "EAGLE",
+            "--speculative-draft-model-path", str(draft), "--speculative-num-steps", str(NUM_STEPS),
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(NUM_DRAFT_TOKENS),
+            "--speculative-draft-load-format", "dummy", "--max-running-requests", "8", "--page-size", "1"]
+
+
+class Out(NamedTuple):
+    status: str
+    output_ids: list
+    verify_ct: int  # sglang's spec_verify_ct: verify rounds (fewer rounds for the same tokens: more drafts accepted)
+
+
+def generate(srv, spec: RequestSpec) -> Out:
+    s = requests.Session()
+    s.trust_env = False
+    r = s.post(srv.base_url + "/generate", timeout=600, json={
+        "input_ids": spec.input_ids(), "sampling_params": {"max_new_tokens": spec.max_new_tokens, "temperature": 0}})
+    if r.status_code != 200:
+        return Out(f"HTTP {r.status_code}", [], 0)
+    body = r.json()
+    ids = list(body.get("output_ids") or [])
+    return Out("ok" if len(ids) == spec.max_new_tokens else "short", ids,
+               int((body.get("meta_info") or {}).get("spec_verify_ct") or 0))
+
+
+def describe(run):
+    return "outputs=" + str({i: (o.status, o.output_ids[:6], o.verify_ct) for i, o in sorted(run.result.items())})
+
+
+# ---- #25015: EAGLE draft decode steps run one position ahead -----------------------------------------------------
+
+POS_BUG = "eagle_draft_decode_positions_pr25015"
+
+
+def draft_decodes(srv):
+    """Four greedy requests one after the other (40, 60, 20, 80 words; 24 decoded each): every verify round runs
+    two draft decode steps, which the bug runs at c + 1 and c + 2 instead of c and c + 1."""
+    rng = random.Random(25015)
+    out = {}
+    for i, n in enumerate((40, 60, 20, 80)):
+        spec = RequestSpec(i, "eagle", tuple(rng.randrange(NUM_WORDS) for _ in range(n)), 24)
+        out[i] = generate(srv, spec)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pos_runs(tmp_path_factory):
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip(f"#25015 {BY_HAND}")
+    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
+    return three_runs(POS_BUG, spec_args(target, draft), SPEC_ENV, draft_decodes, 1024, tmp_path_factory,
+                      model_path=target, describe=describe)
+
+
+def verifies(out):
+    return sum(o.verify_ct for o in out.values())
+
+
+@pytest.mark.e2e
+def test_eagle_draft_decode_positions_a_fires_without_the_canary(pos_runs):
+    """sglang's own evidence: none on this workload (recorded, 2026-11-30): the greedy outputs equal the fixed run's
+    (the target verifies every token) and so does the number of verify rounds (36 and 36: the tiny draft's argmax
+    did not change with RoPE one position off). The bug runs all the same (the draft decode steps' positions are
+    shifted by code, not by chance: run b's stored positions say so)."""
+    out, log, running = pos_runs["a"]
+    fixed = pos_runs["c"].result
+    assert running and all(o.status == "ok" for o in out.values())
+    same = [i for i in sorted(out) if out[i].output_ids == fixed[i].output_ids]
+    print(f"kv_canary_real_bug {POS_BUG} a: verify rounds {verifies(out)} (fixed {verifies(fixed)}); outputs equal "
+          f"to the fixed run's: {same} of {sorted(out)}")
+    assert same == sorted(out)
+
+
+@pytest.mark.e2e
+def test_eagle_draft_decode_positions_b_canary_reports(pos_runs):
+    """The draft pool's HEAD reads each draft decode step's slot in the next step: ``position`` violations in the
+    draft group, stored = expected + 1 (the slot at position p was written by a forward run at p + 1), for every
+    request (the server's startup probe included), from the first draft forward that reads such a slot; the target
+    pool clean (the target verifies with the right positions)."""
+    out, log, running = pos_runs["b"]
+    assert running and log.installed
+    assert log.violations, "the canary reported nothing"
+    kinds, positions, forwards, line = summarize_violations(POS_BUG, log)
+    print(line)
+    assert {v["group"] for v in log.violations} == {"draft"}, line
+    assert kinds == ["position"], kinds
+    assert {int(v["stored"]) - int(v["expected"]) for v in log.violations} == {1}
+    assert len({v["rid"] for v in log.violations}) >= len(out)
+    assert log.last_stat("violations") == 0  # kv_canary_stats= is the target pool's line
+
+
+@pytest.mark.e2e
+def test_eagle_draft_decode_positions_c_fixed_has_no_violation(pos_runs):
+    out, log, running = pos_runs["c"]
+    assert running and log.installed
+    assert all(o.status == "ok" for o in out.values())
+    assert log.violations == [] and log.last_stat("violations") == 0
+
+
+
+# ---- #26800 (#26329): a non-final chunk's last draft slot computed from the thrown-away sample -------------------
+
+TAIL_BUG = "eagle_chunked_tail_token_pr26800"
+
+
+def chunked_prompts(srv):
+    """Three 300-word prompts (chunked prefill at 128: two non-final chunk ends each, positions 127 and 255), 24
+    decoded, then each prompt again with 8 new words (a 300-token radix hit: the draft slots of the first run are read
+    again). Buggy, the draft slot at each chunk end holds the KV of the target's discarded sample instead of the
+    prompt's next token."""
+    rng = random.Random(26800)
+    prompts = [tuple(rng.randrange(NUM_WORDS) for _ in range(300)) for _ in range(3)]
+    out = {}
+    for i, p in enumerate(prompts):
+        out[i] = generate(srv, RequestSpec(i, "eagle", p, 24))
+    for i, p in enumerate(prompts):
+        out[3 + i] = generate(srv, RequestSpec(3 + i, "eagle", p + tuple(rng.randrange(NUM_WORDS) for _ in range(8)),
+                                               24))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tail_runs(tmp_path_factory):
+    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
+        pytest.skip(f"#26800 {BY_HAND}")
+    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
+    return three_runs(TAIL_BUG, spec_args(target, draft), SPEC_ENV, chunked_prompts, 1024, tmp_path_factory,
+                      model_path=target, describe=describe)
+
+
+CHUNK_END = re.compile(r"Prefill batch, #new-seq: 1, #new-token: 128, #cached-token: 0")
+
+
+@pytest.mark.e2e
+def test_eagle_chunked_tail_token_a_fires_without_the_canary(tail_runs):
+    """The bug's path runs (each 300-word prompt is prefilled in chunks of 128, 128 and 44: two non-final chunk ends,
+    whose draft slot is fed the target's discarded sample), but sglang shows nothing on this workload (recorded,
+    2026-11-30): the greedy outputs and every request's verify rounds equal the fixed run's (67 and 67)."""
+    out, log, running = tail_runs["a"]
+    fixed = tail_runs["c"].result
+    assert running and all(o.status == "ok" for o in out.values())
+    assert len(CHUNK_END.findall(log.text)) >= 6, "no chunked prefill: the bug's path did not run"
+    same = [i for i in sorted(out) if out[i].output_ids == fixed[i].output_ids]
+    per = {i: (out[i].verify_ct, fixed[i].verify_ct) for i in sorted(out)}
+    print(f"kv_canary_real_bug {TAIL_BUG} a: verify rounds {verifies(out)} (fixed {verifies(fixed)}), per request "
+          f"(bug, fixed) {per}; outputs equal to the fixed run's: {same} of {sorted(out)}")
+    assert same == sorted(out)
+
+
+@pytest.mark.e2e
+def test_eagle_chunked_tail_token_b_canary_misses_it(tail_runs):
+    """The canary MISSES it, by design (recorded, 2026-11-30: 0 violations). The wrong draft KV is written by a draft
+    forward like any other (its K/V hash, position and slot are consistent, and HEAD checks only those in the draft
+    pool); what is wrong is the token it was computed from, and the draft pool has no token oracle: kv_canary's
+    draft_pool.py lists "the last slot of an unfinished prefill chunk [holding] the KV of the thrown-away sample" as
+    what sglang does by design, which is this bug (fixed in 0.5.13)."""
+    out, log, running = tail_runs["b"]
+    assert running and log.installed
+    line = summarize_violations(TAIL_BUG, log).line if log.violations else f"kv_canary_real_bug {TAIL_BUG} b: 0"
+    print(line)
+    assert log.violations == [], line
+
+
+@pytest.mark.e2e
+def test_eagle_chunked_tail_token_c_fixed_has_no_violation(tail_runs):
+    out, log, running = tail_runs["c"]
+    assert running and log.installed
+    assert all(o.status == "ok" for o in out.values())
+    assert log.violations == [] and log.last_stat("violations") == 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
