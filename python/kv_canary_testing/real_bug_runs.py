@@ -12,6 +12,7 @@ three, so a run that trips it keeps serving and the warning is the evidence (``p
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
 
@@ -20,6 +21,7 @@ from kv_canary_testing.model_dir import write_swa_model_dir
 from kv_canary_testing.real_bugs import APPLIES_ON, run_env
 from kv_canary_testing.server import installed_sglang_version
 
+BY_HAND_ENV = "KVC_REAL_BUGS_TIMING"  # the by-hand flag: real bugs whose servers are kept out of CI (time, timing)
 QUIET_IDLE_CHECK = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "0"}
 SWA_ARGS = ("--swa-full-tokens-ratio", "1.0")  # test_e2e_swa: torch_native reads SWA layers untranslated on CPU
 LEAK = re.compile(r"pool memory leak detected! \[full\] total=(\d+), available=(\d+), evictable=(\d+).*?\n"
@@ -113,3 +115,11 @@ def needs_gpu_and_line(lines: Sequence[str], why: str) -> None:
     line = installed_sglang_version()
     if line not in lines:
         pytest.skip(f"the patch reverses on sglang {', '.join(lines)}, this is {line}")
+
+
+def skip_unless_by_hand(reason: str) -> None:
+    """Skip (pytest, naming ``reason``) unless ``KVC_REAL_BUGS_TIMING`` is set: a bug run by hand, not in CI."""
+    import pytest
+
+    if not os.environ.get(BY_HAND_ENV):
+        pytest.skip(reason)

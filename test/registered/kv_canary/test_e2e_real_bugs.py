@@ -13,14 +13,13 @@ greedy outputs then follow the SWA allocator's order, not the stale KV a GPU bac
 output difference is evidence that the bug changed sglang's state, not of what the model read.
 """
 
-import os
 import re
 
 import pytest
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, SWA_WINDOW
-from kv_canary_testing.real_bug_runs import pool_leaks, three_runs
+from kv_canary_testing.real_bug_runs import pool_leaks, skip_unless_by_hand, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 # #22470's three servers in CI (~240 s); by hand (KVC_REAL_BUGS_TIMING=1, the by-hand flag): #24318's three, whose
@@ -169,9 +168,8 @@ def park_a_chunked_request(srv):
 
 @pytest.fixture(scope="module")
 def stash_runs(tmp_path_factory):
-    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
-        pytest.skip("#24318 by hand (KVC_REAL_BUGS_TIMING=1): whether it crashes, stays silent or does not fire "
-                    "depends on the scheduler's timing (docs/real-bugs.md); CI time: three more servers")
+    skip_unless_by_hand("#24318 by hand (KVC_REAL_BUGS_TIMING=1): whether it crashes, stays silent or does not "
+                        "fire depends on the scheduler's timing (docs/real-bugs.md); CI time: three more servers")
     return three_runs(STASH_BUG, STASH_ARGS, STASH_ENV, park_a_chunked_request, 1024, tmp_path_factory,
                       describe=lambda run: f"decodes={run.result['decodes'].summary()} x={run.result['x']} "
                       f"long={run.result['long']} retractions={run.log.text.count('KV cache pool is full. Retract')} "
@@ -301,9 +299,8 @@ def preempt_at_a_finish(srv):
 def preempt_runs(tmp_path_factory):
     from kv_canary_testing.model_dir import write_model_dir
 
-    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
-        pytest.skip("#18694 by hand (KVC_REAL_BUGS_TIMING=1): three more servers (~110 s) for a bug that crashes at "
-                    "sglang's own guard with no wrong KV read (docs/real-bugs.md)")
+    skip_unless_by_hand("#18694 by hand (KVC_REAL_BUGS_TIMING=1): three more servers (~110 s) for a bug that "
+                        "crashes at sglang's own guard with no wrong KV read (docs/real-bugs.md)")
 
     return three_runs(PREEMPT_BUG, PREEMPT_ARGS, PREEMPT_ENV, preempt_at_a_finish, 1024, tmp_path_factory,
                       model_path=write_model_dir(), describe=preempt_outputs)

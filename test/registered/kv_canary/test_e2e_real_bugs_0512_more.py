@@ -7,7 +7,6 @@ CPU: #29352's legacy half on the hybrid-SWA tiny model (window 24, ``--swa-full-
 ``SWARadixCache``); the HiCache load-back one on the plain tiny model through the HiCache test shim.
 """
 
-import os
 import random
 import re
 import threading
@@ -18,7 +17,7 @@ import pytest
 from kv_canary_testing.canary_e2e import e2e_device, register_cpu_ci
 from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
-from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
+from kv_canary_testing.real_bug_runs import skip_unless_by_hand, summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 # CI runs the HiCache load-back bug's three servers (149-171 s on the 2-core machine: its own mechanism); #29352's
@@ -68,8 +67,7 @@ def locked_tombstone_recovered(srv):
 
 @pytest.fixture(scope="module")
 def legacy_runs(tmp_path_factory):
-    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
-        pytest.skip("#29352's SWARadixCache half by hand (KVC_REAL_BUGS_TIMING=1): three more servers (CI time)")
+    skip_unless_by_hand("#29352's SWARadixCache half by hand (KVC_REAL_BUGS_TIMING=1): three more servers (CI time)")
     return three_runs(LEGACY_BUG, ["--page-size", "1"], {}, locked_tombstone_recovered, 1024, tmp_path_factory,
                       describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
                                                              for i, o in sorted(run.result.items())}))

@@ -6,7 +6,6 @@ As test_e2e_real_bugs (0.5.12): a real fix reversed on a private copy of the ven
 tiny model (window 24, ``--swa-full-tokens-ratio 1.0``), 0.5.23's UnifiedRadixCache.
 """
 
-import os
 import random
 import re
 import threading
@@ -16,7 +15,7 @@ import pytest
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
-from kv_canary_testing.real_bug_runs import pool_leaks, summarize_violations, three_runs
+from kv_canary_testing.real_bug_runs import pool_leaks, skip_unless_by_hand, summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=190, suite="kv-canary-cpu")
@@ -150,8 +149,7 @@ def repoint_short_match(srv):
 
 @pytest.fixture(scope="module")
 def repoint_runs(tmp_path_factory):
-    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
-        pytest.skip("the 0.5.23 repoint fix by hand (KVC_REAL_BUGS_TIMING=1): three more servers")
+    skip_unless_by_hand("the 0.5.23 repoint fix by hand (KVC_REAL_BUGS_TIMING=1): three more servers")
     return three_runs(REPOINT_BUG, REPOINT_ARGS, REPOINT_ENV, repoint_short_match, 1024, tmp_path_factory,
                       describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
                                                              for i, o in sorted(run.result.items())}))

@@ -8,7 +8,6 @@ and draft (``kv_canary_testing.spec_cpu``, as test_e2e_speculative; synchronous:
 on CPU), page size 1.
 """
 
-import os
 import random
 import re
 from typing import NamedTuple
@@ -18,7 +17,7 @@ import requests
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import NUM_WORDS, write_eagle_model_dirs
-from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
+from kv_canary_testing.real_bug_runs import skip_unless_by_hand, summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec
 
 register_cpu_ci(est_time=10, suite="kv-canary-cpu")  # CI: the skip only (the servers run by hand)
@@ -58,6 +57,22 @@ def describe(run):
     return "outputs=" + str({i: (o.status, o.output_ids[:6], o.verify_ct) for i, o in sorted(run.result.items())})
 
 
+def check_fixed_run(run):
+    """(c): the fixed sglang served every request, ``raise`` installed, 0 violations."""
+    out, log, running = run
+    assert running and log.installed
+    assert all(o.status == "ok" for o in out.values())
+    assert log.violations == [] and log.last_stat("violations") == 0
+
+
+def eagle_three_runs(pr: str, bug: str, workload, tmp_path_factory):
+    """The three runs of ``bug`` (by hand) on fresh EAGLE target and draft dirs, a 1,024-slot pool."""
+    skip_unless_by_hand(f"{pr} {BY_HAND}")
+    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
+    return three_runs(bug, spec_args(target, draft), SPEC_ENV, workload, 1024, tmp_path_factory,
+                      model_path=target, describe=describe)
+
+
 # ---- #25015: EAGLE draft decode steps run one position ahead -----------------------------------------------------
 
 POS_BUG = "eagle_draft_decode_positions_pr25015"
@@ -76,11 +91,7 @@ def draft_decodes(srv):
 
 @pytest.fixture(scope="module")
 def pos_runs(tmp_path_factory):
-    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
-        pytest.skip(f"#25015 {BY_HAND}")
-    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
-    return three_runs(POS_BUG, spec_args(target, draft), SPEC_ENV, draft_decodes, 1024, tmp_path_factory,
-                      model_path=target, describe=describe)
+    return eagle_three_runs("#25015", POS_BUG, draft_decodes, tmp_path_factory)
 
 
 def verifies(out):
@@ -122,11 +133,7 @@ def test_eagle_draft_decode_positions_b_canary_reports(pos_runs):
 
 @pytest.mark.e2e
 def test_eagle_draft_decode_positions_c_fixed_has_no_violation(pos_runs):
-    out, log, running = pos_runs["c"]
-    assert running and log.installed
-    assert all(o.status == "ok" for o in out.values())
-    assert log.violations == [] and log.last_stat("violations") == 0
-
+    check_fixed_run(pos_runs["c"])
 
 
 # ---- #26800 (#26329): a non-final chunk's last draft slot computed from the thrown-away sample -------------------
@@ -152,11 +159,7 @@ def chunked_prompts(srv):
 
 @pytest.fixture(scope="module")
 def tail_runs(tmp_path_factory):
-    if not os.environ.get("KVC_REAL_BUGS_TIMING"):
-        pytest.skip(f"#26800 {BY_HAND}")
-    target, draft = write_eagle_model_dirs(tmp_path_factory.mktemp("models"))
-    return three_runs(TAIL_BUG, spec_args(target, draft), SPEC_ENV, chunked_prompts, 1024, tmp_path_factory,
-                      model_path=target, describe=describe)
+    return eagle_three_runs("#26800", TAIL_BUG, chunked_prompts, tmp_path_factory)
 
 
 CHUNK_END = re.compile(r"Prefill batch, #new-seq: 1, #new-token: 128, #cached-token: 0")
@@ -194,10 +197,7 @@ def test_eagle_chunked_tail_token_b_canary_misses_it(tail_runs):
 
 @pytest.mark.e2e
 def test_eagle_chunked_tail_token_c_fixed_has_no_violation(tail_runs):
-    out, log, running = tail_runs["c"]
-    assert running and log.installed
-    assert all(o.status == "ok" for o in out.values())
-    assert log.violations == [] and log.last_stat("violations") == 0
+    check_fixed_run(tail_runs["c"])
 
 
 if __name__ == "__main__":
