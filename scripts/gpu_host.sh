@@ -30,6 +30,10 @@
 #   bash scripts/gpu_host.sh e2e-bg NAME FILES.. [-k ..]  # e2e files in the background (one per GPU with
 #   bash scripts/gpu_host.sh e2e-collect NAME [s]   #   CUDA_VISIBLE_DEVICES); collect: wait up to s, logs into $OUT
 #   bash scripts/gpu_host.sh bench [args]           # old foreground form: bench_kernels.py + bench_overhead.py
+#   bash scripts/gpu_host.sh bundle-fa3             # HERE: .bundle/fa3-{1..N} (scripts/build_fa3_addon.sh: sgl_kernel's FA3
+#                                                   # library, which the line bundles leave out; KVC_GPU_LINE=0.5.23 for 0.5.23's)
+#   bash scripts/gpu_host.sh stage-fa3 N            # after the line's install: part N into /tmp/fa3-parts (carry .bundle/fa3-N)
+#   bash scripts/gpu_host.sh install-fa3            # join + sha256 into the line's sgl_kernel (--attention-backend fa3 loads)
 #   bash scripts/gpu_host.sh bundle-pd              # HERE: .bundle/pd-{1,2,3} (scripts/build_pd_bundle.sh: CUDA
 #                                                   # mooncake split in 45 MiB pieces, sglang-router, Ubuntu debs)
 #   bash scripts/gpu_host.sh install-pd-part N      # copy .bundle/pd-N into /tmp/pd-parts (carry .bundle/pd-N)
@@ -168,6 +172,19 @@ case "$step" in
       t=$(($(du -sb "$d" | cut -f1) + tree)); echo "upload [${d#.bundle/}] + tree: $((t / 1048576)) MiB of 64"
       [ "$t" -lt $((64 * 1048576)) ] || { echo "too large for one call: [$d]" >&2; exit 1; }
     done ;;
+  bundle-fa3)  # runs on the development machine: sgl_kernel's FA3 library (fa3 backend) in parts (KVC_GPU_LINE picks)
+    bash scripts/build_fa3_addon.sh .bundle ;;
+  stage-fa3)  # one part of the FA3 add-on into /tmp/fa3-parts (carry .bundle/fa3-N)
+    n="${1:?stage-fa3 N}"; [ -d ".bundle/fa3-$n" ] || { echo "no .bundle/fa3-$n (carry it)" >&2; exit 1; }
+    mkdir -p /tmp/fa3-parts; cp -r ".bundle/fa3-$n/." /tmp/fa3-parts/
+    echo "fa3 part $n of $(cat /tmp/fa3-parts/N_PARTS) staged ($(ls /tmp/fa3-parts/piece.* | wc -l) pieces)" ;;
+  install-fa3)  # after every stage-fa3 and the line's install (same warm host): flash_ops beside the trimmed sgl_kernel
+    k="${site##*:}/sgl_kernel"; [ -d "$k" ] || { echo "NO_INSTALL: no $k (install the line first)" >&2; exit 3; }
+    [ "$(ls /tmp/fa3-parts/piece.* 2>/dev/null | wc -l)" = "$(cat /tmp/fa3-parts/N_PARTS 2>/dev/null)" ] \
+      || { echo "NO_PARTS: $(ls /tmp/fa3-parts/piece.* 2>/dev/null | wc -l) of $(cat /tmp/fa3-parts/N_PARTS 2>/dev/null) staged" >&2; exit 3; }
+    cat /tmp/fa3-parts/piece.* | gunzip > "$k/flash_ops.abi3.so"
+    echo "$(cat /tmp/fa3-parts/SO_SHA256)  $k/flash_ops.abi3.so" | sha256sum -c -
+    python3 -c 'import torch; from sgl_kernel import flash_ops; print("sgl_kernel.flash_ops loads:", flash_ops.__file__)' ;;
   install-pd-part)
     n="${1:?install-pd-part N}"; [ -d ".bundle/pd-$n" ] || { echo "no .bundle/pd-$n (carry it)" >&2; exit 1; }
     mkdir -p /tmp/pd-parts; cp -r ".bundle/pd-$n/." /tmp/pd-parts/
