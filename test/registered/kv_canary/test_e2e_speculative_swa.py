@@ -26,7 +26,7 @@ register_cpu_ci(est_time=10, suite="kv-canary-cpu")  # CI: the skip only (the se
 BY_HAND = "KVC_E2E_SPEC_SWA"
 pytestmark = [
     pytest.mark.skipif(not os.environ.get(BY_HAND), reason=f"by hand ({BY_HAND}=1): two EAGLE servers over hybrid "
-                                                            "SWA, about eight minutes on CPU (CI time)"),
+                                                            "SWA, about ten minutes on CPU (CI time)"),
     pytest.mark.skipif(installed_sglang_version() != "0.5.23",
                        reason="speculative decoding over an SWAKVPool target is verified on sglang 0.5.23 only"),
 ]
