@@ -35,6 +35,7 @@ class SpecFacts:
     num_steps: int
     draft_tokens_per_request: int
     draft_skip: str
+    draft_from_target: bool = False  # the draft loads the target's checkpoint (an MTP draft), or no draft path
 
     @classmethod
     def read(cls, server_args: Any, mode: str) -> Optional["SpecFacts"]:
@@ -50,7 +51,18 @@ class SpecFacts:
             num_steps=int(getattr(server_args, "speculative_num_steps", 1) or 1),
             draft_tokens_per_request=int(getattr(server_args, "speculative_num_draft_tokens", 1) or 1),
             draft_skip=draft_skip_reason(server_args, mode),
+            draft_from_target=_same_path(getattr(server_args, "speculative_draft_model_path", None),
+                                         getattr(server_args, "model_path", None)),
         )
+
+
+def _same_path(draft: Any, target: Any) -> bool:
+    """No draft model path, or the target's (MTP drafts load the target's checkpoint)."""
+    import os
+
+    if not draft:
+        return True
+    return bool(target) and os.path.realpath(str(draft)) == os.path.realpath(str(target))
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,17 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
-    from .speculative import spec_pool_refusal
+    from .speculative import SPEC_POOL_CLASSES, beyond_mha_target, spec_pool_refusal
 
-    spec_refusal = spec_pool_refusal(facts.spec and facts.spec.algorithm, facts.pool, draft=False)
+    spec_refusal = spec_pool_refusal(facts.spec and facts.spec.algorithm, facts.pool, draft=False,
+                                     target_pools=current_line().spec_target_pools,
+                                     draft_from_target=bool(facts.spec and facts.spec.draft_from_target),
+                                     draft_skip=facts.spec.draft_skip if facts.spec else "")
     if spec_refusal:
         raise CanaryConfigError(f"--kv-canary {config.mode.value} cannot verify {spec_refusal}; drop "
                                 "--speculative-algorithm or run with --kv-canary none")
+    if facts.spec:
+        beyond_mha_target["pool"] = "" if facts.pool_name in SPEC_POOL_CLASSES else facts.pool_name
     register_sglang_pools()
     groups = attach_canary_buffers(facts.pool, config, facts.device, facts.pool_context)
     check_groups_supported(config, groups, facts.pool_name, facts.pd_mode)
@@ -168,7 +173,7 @@ def _track_variants(kernels, config: CanaryConfig):
 def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[CanaryManager]:
     """The EAGLE draft runner's own pool (``kv_canary.draft_pool``): its own groups and ``DraftCanaryManager``."""
     from .draft import DraftBatchAdapter
-    from .speculative import spec_pool_refusal
+    from .speculative import beyond_mha_target, spec_pool_refusal
     from ..draft_pool import (DRAFT_GROUP, DRAFT_INSTALLED_PREFIX, DRAFT_NOT_VERIFIED, KV_TOKEN_ID_VS_POSITION_OFFSET,
                              DraftCanaryManager, draft_config)
 
@@ -190,8 +195,8 @@ def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[C
             raise CanaryConfigError(f"the draft model's KV pool {facts.pool_name} has groups "
                                     f"{','.join(g.name for g in groups)}; only a single-group draft pool is verified")
     except CanaryConfigError as e:  # the target's KV stays verified, as before the draft pool was
-        if config.any_perturbation:  # SGLANG_KV_CANARY_PERTURB_TARGET_GROUP=draft would inject nowhere
-            raise
+        if config.any_perturbation or beyond_mha_target["pool"]:  # PERTURB_TARGET_GROUP=draft would inject nowhere;
+            raise  # a target pool beyond MHA (0.5.23's SWAKVPool) is verified with its draft pool verified only
         logger.warning("kv_canary: --speculative-algorithm %s: %s (%s); verifying the target model's KV only",
                        spec.algorithm, DRAFT_NOT_VERIFIED, e)
         return None

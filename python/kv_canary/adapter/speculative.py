@@ -15,7 +15,7 @@ bonus token pending for ``next_token``; one Triton launch), before the next forw
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 
 def _target_manager(worker):
@@ -67,10 +67,24 @@ def around_eagle_v1_verify(original, worker, batch, *args, **kwargs):
 
 
 SPEC_POOL_CLASSES = ("MHATokenToKVPool",)  # the pools speculative decoding was run end to end with (target, draft)
+# a line's further target pools (``SglangLine.spec_target_pools``: 0.5.23's SWAKVPool) are verified with this algorithm
+# and a draft model of its own only (test_e2e_speculative_swa: EAGLE, topk 1, a separate EAGLE draft over MHA)
+SPEC_ALGORITHM_BEYOND_MHA = "EAGLE"
+# this process's target pool when it is one of those (set at the target's install, read at the draft's, which follows
+# it in the same scheduler process): its draft pool must then be verified, not skipped
+beyond_mha_target = {"pool": ""}
 
 
-def spec_pool_refusal(algorithm: Optional[str], pool, *, draft: bool) -> str:
+def spec_pool_refusal(algorithm: Optional[str], pool, *, draft: bool,
+                      target_pools: Tuple[str, ...] = SPEC_POOL_CLASSES, draft_from_target: bool = False,
+                      draft_skip: str = "") -> str:
     """'' where speculative decoding over ``pool`` is verified, else why not (naming ``--speculative-algorithm``).
+
+    ``target_pools``: the line's target pool classes (``SglangLine.spec_target_pools``); one beyond
+    ``SPEC_POOL_CLASSES`` (0.5.23: ``SWAKVPool``) only with ``--speculative-algorithm EAGLE`` and a draft model of
+    its own (``draft_from_target``: the draft loads the target's checkpoint, an MTP draft) whose pool is verified
+    too (``draft_skip``: why not, e.g. ``--disaggregation-mode``). The draft pool is verified over
+    ``SPEC_POOL_CLASSES`` only.
 
     MTP drafts run through the same ``EAGLEWorkerV2`` as EAGLE (``--speculative-algorithm EAGLE``/``NEXTN``,
     the draft model path the target's, sglang's ``ModelConfig._config_draft_model`` renaming the architecture to
@@ -82,8 +96,19 @@ def spec_pool_refusal(algorithm: Optional[str], pool, *, draft: bool) -> str:
     name = type(pool).__name__
     if not algorithm or name in SPEC_POOL_CLASSES:
         return ""
-    return (f"--speculative-algorithm {algorithm} with the {'draft' if draft else 'target'} model's KV pool {name}: "
-            f"speculative decoding is verified with {', '.join(SPEC_POOL_CLASSES)} pools only (EAGLE/EAGLE3 drafts, "
-            "MTP drafts of models with plain multi-head attention); MLA (DeepSeek/GLM NextN), hybrid sliding-window "
-            "and hybrid linear-attention (Qwen3-Next/Qwen3.5 MTP) pools are not verified with it "
-            "(docs/speculative.md)")
+    head = f"--speculative-algorithm {algorithm} with the {'draft' if draft else 'target'} model's KV pool {name}: "
+    if not draft and name in target_pools:
+        if algorithm == SPEC_ALGORITHM_BEYOND_MHA and not draft_from_target and not draft_skip:
+            return ""
+        if draft_skip:
+            return head + f"a {name} target is verified with its draft pool verified too, not with {draft_skip}"
+        return head + (f"a {name} target is verified with --speculative-algorithm {SPEC_ALGORITHM_BEYOND_MHA} and a "
+                       "draft model of its own (--speculative-draft-model-path, its pool MHATokenToKVPool) only; "
+                       "other algorithms and MTP drafts (the target's own checkpoint) are not (docs/speculative.md)")
+    extra = [p for p in target_pools if p not in SPEC_POOL_CLASSES]
+    return head + (f"speculative decoding is verified with {', '.join(SPEC_POOL_CLASSES)} pools only (EAGLE/EAGLE3 "
+                   "drafts, MTP drafts of models with plain multi-head attention)"
+                   + (f", and {', '.join(extra)} targets with --speculative-algorithm {SPEC_ALGORITHM_BEYOND_MHA} "
+                      "and a draft model of their own" if extra and not draft else "")
+                   + "; MLA (DeepSeek/GLM NextN), hybrid sliding-window and hybrid linear-attention (Qwen3-Next/"
+                   "Qwen3.5 MTP) pools are not verified with it (docs/speculative.md)")

@@ -97,6 +97,47 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
     return predicts, accept_index, accept_token_num
 
 
+def tree_sampling_target_only(predicts, accept_index, accept_token_num, candidates, retrive_index,
+                              retrive_next_token, retrive_next_sibling, uniform_samples,
+                              uniform_samples_for_final_sampling, target_probs, draft_probs, threshold_single=1.0,
+                              threshold_acc=1.0, deterministic=True):
+    """sgl_kernel's tree_speculative_sampling_target_only (temperature > 0; CUDA only in sglang 0.5.23): walk the
+    tree from the root; a child is accepted when its coin is at most the target's accumulated probability of the
+    siblings tried (``/ threshold_acc``) or its own probability reaches ``threshold_single``; a rejected draft's
+    target probability goes to ``draft_probs``; the token after the last accepted node is sampled from
+    relu(target - draft) there (the target alone after every draft was accepted)."""
+    bs, n = candidates.shape
+    for b in range(bs):
+        last = int(retrive_index[b, 0])
+        accept_index[b, 0] = last
+        num, cur, offset, acc = 0, 0, 0, 0.0
+        coin = float(uniform_samples[b, 0])
+        for _ in range(1, n):
+            cur = int(retrive_next_token[b, cur])
+            while cur != -1:
+                tok = int(candidates[b, cur])
+                p = float(target_probs[b, offset, tok])
+                acc += p
+                if coin <= acc / threshold_acc or p >= threshold_single:
+                    acc, offset, coin = 0.0, cur, float(uniform_samples[b, cur])
+                    predicts[last] = tok
+                    num += 1
+                    last = int(retrive_index[b, cur])
+                    accept_index[b, num] = last
+                    break
+                draft_probs[b, offset, tok] = target_probs[b, offset, tok]
+                cur = int(retrive_next_sibling[b, cur])
+            if cur == -1:
+                break
+        accept_token_num[b] = num
+        q = target_probs[b, offset].to(torch.float64)
+        if num != n - 1:
+            q = torch.clamp(q - draft_probs[b, offset].to(torch.float64), min=0)
+        cdf = torch.cumsum(q, 0)
+        u = float(uniform_samples_for_final_sampling[b]) * float(cdf[-1])
+        predicts[last] = min(int(torch.searchsorted(cdf, torch.tensor(u, dtype=cdf.dtype), right=True)), q.numel() - 1)
+
+
 def install_cpu_helpers() -> None:
     """Point sglang's EAGLE modules at the stand-ins (idempotent)."""
     try:
@@ -135,9 +176,12 @@ def _install_cpu_helpers_kernels_ops() -> None:
     verify's cache locations), which run on CPU under the Triton interpreter; the stand-in points those modules at
     their own Triton branches, and makes ``record_stream`` a no-op on CPU tensors."""
     from sglang.kernels.ops.speculative import cache_locs, spec_tree
+    from sglang.srt.speculative import eagle_utils
 
     cache_locs._is_xpu = True
     spec_tree._is_xpu = True
+    if eagle_utils.tree_speculative_sampling_target_only is None:  # sampling verify (temperature > 0): CUDA only
+        eagle_utils.tree_speculative_sampling_target_only = tree_sampling_target_only
     _cpu_record_stream()
 
 

@@ -126,13 +126,9 @@ NOT_ON_CPU = {
         "SWA never runs out before the full pool (a decode-eviction workload did not fire it: docs/real-bugs.md)"),
     "pd_swa_tail_stale_mapping_pr25805": (
         ("0.5.23",), False,
-        "PD decode side + hybrid SWA + EAGLE/MTP: sglang 0.5.23's adapter refuses --disaggregation-mode and refuses "
-        "speculative decoding over an SWAKVPool at startup (docs/compatibility.md), so runs (b) and (c) cannot start"),
-    "swa_bigram_evict_frontier_pr34870": (
-        ("0.5.23",), False,
-        "hybrid SWA + EAGLE: the canary refuses --speculative-algorithm with an SWAKVPool target at startup "
-        "(spec_pool_refusal: speculative decoding is verified over MHATokenToKVPool pools only), so runs (b) and (c) "
-        "cannot start; run (a) is recorded by hand in docs/real-bugs.md"),
+        "PD decode side + hybrid SWA + EAGLE/MTP: sglang 0.5.23's adapter refuses --disaggregation-mode, and "
+        "speculative decoding over an SWAKVPool with the draft pool unverified (PD) at startup (docs/compatibility.md), "
+        "so runs (b) and (c) cannot start"),
 }
 
 

@@ -101,6 +101,8 @@ class SglangLine:
     # PD disaggregation ran on this line's releases (its pd_hooks verified there); else --disaggregation-mode is
     # refused at startup (adapter/disagg): 0.5.21 and 0.5.22 carry 0.5.23's PD hooks, which never ran on them
     pd_verified: bool = False
+    # target KV pool classes speculative decoding is verified over on this line (adapter/speculative.spec_pool_refusal)
+    spec_target_pools: Tuple[str, ...] = ("MHATokenToKVPool",)
 
     def required_hooks(self, *, pd: bool, spec: bool, hicache: bool = False) -> HookTable:
         return {**self.hooks, **(self.pd_hooks if pd else {}), **(self.spec_hooks if spec else {}),

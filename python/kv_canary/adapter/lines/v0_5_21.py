@@ -19,4 +19,5 @@ from ..policy_0_5_21 import POLICY_0_5_21
 from . import v0_5_23
 
 LINE = dataclasses.replace(v0_5_23.LINE, name="0.5.21", versions=("0.5.21",), untested_versions=(),
-                           policy=POLICY_0_5_21, pd_verified=False)
+                           policy=POLICY_0_5_21, pd_verified=False,
+                           spec_target_pools=("MHATokenToKVPool",))  # spec over SWAKVPool: run on 0.5.23 only

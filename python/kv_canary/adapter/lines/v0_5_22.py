@@ -12,4 +12,5 @@ import dataclasses
 
 from . import v0_5_23
 
-LINE = dataclasses.replace(v0_5_23.LINE, name="0.5.22", versions=("0.5.22",), pd_verified=False)
+LINE = dataclasses.replace(v0_5_23.LINE, name="0.5.22", versions=("0.5.22",), pd_verified=False,
+                           spec_target_pools=("MHATokenToKVPool",))  # spec over SWAKVPool: run on 0.5.23 only

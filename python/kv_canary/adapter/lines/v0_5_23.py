@@ -331,6 +331,11 @@ def dp_rank(model_runner):
     return None if rank is None else int(rank)
 
 
+# EAGLE (topk 1) over a hybrid sliding-window target (test_e2e_speculative_swa, CPU): the draft pool stays
+# MHATokenToKVPool-only (adapter/speculative.spec_pool_refusal)
+SPEC_TARGET_POOLS = ("MHATokenToKVPool", "SWAKVPool")
+
+
 def hicache_host_pool(controller):
     """HiCache's KV host pool on this line (``adapter/hicache_0_5_23.host_pool``)."""
     from ..hicache_0_5_23 import host_pool
@@ -342,6 +347,6 @@ LINE = SglangLine(name="0.5.23", versions=("0.5.23",), hooks=HOOKS, pd_hooks=PD_
                   in_tree_canary=True, pd_page_sizes=(1, 16), pd_tensor_parallel=True, pd_verified=True,
                   flags_declared_by_sglang=True, hicache_hooks=HICACHE_HOOKS, hicache_host_pool=hicache_host_pool,
                   policy=POLICY_0_5_23, unported=unported, req_row=req_row, tp_rank=tp_rank, dp_rank=dp_rank,
-                  verified_pools=VERIFIED_POOLS, containment=containment,
+                  verified_pools=VERIFIED_POOLS, containment=containment, spec_target_pools=SPEC_TARGET_POOLS,
                   prefix_cache_view=unified_view_for,
                   prefix_caches="UnifiedRadixCache (full-attention, hybrid-SWA and hybrid-mamba trees)")
