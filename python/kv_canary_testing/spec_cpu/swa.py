@@ -13,15 +13,13 @@ from __future__ import annotations
 import random
 import threading
 from pathlib import Path
-from typing import Dict, List, NamedTuple
-
-import requests
+from typing import Dict, List
 
 from kv_canary_testing import default_cache_dir
+from kv_canary_testing.spec_cpu.client import Out, generate
 from kv_canary_testing.model_dir import NUM_WORDS, swa_config_overrides, word_token_id, write_eagle_model_dirs, \
     write_model_dir
 
-SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"}
 PAGE = 16
 POOL_TOKENS = 1024
 
@@ -41,27 +39,6 @@ def spec_swa_args(draft) -> List[str]:
             "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
             "--speculative-draft-load-format", "dummy", "--max-running-requests", "8", "--page-size", str(PAGE),
             "--swa-full-tokens-ratio", "1.0"]
-
-
-class Out(NamedTuple):
-    status: str  # "ok": every asked token came back
-    output_ids: list
-    verify_ct: int  # sglang's spec_verify_ct
-    cached: int  # sglang's cached_tokens (radix hit)
-
-
-def generate(srv, ids, n: int, temperature: float = 0.0) -> Out:
-    s = requests.Session()
-    s.trust_env = False
-    r = s.post(srv.base_url + "/generate", timeout=600, json={
-        "input_ids": list(ids), "sampling_params": {"max_new_tokens": n, "temperature": temperature}})
-    if r.status_code != 200:
-        return Out(f"HTTP {r.status_code}", [], 0, 0)
-    body = r.json()
-    ids = list(body.get("output_ids") or [])
-    meta = body.get("meta_info") or {}
-    return Out("ok" if len(ids) == n else "short", ids, int(meta.get("spec_verify_ct") or 0),
-               int(meta.get("cached_tokens") or 0))
 
 
 def words(rng: random.Random, n: int) -> List[int]:

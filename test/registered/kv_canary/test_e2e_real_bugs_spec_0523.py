@@ -10,14 +10,13 @@ on CPU), page size 1; #34870 over the hybrid-SWA tiny target instead (``spec_cpu
 
 import random
 import re
-from typing import NamedTuple
 
 import pytest
-import requests
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import NUM_WORDS, write_eagle_model_dirs
 from kv_canary_testing.real_bug_runs import pool_leaks, skip_unless_by_hand, summarize_violations, three_runs
+from kv_canary_testing.spec_cpu.client import SPEC_ENV, Out, generate as spec_generate
 from kv_canary_testing.spec_cpu.swa import greedy_workload, spec_swa_args, write_swa_eagle_model_dirs
 from kv_canary_testing.workload import RequestSpec
 
@@ -25,7 +24,6 @@ register_cpu_ci(est_time=10, suite="kv-canary-cpu")  # CI: the skip only (the se
 
 BY_HAND = "by hand (KVC_REAL_BUGS_TIMING=1): three more EAGLE servers (CI time)"
 NUM_STEPS, NUM_DRAFT_TOKENS = 3, 4  # test_e2e_speculative's: 2 draft decode steps per round
-SPEC_ENV = {"SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"}
 
 
 def spec_args(target, draft):
@@ -35,23 +33,8 @@ def spec_args(target, draft):
             "--speculative-draft-load-format", "dummy", "--max-running-requests", "8", "--page-size", "1"]
 
 
-class Out(NamedTuple):
-    status: str
-    output_ids: list
-    verify_ct: int  # sglang's spec_verify_ct: verify rounds (fewer rounds for the same tokens: more drafts accepted)
-
-
 def generate(srv, spec: RequestSpec) -> Out:
-    s = requests.Session()
-    s.trust_env = False
-    r = s.post(srv.base_url + "/generate", timeout=600, json={
-        "input_ids": spec.input_ids(), "sampling_params": {"max_new_tokens": spec.max_new_tokens, "temperature": 0}})
-    if r.status_code != 200:
-        return Out(f"HTTP {r.status_code}", [], 0)
-    body = r.json()
-    ids = list(body.get("output_ids") or [])
-    return Out("ok" if len(ids) == spec.max_new_tokens else "short", ids,
-               int((body.get("meta_info") or {}).get("spec_verify_ct") or 0))
+    return spec_generate(srv, spec.input_ids(), spec.max_new_tokens)
 
 
 def describe(run):
@@ -64,6 +47,15 @@ def check_fixed_run(run):
     assert running and log.installed
     assert all(o.status == "ok" for o in out.values())
     assert log.violations == [] and log.last_stat("violations") == 0
+
+
+def check_nothing_reported(bug: str, run):
+    """(b) of a bug the canary does not report here: ``log`` installed and serving, 0 violations (the line printed)."""
+    out, log, running = run
+    assert running and log.installed
+    line = summarize_violations(bug, log).line if log.violations else f"kv_canary_real_bug {bug} b: 0"
+    print(line)
+    assert log.violations == [], line
 
 
 def eagle_three_runs(pr: str, bug: str, workload, tmp_path_factory):
@@ -189,11 +181,7 @@ def test_eagle_chunked_tail_token_b_canary_misses_it(tail_runs):
     pool); what is wrong is the token it was computed from, and the draft pool has no token oracle: kv_canary's
     draft_pool.py lists "the last slot of an unfinished prefill chunk [holding] the KV of the thrown-away sample" as
     what sglang does by design, which is this bug (fixed in 0.5.13)."""
-    out, log, running = tail_runs["b"]
-    assert running and log.installed
-    line = summarize_violations(TAIL_BUG, log).line if log.violations else f"kv_canary_real_bug {TAIL_BUG} b: 0"
-    print(line)
-    assert log.violations == [], line
+    check_nothing_reported(TAIL_BUG, tail_runs["b"])
 
 
 @pytest.mark.e2e
@@ -243,17 +231,12 @@ def test_swa_bigram_frontier_a_did_not_fire_here(frontier_runs):
 @pytest.mark.e2e
 def test_swa_bigram_frontier_b_nothing_reported(frontier_runs):
     """Nothing to report (recorded, 2026-11-30: 0 violations): the bug did not make sglang read wrong KV here (run a)."""
-    out, log, running = frontier_runs["b"]
-    assert running and log.installed
-    line = summarize_violations(FRONTIER_BUG, log).line if log.violations else f"kv_canary_real_bug {FRONTIER_BUG} b: 0"
-    print(line)
-    assert log.violations == [], line
+    check_nothing_reported(FRONTIER_BUG, frontier_runs["b"])
 
 
 @pytest.mark.e2e
 def test_swa_bigram_frontier_c_fixed_has_no_violation(frontier_runs):
-    out, log, running = frontier_runs["c"]
-    assert pool_leaks(log.text) == []
+    assert pool_leaks(frontier_runs["c"].log.text) == []
     check_fixed_run(frontier_runs["c"])
 
 

@@ -18,7 +18,8 @@ from kv_canary.swa_divergence import SwaDivergenceLog
 from kv_canary.violations import parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci
 from kv_canary_testing.server import installed_sglang_version
-from kv_canary_testing.spec_cpu.swa import (POOL_TOKENS, SPEC_ENV, greedy_workload, sampled_workload, spec_swa_args,
+from kv_canary_testing.spec_cpu.client import SPEC_ENV
+from kv_canary_testing.spec_cpu.swa import (POOL_TOKENS, greedy_workload, sampled_workload, spec_swa_args,
                                            write_swa_eagle_model_dirs)
 
 register_cpu_ci(est_time=10, suite="kv-canary-cpu")  # CI: the skip only (the servers run by hand)
