@@ -6,10 +6,11 @@
 #   scripts/build_fa3_addon.sh DEST            # sglang 0.5.12's sglang-kernel (0.4.2.post2): DEST/fa3-1 .. fa3-N
 #   KVC_GPU_LINE=0.5.23 scripts/build_fa3_addon.sh DEST    # sglang 0.5.23's (0.4.10)
 #
-# The library is gzip'd (~326 MB) and cut into parts of 56 MiB (one upload each with the working tree); every part
-# carries N_PARTS, the library's SHA256 and its version. On the host (scripts/gpu_host.sh, after the line's install):
-# stage-fa3 N per part (back to back: /tmp survives 30 s), then install-fa3 joins, checks the sum and puts the
-# library into the line's site (/tmp/site or /tmp/site23) beside the trimmed sgl_kernel.
+# The library is gzip'd (~326 MB) and cut into parts of 40 MiB: one upload each, with the ~10 MiB working tree,
+# under the 64 MiB an upload may carry (56 MiB parts went over it). Every part carries N_PARTS, the library's SHA256
+# and its version. On the host (scripts/gpu_host.sh, after the line's install): stage-fa3 N per part (back to back:
+# /tmp survives 30 s), then install-fa3 joins, checks the sum and puts the library into the line's site (/tmp/site or
+# /tmp/site23) beside the trimmed sgl_kernel.
 set -euo pipefail
 dest="${1:?usage: build_fa3_addon.sh DEST}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,7 +30,7 @@ so="$t/k/sgl_kernel/flash_ops.abi3.so"
 sum="$(sha256sum "$so" | cut -d' ' -f1)"
 gzip -c -6 "$so" > "$t/flash_ops.so.gz"
 rm -rf "$dest"/fa3-[0-9]*
-(cd "$t" && split -b 56M -d -a 2 flash_ops.so.gz piece.)
+(cd "$t" && split -b 40M -d -a 2 flash_ops.so.gz piece.)
 n=$(ls "$t"/piece.* | wc -l); i=0
 for p in "$t"/piece.*; do
   i=$((i + 1)); mkdir -p "$dest/fa3-$i"; mv "$p" "$dest/fa3-$i/"

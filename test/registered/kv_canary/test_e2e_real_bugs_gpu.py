@@ -5,9 +5,8 @@ Each test here skips, naming why, where it cannot run. Two kinds:
 * **GPU host** (the lead runs them: ``KVC_TEST_DEVICE=cuda``): the bug lives in code that CPU servers never run
   (CUDA graph replay, the fa3 backend, a race between CUDA streams).
   ``test_cudagraph_swa_pad_loc`` (#24743) ran there (H200, 2026-11-30: (a) fired, (b) missed: the strict xfail);
-  its fourth run, (b2) with ``--kv-canary-real-data all`` (the scrub) and the sweep at every forward, is a written
-  workload, **not yet run on a GPU**: its assertion is the expected outcome. #24097 and #36738 have written
-  workloads in ``test_e2e_real_bugs_gpu_more.py``.
+  its fourth run, (b2) with ``--kv-canary-real-data all`` and the sweep at every forward, caught it at the read
+  (H200, 2026-11-30e). #24097 and #36738 are in ``test_e2e_real_bugs_gpu_more.py``.
 * **Refused by the canary**: the configuration the bug needs is one the adapter refuses at startup on the line the
   patch reverses on (docs/compatibility.md), so (b) and (c) cannot run anywhere today.
 """
@@ -64,7 +63,7 @@ def test_cudagraph_swa_pad_loc_a_outputs_differ(pad_runs):
 @pytest.mark.xfail(strict=True, reason=(
     "a known miss (H200, 2026-11-30, docs/real-bugs.md): the pad row recomputes the live request's last token at its "
     "position, so its store is byte-identical in layer 0, the layer real data partial hashes; the deeper layers' "
-    "K/V it changes are never hashed at a later read"))
+    "K/V it changes are hashed by real data all only (b2)"))
 def test_cudagraph_swa_pad_loc_b_canary_reports_the_overwrite(pad_runs):
     """``kv_hash`` in the swa group, at the slot the pad row wrote, in the next forward (not seen: the xfail)."""
     log = pad_runs["b"].log
@@ -80,7 +79,8 @@ def test_cudagraph_swa_pad_loc_c_fixed_has_no_violation(pad_runs):
     assert log.installed and log.violations == [] and log.last_stat("violations") == 0
 
 
-# (b2): the bug in, log, every byte: `all` hashes every byte at a slot's first read (before the overwrite: blind) and
+# (b2): the bug in, log, every byte: `all` hashes every byte at a slot's first read (after the reading forward's
+# stores) and
 # turns on the scrub (256 slots a forward: every slot of this 4,096-slot pool within 16 forwards, while the requests
 # still hold them); the sweep (config.py: every N forwards, every slot the radix cache holds; 1: the smallest) adds the
 # window check of cached slots, which layer 0's identical bytes pass
@@ -100,11 +100,11 @@ def pad_b2_run(request, tmp_path_factory):
 
 @pytest.mark.e2e
 def test_cudagraph_swa_pad_loc_b2_scrub_reports_the_overwrite(pad_b2_run):
-    """The scrub that ``all`` turns on finds the deeper layers' bytes changed under the slot's stored full-row hash:
-    ``kv_hash`` in the swa group. A scrub row is found at rest, so it names no reader (``rid=scrub``,
-    ``containment.SCRUB_RID``); a workload request's rid may appear only if a read catches it. Expected, **not yet
-    run on a GPU**. Two servers: the scrub at ``all``'s default rate and over the whole pool every forward; a miss at
-    the default rate only means the slot left its holder (finished, or out of the window) before its turn came."""
+    """``all`` sees the deeper layers' bytes change under the slot's full-row hash: ``kv_hash`` in the swa group.
+    Seen on the H200 (2026-11-30e): at the read, naming the reader (``all``'s first-read hash runs after the forward's
+    stores), in both servers; the scrub may report it too, found at rest with no reader (``rid=scrub``,
+    ``containment.SCRUB_RID``). Two servers: the scrub at ``all``'s default rate and over the whole pool every
+    forward."""
     log = pad_b2_run.log
     assert pad_b2_run.running and log.installed and "real_data=all" in log.text, log.text[-2000:]
     assert log.violations, "the scrub and the sweep reported nothing"

@@ -1,6 +1,6 @@
-"""Two more real sglang bugs whose three runs need the GPU host (issue 53; docs/real-bugs.md): written workloads,
-**not yet run on a GPU** (this session had none). Their assertions are the expected outcome, to be confirmed or
-corrected with what the GPU host shows (``KVC_TEST_DEVICE=cuda``); on CPU every test skips naming why.
+"""Two more real sglang bugs whose three runs need the GPU host (issue 53; docs/real-bugs.md). Run on an H200 with
+sglang 0.5.23 (2026-11-30e, ``KVC_TEST_DEVICE=cuda``): #24097 fired and was caught; #36738 did not fire. On CPU every
+test skips naming why.
 
 * ``fa3_mla_embedding_skip_kv_pr24097`` (0.5.12; 0.5.23 through its ``_v0.5.23form`` patch): the MLA tiny model
   served as an embedding model on the fa3 backend, radix cache off, no chunked prefill. fa3's embedding fast path
@@ -89,7 +89,7 @@ def emb_runs(tmp_path_factory):
 @pytest.mark.e2e
 def test_fa3_mla_embedding_skip_kv_a_embeddings_differ(emb_runs):
     """sglang's own evidence: every embedding differs from the fixed run's (each prompt attended over rows it never
-    stored). Expected, not yet seen."""
+    stored). Seen on the H200: 0.09-0.17 max abs difference per request."""
     out, fixed = emb_runs["a"].result, emb_runs["c"].result
     assert emb_runs["a"].running and all(not isinstance(e, str) for e in out.values()), out
     diffs = {i: round(max_diff(out[i], fixed[i]), 4) for i in sorted(out)}
@@ -102,8 +102,7 @@ def test_fa3_mla_embedding_skip_kv_b_witness_reports_unwritten(emb_runs):
     """The write witness (issue 23, on by default; docs/detection.md): the stores never happened, so the TAIL of each
     prefill reports ``unwritten`` for its slots, naming our requests (sglang's warmup and health requests may be named
     too: they take the same path). Nothing else can see it: an embedding prefill reads only its own new slots, which
-    HEAD does not verify. Expected, not yet seen: whether the witness's stamp and check cover fa3's MLA store path is
-    what this run confirms."""
+    HEAD does not verify. Seen on the H200: the witness covers fa3's MLA store path (every slot written reported)."""
     log = emb_runs["b"].log
     assert emb_runs["b"].running and log.installed
     assert log.violations, "the canary reported nothing"
@@ -211,7 +210,7 @@ def test_hicache_loadback_fence_b_canary_reports_when_it_fired(fence_runs):
     (HEAD's verify runs beside the TAIL, after the forward's reads). When the race changed an output in (b)'s own
     run, the canary must have reported it: the loaded slots' bytes disagree with their host records (``kv_hash`` at
     the first read after the load, ``hicache=load``), or with the in-flight store's record. (a)'s firing is another
-    server's race: it is printed, not required of (b). Expected, not yet seen."""
+    server's race: it is printed, not required of (b). Not yet seen: the race did not fire on the H200."""
     run, a_diff = fence_runs["b"], differing(fence_runs["a"])
     check_served(run)
     log, b_diff = run.log, differing(run)
