@@ -8,7 +8,9 @@ with the real TAIL kernels (prefill), then captures one decode forward's HEAD
 TAIL (``post_ops_maybe_inside_graph``: the witness check, the write, the whole-row hash) in two CUDA graphs,
 as the server's decode graphs hold them. Between them a third graph stores the new token's K/V rows (the
 "attention"); it is not timed. Each timed replay follows an L2 flush (as after the model's layers), CUDA
-events, median of ``--iters``. The profiler then gives each kernel's mean duration over the same replays.
+events, median of ``--iters``. The profiler then gives each kernel's mean duration over the same replays (a kernel
+launched k times a step also per launch, ``name[j]`` in step order). Reported besides: the slots each step hashed in
+full per path (first read, scrub, written; the canary's counters) and the device's copy rate (GB/s read), for scale.
 
 The canary's settings are the server's (``CanaryConfig.build``, default ``--kv-canary raise`` with
 ``--enable-hierarchical-cache``; ``--canary-env`` overrides). Every timed step must stay clean: the script
@@ -94,6 +96,7 @@ class DecodeRig:
 
         self.k = [buf() for _ in range(layers)]
         self.v = [buf() for _ in range(layers)]
+        self.slot_bytes = 2 * layers * heads * dim * 2  # K and V rows of every layer, bf16
         self.group = build_group(PoolLayout("full", self.k, self.v), self.config, device)
         slots = (torch.randperm(n - 1, generator=gen, device=device) + 1)[: bs * (ctx + 1)].view(bs, ctx + 1)
         width = ctx + 1
@@ -198,6 +201,7 @@ def time_case(torch, device, rig, iters):
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
     ev = {k: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
           for k in ("head", "tail")}
+    counted = rig.counters.tolist()
     for i in range(iters):
         for name in ("head", "store", "tail"):
             if name != "store":
@@ -210,6 +214,7 @@ def time_case(torch, device, rig, iters):
     rig.check(0)
     out = {f"{k}_us": round(statistics.median(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev}
     out["forward_us"] = round(out["head_us"] + out["tail_us"], 2)
+    out.update(bytes_per_step(rig, counted, iters))
     kernels = {}
     try:  # each kernel's mean device time over profiled replays (no flush: the profile's own numbers are hot)
         from torch.profiler import ProfilerActivity, profile
@@ -220,15 +225,50 @@ def time_case(torch, device, rig, iters):
                     graphs[name].replay()
             torch.cuda.synchronize()
         per = collections.defaultdict(list)
-        for e in prof.events():
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start):
             if "CUDA" in str(e.device_type) and "index" not in e.name and "elementwise" not in e.name:
                 per[e.name].append(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0))
-        kernels = {name: {"launches_per_step": len(v) / 50, "mean_us": round(statistics.mean(v), 2)}
-                   for name, v in sorted(per.items())}
+        kernels = {}
+        for name, v in sorted(per.items()):
+            kernels[name] = {"launches_per_step": len(v) / 50, "mean_us": round(statistics.mean(v), 2)}
+            k = len(v) // 50
+            if k > 1 and len(v) == 50 * k:  # a kernel launched k times a step: each launch's mean, in step order
+                for j in range(k):
+                    kernels[f"{name}[{j}]"] = {"launches_per_step": 1, "mean_us": round(statistics.mean(v[j::k]), 2)}
     except Exception as exc:  # the timings above stand without the breakdown
         kernels = {"profiler_error": {"launches_per_step": 0, "mean_us": 0.0, "error": repr(exc)[:200]}}
     rig.check(0)
     return out, kernels
+
+
+def bytes_per_step(rig, before, iters):
+    """Slots and K/V bytes a timed step hashed in full, per path (from the canary's counters over the timed
+    replays): the first reads (``all``), the scrub, and the TAIL's whole-row hash of the slots written (``all``)."""
+    fp = rig.fp
+    after = rig.counters.tolist()
+    per = {name: (after[c] - before[c]) // iters for name, c in (
+        ("first_read", fp.C_SLOTS_FIRST_READ), ("scrub", fp.C_SLOTS_SCRUBBED), ("written", fp.C_SLOTS_WRITTEN))}
+    if rig.group.full_row is None:
+        per["written"] = 0  # partial: the TAIL hashes 16 bytes of layer 0, not the row
+    slot_bytes = rig.slot_bytes
+    return {"slot_bytes": slot_bytes, "full_row_slots_per_step": per,
+            "full_row_mib_per_step": round(sum(per.values()) * slot_bytes / 2 ** 20, 2)}
+
+
+def copy_bandwidth(torch, device, mib=1024, iters=20):
+    """Device-to-device copy of ``mib`` MiB: GB/s of bytes read (the hash reads each byte once, writes nothing)."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return round((mib << 20) / statistics.median(times) / 1e9, 1)
 
 
 def time_lm_head(torch, device, rig, iters, vocab):
@@ -329,6 +369,7 @@ def main(argv=None):
             print(f"    {k['mean_us']:7.2f} us x{k['launches_per_step']:g}  {name[:90]}", flush=True)
         del rig
     report = {"label": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "copy_read_gbps": copy_bandwidth(torch, device) if device.type == "cuda" else None,
               "config": {"hicache": not args.no_hicache, "real_data": args.real_data, "env": args.environ,
                          "pool_slots": pool},
               "timing": "CUDA graph replay after an L2 flush, CUDA events, median (cold); kernels: profiler mean "
