@@ -92,3 +92,44 @@ def test_an_unsupported_draft_pool_is_skipped_and_said(caplog):
     to_draft = CanaryConfig(mode=CanaryMode.LOG, perturb_target_group=DRAFT_GROUP, perturb_real_kv_used_prob=0.1)
     with pytest.raises(CanaryConfigError, match="SomeOtherPool"):
         install_draft_canary(facts, to_draft)
+
+
+def test_a_draft_pool_that_cannot_be_verified_is_refused_over_an_swa_target():
+    """An SWAKVPool target is verified with its draft pool verified only (docs/speculative.md): where the draft's
+    install fails, it is refused, naming the draft's pool; over an MHA target the same failure only skips it."""
+    from kv_canary.api import install_draft_canary
+    from kv_canary.adapter.facts import SglangFacts, SpecFacts
+
+    class SomeOtherPool:
+        pass
+
+    def facts(target_pool_name):
+        spec = SpecFacts(algorithm="EAGLE", tree_verify=False, num_steps=3, draft_tokens_per_request=4,
+                         draft_skip="", target_pool_name=target_pool_name)
+        values = dict(line="0.5.23", device=torch.device("cpu"), tp_rank=0, is_draft_worker=True, model=None,
+                      pool=SomeOtherPool(), pool_name="SomeOtherPool", pool_context=None,
+                      req_to_token=torch.zeros(2, 8, dtype=torch.int32), req_pool_size=2, cuda_graph_max_bs=0,
+                      max_prefill_tokens=64, cuda_graphs=False, pd_mode=None, spec=spec, mrope=False,
+                      reserved_bytes=None, tail_anchor=None)
+        return SglangFacts(**{f.name: values[f.name] for f in dataclasses.fields(SglangFacts)})
+
+    with pytest.raises(CanaryConfigError, match="SomeOtherPool"):
+        install_draft_canary(facts("SWAKVPool"), CanaryConfig(mode=CanaryMode.RAISE))
+    assert install_draft_canary(facts("MHATokenToKVPool"), CanaryConfig(mode=CanaryMode.RAISE)) is None
+
+
+def test_the_draft_reads_the_target_pool_through_the_shared_allocator():
+    """sglang hands the EAGLE draft runner the target's token allocator; its ``get_kvcache()`` is the target's pool."""
+    from kv_canary.adapter.facts import SpecFacts
+
+    class SWAKVPool:
+        pass
+
+    allocator = SimpleNamespace(get_kvcache=lambda: SWAKVPool())
+    args = SimpleNamespace(speculative_algorithm="EAGLE", device="cpu", disaggregation_mode="null",
+                           speculative_num_steps=3, speculative_num_draft_tokens=4,
+                           speculative_draft_model_path="/d", model_path="/t")
+    draft_runner = SimpleNamespace(is_draft_worker=True, token_to_kv_pool_allocator=allocator)
+    target_runner = SimpleNamespace(is_draft_worker=False, token_to_kv_pool_allocator=allocator)
+    assert SpecFacts.read(args, "raise", draft_runner).target_pool_name == "SWAKVPool"
+    assert SpecFacts.read(args, "raise", target_runner).target_pool_name == ""

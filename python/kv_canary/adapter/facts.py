@@ -36,9 +36,12 @@ class SpecFacts:
     draft_tokens_per_request: int
     draft_skip: str
     draft_from_target: bool = False  # the draft loads the target's checkpoint (an MTP draft), or no draft path
+    # on the draft runner: the target's KV pool class, behind the token allocator the draft shares with the target
+    # (a target pool beyond SPEC_POOL_CLASSES is verified with its draft pool verified only); '' on the target runner
+    target_pool_name: str = ""
 
     @classmethod
-    def read(cls, server_args: Any, mode: str) -> Optional["SpecFacts"]:
+    def read(cls, server_args: Any, mode: str, model_runner: Any = None) -> Optional["SpecFacts"]:
         algorithm = getattr(server_args, "speculative_algorithm", None)
         if not algorithm:
             return None
@@ -53,7 +56,17 @@ class SpecFacts:
             draft_skip=draft_skip_reason(server_args, mode),
             draft_from_target=_same_path(getattr(server_args, "speculative_draft_model_path", None),
                                          getattr(server_args, "model_path", None)),
+            target_pool_name=_shared_allocator_pool(model_runner),
         )
+
+
+def _shared_allocator_pool(model_runner: Any) -> str:
+    """On an EAGLE draft runner, the class of the pool behind its token allocator: the target's (sglang hands the
+    draft runner the target's allocator, so draft and target slots are the same indices); '' elsewhere."""
+    if not getattr(model_runner, "is_draft_worker", False):
+        return ""
+    get_kvcache = getattr(getattr(model_runner, "token_to_kv_pool_allocator", None), "get_kvcache", None)
+    return type(get_kvcache()).__name__ if callable(get_kvcache) else ""
 
 
 def _same_path(draft: Any, target: Any) -> bool:
@@ -127,7 +140,7 @@ def read_facts(server_args: Any, model_runner: Any, mode: str) -> SglangFacts:
         max_prefill_tokens=max_prefill_tokens(server_args),
         cuda_graphs=not bool(getattr(server_args, "disable_cuda_graph", False)),
         pd_mode=disaggregation_mode(server_args),
-        spec=SpecFacts.read(server_args, mode),
+        spec=SpecFacts.read(server_args, mode, model_runner),
         mrope=bool(getattr(model_runner, "model_is_mrope", False)),
         reserved_bytes=getattr(model_runner, "kv_canary_reserved_bytes", None),
         tail_anchor=tail_anchor(model_runner.model),

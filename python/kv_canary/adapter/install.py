@@ -77,7 +77,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
             "forward_batch.mrope_positions), whose positions are not the sequence index the canary checks; "
             "run it with --kv-canary none"
         )
-    from .speculative import SPEC_POOL_CLASSES, beyond_mha_target, spec_pool_refusal
+    from .speculative import spec_pool_refusal
 
     spec_refusal = spec_pool_refusal(facts.spec and facts.spec.algorithm, facts.pool, draft=False,
                                      target_pools=current_line().spec_target_pools,
@@ -86,8 +86,6 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if spec_refusal:
         raise CanaryConfigError(f"--kv-canary {config.mode.value} cannot verify {spec_refusal}; drop "
                                 "--speculative-algorithm or run with --kv-canary none")
-    if facts.spec:
-        beyond_mha_target["pool"] = "" if facts.pool_name in SPEC_POOL_CLASSES else facts.pool_name
     register_sglang_pools()
     groups = attach_canary_buffers(facts.pool, config, facts.device, facts.pool_context)
     check_groups_supported(config, groups, facts.pool_name, facts.pd_mode)
@@ -173,7 +171,7 @@ def _track_variants(kernels, config: CanaryConfig):
 def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[CanaryManager]:
     """The EAGLE draft runner's own pool (``kv_canary.draft_pool``): its own groups and ``DraftCanaryManager``."""
     from .draft import DraftBatchAdapter
-    from .speculative import beyond_mha_target, spec_pool_refusal
+    from .speculative import SPEC_POOL_CLASSES, spec_pool_refusal
     from ..draft_pool import (DRAFT_GROUP, DRAFT_INSTALLED_PREFIX, DRAFT_NOT_VERIFIED, KV_TOKEN_ID_VS_POSITION_OFFSET,
                              DraftCanaryManager, draft_config)
 
@@ -195,8 +193,10 @@ def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[C
             raise CanaryConfigError(f"the draft model's KV pool {facts.pool_name} has groups "
                                     f"{','.join(g.name for g in groups)}; only a single-group draft pool is verified")
     except CanaryConfigError as e:  # the target's KV stays verified, as before the draft pool was
-        if config.any_perturbation or beyond_mha_target["pool"]:  # PERTURB_TARGET_GROUP=draft would inject nowhere;
-            raise  # a target pool beyond MHA (0.5.23's SWAKVPool) is verified with its draft pool verified only
+        # PERTURB_TARGET_GROUP=draft would inject nowhere; a target pool beyond MHA (0.5.23's SWAKVPool) is verified
+        # with its draft pool verified only
+        if config.any_perturbation or spec.target_pool_name not in ("", *SPEC_POOL_CLASSES):
+            raise
         logger.warning("kv_canary: --speculative-algorithm %s: %s (%s); verifying the target model's KV only",
                        spec.algorithm, DRAFT_NOT_VERIFIED, e)
         return None
@@ -225,7 +225,8 @@ def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[C
     )
     logger.info(format_line(DRAFT_INSTALLED_PREFIX, 1, {
         "algorithm": spec.algorithm, "draft_model": type(facts.model).__name__,
-        "pool": facts.pool_name, "groups": DRAFT_GROUP, "slots": groups[0].num_slots,
+        "pool": facts.pool_name, "target_pool": spec.target_pool_name or "-", "groups": DRAFT_GROUP,
+        "slots": groups[0].num_slots,
         "kernels": kernels.name, "single_forward_managers": max(1, steps - 1),
         "kv_token_id_vs_position_offset": KV_TOKEN_ID_VS_POSITION_OFFSET, "token_checks": 0,
         "canary_bytes": memory.total}))

@@ -70,9 +70,6 @@ SPEC_POOL_CLASSES = ("MHATokenToKVPool",)  # the pools speculative decoding was 
 # a line's further target pools (``SglangLine.spec_target_pools``: 0.5.23's SWAKVPool) are verified with this algorithm
 # and a draft model of its own only (test_e2e_speculative_swa: EAGLE, topk 1, a separate EAGLE draft over MHA)
 SPEC_ALGORITHM_BEYOND_MHA = "EAGLE"
-# this process's target pool when it is one of those (set at the target's install, read at the draft's, which follows
-# it in the same scheduler process): its draft pool must then be verified, not skipped
-beyond_mha_target = {"pool": ""}
 
 
 def spec_pool_refusal(algorithm: Optional[str], pool, *, draft: bool,

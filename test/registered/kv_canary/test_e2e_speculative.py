@@ -101,6 +101,8 @@ def check_draft_pool(text: str, draft: list) -> None:
     d = draft[-1] if draft else {}
     installed = parse_lines(text, DRAFT_INSTALLED_PREFIX)
     assert installed and installed[0]["kv_token_id_vs_position_offset"] == "1", installed
+    # read through the allocator the draft shares with the target (SpecFacts.target_pool_name)
+    assert installed[0]["target_pool"] == "MHATokenToKVPool", installed
     assert DRAFT_SKIPPED not in text
     assert d.get("settled") == "1", draft[-3:]
     assert int(d["violations"]) == 0 and int(d["health_violations"]) == 0

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from kv_canary.draft_pool import DRAFT_STATS_PREFIX
+from kv_canary.draft_pool import DRAFT_INSTALLED_PREFIX, DRAFT_STATS_PREFIX
 from kv_canary.swa_divergence import SwaDivergenceLog
 from kv_canary.violations import parse_lines
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci
@@ -68,6 +68,9 @@ def test_spec_swa_raise_has_no_violation(runs):
     assert log.last_stat("slots_verified_swa") > 0
     draft = parse_lines(log.text, DRAFT_STATS_PREFIX)
     assert draft and int(draft[-1]["violations"]) == 0 and int(draft[-1]["slots_verified"]) > 0
+    # the draft's install read the target's pool through the allocator they share (SpecFacts.target_pool_name)
+    installed = parse_lines(log.text, DRAFT_INSTALLED_PREFIX)
+    assert installed and installed[0]["target_pool"] == "SWAKVPool" and installed[0]["pool"] == "MHATokenToKVPool"
     # the workload did what it is for: radix hits, drafts accepted, SWA slots freed out of the window
     assert all(out[10 + i].cached > 0 for i in range(3)), {i: o.cached for i, o in out.items()}
     assert any(o.verify_ct < len(o.output_ids) - 1 for o in out.values())
