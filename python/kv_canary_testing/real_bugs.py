@@ -45,6 +45,7 @@ REVERSES_ON = {
     "swa_repoint_short_match_0523": ("0.5.23",),  # step 3: a 0.5.22 -> 0.5.23 fix, found by diffing the releases
     "eagle_draft_decode_positions_pr25015": ("0.5.23",),  # step 3 (PD/spec pass): EAGLE draft decode positions
     "eagle_chunked_tail_token_pr26800": ("0.5.23",),  # step 3 (PD/spec pass): EAGLE chunk-end draft token
+    "score_embed_override_radix_insert_0522": ("0.5.23",),  # step 3: /v1/score's embedding overrides cached (#27472)
 }
 # fixes applied forward: the release named ships the bug (a later release fixed it); the venv is the buggy run
 APPLIES_ON = {

@@ -3,7 +3,8 @@
 As test_e2e_real_bugs (0.5.12): a real fix reversed on a private copy of the venv's sglang
 (``kv_canary_testing.real_bugs``), the same workload three times through ``real_bug_runs.three_runs``: (a) bug in,
 ``--kv-canary none``; (b) bug in, ``--kv-canary log``; (c) the fixed sglang, ``--kv-canary raise``. CPU, the hybrid-SWA
-tiny model (window 24, ``--swa-full-tokens-ratio 1.0``), 0.5.23's UnifiedRadixCache.
+tiny model (window 24, ``--swa-full-tokens-ratio 1.0``), 0.5.23's UnifiedRadixCache (#27472: the plain tiny model
+and ``/v1/score``).
 """
 
 import random
@@ -14,9 +15,9 @@ import time
 import pytest
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
-from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS
+from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
 from kv_canary_testing.real_bug_runs import pool_leaks, skip_unless_by_hand, summarize_violations, three_runs
-from kv_canary_testing.workload import RequestSpec, run_requests
+from kv_canary_testing.workload import RequestSpec, flush_cache, run_requests
 
 register_cpu_ci(est_time=190, suite="kv-canary-cpu")
 
@@ -195,6 +196,95 @@ def test_swa_repoint_short_match_c_fixed_has_no_violation(repoint_runs):
     assert all(o.status == "ok" for o in out.values()), [o.error for o in out.values()]
     assert log.violations == [] and log.last_stat("violations") == 0
     assert pool_leaks(log.text) == []
+
+
+# ---- #27472: /v1/score's embedding overrides cached under the plain token ids -------------------------------------
+
+SCORE_BUG = "score_embed_override_radix_insert_0522"
+PLACEHOLDER = FIRST_WORD_ID + 7  # the token id /v1/score replaces with an override vector (embed_override_token_id)
+OVERRIDE_AT = (5, 15, 25)  # query positions holding the placeholder
+HIDDEN = 64  # the plain tiny model's hidden size (model_dir.write_model_dir)
+
+
+def score_then_generate(srv):
+    """A /v1/score request whose query carries three embedding overrides (prefill only), then /generate with the same
+    50 ids and 8 more (greedy): with the bug its KV hits the score request's; then ``/flush_cache`` and the same
+    /generate again, computed fresh. ``{"score": status, "hit": outcome, "fresh": outcome}``."""
+    import requests
+
+    rng = random.Random(27472)
+    query = [FIRST_WORD_ID + 20 + rng.randrange(NUM_WORDS - 20) for _ in range(40)]
+    for p in OVERRIDE_AT:
+        query[p] = PLACEHOLDER
+    item = [FIRST_WORD_ID + 20 + rng.randrange(NUM_WORDS - 20) for _ in range(10)]
+    overrides = [[3.0 if (i * 7 + j) % 3 else -3.0 for j in range(HIDDEN)] for i in range(len(OVERRIDE_AT))]
+    r = requests.post(srv.base_url + "/v1/score", timeout=300, json={
+        "query": query, "items": [item], "embed_override_token_id": PLACEHOLDER, "query_embed_overrides": overrides,
+        "label_token_ids": [FIRST_WORD_ID + 1, FIRST_WORD_ID + 2]})
+    words = tuple(t - FIRST_WORD_ID for t in query + item) + tuple(rng.randrange(NUM_WORDS) for _ in range(8))
+    spec = RequestSpec(1, "after-score", words, 24)
+    one = lambda: run_requests(srv.base_url, [spec], concurrency=1, use_input_ids=True,  # noqa: E731
+                               timeout=300).outcomes[0]
+    hit = one()
+    flush_cache(srv.base_url)
+    return {"score": (r.status_code, r.text[:300]), "hit": hit, "fresh": one()}
+
+
+def describe_score(run):
+    res = run.result
+    return (f"score={res['score'][0]} hit_cached={res['hit'].cached_tokens} fresh_cached={res['fresh'].cached_tokens} "
+            f"hit_equals_fresh={res['hit'].output_ids == res['fresh'].output_ids}")
+
+
+@pytest.fixture(scope="module")
+def score_runs(tmp_path_factory):
+    skip_unless_by_hand("#27472 by hand (KVC_REAL_BUGS_TIMING=1): three more servers")
+    return three_runs(SCORE_BUG, [], {}, score_then_generate, 2048, tmp_path_factory, model_path=write_model_dir(),
+                      describe=describe_score)
+
+
+def check_scored(run):
+    res = run.result
+    assert run.running and res["score"][0] == 200, res["score"]
+    assert res["hit"].status == "ok" and res["fresh"].status == "ok", (res["hit"].error, res["fresh"].error)
+
+
+@pytest.mark.e2e
+def test_score_embed_override_a_cached_ids_read_override_kv(score_runs):
+    """sglang's own evidence: the /generate after the score request hits its 50 tokens in the radix cache, and its
+    greedy output differs from the same request computed fresh (after /flush_cache)."""
+    run = score_runs["a"]
+    check_scored(run)
+    res = run.result
+    print(f"kv_canary_real_bug {SCORE_BUG} a: {describe_score(run)}")
+    assert res["hit"].cached_tokens >= 40, "no radix hit on the score request's tokens: the bug did not fire"
+    assert res["hit"].output_ids != res["fresh"].output_ids, "the hit's output equals the fresh one"
+
+
+@pytest.mark.e2e
+@pytest.mark.xfail(strict=True, reason=(
+    "a known miss (2026-11-30, docs/real-bugs.md): the canary's identity of a slot is (token, position, chain over "
+    "the prefix's tokens); the score request fed the placeholder token at the override positions, the reader feeds "
+    "the same ids, so every record agrees although the KV came from the override vectors"))
+def test_score_embed_override_b_canary(score_runs):
+    """What the canary should report: the reader's radix hit on the score request's slots (``token``/``chain`` at
+    the reader's first read). Not seen: the strict xfail."""
+    run = score_runs["b"]
+    check_scored(run)
+    log = run.log
+    print(f"kv_canary_real_bug {SCORE_BUG} b: {describe_score(run)} violations={len(log.violations)}")
+    if log.violations:
+        print(summarize_violations(SCORE_BUG, log).line)
+    assert log.installed and log.violations, "the canary reported nothing"
+
+
+@pytest.mark.e2e
+def test_score_embed_override_c_fixed_has_no_violation(score_runs):
+    run = score_runs["c"]
+    check_scored(run)
+    res = run.result
+    assert res["hit"].cached_tokens < 40 and res["hit"].output_ids == res["fresh"].output_ids, describe_score(run)
+    assert run.log.installed and run.log.violations == [] and run.log.last_stat("violations") == 0
 
 
 if __name__ == "__main__":
