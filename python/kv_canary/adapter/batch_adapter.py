@@ -28,6 +28,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from ..views import ForwardView, HostBatch
+from .embed_overrides import fed_positions, marked_ids, override_positions, recorded_prompt
 
 _EXTEND_MODES = ("EXTEND", "MIXED", "DRAFT_EXTEND", "DRAFT_EXTEND_V2", "SPLIT_PREFILL")
 _EAGER_EXTEND_MODES = ("EXTEND", "MIXED")
@@ -37,6 +38,9 @@ class SglangBatchAdapter:
     def __init__(self, *, max_batch_size: int, device: torch.device, tree_verify: bool = False,
                  req_row: Callable[[object], int] = lambda req: req.req_pool_idx):
         self._max_bs = max_batch_size
+        # (tokens, flat override positions) of the extend forward extend_requests() last saw, for its view(); None
+        # without overrides (adapter/embed_overrides)
+        self._override_marks: Optional[Tuple[int, Sequence[int]]] = None
         self._req_row = req_row  # the scheduler Req's req_to_token row (the line's reader: adapter/lines)
         self._tree_verify = tree_verify  # spec v1: a verify's TAIL is deferred to acceptance
         self._device = device
@@ -122,8 +126,12 @@ class SglangBatchAdapter:
             # and writes nothing (committed + n would make HEAD read row 0's first slots).
             real = fb.out_cache_loc[: bs * drafts : drafts] > 0
             torch.mul(fb.seq_lens[:bs].to(torch.int64) + drafts, real, out=seq_lens)
+        input_ids = fb.input_ids
+        marks = self._override_marks  # a prefill's embedding overrides, recorded under a marker token
+        if marks is not None and extend and self.eager_extend(fb) and marks[0] == int(input_ids.shape[0]):
+            input_ids = marked_ids(input_ids, marks[1])
         return ForwardView(
-            input_ids=fb.input_ids,
+            input_ids=input_ids,
             positions=fb.positions,
             out_cache_loc=fb.out_cache_loc,
             req_pool_indices=fb.req_pool_indices,
@@ -156,6 +164,7 @@ class SglangBatchAdapter:
         plugin's ``ForwardBatch.init_new`` hook.
         """
         reqs = getattr(fb, "kv_canary_reqs", None)
+        self._override_marks = None
         if reqs is None or not self._is_extend(fb):
             return []
         prefix, new = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
@@ -164,8 +173,11 @@ class SglangBatchAdapter:
                 f"kv-canary: an extend batch of {len(reqs)} requests has extend_prefix_lens_cpu="
                 f"{None if prefix is None else len(prefix)} / extend_seq_lens_cpu={None if new is None else len(new)} "
                 "entries; the token oracle needs one per request")
+        if self.eager_extend(fb) and any(override_positions(r) for r in reqs):
+            # read by this forward's view(), whose forward batch may be another object without the Req list
+            self._override_marks = (sum(int(n) for n in new), fed_positions(reqs, prefix, new))
         return [(int(self._req_row(req)), (str(req.rid), getattr(req, "retraction_count", 0), id(req)), int(p), int(n),
-                 lambda r=req: (r.origin_input_ids, r.output_ids))
+                 lambda r=req: (recorded_prompt(r), r.output_ids))
                 for req, p, n in zip(reqs, prefix, new)]
 
     def host_batch(self, fb) -> Optional[HostBatch]:

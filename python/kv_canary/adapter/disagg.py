@@ -30,6 +30,7 @@ from typing import Any, Mapping, Optional
 
 from ..config import FLAG_MODE, CanaryConfig, CanaryConfigError
 from ..transfer import Arrival, extra_buf_infos, mark_sent, splice
+from .embed_overrides import recorded_prompt
 
 logger = logging.getLogger("kv_canary")
 
@@ -254,7 +255,7 @@ def after_get_new_prebuilt_batch(batch, scheduler, *args, **kwargs) -> None:
 
     for req in batch.reqs:
         row, rid = _req_row(req), str(req.rid)
-        prompt, outputs = list(req.origin_input_ids), list(req.output_ids)
+        prompt, outputs = list(recorded_prompt(req)), list(req.output_ids)  # overrides: the prefill's marker
         if getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST:  # sglang's warmup / health check
             manager.note_fake_arrival(row, rid, prompt, outputs)
         elif len(outputs) == 1 and manager.transfer is not None:

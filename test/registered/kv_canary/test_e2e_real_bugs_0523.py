@@ -17,7 +17,8 @@ import pytest
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
 from kv_canary_testing.real_bug_runs import pool_leaks, skip_unless_by_hand, summarize_violations, three_runs
-from kv_canary_testing.workload import RequestSpec, flush_cache, run_requests
+from kv_canary_testing.score_overrides import score_then_generate
+from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=190, suite="kv-canary-cpu")
 
@@ -201,35 +202,6 @@ def test_swa_repoint_short_match_c_fixed_has_no_violation(repoint_runs):
 # ---- #27472: /v1/score's embedding overrides cached under the plain token ids -------------------------------------
 
 SCORE_BUG = "score_embed_override_radix_insert_0522"
-PLACEHOLDER = FIRST_WORD_ID + 7  # the token id /v1/score replaces with an override vector (embed_override_token_id)
-OVERRIDE_AT = (5, 15, 25)  # query positions holding the placeholder
-HIDDEN = 64  # the plain tiny model's hidden size (model_dir.write_model_dir)
-
-
-def score_then_generate(srv):
-    """A /v1/score request whose query carries three embedding overrides (prefill only), then /generate with the same
-    50 ids and 8 more (greedy): with the bug its KV hits the score request's; then ``/flush_cache`` and the same
-    /generate again, computed fresh. ``{"score": status, "hit": outcome, "fresh": outcome}``."""
-    import requests
-
-    rng = random.Random(27472)
-    query = [FIRST_WORD_ID + 20 + rng.randrange(NUM_WORDS - 20) for _ in range(40)]
-    for p in OVERRIDE_AT:
-        query[p] = PLACEHOLDER
-    item = [FIRST_WORD_ID + 20 + rng.randrange(NUM_WORDS - 20) for _ in range(10)]
-    overrides = [[3.0 if (i * 7 + j) % 3 else -3.0 for j in range(HIDDEN)] for i in range(len(OVERRIDE_AT))]
-    r = requests.post(srv.base_url + "/v1/score", timeout=300, json={
-        "query": query, "items": [item], "embed_override_token_id": PLACEHOLDER, "query_embed_overrides": overrides,
-        "label_token_ids": [FIRST_WORD_ID + 1, FIRST_WORD_ID + 2]})
-    words = tuple(t - FIRST_WORD_ID for t in query + item) + tuple(rng.randrange(NUM_WORDS) for _ in range(8))
-    spec = RequestSpec(1, "after-score", words, 24)
-    one = lambda: run_requests(srv.base_url, [spec], concurrency=1, use_input_ids=True,  # noqa: E731
-                               timeout=300).outcomes[0]
-    hit = one()
-    flush_cache(srv.base_url)
-    return {"score": (r.status_code, r.text[:300]), "hit": hit, "fresh": one()}
-
-
 def describe_score(run):
     res = run.result
     return (f"score={res['score'][0]} hit_cached={res['hit'].cached_tokens} fresh_cached={res['fresh'].cached_tokens} "
@@ -262,20 +234,20 @@ def test_score_embed_override_a_cached_ids_read_override_kv(score_runs):
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(strict=True, reason=(
-    "a known miss (2026-11-30, docs/real-bugs.md): the canary's identity of a slot is (token, position, chain over "
-    "the prefix's tokens); the score request fed the placeholder token at the override positions, the reader feeds "
-    "the same ids, so every record agrees although the KV came from the override vectors"))
-def test_score_embed_override_b_canary(score_runs):
-    """What the canary should report: the reader's radix hit on the score request's slots (``token``/``chain`` at
-    the reader's first read). Not seen: the strict xfail."""
+def test_score_embed_override_b_canary_reports_the_hit(score_runs):
+    """The canary records the score request's override slots under a marker token (adapter/embed_overrides), so the
+    /generate request that hits them with the plain placeholder ids fails the chain check at its first read:
+    ``token`` in the full group, naming that request, and no other."""
     run = score_runs["b"]
     check_scored(run)
     log = run.log
     print(f"kv_canary_real_bug {SCORE_BUG} b: {describe_score(run)} violations={len(log.violations)}")
-    if log.violations:
-        print(summarize_violations(SCORE_BUG, log).line)
     assert log.installed and log.violations, "the canary reported nothing"
+    print(summarize_violations(SCORE_BUG, log).line)
+    assert {v["group"] for v in log.violations} == {"full"}, log.violations[:3]
+    assert {v["rid"] for v in log.violations} == {run.result["hit"].rid}, log.violations[:3]
+    assert all("token" in v["kind"].split("+") or "chain" in v["kind"].split("+") for v in log.violations), \
+        sorted({v["kind"] for v in log.violations})
 
 
 @pytest.mark.e2e
