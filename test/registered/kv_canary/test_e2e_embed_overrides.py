@@ -41,3 +41,7 @@ def test_a_read_of_a_scoring_requests_override_kv_is_reported_and_nothing_else(r
     else:  # fixed: nothing cached, nothing reported (the score request's own fed ids pass under the marker)
         assert hit.cached_tokens < 40 and hit.output_ids == fresh.output_ids
         assert log.violations == [] and log.last_stat("violations") == 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-v", "-s"]))
