@@ -38,3 +38,34 @@ def score_then_generate(srv) -> dict:
     hit = one()
     flush_cache(srv.base_url)
     return {"score": (r.status_code, r.text[:300]), "hit": hit, "fresh": one()}
+
+
+# what score_then_generate's result shows, checked the same way by the real-bug runs and the CI test
+HIT_TOKENS = 40  # a radix hit on at least the score request's query: its KV was cached
+
+
+def check_served(result: dict, running: bool) -> None:
+    assert running and result["score"][0] == 200, result["score"]
+    hit, fresh = result["hit"], result["fresh"]
+    assert hit.status == "ok" and fresh.status == "ok", (hit.error, fresh.error)
+
+
+def check_read_override_kv(result: dict) -> None:
+    """sglang's own evidence of #27472: the plain request hit the score request's tokens, and its greedy output differs
+    from the same request computed fresh."""
+    hit, fresh = result["hit"], result["fresh"]
+    assert hit.cached_tokens >= HIT_TOKENS, f"no radix hit on the score request's tokens ({hit.cached_tokens})"
+    assert hit.output_ids != fresh.output_ids, "the hit's output equals the fresh one"
+
+
+def check_no_hit(result: dict) -> None:
+    """Fixed: the score request's KV was not cached; the plain request computes what it computes fresh."""
+    hit, fresh = result["hit"], result["fresh"]
+    assert hit.cached_tokens < HIT_TOKENS and hit.output_ids == fresh.output_ids, (hit.cached_tokens, hit.output_ids)
+
+
+def check_reported_at_the_reader(violations: list, result: dict) -> None:
+    """The read of the override KV reported: ``token`` in the full group, naming the plain request and no other."""
+    assert violations, "the read of the override KV was not reported"
+    assert {v["rid"] for v in violations} == {result["hit"].rid}, violations[:3]
+    assert {v["kind"] for v in violations} == {"token"} and {v["group"] for v in violations} == {"full"}, violations[:3]

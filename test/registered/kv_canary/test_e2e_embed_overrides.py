@@ -10,7 +10,8 @@ import pytest
 
 from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci
 from kv_canary_testing.line_suites import installed_line
-from kv_canary_testing.score_overrides import score_then_generate
+from kv_canary_testing.score_overrides import (check_no_hit, check_read_override_kv, check_reported_at_the_reader,
+                                                check_served, score_then_generate)
 
 register_cpu_ci(est_time=70, suite="kv-canary-cpu")
 
@@ -30,18 +31,14 @@ def run(tmp_path_factory):
 @pytest.mark.e2e
 def test_a_read_of_a_scoring_requests_override_kv_is_reported_and_nothing_else(run):
     result, log, running = run
-    assert running and log.installed and result["score"][0] == 200, result["score"]
-    hit, fresh = result["hit"], result["fresh"]
-    assert hit.status == "ok" and fresh.status == "ok"
+    check_served(result, running)
+    assert log.installed
     if SHIPS_THE_BUG:  # the plain request read the score request's cached KV
-        assert hit.cached_tokens >= 40 and hit.output_ids != fresh.output_ids, (hit.cached_tokens, hit.output_ids)
-        assert log.violations, "the read of the override KV was not reported"
-        assert {v["rid"] for v in log.violations} == {hit.rid}, log.violations[:3]
-        assert {v["kind"] for v in log.violations} == {"token"} and {v["group"] for v in log.violations} == {"full"}
+        check_read_override_kv(result)
+        check_reported_at_the_reader(log.violations, result)
     else:  # fixed: nothing cached, nothing reported (the score request's own fed ids pass under the marker)
-        assert hit.cached_tokens < 40 and hit.output_ids == fresh.output_ids
+        check_no_hit(result)
         assert log.violations == [] and log.last_stat("violations") == 0
-
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))

@@ -17,7 +17,8 @@ import pytest
 from kv_canary_testing.canary_e2e import register_cpu_ci
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
 from kv_canary_testing.real_bug_runs import pool_leaks, skip_unless_by_hand, summarize_violations, three_runs
-from kv_canary_testing.score_overrides import score_then_generate
+from kv_canary_testing.score_overrides import (check_no_hit, check_read_override_kv, check_reported_at_the_reader,
+                                                check_served, score_then_generate)
 from kv_canary_testing.workload import RequestSpec, run_requests
 
 register_cpu_ci(est_time=190, suite="kv-canary-cpu")
@@ -202,6 +203,8 @@ def test_swa_repoint_short_match_c_fixed_has_no_violation(repoint_runs):
 # ---- #27472: /v1/score's embedding overrides cached under the plain token ids -------------------------------------
 
 SCORE_BUG = "score_embed_override_radix_insert_0522"
+
+
 def describe_score(run):
     res = run.result
     return (f"score={res['score'][0]} hit_cached={res['hit'].cached_tokens} fresh_cached={res['fresh'].cached_tokens} "
@@ -215,22 +218,14 @@ def score_runs(tmp_path_factory):
                       describe=describe_score)
 
 
-def check_scored(run):
-    res = run.result
-    assert run.running and res["score"][0] == 200, res["score"]
-    assert res["hit"].status == "ok" and res["fresh"].status == "ok", (res["hit"].error, res["fresh"].error)
-
-
 @pytest.mark.e2e
 def test_score_embed_override_a_cached_ids_read_override_kv(score_runs):
     """sglang's own evidence: the /generate after the score request hits its 50 tokens in the radix cache, and its
     greedy output differs from the same request computed fresh (after /flush_cache)."""
     run = score_runs["a"]
-    check_scored(run)
-    res = run.result
+    check_served(run.result, run.running)
     print(f"kv_canary_real_bug {SCORE_BUG} a: {describe_score(run)}")
-    assert res["hit"].cached_tokens >= 40, "no radix hit on the score request's tokens: the bug did not fire"
-    assert res["hit"].output_ids != res["fresh"].output_ids, "the hit's output equals the fresh one"
+    check_read_override_kv(run.result)
 
 
 @pytest.mark.e2e
@@ -239,25 +234,20 @@ def test_score_embed_override_b_canary_reports_the_hit(score_runs):
     /generate request that hits them with the plain placeholder ids fails the chain check at its first read:
     ``token`` in the full group, naming that request, and no other."""
     run = score_runs["b"]
-    check_scored(run)
+    check_served(run.result, run.running)
     log = run.log
     print(f"kv_canary_real_bug {SCORE_BUG} b: {describe_score(run)} violations={len(log.violations)}")
     assert log.installed and log.violations, "the canary reported nothing"
     print(summarize_violations(SCORE_BUG, log).line)
-    assert {v["group"] for v in log.violations} == {"full"}, log.violations[:3]
-    assert {v["rid"] for v in log.violations} == {run.result["hit"].rid}, log.violations[:3]
-    assert all("token" in v["kind"].split("+") or "chain" in v["kind"].split("+") for v in log.violations), \
-        sorted({v["kind"] for v in log.violations})
+    check_reported_at_the_reader(log.violations, run.result)
 
 
 @pytest.mark.e2e
 def test_score_embed_override_c_fixed_has_no_violation(score_runs):
     run = score_runs["c"]
-    check_scored(run)
-    res = run.result
-    assert res["hit"].cached_tokens < 40 and res["hit"].output_ids == res["fresh"].output_ids, describe_score(run)
+    check_served(run.result, run.running)
+    check_no_hit(run.result)
     assert run.log.installed and run.log.violations == [] and run.log.last_stat("violations") == 0
-
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-v", "-s"]))
