@@ -104,6 +104,15 @@ class CanaryBufferGroup:
         """Words of the longest whole row (0: none); read on every launch's host path, computed once."""
         return max((r.words for r in self.rows), default=0)
 
+    @functools.cached_property
+    def row_word_alignment(self) -> int:
+        """4 when every whole row starts at a 16-byte boundary and its offset from ``full_base``, stride and length
+        are multiples of 4 words (the whole-row hash then loads 16 bytes per access), else 1."""
+        base = self.full_base.data_ptr()
+        aligned = base % 16 == 0 and all(
+            (r.view.data_ptr() - base) % 16 == 0 and r.view.stride(0) % 4 == 0 and r.words % 4 == 0 for r in self.rows)
+        return 4 if aligned else 1
+
     @property
     def hashed_word_count(self) -> int:
         return sum(s.words for s in self.sources)

@@ -99,17 +99,20 @@ def _lane_slots(l, MODE: tl.constexpr, bound, records, work, num_slots, start_or
 
 
 @triton.jit
-def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.constexpr):
+def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.constexpr, ALIGN: tl.constexpr):
     """acc[slot] += the partial word sums of rows [r0, r1) of lanes ``m`` (int64, wrapping).
 
-    The terms add into a [SB, WT] int64 tile reduced once at the end: no reduction per loaded tile
+    ``ALIGN`` (``CanaryBufferGroup.row_word_alignment``): the words every row's offset, stride and length are a
+    multiple of. Told to the compiler, it loads ``ALIGN`` words per access (16 bytes) instead of one: the table's
+    values are runtime loads, so without the hint every word was its own load and address (the launch was bound
+    by those instructions, masked lanes costing as much as hashed ones). The terms add into a [SB, WT] int64 tile reduced once at the end: no reduction per loaded tile
     (reducing each step kept too few loads in flight: ~3x slower on an H100)."""
     tile = tl.zeros((SB, WT), dtype=tl.int64)
     cols = tl.arange(0, WT)
     for r in range(r0, r1):
-        offset = tl.load(table + r * 4 + 0)
-        stride = tl.load(table + r * 4 + 1)
-        words = tl.load(table + r * 4 + 2)
+        offset = tl.multiple_of(tl.load(table + r * 4 + 0), ALIGN)
+        stride = tl.multiple_of(tl.load(table + r * 4 + 1), ALIGN)
+        words = tl.multiple_of(tl.load(table + r * 4 + 2), ALIGN)
         first = tl.load(table + r * 4 + 3)
         row = base + offset + slot[:, None] * stride
         for w0 in range(0, words, WT):
@@ -172,7 +175,7 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
                     work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
                     ring, ring_capacity,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
-                    FUSED: tl.constexpr, GROUP_BITS: tl.constexpr, FBLOCK: tl.constexpr):
+                    ALIGN: tl.constexpr, FUSED: tl.constexpr, GROUP_BITS: tl.constexpr, FBLOCK: tl.constexpr):
     """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
 
     TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``).
@@ -193,7 +196,7 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
             slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
             slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
             m = m & (slot > 0) & (slot < num_slots)
-            _add_rows(acc, tl.where(m, slot, 0), m, base, table, r0, r1, SB, WT)
+            _add_rows(acc, tl.where(m, slot, 0), m, base, table, r0, r1, SB, WT, ALIGN)
     else:
         if MODE == 1:
             bound = per_forward
@@ -203,7 +206,7 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
             start = 0
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             slot, m = _lane_slots(b * SB + lanes, MODE, bound, records, work, num_slots, start)
-            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT)
+            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN)
     if FUSED:  # LIST only
         # every thread's acc adds precede this program's ticket (release); the last ticket acquires them all
         tl.debug_barrier()
@@ -352,7 +355,8 @@ def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_
         state.acc, group.full_base, table, num_rows, rpp, group.records, group.num_slots, counters,
         per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
         ring, ring.shape[0],
-        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, FUSED=fused is not None,
+        MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, ALIGN=group.row_word_alignment,
+        FUSED=fused is not None,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, FBLOCK=SHAPE.finalize_block, num_warps=SHAPE.warps)
 
 
