@@ -182,6 +182,9 @@ CONFIGS: Dict[str, ServerConfig] = {
                      ALL_ROWS, env=UPSTREAM_CANARY_ENV),
         ServerConfig("intree_all_rows", IN_TREE, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "upstream",
                      ALL_ROWS, env=UPSTREAM_CANARY_ENV + IN_TREE_ENV),
+        # issue 60: how much of ``all``'s serving cost is the scrub (its default 256 slots per forward vs 64)
+        ServerConfig("ours_all_scrub64", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
+                     ALL_ROWS, env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", "64"),)),
         ServerConfig("ours_scrub_rows", OURS, ("--kv-canary", "raise"), "ours", SCRUB_ROWS,
                      env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_ROW_SLOTS)),)),
         # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own
