@@ -104,9 +104,9 @@ def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.conste
 
     ``ALIGN`` (``CanaryBufferGroup.row_word_alignment``): the words every row's offset, stride and length are a
     multiple of. Told to the compiler, it loads ``ALIGN`` words per access (16 bytes) instead of one: the table's
-    values are runtime loads, so without the hint every word was its own load and address (the launch was bound
-    by those instructions, masked lanes costing as much as hashed ones). The terms add into a [SB, WT] int64 tile reduced once at the end: no reduction per loaded tile
-    (reducing each step kept too few loads in flight: ~3x slower on an H100)."""
+    values are runtime loads, so without the hint every word was its own load and address (the bulk paths 12-27%
+    slower on an H200). The terms add into a [SB, WT] int64 tile reduced once at the end: no reduction per loaded
+    tile (reducing each step kept too few loads in flight: ~3x slower on an H100)."""
     tile = tl.zeros((SB, WT), dtype=tl.int64)
     cols = tl.arange(0, WT)
     for r in range(r0, r1):
