@@ -12,6 +12,11 @@ events, median of ``--iters``. The profiler then gives each kernel's mean durati
 launched k times a step also per launch, ``name[j]`` in step order). Reported besides: the slots each step hashed in
 full per path (first read, scrub, written; the canary's counters) and the device's copy rate (GB/s read), for scale.
 
+First reads (``all``): steady decode by default, the prefill's slots already verified, so a step's first reads are
+the ``bs`` slots the step before wrote (the untimed store graph marks each prefix's last slot unverified again);
+``--prefill-backlog``: the prefill's slots left unverified, the timed steps
+draining them at the list's capacity (every run before 2026-11-30f).
+
 The canary's settings are the server's (``CanaryConfig.build``, default ``--kv-canary raise`` with
 ``--enable-hierarchical-cache``; ``--canary-env`` overrides). Every timed step must stay clean: the script
 fails on any violation, and checks that HEAD verified every cached slot.
@@ -45,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--real-data", default="partial", choices=("none", "partial", "all"),
                    help="--kv-canary-real-data of the canary's settings (default partial; all: every byte at a "
                         "slot's first read, and the scrub)")
+    p.add_argument("--prefill-backlog", action="store_true",
+                   help="leave the prefill's slots unverified, so the timed steps drain their first reads (as "
+                        "right after a prefill; before 2026-11-30 always); default: steady decode, the prefill's "
+                        "slots already verified and each step's first reads the slots the step before wrote")
     p.add_argument("--label", default="", help="a name for this run in the json")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: proves it runs")
     p.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
@@ -132,6 +141,16 @@ class DecodeRig:
             seq_lens=torch.full((bs,), ctx, device=device), new_starts=torch.arange(bs, device=device) * ctx,
             new_lens=torch.full((bs,), ctx, device=device), batch_size=bs, max_new_len=ctx)
         kernels.write(self.group, prefill, r2t, self.counters, ring, True, check_fed=False)
+        if self.group.full_row is not None and not args.prefill_backlog:
+            # steady decode: the prefill's slots had their first read long ago (their tag is the FULL_HASH it
+            # verified); each timed step's first reads are the slots the step before wrote (its TAIL clears them)
+            cached = slots[:, :ctx].reshape(-1)
+            self.group.full_row.tags[cached] = self.group.records[cached, fp.F_FULL_HASH]
+            # the step repeats at one position, so the slot it writes is never in its own prefix: the untimed store
+            # graph marks the prefix's last slot unverified again, the slot the step before would have written
+            self.relisted = slots[:, ctx - 1].contiguous()
+        else:
+            self.relisted = None
         for mgr in (self.head_mgr, self.tail_mgr):
             if mgr._oracle is not None:
                 mgr._oracle.row_chain[rows] = self.group.records[slots[:, ctx - 1], fp.F_CHAIN]
@@ -150,6 +169,8 @@ class DecodeRig:
     def store(self):
         for i, b in enumerate(self.k + self.v):
             b[self.view.out_cache_loc] = self.new_rows[i]
+        if self.relisted is not None:
+            self.group.full_row.tags.index_fill_(0, self.relisted, 0)  # graph-capturable: no host scalar copy
 
     def tail(self):
         self.tail_mgr.post_ops_maybe_inside_graph(self.view)
@@ -371,7 +392,7 @@ def main(argv=None):
     report = {"label": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "copy_read_gbps": copy_bandwidth(torch, device) if device.type == "cuda" else None,
               "config": {"hicache": not args.no_hicache, "real_data": args.real_data, "env": args.environ,
-                         "pool_slots": pool},
+                         "pool_slots": pool, "first_reads": "prefill backlog" if args.prefill_backlog else "steady"},
               "timing": "CUDA graph replay after an L2 flush, CUDA events, median (cold); kernels: profiler mean "
                         "over 50 replays without flush (hot)", "results": results}
     with open(args.out, "w") as f:
