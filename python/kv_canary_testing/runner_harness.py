@@ -79,7 +79,7 @@ class Harness:
             return wrapped
 
         kernels = CanaryKernels("spy", spy("verify", ref.launch_verify), spy("write", ref.launch_write),
-                                ref.launch_scrub, spy("sweep", ref.launch_index_sweep), record_accepted,
+                                spy("scrub", ref.launch_scrub), spy("sweep", ref.launch_index_sweep), record_accepted,
                                 build_accepted_drafts, spy("stamp", ref.launch_witness_stamp),
                                 spy("check", ref.launch_witness_check), ref.launch_first_read, graph_safe=False)
         self.manager = CanaryManager(

@@ -12,7 +12,7 @@ import pytest
 from kv_canary import fingerprint as fp
 from kv_canary.config import CanaryMode
 from kv_canary.runner import CanaryBracketError
-from kv_canary.violations import VIOLATION_PREFIX, CanaryViolationError, parse_lines
+from kv_canary.violations import STATS_PREFIX, VIOLATION_PREFIX, CanaryViolationError, parse_lines
 
 pytest.importorskip("sglang.srt.model_executor.forward_batch_info")
 from kv_canary_testing.runner_harness import CTX, Harness  # noqa: E402 - needs sglang
@@ -27,6 +27,19 @@ def test_per_forward_orchestrates_plan_head_forward_tail():
     c = h.manager.last_counters
     assert int(c[fp.C_SLOTS_WRITTEN]) == 7 and int(c[fp.C_SLOTS_VERIFIED]) == 5
     assert h.manager.forwards == 2 and int(c[fp.C_FORWARD_INDEX]) == 2
+
+
+def test_the_stats_line_gives_the_canarys_host_time_per_outer_step():
+    """``host_us_per_step``: the outside pre- and post-ops' host time per outer step, mean since init finished."""
+    h = Harness()
+    h.step(h.batch({1: [5, 6]}))  # before init finished: not counted
+    h.manager.mark_init_finished()
+    assert parse_lines(h.manager.stats_line(), STATS_PREFIX)[0]["host_us_per_step"] == "0.0"
+    h.step(h.batch({1: [7, 8, 9]}))
+    h.step(h.batch({1: [10]}, decode=True))
+    stats = parse_lines(h.manager.stats_line(), STATS_PREFIX)[0]
+    assert stats["outer_steps"] == "2" and h.manager.outside_host_ns > 0
+    assert float(stats["host_us_per_step"]) == round(h.manager.outside_host_ns / 2e3, 1)
 
 
 def test_a_dropped_kv_store_is_reported_unwritten_by_the_tail_of_its_forward(caplog):
@@ -67,6 +80,35 @@ def test_the_verify_and_tail_run_at_the_anchor_before_the_last_stage_or_after_a_
     c = h.manager.last_counters
     assert int(c[fp.C_SLOTS_WRITTEN]) == 7 and h.manager.forwards == 2 and int(c[fp.C_FORWARD_INDEX]) == 2
     assert "tails_at_anchor=1 " in h.manager.stats_line() + " "
+
+
+def test_the_scrub_runs_in_head_before_the_stamp_with_or_without_an_anchor(caplog):
+    """The scrub checks its window in HEAD, before the stamp changes the slots to fill, also when the verify and the
+    TAIL run at the anchor (moving it after the TAIL's write, beside the LM head, measured no faster on an H200:
+    docs/results/gpu-h200-2026-11-30g-host-time); no false alarm over the windows, and a byte flipped in a held
+    slot no forward reads is reported within the bound (rid=scrub)."""
+    h = Harness(mode=CanaryMode.LOG, anchor=True, scrub_slots_per_forward=64)  # 255 slots: every one in 4 forwards
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7], 2: [8, 9]}))
+    assert h.events == ["scrub", "stamp", "forward", "verify", "check", "write", "logits"]
+    for t in range(8):  # slots 6..13, one a forward (forwards 2..9)
+        h.step(h.batch({1: [10 + t]}, decode=True))
+    h.manager.poll(drain=True)
+    c = h.manager.last_counters
+    assert int(c[fp.C_VIOLATIONS]) == 0 and int(c[fp.C_SLOTS_SCRUBBED]) > 0
+    held = int(h.r2t[2, 1])  # request r2's last slot: held, no longer read
+    h.v[held, 0, 3] = -h.v[held, 0, 3] - 1.0
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        for t in range(4):
+            h.step(h.batch({1: [30 + t]}, decode=True))
+        h.manager.poll(drain=True)
+    found = [(v["kind"], v["rid"], v["slot"]) for v in parse_lines(caplog.text, VIOLATION_PREFIX)]
+    assert found == [("kv_hash", "scrub", str(held))]
+
+    plain = Harness(scrub_slots_per_forward=64)  # no anchor: the verify in HEAD too, the TAIL after the forward
+    plain.manager.mark_init_finished()
+    plain.step(plain.batch({1: [5, 6]}))
+    assert plain.events == ["scrub", "verify", "stamp", "forward", "check", "write"]
 
 
 def test_a_dropped_kv_store_is_reported_unwritten_by_a_tail_at_the_anchor(caplog):

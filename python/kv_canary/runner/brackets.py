@@ -9,6 +9,7 @@ the reverse).
 
 from __future__ import annotations
 
+import time
 from typing import List, Protocol, Sequence
 
 
@@ -17,6 +18,7 @@ class Bracketed(Protocol):
 
     _in_outside_bracket: bool
     _eager_tails: int
+    outside_host_ns: int  # host time in the outside pre- and post-ops since init (stats: host_us_per_step)
 
     def _check_index(self, index: int) -> None: ...
 
@@ -47,14 +49,17 @@ class OutsideBracket:
             m._check_index(i)
         m._in_outside_bracket = True
         m._eager_tails = 0
+        t0 = time.perf_counter_ns()
         try:
             m._pre_ops_outside_graph(self._fb)
         except BaseException:
             m._in_outside_bracket = False
             raise
+        m.outside_host_ns += time.perf_counter_ns() - t0
 
     def __exit__(self, exc_type, exc, tb) -> None:
         m = self._m
+        t0 = time.perf_counter_ns()
         try:
             if exc_type is None:
                 m._post_ops_outside_graph(self._fb, len(self._indices))
@@ -62,6 +67,7 @@ class OutsideBracket:
                 m.note_failed_step(self._fb)
         finally:
             m._in_outside_bracket = False
+            m.outside_host_ns += time.perf_counter_ns() - t0
 
 
 class ActiveBracket:

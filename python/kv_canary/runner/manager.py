@@ -169,6 +169,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         self.forwards = 0  # forwards counted on the host (mirrors counters[C_FORWARD_INDEX])
         self._wait_steps = 0  # eager outer steps in a row whose bookkeeping waits (``EAGER_STEPS_WAITING``)
         self.outer_steps = 0
+        self.outside_host_ns = 0  # host time of the outside pre- and post-ops (brackets.OutsideBracket)
         self.graph_forwards = 0  # forwards whose HEAD/TAIL ran inside a replayed CUDA graph
         self._settled_forward = 0  # the forward of the last idle drain's settled stats line
         self._reset_reporting()

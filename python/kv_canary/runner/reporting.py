@@ -289,6 +289,9 @@ class Reporting:
             {
                 "mode": self.config.mode.value,
                 "outer_steps": self.outer_steps,
+                # the canary's own host work per outer step (outside pre- and post-ops; a forward replayed from a
+                # CUDA graph runs no HEAD or TAIL host code), mean µs since init
+                "host_us_per_step": round(self.outside_host_ns / 1e3 / max(1, self.outer_steps), 1),
                 "forwards_host": self.forwards,
                 "graph_forwards": self.graph_forwards,
                 "slots_written": values[fp.C_SLOTS_WRITTEN],
