@@ -52,7 +52,7 @@ def parse_args(argv=None):
                         "slot's first read, and the scrub)")
     p.add_argument("--prefill-backlog", action="store_true",
                    help="leave the prefill's slots unverified, so the timed steps drain their first reads (as "
-                        "right after a prefill; before 2026-11-30 always); default: steady decode, the prefill's "
+                        "right after a prefill; every run before 2026-11-30f); default: steady decode, the prefill's "
                         "slots already verified and each step's first reads the slots the step before wrote")
     p.add_argument("--label", default="", help="a name for this run in the json")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: proves it runs")
