@@ -51,7 +51,8 @@ def test_mixed_workload_has_no_violation(server):
           f"slots_witnessed={log.last_stat('slots_witnessed')} "
           f"sweeps={log.last_stat('sweeps')} slots_swept={log.last_stat('slots_swept')} "
           f"violations={len(log.violations)} graph_forwards={log.last_stat('graph_forwards')} "
-          f"forwards={log.last_stat('forwards_host')} index_walks={log.stats[-1].get('index_walks') if log.stats else None} "
+          f"forwards={log.last_stat('forwards_host')} "
+          f"host_us_per_step={log.stats[-1].get('host_us_per_step') if log.stats else None} index_walks={log.stats[-1].get('index_walks') if log.stats else None} "
           f"index_walks_skipped={log.stats[-1].get('index_walks_skipped') if log.stats else None}")
 
     assert log.installed, server.log_tail()
@@ -73,6 +74,8 @@ def test_mixed_workload_has_no_violation(server):
     if installed_line() == "0.5.23":  # the UnifiedRadixCache was walked (its stats field: that line only)
         assert log.last_stat("index_walks") > 0
     assert log.last_stat("health_violations") == 0
+    # the canary's own host time per outer step, measured around every outside pre- and post-op (stats line)
+    assert float(log.stats[-1]["host_us_per_step"]) > 0
     # Every forward the host counted ran HEAD and TAIL on the device (graph replays included).
     assert log.last_stat("verify_launches") == log.last_stat("write_launches") == log.last_stat("forwards_host")
     # Each eager forward's TAIL ran at the model's logits processor, beside the LM head (runner/early_tail.py;
