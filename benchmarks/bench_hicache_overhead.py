@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import (  # noqa: E402
     SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, probe_environment, run_batch, wait_settled,
 )
-from overhead_plan import ROWS, server_plan  # noqa: E402
+from overhead_plan import IDLE_ENV, ROWS, SAMPLER_DIR, server_plan  # noqa: E402 - IDLE_ENV: canary_idle.py
 from overhead_summary import pct  # noqa: E402
 from paired_rounds import paired, pooled  # noqa: E402
 from server_probes import parse_cpu_set, pin_process_tree, read_stacks, stack_lines, stack_summary  # noqa: E402
@@ -62,8 +62,6 @@ from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
 from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
 from kv_canary_testing.server import PACKAGE_PARENT, SglangServer  # noqa: E402
 
-SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
-IDLE_ENV = "KVC_DIAG_CANARY_IDLE"  # read by the sampler directory's sitecustomize (canary_idle.py)
 
 # name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward.
 # Real data named: partial is 0.5.12's default, and what sglang 0.5.23 (default none) verifies with HiCache

@@ -120,6 +120,14 @@ STORM_ENV = (  # one corruption of a slot a forward reads, never repeated: read 
 # system prompt is in the radix cache and every request reads the cached copy (in the first batch, the
 # few requests prefilled together compute private copies; a flip there would be read by one request only).
 STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
+# The layout control (``ours_idle``): the canary installed (plugin, hooks, its device buffers and the bytes held back
+# before the KV pool), its per-forward work skipped (``stack_sampler/canary_idle.py``, through that directory's
+# sitecustomize, first on PYTHONPATH). The process's memory layout is then ours; its work is not. On an H200 the
+# decode bs1 step's gate_up GEMM ran 3% slower or 7% faster with the canary installed, by host, with or without
+# its work (docs/history/performance.md, 2026-12-01): ours vs this server is what the canary's work costs.
+IDLE_ENV = "KVC_DIAG_CANARY_IDLE"
+SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
+LAYOUT_ROWS = ("decode_bs1", "decode_bs32", "decode_bs64")
 # upstream 0.5.14 ships its own kv_canary; the plugin (installed in the same site) refuses 0.5.14 unless handed over
 UPSTREAM_CANARY_ENV = (("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1"), ("SGLANG_KV_CANARY_IMPL", "in-tree"))
 
@@ -185,6 +193,8 @@ CONFIGS: Dict[str, ServerConfig] = {
         # issue 60: how much of ``all``'s serving cost is the scrub (its default 256 slots per forward vs 64)
         ServerConfig("ours_all_scrub64", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
                      ALL_ROWS, env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", "64"),)),
+        # the layout control: installed, idle (not a setting to run: it verifies nothing)
+        ServerConfig("ours_idle", OURS, ("--kv-canary", "raise"), "variant", LAYOUT_ROWS, env=((IDLE_ENV, "1"),)),
         ServerConfig("ours_scrub_rows", OURS, ("--kv-canary", "raise"), "ours", SCRUB_ROWS,
                      env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_ROW_SLOTS)),)),
         # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own
@@ -369,4 +379,9 @@ def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
         env["PYTHONPATH"] = os.pathsep.join(p for p in (upstream_site, os.environ.get("PYTHONPATH", "")) if p)
     elif config.role in ("ours", "storm", "variant"):
         env.update(extra_canary_env)
+    if env.get(IDLE_ENV) == "1":  # the sampler directory's sitecustomize makes the canary idle
+        from kv_canary_testing.server import PACKAGE_PARENT
+
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(SAMPLER_DIR), PACKAGE_PARENT, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
     return env

@@ -13,6 +13,7 @@ from overhead_plan import ROWS, Row
 
 MIN_HIT_RATE = 0.9  # the shared-prefix row must be served from the radix cache
 MEMORY_CONTEXT_LENS = (131072,)  # extra context lengths the memory table is computed for
+LAYOUT_CONTROL = "ours_idle"  # overhead_plan's installed-but-idle server
 DEFAULT_REQ_ROWS = 4097  # sglang's req pool on a large GPU without --max-running-requests (memory table)
 
 
@@ -41,6 +42,8 @@ def summarize(runs: Sequence[dict], rows: Sequence[Row]) -> Tuple[dict, dict]:
     off_s: the first off server's median of the row's baseline shape; ours_pct / upstream_pct: the
     canary server against the off server of its own stack (upstream against sglang 0.5.14 without
     canary when measured, else against 0.5.12 off); noise_pct: the second off server against the first.
+    With the layout control (``ours_idle``) in the run, the details add ours against it (the canary's work) and it
+    against off (the canary's presence: its memory layout and hooks).
     """
     table, details = {}, {}
     for row in rows:
@@ -68,6 +71,10 @@ def summarize(runs: Sequence[dict], rows: Sequence[Row]) -> Tuple[dict, dict]:
             "upstream_off_vs_ours_off_pct": pct(up_base, off_s) if up_off else None,
             "hit_rate_min": {r["label"]: min(r["rows"][row.name]["hit_rate"]) for r in runs if row.name in r["rows"]},
         }
+        idle = next((r for r in runs if r.get("config") == LAYOUT_CONTROL and base_row in r["rows"]), None)
+        if idle is not None:  # the layout control: what the canary's work costs, apart from its presence
+            details[row.name]["ours_vs_idle_pct"] = pct(_median(ours, row.name), _median(idle, base_row))
+            details[row.name]["idle_vs_off_pct"] = pct(_median(idle, base_row), off_s)
         if row.shared_prefix_len:
             details[row.name]["hit_rate_ok"] = all(v >= MIN_HIT_RATE
                                                    for v in details[row.name]["hit_rate_min"].values())

@@ -83,6 +83,40 @@ def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
     assert table["decode_bs1"] == {"off_s": 2.0, "ours_pct": None, "upstream_pct": 13.3, "noise_pct": None}
 
 
+def test_the_layout_control_splits_the_canarys_work_from_its_presence():
+    """ours_idle: the canary installed and idle (its sitecustomize first on PYTHONPATH); the details give ours
+    against it (the work) and it against off (the presence), where it measured the row."""
+    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
+    config = overhead_plan.CONFIGS["ours_idle"]
+    env = overhead_plan.server_env(config, plan, None, {})
+    assert env[overhead_plan.IDLE_ENV] == "1" and config.args == overhead_plan.CONFIGS["ours"].args
+    assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
+    # a fresh interpreter with that environment gets an idle CanaryManager
+    import os
+    import subprocess
+    import sys
+
+    probe = ("from kv_canary.runner.manager import CanaryManager as M; "
+             "print(getattr(M, 'kvc_diag_idle', False), M.pre_ops_maybe_inside_graph(None, None))")
+    base = {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
+    idle = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert idle.returncode == 0, idle.stderr[-2000:]
+    assert idle.stdout.split() == ["True", "None"]
+    assert "PYTHONPATH" not in overhead_plan.server_env(overhead_plan.CONFIGS["ours"], plan, None, {})
+    runs = [
+        _run("off#1", "off", {"decode_bs1": 2.0, "decode_bs64": 4.0}),
+        _run("ours#1", "ours", {"decode_bs1": 2.02, "decode_bs64": 4.0}),
+        _run("ours_idle#1", "variant", {"decode_bs1": 2.01}, config="ours_idle"),
+    ]
+    rows = [overhead_plan.ROWS["decode_bs1"], overhead_plan.ROWS["decode_bs64"]]
+    table, details = overhead_summary.summarize(runs, rows)
+    assert table["decode_bs1"]["ours_pct"] == 1.0  # the table still compares with off
+    assert details["decode_bs1"]["ours_vs_idle_pct"] == 0.5
+    assert details["decode_bs1"]["idle_vs_off_pct"] == 0.5
+    assert "ours_vs_idle_pct" not in details["decode_bs64"]  # the control did not measure it
+
+
 def test_low_radix_hit_rate_is_flagged():
     runs = [_run("off#1", "off", {"shared_prefix": 5.0})]
     runs[0]["rows"]["shared_prefix"]["hit_rate"] = [0.95, 0.5]
