@@ -126,6 +126,7 @@ STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
 # decode bs1 step's gate_up GEMM ran 3% slower or 7% faster with the canary installed, by host, with or without
 # its work (docs/history/performance.md, 2026-12-01): ours vs this server is what the canary's work costs.
 IDLE_ENV = "KVC_DIAG_CANARY_IDLE"
+DEVICE_BYTES_ENV = "KVC_DIAG_DEVICE_BYTES"  # the layout probe for a server without the canary (device_bytes.py)
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 LAYOUT_ROWS = ("decode_bs1", "decode_bs32", "decode_bs64")
 # upstream 0.5.14 ships its own kv_canary; the plugin (installed in the same site) refuses 0.5.14 unless handed over
@@ -379,7 +380,7 @@ def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
         env["PYTHONPATH"] = os.pathsep.join(p for p in (upstream_site, os.environ.get("PYTHONPATH", "")) if p)
     elif config.role in ("ours", "storm", "variant"):
         env.update(extra_canary_env)
-    if env.get(IDLE_ENV) == "1":  # the sampler directory's sitecustomize makes the canary idle
+    if env.get(IDLE_ENV) == "1" or env.get(DEVICE_BYTES_ENV):  # applied by the sampler directory's sitecustomize
         from kv_canary_testing.server import PACKAGE_PARENT
 
         env["PYTHONPATH"] = os.pathsep.join(

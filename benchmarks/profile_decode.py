@@ -21,7 +21,7 @@ forward's graph (``MAIN_GRAPH_KERNELS`` kernels or more); the canary's one-kerne
 
 ``--configs`` entries are ``LABEL[:CONFIG][;ENV=VALUE...][;@PATH]``: ``CONFIG`` one of ``overhead_plan.CONFIGS``
 (default ``LABEL``; ``ours_idle`` is the layout control: the canary installed, its work skipped), extra server
-environment, and ``PATH`` first on ``PYTHONPATH`` (another build of the canary package, an A/B of one change).
+environment (``KVC_DIAG_DEVICE_BYTES=N`` on ``off``: the layout probe, ``stack_sampler/device_bytes.py``), and ``PATH`` first on ``PYTHONPATH`` (another build of the canary package, an A/B of one change).
 Output: ``--out`` (the JSON summary), the traces and server logs beside it.
 
     export PYTHONPATH=/tmp/site:$PWD/python
@@ -38,6 +38,7 @@ What it found: docs/history/performance.md (decode bs32, 2026-11-22; decode bs1'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import bisect
 import gzip
 import json
@@ -279,8 +280,7 @@ def main(argv=None) -> int:
     plan = server_plan("cuda", 1.0, rows + [ROWS["decode_bs64"]])
     report = {"command": " ".join(["python3", *sys.argv]), "configs": {}}
     for name, config, extra_env, path in specs:
-        env = server_env(config, plan, None, {})
-        env.update(extra_env)
+        env = server_env(dataclasses.replace(config, env=config.env + tuple(extra_env.items())), plan, None, {})
         if path:
             rest = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
             env["PYTHONPATH"] = os.pathsep.join(x for x in (path, rest) if x)

@@ -12,7 +12,8 @@ process's garbage collections per generation (count, seconds, longest), timed by
 samples attribute to whatever frame triggered the collection).
 
 ``KVC_DIAG_CANARY_IDLE=1`` (no sampling needed): the bench ablation ``hc_ours_idle``, the canary installed with its
-per-forward work skipped (``canary_idle.py``).
+per-forward work skipped (``canary_idle.py``). ``KVC_DIAG_DEVICE_BYTES=N``: the layout probe, N device bytes held
+after the KV pool of a server without the canary (``device_bytes.py``).
 """
 
 import os
@@ -118,6 +119,11 @@ if os.environ.get("KVC_DIAG_CANARY_IDLE") == "1":  # bench ablation hc_ours_idle
     import canary_idle
 
     canary_idle.install()
+
+if os.environ.get("KVC_DIAG_DEVICE_BYTES"):  # bench ablation: the layout probe (device_bytes.py)
+    import device_bytes
+
+    device_bytes.install()
 
 if _DIR:
     _start(_DIR)

@@ -292,3 +292,50 @@ def test_the_gpu_flags_follow_the_installed_line(tmp_path, monkeypatch):
     args = overhead_plan.server_plan("cuda", 1.0, rows)["args"]
     assert args[args.index("--cuda-graph-max-bs") + 1] == str(overhead_plan.CUDA_GRAPH_MAX_BS)
     assert "--skip-server-warmup" in args
+
+
+def test_the_layout_probe_holds_its_bytes_after_the_kv_pool_of_a_server_without_the_canary():
+    """KVC_DIAG_DEVICE_BYTES=N (stack_sampler/device_bytes.py): the installed sglang's KV pool builder
+    (ModelRunner.alloc_memory_pool, or init_memory_pool on 0.5.12) is wrapped once its module is imported in a fresh
+    interpreter with the probe's environment; the wrapper returns what it returned and then holds N device bytes; a
+    bad N is refused naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
+    off = overhead_plan.CONFIGS["off"]
+    probe_config = type(off)(**{**off.__dict__, "env": ((overhead_plan.DEVICE_BYTES_ENV, "4096"),)})
+    env = overhead_plan.server_env(probe_config, plan, None, {})
+    assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
+    probe = ("from sglang.srt.model_executor.model_runner import ModelRunner as M\n"
+             "pool = getattr(M, 'alloc_memory_pool', None) or M.init_memory_pool\n"
+             "print(pool.__code__.co_filename.endswith('device_bytes.py'))\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
+    got = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[-1] == "True"
+    bad = subprocess.run([sys.executable, "-c", "pass"], env={**base, **env, overhead_plan.DEVICE_BYTES_ENV: "6MB"},
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "KVC_DIAG_DEVICE_BYTES='6MB'" in bad.stderr
+
+    sys.path.insert(0, str(overhead_plan.SAMPLER_DIR))
+    try:
+        import device_bytes
+    finally:
+        sys.path.remove(str(overhead_plan.SAMPLER_DIR))
+
+    class Runner:
+        device, gpu_id = "cpu", 0
+
+        def init_memory_pool(self, total):
+            return f"pool of {total}"
+
+    device_bytes.wrap(Runner, 4096)
+    runner = Runner()
+    assert runner.init_memory_pool(7) == "pool of 7"
+    with pytest.raises(AttributeError, match="KVC_DIAG_DEVICE_BYTES"):
+        device_bytes.wrap(type("NoPool", (), {}), 1)
+    held = runner.kvc_diag_device_bytes
+    assert held.numel() == 4096 and held.device.type == "cpu"
