@@ -128,7 +128,7 @@ STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
 IDLE_ENV = "KVC_DIAG_CANARY_IDLE"
 DEVICE_BYTES_ENV = "KVC_DIAG_DEVICE_BYTES"  # the layout probe for a server without the canary (device_bytes.py)
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
-LAYOUT_ROWS = ("decode_bs1", "decode_bs32", "decode_bs64")
+LAYOUT_ROWS = BASE_ROWS  # every row; the ``*_all`` rows compare with it through their baseline rows
 # upstream 0.5.14 ships its own kv_canary; the plugin (installed in the same site) refuses 0.5.14 unless handed over
 UPSTREAM_CANARY_ENV = (("SGLANG_KV_CANARY_ENABLE_VERIFY_TOKEN_ASSERT", "1"), ("SGLANG_KV_CANARY_IMPL", "in-tree"))
 

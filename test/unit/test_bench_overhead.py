@@ -108,13 +108,16 @@ def test_the_layout_control_splits_the_canarys_work_from_its_presence():
         _run("off#1", "off", {"decode_bs1": 2.0, "decode_bs64": 4.0}),
         _run("ours#1", "ours", {"decode_bs1": 2.02, "decode_bs64": 4.0}),
         _run("ours_idle#1", "variant", {"decode_bs1": 2.01}, config="ours_idle"),
+        _run("ours_all_rows#1", "ours", {"decode_bs1_all": 2.03}, config="ours_all_rows"),
     ]
-    rows = [overhead_plan.ROWS["decode_bs1"], overhead_plan.ROWS["decode_bs64"]]
+    rows = [overhead_plan.ROWS[n] for n in ("decode_bs1", "decode_bs64", "decode_bs1_all")]
     table, details = overhead_summary.summarize(runs, rows)
     assert table["decode_bs1"]["ours_pct"] == 1.0  # the table still compares with off
     assert details["decode_bs1"]["ours_vs_idle_pct"] == 0.5
     assert details["decode_bs1"]["idle_vs_off_pct"] == 0.5
     assert "ours_vs_idle_pct" not in details["decode_bs64"]  # the control did not measure it
+    assert details["decode_bs1_all"]["ours_vs_idle_pct"] == 1.0  # every byte, against the control's bs1
+    assert set(overhead_plan.CONFIGS["ours_idle"].rows) == set(overhead_plan.BASE_ROWS)
 
 
 def test_low_radix_hit_rate_is_flagged():
