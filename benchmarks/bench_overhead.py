@@ -85,8 +85,8 @@ from overhead_client import (  # noqa: E402
 )
 from overhead_plan import (  # noqa: E402
     CONFIGS, CPU_DEFAULT_CONFIGS, CPU_DEFAULT_SCALE, DEFAULT_CONFIGS, DEFAULT_ROWS, DEFAULT_UPSTREAM_SITE,
-    IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang, plan_eagle_args,
-    server_env, server_plan,
+    IDLE_ENV, IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang,
+    plan_eagle_args, server_env, server_plan,
 )
 from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
 
@@ -144,7 +144,7 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
             }
             _progress(f"[{label}] {row.name:<20} {row.describe():<36} median {statistics.median(times):8.3f}s "
                       f"(reps {', '.join(f'{t:.3f}' for t in times)}; radix hit rate {min(hit):.3f})")
-        if config.stack == OURS and config.role != "off":
+        if config.stack == OURS and config.role != "off" and IDLE_ENV not in dict(config.env):  # idle: no drain
             wait_settled(server, SETTLE_TIMEOUT_S)
     except Exception as exc:  # keep the other configs' results: record and go on
         result["error"] = f"{type(exc).__name__}: {exc}"
