@@ -5,9 +5,10 @@ servers, one per ``--configs`` entry.
 Each server (the overhead bench's Llama-3-8B-shaped dummy model, CUDA graphs, ``overhead_plan``'s flags) runs, per
 batch size of ``--batches``, a warmup batch (1k in; 512 out at bs1, else 256), ``--reps`` timed batches, then one
 more batch during whose decode phase sglang's own profiler (``/start_profile``, CPU + GPU activities, no stacks)
-records ``--steps`` forwards. ``analyze_trace`` reduces the trace to per-step numbers. A step is one replay of the
-forward's graph (``MAIN_GRAPH_KERNELS`` kernels or more); the canary's one-kernel counter publish graph
-(``kv_canary/d2h.py``) is counted apart (``small_graph_*``) and is outside work:
+records ``--steps`` forwards. ``analyze_trace`` reduces the trace to per-step numbers (with ``trace_summary``'s
+reader, graph replays, interval union and canary kernel names). A step is one replay of the forward's graph
+(``MAIN_GRAPH_KERNELS`` kernels or more); the canary's one-kernel counter publish graph (``kv_canary/d2h.py``) is
+counted apart (``small_graph_*``) and is outside work:
 
 - ``device_period_us``: between the first kernels of consecutive forward graphs; ``host_period_us``: between their
   ``cudaGraphLaunch`` calls; ``launch_lead_us``: how far ahead of the device the host launched (small: host-bound);
@@ -21,7 +22,8 @@ forward's graph (``MAIN_GRAPH_KERNELS`` kernels or more); the canary's one-kerne
 
 ``--configs`` entries are ``LABEL[:CONFIG][;ENV=VALUE...][;@PATH]``: ``CONFIG`` one of ``overhead_plan.CONFIGS``
 (default ``LABEL``; ``ours_idle`` is the layout control: the canary installed, its work skipped), extra server
-environment (``KVC_DIAG_DEVICE_BYTES=N`` on ``off``: the layout probe, ``stack_sampler/device_bytes.py``), and ``PATH`` first on ``PYTHONPATH`` (another build of the canary package, an A/B of one change).
+environment (``KVC_DIAG_DEVICE_BYTES=N`` on ``off``: the layout probe, ``stack_sampler/device_bytes.py``), and
+``PATH`` first on ``PYTHONPATH`` (another build of the canary package, an A/B of one change).
 Output: ``--out`` (the JSON summary), the traces and server logs beside it.
 
     export PYTHONPATH=/tmp/site:$PWD/python
@@ -38,9 +40,8 @@ What it found: docs/history/performance.md (decode bs32, 2026-11-22; decode bs1'
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import bisect
-import gzip
+import dataclasses
 import json
 import os
 import statistics
@@ -56,11 +57,10 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import PromptSource, run_batch  # noqa: E402
 from overhead_plan import CONFIGS, ROWS, Row, ServerConfig, plan_eagle_args, server_env, server_plan  # noqa: E402
+from trace_summary import GPU_CATS, _union, graph_replays, is_canary_kernel, read_events  # noqa: E402
 
 from kv_canary_testing.server import SglangServer  # noqa: E402
 
-CANARY_KERNELS = ("verify_kernel", "write_kernel", "row_hash_kernel", "row_finalize_kernel", "stamp_kernel",
-                  "check_kernel", "index_sweep", "accepted")
 PROFILE_WAIT_S = 120.0
 MAIN_GRAPH_KERNELS = 20  # fewer kernels: not the forward's graph (the canary's counter publish graph)
 
@@ -77,52 +77,34 @@ def _stats(values: List[float]) -> dict:
             "p10": round(_pct(values, 0.1), 2), "p90": round(_pct(values, 0.9), 2)}
 
 
-def _union(intervals: List[tuple]) -> float:
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
-
-
 def analyze_trace(path: Path) -> dict:
     """Per-step numbers of one chrome trace written by sglang's torch profiler.
 
     A step is one replay of the forward's graph (>= MAIN_GRAPH_KERNELS kernels); smaller replays (the canary's
     one-kernel counter publish graph) are counted apart and their kernels are outside work."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events = read_events(path)
+    kernels = [e for e in events if e.get("cat") in GPU_CATS]
     runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
     cpu_ops = [e for e in events if e.get("cat") == "cpu_op"]
-    launches = sorted((e for e in runtime if e["name"].startswith("cudaGraphLaunch")), key=lambda e: e["ts"])
     by_corr: Dict[int, list] = defaultdict(list)
     for k in kernels:
-        by_corr[k.get("args", {}).get("correlation", -1)].append(k)
-    steps, small = [], []
-    for e in launches:
-        ks = by_corr.get(e.get("args", {}).get("correlation", -2), [])
-        if not ks:
-            continue
-        if len(ks) < MAIN_GRAPH_KERNELS:
-            small.append(ks)
-            continue
-        start = min(k["ts"] for k in ks)
-        end = max(k["ts"] + k["dur"] for k in ks)
+        by_corr[(k.get("args") or {}).get("correlation")].append(k)  # graph_replays' key
+    steps = []
+    for host_ts, start, end, corr in graph_replays(events, MAIN_GRAPH_KERNELS):
+        ks = by_corr[corr]
         canary = defaultdict(float)
         for k in ks:
-            if any(n in k["name"] for n in CANARY_KERNELS):
+            if is_canary_kernel(k["name"]):
                 canary[f"stream{k.get('args', {}).get('stream')}"] += k["dur"]
-        busy = _union([(k["ts"], k["ts"] + k["dur"]) for k in ks])
-        steps.append({"host_ts": e["ts"], "start": start, "end": end, "kernels": len(ks), "busy": busy,
-                      "kernel_us": sum(k["dur"] for k in ks), "canary": dict(canary),
-                      "corr": e.get("args", {}).get("correlation")})
-    graph_corr = {s["corr"] for s in steps}
+        steps.append({"host_ts": host_ts, "start": start, "end": end, "kernels": len(ks), "corr": corr,
+                      "busy": _union([(k["ts"], k["ts"] + k["dur"]) for k in ks]),
+                      "kernel_us": sum(k["dur"] for k in ks), "canary": dict(canary)})
+    main_corr = {s["corr"] for s in steps}
+    small = []  # the other graph launches with kernels: the counter publish graph
+    for e in runtime:
+        c = (e.get("args") or {}).get("correlation")
+        if e["name"] == "cudaGraphLaunch" and c not in main_corr and by_corr.get(c):
+            small.append(by_corr[c])
     out = {"trace": path.name, "graph_replays": len(steps), "small_graph_replays": len(small)}
     if len(steps) < 3:
         return out
@@ -130,7 +112,7 @@ def analyze_trace(path: Path) -> dict:
     host_period = [b["host_ts"] - a["host_ts"] for a, b in zip(steps, steps[1:])]
     dev_period = [b["start"] - a["start"] for a, b in zip(steps, steps[1:])]
     between_busy, idle = [], []
-    outside_k = [k for k in kernels if k.get("args", {}).get("correlation") not in graph_corr and t0 <= k["ts"] < t1]
+    outside_k = [k for k in kernels if k.get("args", {}).get("correlation") not in main_corr and t0 <= k["ts"] < t1]
     outside = sorted((k["ts"], k["ts"] + k["dur"]) for k in outside_k)
     for a, b in zip(steps, steps[1:]):
         window = [(max(x, a["end"]), min(y, b["start"])) for x, y in outside if x < b["start"] and y > a["end"]]
@@ -153,7 +135,7 @@ def analyze_trace(path: Path) -> dict:
         for k in ks:
             graph_names[k["name"][:90]] += k["dur"]
             graph_calls[k["name"][:90]] += 1
-        for k in ks:  # how much of each kernel ran beside another kernel (any stream, in or outside the graph)
+            # how much of it ran beside another kernel (any stream, in or outside the graph)
             a0, a1 = k["ts"], k["ts"] + k["dur"]
             i = bisect.bisect_left(starts, a0 - longest)
             beside = []

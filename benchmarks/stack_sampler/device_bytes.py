@@ -1,7 +1,8 @@
 """Bench-only ablation ``KVC_DIAG_DEVICE_BYTES=N``: the layout probe, for a server without the canary.
 
-Right after sglang's ``ModelRunner`` has built its KV pool (``init_memory_pool``; ``alloc_memory_pool`` from 0.5.15 on),
-where the canary's install allocates its device buffers, allocate ``N`` bytes on the runner's device and hold them for the process's life; nothing else changes.
+Right after sglang's ``ModelRunner`` has built its KV pool (``init_memory_pool``; ``alloc_memory_pool`` from 0.5.15
+on), where the canary's install allocates its device buffers, allocate ``N`` bytes on the runner's device and hold
+them for the process's life; nothing else changes.
 Beside ``off`` and ``ours_idle`` in one profile run (``profile_decode.py --configs
 "off,alloc:off;KVC_DIAG_DEVICE_BYTES=<the install line's canary_bytes>,ours_idle"``) it tells whether the canary's
 allocations alone move a GEMM's speed (docs/history/performance.md, decode bs1, 2026-12-01). It verifies nothing:
