@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import (  # noqa: E402
     SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, probe_environment, run_batch, wait_settled,
 )
-from overhead_plan import IDLE_ENV, ROWS, SAMPLER_DIR, server_plan  # noqa: E402 - IDLE_ENV: canary_idle.py
+from overhead_plan import IDLE_ENV, ROWS, sampler_pythonpath, server_plan  # noqa: E402 - IDLE_ENV: canary_idle.py
 from overhead_summary import pct  # noqa: E402
 from paired_rounds import paired, pooled  # noqa: E402
 from server_probes import parse_cpu_set, pin_process_tree, read_stacks, stack_lines, stack_summary  # noqa: E402
@@ -60,7 +60,7 @@ from thread_cpu import busiest, snapshot as thread_snapshot  # noqa: E402
 from trace_summary import summarize as summarize_trace  # noqa: E402
 from kv_canary_testing.hicache_cpu import ENV as HICACHE_SHIM_ENV  # noqa: E402
 from kv_canary_testing.prometheus import sglang_counter  # noqa: E402
-from kv_canary_testing.server import PACKAGE_PARENT, SglangServer  # noqa: E402
+from kv_canary_testing.server import SglangServer  # noqa: E402
 
 
 # name: (role, server args, canary env); hc_ours_d2h4: the counters copied to the host after every 4th forward.
@@ -112,7 +112,7 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
         env[HICACHE_SHIM_ENV] = "1"
     sampling = args.sample_stacks or args.host_timers or args.sync_debug  # each process samples its main thread
     if sampling or IDLE_ENV in canary_env:  # the sampler directory's sitecustomize samples / makes the canary idle
-        env["PYTHONPATH"] = os.pathsep.join([str(SAMPLER_DIR), PACKAGE_PARENT, os.environ.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = sampler_pythonpath(os.environ.get("PYTHONPATH", ""))
     if sampling:
         if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
             env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"

@@ -381,8 +381,13 @@ def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
     elif config.role in ("ours", "storm", "variant"):
         env.update(extra_canary_env)
     if env.get(IDLE_ENV) == "1" or env.get(DEVICE_BYTES_ENV):  # applied by the sampler directory's sitecustomize
-        from kv_canary_testing.server import PACKAGE_PARENT
-
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(SAMPLER_DIR), PACKAGE_PARENT, env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))) if p)
+        env["PYTHONPATH"] = sampler_pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")))
     return env
+
+
+def sampler_pythonpath(rest: str) -> str:
+    """``rest`` (a PYTHONPATH) with the sampler directory first (its ``sitecustomize`` applies the ``KVC_DIAG_*`` and
+    ``KVC_STACK_SAMPLE_*`` settings) and this checkout's canary package next; empty entries left out."""
+    from kv_canary_testing.server import PACKAGE_PARENT
+
+    return os.pathsep.join(p for p in (str(SAMPLER_DIR), PACKAGE_PARENT, rest) if p)
