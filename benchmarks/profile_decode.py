@@ -30,11 +30,14 @@ Output: ``--out`` (the JSON summary), the traces and server logs beside it.
     python3 benchmarks/profile_decode.py --configs off,ours_idle,ours --batches 1 --out /tmp/prof/summary.json
     python3 benchmarks/profile_decode.py --configs "off,nowit:ours;SGLANG_KV_CANARY_WRITE_WITNESS=0" --batches 32
     python3 benchmarks/profile_decode.py --eagle v1 --configs off,ours --batches 1,32   # EAGLE spec v1 servers
+    python3 benchmarks/profile_decode.py --configs off,ours --rows shared_prefix --from-start --steps 3 --reps 1
+        # the shared-prefix row's extend and first decode steps, Python stacks on (trace_summary's summary)
 
 With ``--eagle`` a decode step is several graph replays (spec v1: draft phase, tree verify, draft extend), so the
 per-replay numbers mix the three; compare off and ours per round (3 replays) instead.
 
-What it found: docs/history/performance.md (decode bs32, 2026-11-22; decode bs1's gate_up GEMM, 2026-12-01).
+What it found: docs/history/performance.md (decode bs32, 2026-11-22; decode bs1's gate_up GEMM, 2026-12-01; the
+shared-prefix row's extend, 2026-12-01b).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import PromptSource, run_batch  # noqa: E402
 from overhead_plan import CONFIGS, ROWS, Row, ServerConfig, plan_eagle_args, server_env, server_plan  # noqa: E402
-from trace_summary import GPU_CATS, _union, graph_replays, is_canary_kernel, read_events  # noqa: E402
+from trace_summary import GPU_CATS, _union, graph_replays, is_canary_kernel, read_events, summarize  # noqa: E402
 
 from kv_canary_testing.server import SglangServer  # noqa: E402
 
@@ -186,24 +189,34 @@ def _latest_trace(folder: Path, after: float) -> Optional[Path]:
 
 
 def profile_batch(server: SglangServer, prompts: PromptSource, row: Row, steps: int, trace_dir: Path,
-                  reps: int) -> dict:
-    """Warmup, ``reps`` timed batches, then a batch whose decode phase is profiled for ``steps`` forwards."""
+                  reps: int, from_start: bool = False) -> dict:
+    """Warmup, ``reps`` timed batches, then a batch whose decode phase is profiled for ``steps`` forwards
+    (``from_start``: its first ``steps`` forwards, the prefill first, with Python stacks: ``trace_summary``'s
+    summary instead of the per-replay numbers)."""
     run_batch(server.base_url, prompts.batch(row, -1), row.output_len)
     times = [run_batch(server.base_url, prompts.batch(row, r), row.output_len)["wall_s"] for r in range(reps)]
     wall = statistics.median(times)
-    sub = trace_dir / f"bs{row.batch}"
+    sub = trace_dir / row.name
     sub.mkdir(parents=True, exist_ok=True)
     result: dict = {}
     batch = prompts.batch(row, reps)
     worker = threading.Thread(target=lambda: result.update(run_batch(server.base_url, batch, row.output_len)))
     began = time.time()
-    worker.start()
-    time.sleep(0.4 * wall)  # into the decode phase (prefill is well under 40% of a row)
     session = requests.Session()
     session.trust_env = False
-    r = session.post(server.base_url + "/start_profile", timeout=60, json={
-        "output_dir": str(sub), "num_steps": steps, "activities": ["CPU", "GPU"],
-        "with_stack": False, "record_shapes": False})
+
+    def start_profile():
+        return session.post(server.base_url + "/start_profile", timeout=60, json={
+            "output_dir": str(sub), "num_steps": steps, "activities": ["CPU", "GPU"],
+            "with_stack": from_start, "record_shapes": False})
+
+    if from_start:
+        r = start_profile()
+        worker.start()
+    else:
+        worker.start()
+        time.sleep(0.4 * wall)  # into the decode phase (prefill is well under 40% of a row)
+        r = start_profile()
     worker.join()
     deadline = time.monotonic() + PROFILE_WAIT_S
     trace = None
@@ -217,7 +230,7 @@ def profile_batch(server: SglangServer, prompts: PromptSource, row: Row, steps: 
         summary["error"] = f"no trace in {sub} (/start_profile said {r.status_code}: {r.text[:300]})"
     else:
         summary["trace_path"] = str(trace)
-        summary.update(analyze_trace(trace))
+        summary.update(summarize(trace) if from_start else analyze_trace(trace))
     return summary
 
 
@@ -241,12 +254,29 @@ def parse_config(spec: str) -> Tuple[str, ServerConfig, Dict[str, str], str]:
     return name, config, env, path
 
 
+def select_rows(batches: str, rows: str) -> List[Row]:
+    """The rows to profile: ``rows`` (names of ``overhead_plan.ROWS``) if given, else a decode row per batch size
+    of ``batches`` (1k in; 512 out at bs1, else 256). An unknown name is refused before any server starts."""
+    if rows:
+        unknown = [r for r in rows.split(",") if r not in ROWS]
+        if unknown:
+            raise SystemExit(f"--rows {rows!r}: {', '.join(unknown)} not among {', '.join(ROWS)}")
+        return [ROWS[r] for r in rows.split(",")]
+    return [Row(f"decode_bs{b}", batch=int(b), input_len=1024, output_len=512 if int(b) == 1 else 256)
+            for b in batches.split(",")]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="off,ours",
                    help="comma-separated LABEL[:CONFIG][;ENV=VALUE...][;@PATH] (PATH first on PYTHONPATH)")
     p.add_argument("--batches", default="32,64",
                    help="decode batch sizes (1k in; 512 out at bs1, else 256), default 32,64")
+    p.add_argument("--rows", default="",
+                   help="comma-separated rows of overhead_plan.ROWS in place of --batches (e.g. shared_prefix)")
+    p.add_argument("--from-start", action="store_true",
+                   help="profile each batch's first --steps forwards (its prefill first) with Python stacks, and "
+                        "summarize them with trace_summary (the prefill is eager: no per-replay numbers)")
     p.add_argument("--steps", type=int, default=40, help="forwards profiled per batch (default 40)")
     p.add_argument("--reps", type=int, default=2, help="timed batches before the profiled one (default 2)")
     p.add_argument("--eagle", choices=["", "v2", "v1"], default="",
@@ -256,8 +286,7 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     base = out.parent
     base.mkdir(parents=True, exist_ok=True)
-    rows = [Row(f"decode_bs{b}", batch=int(b), input_len=1024, output_len=512 if int(b) == 1 else 256)
-            for b in args.batches.split(",")]
+    rows = select_rows(args.batches, args.rows)
     specs = [parse_config(spec) for spec in args.configs.split(",")]  # a bad entry fails before any server starts
     plan = server_plan("cuda", 1.0, rows + [ROWS["decode_bs64"]])
     report = {"command": " ".join(["python3", *sys.argv]), "configs": {}}
@@ -276,7 +305,8 @@ def main(argv=None) -> int:
         try:
             server.start(timeout=600)
             for row in rows:
-                entry[row.name] = profile_batch(server, prompts, row, args.steps, base / name, args.reps)
+                entry[row.name] = profile_batch(server, prompts, row, args.steps, base / name, args.reps,
+                                                args.from_start)
                 print(f"[{name}] {row.name}: {json.dumps(entry[row.name])[:1500]}", flush=True)
         except Exception as exc:  # keep the other configs
             entry["error"] = f"{type(exc).__name__}: {exc}"

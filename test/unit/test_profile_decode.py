@@ -1,7 +1,7 @@
 """benchmarks/profile_decode.py's trace reduction (no server, no GPU): a synthetic torch-profiler trace of four
 decode steps, each a forward graph replay followed by the canary's one-kernel publish graph, with sglang's own
-work between them, reduces to the per-step numbers the benchmark reports; a bad ``--configs`` entry is refused
-before any server starts."""
+work between them, reduces to the per-step numbers the benchmark reports; a bad ``--configs`` or ``--rows`` entry
+is refused before any server starts."""
 
 from __future__ import annotations
 
@@ -84,3 +84,12 @@ def test_a_config_entry_names_its_config_env_and_path_or_is_refused():
     for bad in ("nosuch", "x:nosuch", "ours;NOEQUALS", "ours;@"):
         with pytest.raises(SystemExit, match="--configs"):
             profile_decode.parse_config(bad)
+
+
+def test_rows_are_the_benchs_named_rows_or_decode_rows_per_batch_size():
+    assert [(r.name, r.batch, r.input_len, r.output_len) for r in profile_decode.select_rows("1,32", "")] == [
+        ("decode_bs1", 1, 1024, 512), ("decode_bs32", 32, 1024, 256)]
+    shared = profile_decode.select_rows("1,32", "shared_prefix")
+    assert [(r.name, r.batch, r.shared_prefix_len) for r in shared] == [("shared_prefix", 64, 4096)]
+    with pytest.raises(SystemExit, match="--rows 'shared_prefix,nosuch': nosuch not among"):
+        profile_decode.select_rows("32", "shared_prefix,nosuch")
