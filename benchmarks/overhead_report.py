@@ -49,10 +49,13 @@ def overhead_section(current: dict) -> str:
         "The current figure of every row (`docs/results/overhead.json`: the most recent recorded run per sglang "
         "line, device, row and canary configuration; Llama-3-8B shape, dummy weights, CUDA graphs, triton "
         "attention; each canary against the server without canary of its own sglang, in the same run; upstream: "
-        "sglang's in-tree canary with the same flags).",
+        "sglang's in-tree canary with the same flags; ours vs installed-idle: against the same run's server with "
+        "the canary installed and its per-forward work skipped, `ours_idle`, which takes the canary's presence in "
+        "the process out of the figure: docs/results/gpu-h200-2026-12-01-decode-bs1-profile).",
         "",
-        "| sglang | device | row | canary | date | off s | ours | upstream | off-vs-off noise | goal (ours) | run |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---|---|",
+        "| sglang | device | row | canary | date | off s | ours | ours vs installed-idle | upstream | off-vs-off noise | "
+        "goal (ours) | run |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in current["rows"]:
         goal = goals.get(r["config"], DEFAULT_GOAL_PCT)
@@ -66,7 +69,8 @@ def overhead_section(current: dict) -> str:
         off = "n/a" if r.get("off_s") is None else f"{r['off_s']:.3f}"
         run = r["run"].replace("docs/results/", "")
         lines.append(f"| {r['line']} | {r['device']} | {ROW_LABELS.get(r['row'], r['row'])} | {r['config']} | "
-                     f"{r['date']} | {off} | {ours_text} | {_pct(r.get('upstream_pct'))} | "
+                     f"{r['date']} | {off} | {ours_text} | {_pct(r.get('ours_vs_idle_pct'))} | "
+                     f"{_pct(r.get('upstream_pct'))} | "
                      f"{_pct(r.get('noise_pct'))} | ≤ {goal:g}%: {met} | `{run}` |")
     return "\n".join(lines)
 
