@@ -79,6 +79,8 @@ class TokenOracle:
         # be behind its copy) and of admissions / row initialisations
         self._fed_staging = PinnedStaging((self._admit_at,), torch.int64, device, count=3)
         self._admit_staging = PinnedStaging((3 * max_batch_size,), torch.int64, device)
+        # ``stage_admissions``'s: (rows, cached prefixes, remember each, the chains list it fills)
+        self._admit_pending: Optional[Tuple[List[int], List[Sequence[int]], List[bool], List[int]]] = None
         self._fed_requests: Optional[Tuple[Sequence[FedRequest], List[int], List[int]]] = None  # ``stage_fed``'s
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
@@ -115,23 +117,28 @@ class TokenOracle:
         self._cached_tokens = 0
         self._fed_pending.clear()
         self._fed_requests = None
+        self._admit_pending = None
         self._row_fed.clear()
 
     # ------------------------------------------------------------------ host side, before a forward
 
-    def stage(self, requests: Sequence[FedRequest], *, fed_later: bool = False) -> int:
+    def stage(self, requests: Sequence[FedRequest], *, fed_later: bool = False, admit_later: bool = False) -> int:
         """Extend forward: admit the new requests (their cached prefixes' chains, which HEAD's verify reads) and
         stage the expected tokens of every request (batch order; TAIL's write reads them); returns how many were
         admitted. ``fed_later``: leave the fed tokens to ``stage_fed``, called by the forward's TAIL on the host
         (an eager forward's: its launch is then past the model's layers, and what the host does there overlaps
         them instead of delaying the forward's start; ~80-100 us of the row workload's extend on one H200 host,
-        docs/history/hicache.md 7.19).
+        docs/history/hicache.md 7.19). ``admit_later`` (with ``fed_later``): the admitted prefixes' chains too
+        (``stage_admissions``, which ``stage_fed`` runs first): for a forward whose verify runs with its TAIL (the
+        model's last stage). Looking up and hashing 64 admitted 4k-token prefixes held an H200's extend launch ~5
+        ms (docs/results/gpu-h200-2026-12-01b-idle-control).
 
         Also applies row initialisations queued by ``init_row`` (any forward: call with ``[]``).
         """
         if self._row_inits:
             self._apply_row_inits()
         self._fed_requests = None
+        self.stage_admissions()  # a forward that left its admissions (never dropped: the rows' owners are set)
         if not requests:
             return 0
         total = sum(n + 1 for _, _, _, n, _ in requests)
@@ -163,38 +170,53 @@ class TokenOracle:
             admit_rows.append(row)
             admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
             admit_kept.append(not rememberable)
-        a = len(admit_rows)
         chains: List[int] = []
-        if a:
-            buf, arr = self._admit_staging.take()
-            chains = self._prefix_chains(admit_prefixes, admit_kept)
-            arr[:a] = admit_rows
-            arr[a:2 * a] = chains
-            dev = self.staged[self._admit_at:self._admit_at + 2 * a]
-            dev.copy_(buf[:2 * a], non_blocking=self._admit_staging.is_cuda)
-            self.row_chain.index_copy_(0, dev[:a], dev[a:])
-            self._admit_staging.done()
-        self._fed_requests = (requests, admissions, chains)
+        self._fed_requests = (requests, admissions, chains)  # ``chains`` is filled by ``stage_admissions``
+        if admit_rows:
+            self._admit_pending = (admit_rows, admit_prefixes, admit_kept, chains)
+        if not (fed_later and admit_later):
+            self.stage_admissions()
         if not fed_later:
             self.stage_fed()
-        return a
+        return len(admit_rows)
+
+    def stage_admissions(self) -> None:
+        """The chains over the admitted requests' cached prefixes that ``stage`` left (nothing if none): one
+        non-blocking copy and one scatter into ``row_chain`` on the current stream, ahead of the verify that reads
+        them."""
+        pending, self._admit_pending = self._admit_pending, None
+        if pending is None:
+            return
+        rows, prefixes, kept, chains = pending
+        a = len(rows)
+        buf, arr = self._admit_staging.take()
+        chains.extend(self._prefix_chains(prefixes, kept))
+        arr[:a] = rows
+        arr[a:2 * a] = chains
+        dev = self.staged[self._admit_at:self._admit_at + 2 * a]
+        dev.copy_(buf[:2 * a], non_blocking=self._admit_staging.is_cuda)
+        self.row_chain.index_copy_(0, dev[:a], dev[a:])
+        self._admit_staging.done()
 
     @property
     def fed_unstaged(self) -> bool:
-        """``stage(fed_later=True)`` left fed tokens that ``stage_fed`` has not staged yet."""
+        """``stage(fed_later=True)`` left fed tokens (and maybe admissions) that ``stage_fed`` has not staged yet."""
         return self._fed_requests is not None
 
     def forget_fed(self) -> None:
-        """Drop the fed tokens ``stage`` left (their forward's TAIL did not run on the host)."""
+        """Drop the fed tokens ``stage`` left (their forward's TAIL did not run on the host); its admissions are
+        staged, not dropped (their rows' new owners are recorded: a later forward verifies against their chains)."""
         self._fed_requests = None
+        self.stage_admissions()
 
     def stage_fed(self) -> None:
         """The fed tokens ``stage`` left (nothing if none): one non-blocking copy on the current stream, which the
         TAIL's write then reads. A fed prompt whose chain before it is known (an admission's, or a remembered
         chunk's) is queued for ``remember_fed``."""
-        pending, self._fed_requests = self._fed_requests, None
-        if pending is None:
+        if self._fed_requests is None:
             return
+        self.stage_admissions()  # the chains the fed prompts extend
+        pending, self._fed_requests = self._fed_requests, None
         requests, admissions, chains = pending
         buf, arr = self._fed_staging.take()
         at = 0

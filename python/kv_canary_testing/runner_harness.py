@@ -33,6 +33,7 @@ class TinyAttentionModel(torch.nn.Module):
         self.drop_lane = None  # a lane whose K/V store goes to the padding slot 0 (a dropped write)
         self.logits_processor = None  # a LogitsStage when the harness anchors the TAIL there
         self.skip_logits = False  # a forward path that never reaches the last stage
+        self.raise_before_logits = False  # a forward that raises after its K/V stores, before the last stage
 
     def forward(self, input_ids, positions, forward_batch):
         self.events.append("forward")
@@ -44,6 +45,8 @@ class TinyAttentionModel(torch.nn.Module):
         if self.nested:
             self.nested = False
             self.forward(input_ids, positions, forward_batch)  # a re-entrant call: no second bracket
+        if self.raise_before_logits:
+            raise RuntimeError("the model raised before the logits")
         if self.logits_processor is not None and not self.skip_logits:
             self.logits_processor(input_ids)
         return input_ids

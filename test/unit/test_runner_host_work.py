@@ -44,6 +44,69 @@ def test_an_eager_extend_stages_its_fed_tokens_at_its_tail_and_a_wrong_one_is_ca
     assert [(v["kind"], v["rid"], v["position"]) for v in found] == [("token", "r3", "1")]
 
 
+def _spy_admissions(h):
+    oracle = h.manager.token_oracle
+    stage_admissions = oracle.stage_admissions
+
+    def spied():
+        if oracle._admit_pending is not None:
+            h.events.append("admit")
+        stage_admissions()
+
+    oracle.stage_admissions = spied
+
+
+def _radix_hit(h, row, prefix_row, prefix_tokens, new_tokens):
+    """A new request in ``row`` whose first ``len(prefix_tokens)`` positions are ``prefix_row``'s cached slots (a
+    radix match); the scheduler records ``prefix_tokens`` as its prompt's start."""
+    n = len(prefix_tokens)
+    h.r2t[row, :n] = h.r2t[prefix_row, :n]
+    h.lens[row], h.own[row] = n, list(prefix_tokens)
+    return h.batch({row: new_tokens})
+
+
+@pytest.mark.parametrize("anchor", [True, False])
+def test_an_eager_extend_admits_its_cached_prefixes_where_its_verify_runs(anchor, caplog):
+    """An admitted request's chain over its cached prefix is computed where the verify that reads it runs: with an
+    anchor, at the TAIL (past the model's layer launches, off the extend's launch path), else in HEAD. A prefix whose
+    tokens are not the request's own is caught either way."""
+    h = Harness(mode=CanaryMode.LOG, anchor=anchor)
+    h.manager.mark_init_finished()
+    _spy_admissions(h)
+    h.step(h.batch({1: [5, 6, 7]}))
+    assert "admit" not in h.events  # nothing cached: nothing to admit
+    h.events.clear()
+    h.step(_radix_hit(h, 3, 1, [5, 6, 7], [8]))
+    if anchor:
+        assert h.events == ["stamp", "forward", "admit", "verify", "check", "write", "logits"]
+    else:
+        assert h.events == ["admit", "verify", "stamp", "forward", "check", "write"]
+    h.step(_radix_hit(h, 4, 1, [5, 6, 99], [8]))  # matched slots holding another prompt's tokens
+    with caplog.at_level(logging.ERROR, logger="kv_canary"):
+        h.manager.poll(drain=True)
+    found = parse_lines(caplog.text, VIOLATION_PREFIX)
+    assert [(v["kind"], v["rid"], v["position"]) for v in found] == [("token", "r4", "2")]
+
+
+def test_an_extend_that_raises_before_its_anchor_still_admits_and_verifies(caplog):
+    """The verify left for the anchor runs when the forward raises before it (``verify_deferred_on_error``), with the
+    admissions it reads, and what it found is reported before the error propagates."""
+    h = Harness(mode=CanaryMode.LOG, anchor=True)
+    h.manager.mark_init_finished()
+    _spy_admissions(h)
+    h.step(h.batch({1: [5, 6, 7]}))
+    h.model.raise_before_logits = True
+    for row, prefix, want in ((3, [5, 6, 7], []), (4, [5, 6, 99], [("token", "r4")])):
+        h.events.clear()
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="kv_canary"):
+            with pytest.raises(RuntimeError, match="before the logits") as error:
+                h.step(_radix_hit(h, row, 1, prefix, [8]))
+            h.manager.report_before_engine_error(error.value)  # what the engine hook does with the step's error
+        assert h.events == ["stamp", "forward", "admit", "verify"]  # no TAIL: its stores may have stopped part-way
+        assert [(v["kind"], v["rid"]) for v in parse_lines(caplog.text, VIOLATION_PREFIX)] == want
+
+
 def test_an_eager_extend_whose_tail_never_ran_on_the_host_is_an_error():
     """Its fed tokens were left for the TAIL: a forward that ran without it (a replayed graph) must not pass."""
     h = Harness()
