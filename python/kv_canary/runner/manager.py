@@ -271,7 +271,7 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
             # Extend forwards: a newly admitted request's expected chain over its cached prefix (HEAD's verify reads
             # it); the scheduler's record of the tokens each request is fed (one non-blocking copy; the TAIL's write
             # reads them): at the TAIL when the forward runs eagerly, past the model's layer launches; the
-            # admissions too where the verify runs there (an anchor), else ``pre_ops_maybe_inside_graph`` does.
+            # admissions too where the verify runs there (an anchor). The verify stages any left right before it.
             eager = self._adapter.eager_extend(fb)
             self.token_oracle.stage(self._adapter.extend_requests(fb), fed_later=eager,
                                     admit_later=eager and self.early_tail is not None)
@@ -290,8 +290,6 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         if sfm is None:
             return None
         view = self._adapter.view(forward_batch)
-        if self.token_oracle is not None and not (verify_later and not sfm.load_pending):
-            self.token_oracle.stage_admissions()  # the verify in HEAD reads them (nothing if staged already)
         sfm.pre_ops_maybe_inside_graph(view, verify_later=verify_later)
         return view
 
@@ -309,8 +307,6 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
         layers read is counted before the error propagates (``report_before_engine_error`` reports it)."""
         sfm = self._active_sfm()
         if sfm is not None and view is not None:
-            if self.token_oracle is not None:
-                self.token_oracle.stage_admissions()  # left for the TAIL, which will not run
             sfm.verify_deferred(view)
 
     def _active_sfm(self) -> Optional[SingleForwardManager]:

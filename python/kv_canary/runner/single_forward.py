@@ -128,6 +128,8 @@ class SingleForwardManager:
             self._verify(view)
 
     def _verify(self, view: ForwardView) -> None:
+        if self._oracle is not None:  # the admitted prefixes' chains it reads (left for the anchor, or on error)
+            self._oracle.stage_admissions()
         programs = self._capacities.verify_programs_per_request(view.batch_size, VERIFY_BLOCK)
         for group_index, group in enumerate(self._groups):
             self._kernels.verify(
