@@ -86,11 +86,21 @@ from overhead_client import (  # noqa: E402
 from overhead_plan import (  # noqa: E402
     CONFIGS, CPU_DEFAULT_CONFIGS, CPU_DEFAULT_SCALE, DEFAULT_CONFIGS, DEFAULT_ROWS, DEFAULT_UPSTREAM_SITE,
     IDLE_ENV, IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang,
-    plan_eagle_args, server_env, server_plan,
+    plan_eagle_args, sampler_pythonpath, server_env, server_plan,
 )
 from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
+from server_probes import read_stacks, stack_lines, stack_summary  # noqa: E402
+
+SAMPLER_FLUSH_S = 1.2  # the stack sampler rewrites its files every second
 
 # ---------------------------------------------------------------- one server
+
+
+def host_timer_env(env: Dict[str, str], stacks_dir: Path) -> Dict[str, str]:
+    """``env`` for a server whose scheduler keeps the host timers (``--host-timers``): the sampler directory first
+    on its PYTHONPATH (its ``sitecustomize``), its files in ``stacks_dir``, a stack sample every 0.25 s."""
+    return {**env, "PYTHONPATH": sampler_pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))),
+            "KVC_STACK_SAMPLE_DIR": str(stacks_dir), "KVC_STACK_SAMPLE_INTERVAL_S": "0.25"}
 
 
 def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[str, Row], log_dir: Path,
@@ -112,6 +122,10 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         result["error"] = f"config {config.name} runs EAGLE, measured on --device cuda only"
         _progress(f"[{label}] SKIPPED: {result['error']}")
         return result
+    stacks_dir = None
+    if args.host_timers:
+        stacks_dir = log_dir / f"stacks-{label.replace('#', '')}"
+        env = host_timer_env(env, stacks_dir)
     server = SglangServer(
         [*config.args, *plan["args"], *plan_eagle_args(plan, config.eagle)],
         env=env,
@@ -129,7 +143,14 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
         for row in my_rows:
             warm = run_batch(server.base_url, prompts.batch(row, -1), row.output_len)  # warmup, untimed
+            if stacks_dir is not None:  # the timed repetitions' host time only
+                time.sleep(SAMPLER_FLUSH_S)
+                base = read_stacks(stacks_dir)
             reps = [run_batch(server.base_url, prompts.batch(row, rep), row.output_len) for rep in range(args.reps)]
+            host = None
+            if stacks_dir is not None:
+                time.sleep(SAMPLER_FLUSH_S)
+                host = stack_summary(read_stacks(stacks_dir), base)
             times = [r["wall_s"] for r in reps]
             hit = [round(r["cached_tokens"] / row.prompt_tokens(), 4) for r in reps]
             result["rows"][row.name] = {
@@ -142,6 +163,8 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
                 "hit_rate": hit,
                 "output_tokens_per_rep": reps[0]["output_tokens"],
             }
+            if host is not None:
+                result["rows"][row.name]["host"] = host
             _progress(f"[{label}] {row.name:<20} {row.describe():<36} median {statistics.median(times):8.3f}s "
                       f"(reps {', '.join(f'{t:.3f}' for t in times)}; radix hit rate {min(hit):.3f})")
         if config.stack == OURS and config.role != "off" and IDLE_ENV not in dict(config.env):  # idle: no drain
@@ -194,6 +217,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--results-dir", default=None,
                    help="also write overhead.json + overhead_extra.json here (default: next to --out)")
     p.add_argument("--log-dir", default=None, help="server logs folder (default: <out stem>_logs next to --out)")
+    p.add_argument("--host-timers", action="store_true",
+                   help="bench only: each server's scheduler host timers per row over the timed repetitions "
+                        "(benchmarks/stack_sampler/host_timers.py: sglang's and the canary's methods, each batch "
+                        "boundary's segments, the garbage collections; stacks sampled every 0.25 s)")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
@@ -310,6 +337,11 @@ def main(argv=None) -> int:
               f"decode lines cuda graph True/False: {graph.get('True', 0)}/{graph.get('False', 0)}; "
               f"{canary}; violation lines={run.get('violation_lines')}"
               + (f"; ERROR {run['error'][:300]}" if run.get("error") else ""))
+        for name, r in run.get("rows", {}).items():  # --host-timers: the scheduler's host time per row
+            if r.get("host"):
+                print(f"  {name}:")
+                for line in stack_lines(r["host"]):
+                    print(line)
     if args.device == "cpu":
         print("\nnote: CPU smoke run (tiny model, Triton interpreter): the timings say nothing about GPU overhead.")
     print(f"\nresults: {out_path} {results_dir}/overhead.json  logs: {log_dir}  elapsed: {report['elapsed_s']:.0f}s")

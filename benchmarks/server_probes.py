@@ -1,6 +1,6 @@
-"""A benchmarked server's processes, for ``bench_hicache_overhead.py`` (bench only): pinned to a CPU set
-(``--cpu-sets``), and what its stack sampler and host timers (``benchmarks/stack_sampler``) recorded, summed over the
-timed repetitions."""
+"""A benchmarked server's processes, for ``bench_hicache_overhead.py`` and ``bench_overhead.py --host-timers``
+(bench only): pinned to a CPU set (``--cpu-sets``), and what its stack sampler and host timers
+(``benchmarks/stack_sampler``) recorded, summed over the timed repetitions."""
 
 from __future__ import annotations
 

@@ -54,6 +54,28 @@ def test_the_cli_takes_its_rows_and_configs_from_the_plan():
         bench.parse_args(["--device", "cpu", "--configs", "upstream"])
 
 
+def test_host_timers_sample_each_server_process(tmp_path):
+    """--host-timers: a process started with the server's env runs the sampler, whose files the row summary reads
+    (the process's collections included); the flag parses and leaves the rows alone."""
+    import os
+    import subprocess
+    import sys
+
+    probes = _load("server_probes")
+    assert bench.parse_args(["--device", "cpu", "--host-timers"]).host_timers
+    assert not bench.parse_args(["--device", "cpu"]).host_timers
+    stacks = tmp_path / "stacks-ours1"
+    env = bench.host_timer_env({"PYTHONPATH": "/elsewhere"}, stacks)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(overhead_plan.SAMPLER_DIR)
+    assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/elsewhere" and env["KVC_STACK_SAMPLE_DIR"] == str(stacks)
+    code = "import gc, time\nfor _ in range(3):\n    gc.collect()\n    time.sleep(1.0)\n"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, check=True, timeout=60)
+    docs = probes.read_stacks(stacks)
+    assert len(docs) == 1, f"the sampler wrote {sorted(p.name for p in stacks.glob('*'))}"
+    (summary,) = probes.stack_summary(docs, {}).values()
+    assert summary["gc"]["2"][0] >= 2  # the full collections above, counted by the sampler's gc callback
+
+
 def _run(label, role, medians, **extra):
     rows = {name: {"median_s": m, "hit_rate": [0.98]} for name, m in medians.items()}
     return {"label": label, "role": role, "rows": rows, **extra}
