@@ -82,16 +82,17 @@ def memory_section(memory: Optional[dict]) -> str:
         "Canary device memory from `kv_canary.memory.canary_memory_bytes` (the function the install log line "
         f"uses; this run's line said {memory['logged_canary_bytes']:,} bytes) against the KV pool's bytes:",
         "",
-        "| case | slots | request rows | context | records (+ sweep index) | token table | ring + counters | canary total | "
-        "KV pool | canary / KV pool |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | slots | request rows | context | records (+ sweep index) | token table | ring + counters | "
+        "full-row state (`all`, scrub) | canary total | KV pool | canary / KV pool |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in memory["cases"]:
         b = c["breakdown"]
         lines.append(
             f"| {c['case']} | {c['slots']:,} | {c['req_rows']:,} | {c['context_len']:,} | "
             f"{_mib(b['records'] + b.get('sweep_index', 0))} | "
-            f"{_mib(b['token_table'])} | {_mib(b['ring'] + b['counters'])} | {_mib(c['canary_bytes'])} | "
+            f"{_mib(b['token_table'])} | {_mib(b['ring'] + b['counters'])} | {_mib(b.get('full_row', 0))} | "
+            f"{_mib(c['canary_bytes'])} | "
             f"{c['kv_pool_bytes'] / 2**30:.2f} GiB | {c['canary_pct_of_kv_pool']:.2f}% |")
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from kv_canary.memory import canary_memory_bytes
 from overhead_plan import ROWS, Row
@@ -87,25 +87,53 @@ def _install_fields(run: Optional[dict]) -> Dict[str, str]:
 
 
 def memory_table(runs: Sequence[dict]) -> Optional[dict]:
-    """Canary device bytes vs KV pool bytes: this run (from the install line), and computed for longer contexts."""
-    ours = next((r for r in runs if r["role"] == "ours" and r.get("canary_installed_line")), None)
-    f = _install_fields(ours)
-    if not f or "canary_bytes" not in f:
+    """Canary device bytes vs KV pool bytes: this run (from the install line), and computed for longer contexts.
+
+    One set of cases per canary setting the run's ``ours`` servers logged (real data, scrub, HiCache, sweep: what
+    sizes the canary's buffers), each computed with that setting's buffers (``all``: the full-row state too); this
+    run's case uses the line's own ``max_tokens_per_forward``, so it equals the line's ``canary_bytes``."""
+    seen: Dict[tuple, Dict[str, str]] = {}
+    for r in runs:
+        f = _install_fields(r) if r["role"] == "ours" else {}
+        if "canary_bytes" in f:
+            seen.setdefault(_memory_setting(f), f)
+    if not seen:
         return None
+    table = []
+    for setting, f in seen.items():
+        table += _memory_cases(f, f" ({setting[0]})" if len(seen) > 1 else "")
+    first = next(iter(seen.values()))
+    return {"logged_canary_bytes": int(first["canary_bytes"]), "cases": table,
+            "logged_by_setting": {k[0]: int(f["canary_bytes"]) for k, f in seen.items()}}
+
+
+def _memory_setting(f: Dict[str, str]) -> tuple:
+    """What sizes the canary's buffers besides the pool: (description, full row, first read, sweep)."""
+    real_data, scrub = f.get("real_data", "partial"), int(f.get("scrub_slots_per_forward", "0"))
+    hicache, sweep = f.get("hicache") == "1", int(f.get("sweep_interval", "0")) > 0
+    described = f"real data {real_data}" + (f", scrub {scrub}" if scrub else "") + (", HiCache" if hicache else "") \
+        + (", sweep" if sweep else "")
+    return (described, scrub > 0 or real_data == "all" or hicache, real_data == "all" or hicache, hicache, sweep)
+
+
+def _memory_cases(f: Dict[str, str], suffix: str) -> List[dict]:
+    _, full_row, first_read, hicache, sweep = _memory_setting(f)
     slots, rows, ctx = int(f["slots"]), int(f["req_rows"]), int(f["max_context_len"])
     kv = int(f["kv_pool_bytes"])
     common = dict(num_slots=slots, num_groups=len(f["groups"].split(",")),
                   ring_capacity=int(f["ring_capacity"]), token_oracle=f.get("token_oracle", "1") == "1",
-                  max_batch_size=int(f["max_batch_size"]), sweep=int(f.get("sweep_interval", "0")) > 0)
-    cases = [("this run", rows, ctx)] + [(f"context {c}", rows, c) for c in MEMORY_CONTEXT_LENS] + [
-        (f"context {c}, {DEFAULT_REQ_ROWS} request rows", DEFAULT_REQ_ROWS, c) for c in MEMORY_CONTEXT_LENS]
+                  max_batch_size=int(f["max_batch_size"]), sweep=sweep, full_row=full_row, first_read=first_read,
+                  hicache=hicache)
+    this_tokens = int(f.get("max_tokens_per_forward", "0"))
+    cases = [("this run", rows, ctx, this_tokens)] + [(f"context {c}", rows, c, 0) for c in MEMORY_CONTEXT_LENS] + [
+        (f"context {c}, {DEFAULT_REQ_ROWS} request rows", DEFAULT_REQ_ROWS, c, 0) for c in MEMORY_CONTEXT_LENS]
     table = []
-    for label, r, c in cases:
-        m = canary_memory_bytes(req_rows=r, context_len=c, **common)
-        table.append({"case": label, "slots": slots, "req_rows": r, "context_len": c, "kv_pool_bytes": kv,
+    for label, r, c, tokens in cases:
+        m = canary_memory_bytes(req_rows=r, context_len=c, max_tokens_per_forward=tokens, **common)
+        table.append({"case": label + suffix, "slots": slots, "req_rows": r, "context_len": c, "kv_pool_bytes": kv,
                       "canary_bytes": m.total, "canary_pct_of_kv_pool": round(m.pct_of(kv), 3),
                       "breakdown": asdict(m)})
-    return {"logged_canary_bytes": int(f["canary_bytes"]), "cases": table}
+    return table
 
 
 def storm_summary(runs: Sequence[dict]) -> Optional[dict]:
