@@ -67,6 +67,46 @@ def test_flags_parse_and_reach_server_args(forker):
 
 
 @pytest.mark.parametrize(
+    "args,env,want",
+    [
+        ([], {}, "all"),
+        (["--kv-canary-real-data", "partial"], {}, "partial"),
+        (["--enable-hierarchical-cache"], {}, "partial"),
+        ([], {"SGLANG_KV_CANARY_KV_HASH_BYTES": "32"}, "partial"),
+    ],
+)
+def test_real_data_defaults_to_every_byte_where_the_plugin_owns_the_flag(forker, args, env, want):
+    """Unset, --kv-canary-real-data is all; partial where all is not verified (HiCache here, PD and the window env
+    vars alike), with the reason logged at startup; a given value is kept."""
+    from kv_canary.adapter.lines import current_line
+
+    if current_line().flags_declared_by_sglang:
+        pytest.skip("sglang declares --kv-canary-real-data on this line, with its own default (none)")
+    code, out = _prepare(forker, ["--kv-canary", "log", "--device", "cuda", "--disable-piecewise-cuda-graph", *args],
+                         env)
+    assert code == 0 and f"PARSED log 0 {want}" in out, out[-2000:]
+    assert (f"kv_canary_real_data_default={want}" in out) == (not args or args[0] != "--kv-canary-real-data"), out[-2000:]
+
+
+def test_the_default_is_partial_only_where_all_is_not_verified():
+    """default_real_data names the reason for each setting all is not verified with (PD, HiCache, the window)."""
+    from types import SimpleNamespace
+
+    from kv_canary.adapter.flags import default_real_data
+
+    plain = SimpleNamespace(enable_hierarchical_cache=False, disaggregation_mode="null")
+    assert default_real_data(plain, {})[0] == "all"
+    assert default_real_data(plain, {"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "8"})[0] == "all"
+    for mode in ("prefill", "decode"):
+        value, why = default_real_data(SimpleNamespace(enable_hierarchical_cache=False, disaggregation_mode=mode), {})
+        assert value == "partial" and "PD" in why
+    value, why = default_real_data(SimpleNamespace(enable_hierarchical_cache=True, disaggregation_mode=None), {})
+    assert value == "partial" and "--enable-hierarchical-cache" in why
+    value, why = default_real_data(plain, {"SGLANG_KV_CANARY_KV_HASH_LAYERS": "0,1"})
+    assert value == "partial" and "SGLANG_KV_CANARY_KV_HASH_LAYERS" in why
+
+
+@pytest.mark.parametrize(
     "args,env,message",
     [
         (["--kv-canary", "loud"], {}, "argument --kv-canary: invalid choice: 'loud'"),

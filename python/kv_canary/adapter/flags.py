@@ -7,6 +7,7 @@ allow-list before any process starts (``apply_canary_settings``).
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger("kv_canary")
 
@@ -31,12 +32,14 @@ def after_add_cli_args(_result, parser) -> None:
     group.add_argument(
         "--kv-canary-real-data",
         type=str,
-        default=RealData.PARTIAL.value,
+        default=None,
         choices=[r.value for r in RealData],
         help="How much of each slot's real K/V bytes the canary hashes: 'none' (token, position and chain "
-        "only), 'partial' (default: SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS), "
-        "'all' (the partial window at every read, plus every byte of K and V of every layer at a slot's first read "
-        "after its write and by a scrub within a bound logged at startup; docs/design.md).",
+        "only), 'partial' (SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS), "
+        "'all' (the default: the partial window at every read, plus every byte of K and V of every layer at a "
+        "slot's first read after its write and by a scrub within a bound logged at startup; docs/design.md). "
+        "Unset, it is 'partial' where 'all' is not verified (HiCache, PD disaggregation, the window env vars), "
+        "and the startup log says why.",
     )
     group.add_argument(
         "--kv-canary-sweep-interval",
@@ -50,7 +53,7 @@ def after_add_cli_args(_result, parser) -> None:
 
 def around_from_cli_args(original, cls, args):
     mode, sweep = getattr(args, "kv_canary", "none"), getattr(args, "kv_canary_sweep_interval", 0)
-    real_data = getattr(args, "kv_canary_real_data", "partial")
+    real_data = getattr(args, "kv_canary_real_data", None)
     _refuse_unsupported(args, mode)  # the user's own flags, before sglang's __post_init__ reacts to them
     server_args = original(cls, args)
     apply_canary_settings(server_args, mode, sweep, real_data)
@@ -67,12 +70,12 @@ def around_server_args_init(original, server_args, *args, kv_canary=None, kv_can
     if kv_canary is None and kv_canary_sweep_interval is None and kv_canary_real_data is None:
         original(server_args, *args, **kwargs)
         server_args.kv_canary, server_args.kv_canary_sweep_interval = "none", 0
-        server_args.kv_canary_real_data = "partial"
+        server_args.kv_canary_real_data = default_real_data(server_args, os.environ)[0]
         return
     mode = "none" if kv_canary is None else kv_canary
     _refuse_unsupported(_GivenArgs(type(server_args), kwargs), mode)
     original(server_args, *args, **kwargs)
-    apply_canary_settings(server_args, mode, kv_canary_sweep_interval or 0, kv_canary_real_data or "partial")
+    apply_canary_settings(server_args, mode, kv_canary_sweep_interval or 0, kv_canary_real_data)
 
 
 class _GivenArgs:
@@ -97,10 +100,29 @@ def _refuse_unsupported(given, mode) -> None:
         check_supported(given, parsed.value, given_only=True)
 
 
-def apply_canary_settings(server_args, mode, sweep_interval, real_data="partial") -> None:
-    """Attach the canary settings to ``server_args`` and refuse, before any process starts, what it cannot verify."""
+def default_real_data(server_args, environ) -> tuple:
+    """``--kv-canary-real-data`` when the operator did not give it: (value, why). ``all`` (every byte), or
+    ``partial`` where ``all`` is not verified: HiCache, PD disaggregation, or the partial window's env vars set."""
+    from ..config import ENV_PREFIX
+
+    if bool(getattr(server_args, "enable_hierarchical_cache", False)):
+        return "partial", "HiCache (--enable-hierarchical-cache) is verified with partial only"
+    if str(getattr(server_args, "disaggregation_mode", "null") or "null") in ("prefill", "decode"):
+        return "partial", "PD disaggregation is verified with partial only (both sides must hash the same bytes)"
+    window = sorted(ENV_PREFIX + n for n in ("KV_HASH_BYTES", "KV_HASH_LAYERS") if ENV_PREFIX + n in environ)
+    if window:
+        return "partial", f"{', '.join(window)} tune{'s' if len(window) == 1 else ''} partial's window"
+    return "all", "every byte of every slot (the default)"
+
+
+def apply_canary_settings(server_args, mode, sweep_interval, real_data=None) -> None:
+    """Attach the canary settings to ``server_args`` and refuse, before any process starts, what it cannot verify.
+    ``real_data`` None: not given, ``default_real_data``'s (logged with its reason)."""
     server_args.kv_canary = getattr(mode, "value", mode)
     server_args.kv_canary_sweep_interval = sweep_interval
+    default_why = None
+    if real_data is None:
+        real_data, default_why = default_real_data(server_args, os.environ)
     server_args.kv_canary_real_data = getattr(real_data, "value", real_data)
     from .server_args import check_supported
     from .install import config_from_server_args
@@ -110,6 +132,9 @@ def apply_canary_settings(server_args, mode, sweep_interval, real_data="partial"
         check_supported(server_args, config.mode.value)  # again: __post_init__ may have changed settings
         _check_hooks_applied(server_args)
         logger.info("kv_canary: %s", config.describe())
+        if default_why is not None:
+            logger.info("kv_canary_real_data_default=%s (--kv-canary-real-data not given: %s)", config.real_data.value,
+                        default_why)
 
 
 
