@@ -106,6 +106,35 @@ def test_the_default_is_partial_only_where_all_is_not_verified():
     assert value == "partial" and "SGLANG_KV_CANARY_KV_HASH_LAYERS" in why
 
 
+def test_eagle_spec_v1_defaults_to_partial_and_refuses_the_whole_row_hash():
+    """Spec v1's draft decode steps overwrite freed draft slots as scratch with no TAIL, so the scrub (all's or the
+    env var's) would report them (seen: 12 kv_hash rows rid=scrub group=draft on a clean CPU server): unset, the flag
+    is partial there, and all or the scrub is refused at startup naming the setting; spec v2 keeps all."""
+    from types import SimpleNamespace
+
+    from kv_canary.adapter.flags import default_real_data
+    from kv_canary.adapter.install import config_from_server_args
+    from kv_canary.adapter.lines import current_line
+    from kv_canary.config import CanaryConfigError
+
+    def args(real_data, overlap_off=True):
+        return SimpleNamespace(kv_canary="log", kv_canary_sweep_interval=0, kv_canary_real_data=real_data,
+                               speculative_algorithm="EAGLE", disable_overlap_schedule=overlap_off, device="cpu",
+                               enable_hierarchical_cache=False, disaggregation_mode="null")
+
+    v1 = current_line().spec_v1(args("all"))
+    assert default_real_data(args(None), {})[0] == ("partial" if v1 else "all")
+    assert default_real_data(args(None, overlap_off=False), {})[0] == "all"
+    assert config_from_server_args(args("partial"), environ={}).real_data.value == "partial"
+    assert config_from_server_args(args("all", overlap_off=False), environ={}).real_data.value == "all"
+    if not v1:
+        pytest.skip("this line serves EAGLE with spec v2 only")
+    with pytest.raises(CanaryConfigError, match="--kv-canary-real-data all is not verified with EAGLE spec v1"):
+        config_from_server_args(args("all"), environ={})
+    with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD=64"):
+        config_from_server_args(args("partial"), environ={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"})
+
+
 @pytest.mark.parametrize(
     "args,env,message",
     [
