@@ -133,6 +133,9 @@ def test_eagle_spec_v1_defaults_to_partial_and_refuses_the_whole_row_hash():
         config_from_server_args(args("all"), environ={})
     with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD=64"):
         config_from_server_args(args("partial"), environ={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"})
+    contain = args("all")
+    contain.kv_canary = "contain"  # the draft pool is not verified under contain: no draft records, no scratch issue
+    assert config_from_server_args(contain, environ={}).real_data.value == "all"
 
 
 @pytest.mark.parametrize(

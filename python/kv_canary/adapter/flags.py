@@ -105,13 +105,15 @@ SPEC_V1_SCRATCH = ("EAGLE spec v1 (--disable-overlap-schedule) writes its draft 
 
 
 def spec_v1_draft(server_args) -> bool:
-    """EAGLE served by spec v1 (``EAGLEWorker``): its draft pool's decode steps write scratch slots the canary does
-    not record (``adapter/draft``)."""
+    """EAGLE served by spec v1 (``EAGLEWorker``) with its draft pool verified: the draft's decode steps write scratch
+    slots the canary does not record (``adapter/draft``)."""
+    from .draft import draft_skip_reason
     from .facts import EAGLE_ALGORITHMS
     from .lines import current_line
 
-    return getattr(server_args, "speculative_algorithm", None) in EAGLE_ALGORITHMS and current_line().spec_v1(
-        server_args)
+    mode = str(getattr(server_args, "kv_canary", "none") or "none")
+    return (getattr(server_args, "speculative_algorithm", None) in EAGLE_ALGORITHMS
+            and current_line().spec_v1(server_args) and not draft_skip_reason(server_args, mode))
 
 
 def default_real_data(server_args, environ) -> tuple:
