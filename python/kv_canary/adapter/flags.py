@@ -100,22 +100,6 @@ def _refuse_unsupported(given, mode) -> None:
         check_supported(given, parsed.value, given_only=True)
 
 
-SPEC_V1_SCRATCH = ("EAGLE spec v1 (--disable-overlap-schedule) writes its draft decode steps' K/V into scratch slots "
-                   "without recording them")
-
-
-def spec_v1_draft(server_args) -> bool:
-    """EAGLE served by spec v1 (``EAGLEWorker``) with its draft pool verified: the draft's decode steps write scratch
-    slots the canary does not record (``adapter/draft``)."""
-    from .draft import draft_skip_reason
-    from .facts import EAGLE_ALGORITHMS
-    from .lines import current_line
-
-    mode = str(getattr(server_args, "kv_canary", "none") or "none")
-    return (getattr(server_args, "speculative_algorithm", None) in EAGLE_ALGORITHMS
-            and current_line().spec_v1(server_args) and not draft_skip_reason(server_args, mode))
-
-
 def default_real_data(server_args, environ) -> tuple:
     """``--kv-canary-real-data`` when the operator did not give it: (value, why). ``all`` (every byte), or
     ``partial`` where ``all`` is not verified: HiCache, PD disaggregation, EAGLE spec v1, or the partial window's env
@@ -126,6 +110,8 @@ def default_real_data(server_args, environ) -> tuple:
         return "partial", "HiCache (--enable-hierarchical-cache) is verified with partial only"
     if str(getattr(server_args, "disaggregation_mode", "null") or "null") in ("prefill", "decode"):
         return "partial", "PD disaggregation is verified with partial only (both sides must hash the same bytes)"
+    from .facts import SPEC_V1_SCRATCH, spec_v1_draft
+
     if spec_v1_draft(server_args):
         return "partial", f"{SPEC_V1_SCRATCH} (all's scrub would read them as corrupt)"
     window = sorted(ENV_PREFIX + n for n in ("KV_HASH_BYTES", "KV_HASH_LAYERS") if ENV_PREFIX + n in environ)

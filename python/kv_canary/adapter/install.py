@@ -58,7 +58,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
 def check_spec_v1_whole_rows(server_args: Any, config: CanaryConfig) -> None:
     """EAGLE spec v1: no whole-row hash (``all``, the scrub). Its draft decode steps overwrite freed slots of the
     draft pool as scratch without a TAIL, so the scrub would find their recorded bytes changed: a false alarm."""
-    from .flags import SPEC_V1_SCRATCH, spec_v1_draft
+    from .facts import SPEC_V1_SCRATCH, spec_v1_draft
 
     if not (config.enabled and config.full_row_hash and not config.hicache and spec_v1_draft(server_args)):
         return
