@@ -4,10 +4,11 @@ table, the storm verdict, the quick markdown table, and the report files (``writ
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from kv_canary.config import ENV_PREFIX, CanaryConfig
 from kv_canary.memory import canary_memory_bytes
 from overhead_plan import ROWS, Row
 
@@ -92,7 +93,7 @@ def memory_table(runs: Sequence[dict]) -> Optional[dict]:
     One set of cases per canary setting the run's ``ours`` servers logged (real data, scrub, HiCache, sweep: what
     sizes the canary's buffers), each computed with that setting's buffers (``all``: the full-row state too); this
     run's case uses the line's own ``max_tokens_per_forward``, so it equals the line's ``canary_bytes``."""
-    seen: Dict[tuple, Dict[str, str]] = {}
+    seen: Dict[MemorySetting, Dict[str, str]] = {}
     for r in runs:
         f = _install_fields(r) if r["role"] == "ours" else {}
         if "canary_bytes" in f:
@@ -101,29 +102,42 @@ def memory_table(runs: Sequence[dict]) -> Optional[dict]:
         return None
     table = []
     for setting, f in seen.items():
-        table += _memory_cases(f, f" ({setting[0]})" if len(seen) > 1 else "")
+        table += _memory_cases(f, setting, f" ({setting.described})" if len(seen) > 1 else "")
     first = next(iter(seen.values()))
     return {"logged_canary_bytes": int(first["canary_bytes"]), "cases": table,
-            "logged_by_setting": {k[0]: int(f["canary_bytes"]) for k, f in seen.items()}}
+            "logged_by_setting": {k.described: int(f["canary_bytes"]) for k, f in seen.items()}}
 
 
-def _memory_setting(f: Dict[str, str]) -> tuple:
-    """What sizes the canary's buffers besides the pool: (description, full row, first read, sweep)."""
+@dataclass(frozen=True)
+class MemorySetting:
+    """What sizes a server's canary buffers besides the pool, as its install line logged it."""
+
+    described: str
+    full_row: bool
+    first_read: bool
+    hicache: bool
+    sweep: bool
+
+
+def _memory_setting(f: Dict[str, str]) -> MemorySetting:
+    """The install line's setting; which buffers it holds is ``CanaryConfig``'s own rule (``full_row_hash``,
+    ``first_read``)."""
     real_data, scrub = f.get("real_data", "partial"), int(f.get("scrub_slots_per_forward", "0"))
     hicache, sweep = f.get("hicache") == "1", int(f.get("sweep_interval", "0")) > 0
+    config = CanaryConfig.build(mode=f.get("mode", "raise"), real_data=real_data, hicache=hicache,
+                                environ={ENV_PREFIX + "SCRUB_SLOTS_PER_FORWARD": str(scrub)})
     described = f"real data {real_data}" + (f", scrub {scrub}" if scrub else "") + (", HiCache" if hicache else "") \
         + (", sweep" if sweep else "")
-    return (described, scrub > 0 or real_data == "all" or hicache, real_data == "all" or hicache, hicache, sweep)
+    return MemorySetting(described, config.full_row_hash, config.first_read, config.hicache, sweep)
 
 
-def _memory_cases(f: Dict[str, str], suffix: str) -> List[dict]:
-    _, full_row, first_read, hicache, sweep = _memory_setting(f)
+def _memory_cases(f: Dict[str, str], setting: MemorySetting, suffix: str) -> List[dict]:
     slots, rows, ctx = int(f["slots"]), int(f["req_rows"]), int(f["max_context_len"])
     kv = int(f["kv_pool_bytes"])
     common = dict(num_slots=slots, num_groups=len(f["groups"].split(",")),
                   ring_capacity=int(f["ring_capacity"]), token_oracle=f.get("token_oracle", "1") == "1",
-                  max_batch_size=int(f["max_batch_size"]), sweep=sweep, full_row=full_row, first_read=first_read,
-                  hicache=hicache)
+                  max_batch_size=int(f["max_batch_size"]), sweep=setting.sweep, full_row=setting.full_row,
+                  first_read=setting.first_read, hicache=setting.hicache)
     this_tokens = int(f.get("max_tokens_per_forward", "0"))
     cases = [("this run", rows, ctx, this_tokens)] + [(f"context {c}", rows, c, 0) for c in MEMORY_CONTEXT_LENS] + [
         (f"context {c}, {DEFAULT_REQ_ROWS} request rows", DEFAULT_REQ_ROWS, c, 0) for c in MEMORY_CONTEXT_LENS]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 ENV_PREFIX = "SGLANG_KV_CANARY_"
+WINDOW_ENV_VARS = ("KV_HASH_BYTES", "KV_HASH_LAYERS")  # (after ENV_PREFIX) tune partial's hashed window
 FLAG_MODE = "--kv-canary"
 FLAG_SWEEP_INTERVAL = "--kv-canary-sweep-interval"
 FLAG_REAL_DATA = "--kv-canary-real-data"
@@ -358,7 +359,7 @@ class CanaryConfig:
         if parsed_real_data is RealData.ALL and "scrub_slots_per_forward" not in values:
             # all = the window at every read + every byte at a slot's first read + the scrub (design.md)
             config = replace(config, scrub_slots_per_forward=ALL_SCRUB_SLOTS_PER_FORWARD)
-        window_vars = [n for n, _ in seen if n[len(ENV_PREFIX):] in ("KV_HASH_BYTES", "KV_HASH_LAYERS")]
+        window_vars = [n for n, _ in seen if n[len(ENV_PREFIX):] in WINDOW_ENV_VARS]
         if window_vars and parsed_real_data is not RealData.PARTIAL:
             raise CanaryConfigError(
                 f"{', '.join(window_vars)} tune{'s' if len(window_vars) == 1 else ''} the hashed window of "

@@ -104,17 +104,18 @@ def default_real_data(server_args, environ) -> tuple:
     """``--kv-canary-real-data`` when the operator did not give it: (value, why). ``all`` (every byte), or
     ``partial`` where ``all`` is not verified: HiCache, PD disaggregation, EAGLE spec v1, or the partial window's env
     vars set."""
-    from ..config import ENV_PREFIX
+    from ..config import ENV_PREFIX, WINDOW_ENV_VARS
+    from .disagg import disaggregation_mode
 
     if bool(getattr(server_args, "enable_hierarchical_cache", False)):
         return "partial", "HiCache (--enable-hierarchical-cache) is verified with partial only"
-    if str(getattr(server_args, "disaggregation_mode", "null") or "null") in ("prefill", "decode"):
+    if disaggregation_mode(server_args) in ("prefill", "decode"):
         return "partial", "PD disaggregation is verified with partial only (both sides must hash the same bytes)"
     from .facts import SPEC_V1_SCRATCH, spec_v1_draft
 
     if spec_v1_draft(server_args):
         return "partial", f"{SPEC_V1_SCRATCH} (all's scrub would read them as corrupt)"
-    window = sorted(ENV_PREFIX + n for n in ("KV_HASH_BYTES", "KV_HASH_LAYERS") if ENV_PREFIX + n in environ)
+    window = sorted(ENV_PREFIX + n for n in WINDOW_ENV_VARS if ENV_PREFIX + n in environ)
     if window:
         return "partial", f"{', '.join(window)} tune{'s' if len(window) == 1 else ''} partial's window"
     return "all", "every byte of every slot (the default)"
