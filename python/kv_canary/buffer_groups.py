@@ -113,6 +113,21 @@ class CanaryBufferGroup:
             (r.view.data_ptr() - base) % 16 == 0 and r.view.stride(0) % 4 == 0 and r.words % 4 == 0 for r in self.rows)
         return 4 if aligned else 1
 
+    def forget(self, slots: torch.Tensor) -> None:
+        """The records of engine slots ``slots`` (int64[n], on the records' device) are gone: zeroed as never written
+        (chain 0: the scrub skips them; tag = FULL_HASH = 0: no first read lists them), for K/V stored there without
+        a TAIL. Fixed-shape ``index_fill_`` launches, no host sync, no allocation: CUDA-graph capturable. Slot 0
+        (sglang's padding slot, a padding lane's ``out_cache_loc``) is never recorded (every write masks it, the
+        scrub starts at 1, a read of it is a ``slot`` violation), so zeroing it changes nothing."""
+        if self.slot_map is not None:
+            raise ValueError(f"kv-canary: group '{self.name}' translates its slots; forgetting slots is verified for "
+                             "groups without a slot map only (the speculative pools, MHATokenToKVPool)")
+        if slots.dtype != torch.int64:
+            raise ValueError(f"kv-canary: slots to forget are {slots.dtype}; int64 expected (sglang's out_cache_loc)")
+        self.records.index_fill_(0, slots, 0)
+        if self.full_row is not None:
+            self.full_row.tags.index_fill_(0, slots, 0)
+
     @property
     def hashed_word_count(self) -> int:
         return sum(s.words for s in self.sources)

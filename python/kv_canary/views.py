@@ -47,6 +47,10 @@ class ForwardView:
     # then draft_tokens_per_request - 1 drafts (``kv_canary.speculative``); 0 otherwise.
     draft_tokens_per_request: int = 0
     staged: bool = False
+    # The forward's K/V stores (``out_cache_loc[:store_lanes]``) are not its TAIL's to record: spec v1's draft decode
+    # steps' scratch slots (given back after the phase), a tree verify's nodes (the kept ones recorded by the deferred
+    # TAIL). HEAD forgets their records (``CanaryBufferGroup.forget``), whose bytes the forward changes.
+    unrecorded_stores: bool = False
 
     @property
     def store_lanes(self) -> int:

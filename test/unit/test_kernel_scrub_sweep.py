@@ -3,11 +3,15 @@ records), Triton against the torch reference (``kv_canary_testing.kernel_sim``).
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from kv_canary_testing.kernel_sim import DEVICE, NUM_SLOTS, Sim, scenario as _scenario
 
 from kv_canary import fingerprint as fp
+from kv_canary.config import RealData
 from kv_canary.kernels import reference as ref
 from kv_canary.kernels import triton_kernels as tk
 
@@ -38,6 +42,40 @@ def test_scrub_checks_every_byte_of_a_round_robin_window():
             found += s.new_violations(before)
         assert [(r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_REASON], r[fp.V_BATCH_INDEX]) for r in found] == [
             (int(s.r2t[2, 10]), 10, fp.R_KV_HASH, -2)]
+
+
+def test_forgotten_slots_are_skipped_by_the_scrub_and_the_rest_still_checked():
+    """``CanaryBufferGroup.forget``: K/V stored without a TAIL (spec v1's draft scratch slots, a tree verify's nodes)
+    into recorded slots; their records forgotten (zeros, first-read tags too) the scrub skips them, a flip in a slot
+    still recorded is found; forgetting the padding slot 0 (a padding lane) changes nothing; an int32 index or a
+    group with a slot map is refused (``ValueError``), never a silent partial forget."""
+    sims = [Sim(tk, full_hash=True, real_data=RealData.ALL), Sim(ref, full_hash=True, real_data=RealData.ALL)]
+    lengths = [_scenario(s) for s in sims][0]
+    span = NUM_SLOTS - 1
+    for s in sims:
+        scratch = s.r2t[2, 5:9].to(torch.int64)  # row 2 finished: its slots are free, their records stay
+        s.group.full_row.tags[scratch] = s.group.records[scratch, fp.F_FULL_HASH]  # first-read verified
+        for r in s.group.rows:  # another owner's K/V stored there, no TAIL (every row, layer 0's window too)
+            r.view[scratch] ^= 1 << 3
+        others = s.group.records.clone()
+        s.group.forget(torch.cat([scratch, torch.zeros(3, dtype=torch.int64)]))  # + padding lanes (slot 0)
+        assert s.group.records[scratch].eq(0).all() and s.group.full_row.tags[scratch].eq(0).all()
+        keep = torch.ones(NUM_SLOTS, dtype=torch.bool)
+        keep[scratch] = False
+        assert torch.equal(s.group.records[keep], others[keep]) and s.group.records[0].eq(0).all()
+        s.backend.launch_scrub(s.group, s.counters, s.ring, span)  # the whole pool in one window
+        assert int(s.counters[fp.C_VIOLATIONS]) == 0
+        assert int(s.counters[fp.C_SLOTS_SCRUBBED]) == s.next_slot - 1 - len(scratch)
+        flipped = int(s.r2t[3, 10])
+        s.group.rows[-1].view[flipped, 0] ^= 1 << 5
+        s.backend.launch_scrub(s.group, s.counters, s.ring, span)
+        assert [(int(r[fp.V_SLOT]), int(r[fp.V_REASON])) for r in s.new_violations(0)] == [(flipped, fp.R_KV_HASH)]
+        with pytest.raises(ValueError, match="int64"):
+            s.group.forget(scratch.to(torch.int32))
+    assert lengths[2] > 9
+    mapped = dataclasses.replace(sims[1].group, slot_map=torch.arange(NUM_SLOTS))
+    with pytest.raises(ValueError, match="slot map"):
+        mapped.forget(torch.tensor([1]))
 
 
 def _index_of(sim, rows_lengths):

@@ -9,7 +9,10 @@ fed; the first group's launch also checks them (position = the slot's index in
 the sequence, token = the request's own token from the token oracle), the last
 group's launch bumps the device forward counter. With the scrub on, HEAD also
 checks every K/V byte of a fixed number of slots (round-robin over the pool)
-and TAIL records every new slot's whole-row hash. Both only launch kernels on
+and TAIL records every new slot's whole-row hash. A forward whose K/V stores its TAIL does not record
+(``ForwardView.unrecorded_stores``: spec v1's draft scratch slots, a tree verify's nodes) first has HEAD forget
+those slots' records, so neither the scrub nor a later read checks bytes the forward changed against a previous
+owner's record. Both only launch kernels on
 preallocated buffers: no host sync, no allocation, grids fixed by the batch size
 (see ``LaunchCapacities``).
 
@@ -105,6 +108,10 @@ class SingleForwardManager:
         if view.batch_size == 0:
             return
         self._capacities.check(view)
+        if view.unrecorded_stores:  # before the scrub: the forward changes those slots' bytes and records none
+            stores = view.out_cache_loc[: view.store_lanes]
+            for group in self._groups:
+                group.forget(stores)
         waits, self._load_waits = self._load_waits, None
         if waits is not None:
             waits.head()
