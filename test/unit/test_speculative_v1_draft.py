@@ -24,6 +24,7 @@ from kv_canary import fingerprint as fp
 from kv_canary.adapter.draft import (
     DraftBatchAdapter, after_eagle_v1_worker_init, around_draft_forward, around_draft_graph_replay, draft_skip_reason,
 )
+from kv_canary.adapter.kv_stores import forget_kv_moves
 from kv_canary.draft_pool import DRAFT_GROUP
 from kv_canary.violations import CanaryViolationError
 
@@ -71,6 +72,14 @@ class V1DraftHarness(_v2.DraftHarness):
         super().__init__(steps=steps, page_size=page_size, adapter=_v1_adapter(steps), **kw)
         self._v1_worker()
         self.scratch = []  # the last phase's scratch slots (freed by restore_state right after it)
+        # the draft pool's move_kv_cache, wrapped as install_draft_canary does for spec v1
+        self.draft_pool = SimpleNamespace(move_kv_cache=self.move_kv_cache)
+        forget_kv_moves(self.draft_pool, self.manager.groups)
+
+    def move_kv_cache(self, tgt, src):
+        """MHATokenToKVPool.move_kv_cache: the K/V of slots ``src`` copied to ``tgt`` (int32, as sglang's)."""
+        self.k[tgt.long()] = self.k[src.long()].clone()
+        self.v[tgt.long()] = self.v[src.long()].clone()
 
     def _v1_worker(self):
         """EAGLEWorker is a TpModelWorker over the draft model: its runner is model_runner (no draft_runner)."""
@@ -121,8 +130,7 @@ class V1DraftHarness(_v2.DraftHarness):
                                        next_power_of_2(steps + ps))
         if ps > 1:
             if dup:  # the draft pool's move_kv_cache: the partial page's K/V copied into each branch's page
-                self.k[tgt.long()] = self.k[src.long()]
-                self.v[tgt.long()] = self.v[src.long()]
+                self.draft_pool.move_kv_cache(tgt, src)
             out = out[: bs * topk * steps]
         self.scratch = out.tolist()
         fb = ForwardBatch(

@@ -228,6 +228,10 @@ def install_draft_canary(facts: SglangFacts, config: CanaryConfig) -> Optional[C
             decode_steps=max(1, steps - 1), spec_v1=spec.tree_verify, num_steps=steps),
         device=facts.device, num_single_forward_managers=max(1, steps - 1), variant_tracker=tracker,
     )
+    if spec.tree_verify:  # spec v1, page size > 1 with topk > 1: branch copies of a partial page, no TAIL
+        from .kv_stores import forget_kv_moves
+
+        forget_kv_moves(pool, manager.groups)
     if tracker is not None:
         _precompile(manager, capacities, facts)
         logger.info("kv_canary_precompiled=1 pool=draft %s", tracker.describe())

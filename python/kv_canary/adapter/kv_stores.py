@@ -1,4 +1,5 @@
-"""The engine's K/V store calls, wrapped for the write-path perturbations (``perturb/write_paths``).
+"""The engine's K/V store calls, wrapped for the write-path perturbations (``perturb/write_paths``); and its K/V
+moves, wrapped to forget the records of the slots they overwrite (``forget_kv_moves``).
 
 sglang's attention backends store each layer's new K/V through the pool's ``set_kv_buffer(layer, loc, ...)``
 (MLA: ``set_mla_kv_buffer(layer, loc, ...)``), ``loc`` being the forward's ``out_cache_loc`` (0.5.23: a
@@ -53,3 +54,27 @@ def _map_loc(loc: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             changes["full_loc"] = fn(loc.full_loc)
         return dataclasses.replace(loc, **changes)
     raise TypeError(f"kv-canary write-path perturbation: unexpected store location {type(loc).__name__}")
+
+
+def forget_kv_moves(pool: Any, groups) -> None:
+    """After ``pool.move_kv_cache(tgt_loc, src_loc)`` (K/V copied into ``tgt_loc``, no TAIL) the ``groups`` forget
+    ``tgt_loc``'s records (``CanaryBufferGroup.forget``), which belonged to the slots' earlier owners.
+
+    For spec v1's draft pool: with page size > 1 and topk > 1, ``EAGLEWorker._draft_preprocess_decode`` copies each
+    request's last partial page into every other branch's fresh page (scratch pages given back after the phase, not
+    in the draft steps' ``out_cache_loc``). sglang moves eagerly, outside any graph; its ``tgt_loc`` is int32 there,
+    copied to int64 (one small tensor a draft phase, as sglang allocates its own)."""
+    move = getattr(pool, "move_kv_cache", None)
+    if move is None:
+        raise CanaryConfigError(f"kv-canary: the KV pool {type(pool).__name__} has no move_kv_cache; spec v1's draft "
+                                "pool is verified over MHATokenToKVPool only")
+
+    @functools.wraps(move)
+    def move_then_forget(tgt_loc, src_loc, *args, **kwargs):
+        out = move(tgt_loc, src_loc, *args, **kwargs)
+        slots = tgt_loc.to(torch.int64)
+        for group in groups:
+            group.forget(slots)
+        return out
+
+    pool.move_kv_cache = move_then_forget
