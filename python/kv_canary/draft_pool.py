@@ -22,9 +22,9 @@ from (the target's hidden state at ``p``, token ``p + 1``), run at position ``p`
   ``req_to_token[row, c + i]``; it reads positions ``[0, c + i]``.
 
 Spec v1 (``EAGLEWorker``, eager): the draft decode steps run ``bs * topk`` lanes into scratch slots sglang gives
-back right after the phase; they read the committed prefix ``[0, c)`` (HEAD) and write nothing
-(``adapter/draft.DraftBatchAdapter(spec_v1=True)``); its draft extends follow the convention above (DRAFT_EXTEND over
-the kept tokens at ``[c, c + a)``).
+back right after the phase; they read the committed prefix ``[0, c)`` (HEAD) and write nothing, HEAD forgetting the
+scratch slots' earlier records (``adapter/draft.DraftBatchAdapter(spec_v1=True)``, ``ForwardView.unrecorded_stores``);
+its draft extends follow the convention above (DRAFT_EXTEND over the kept tokens at ``[c, c + a)``).
 
 TAIL records the token each draft forward is fed (so a draft record's TOKEN is the token at
 ``p + 1``) and checks the position it runs at; HEAD checks position, K/V hash and slot of every

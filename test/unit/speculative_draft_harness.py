@@ -80,11 +80,11 @@ class DraftHarness:
     """sglang spec v2's draft side for a few requests: prefill, draft phases, draft extends after verifies."""
 
     def __init__(self, *, steps: int = 3, page_size: int = 1, mode=CanaryMode.RAISE, adapter=DraftBatchAdapter,
-                 kernels: str = "torch", graph_bs=()):
+                 kernels: str = "torch", graph_bs=(), **config_fields):
         self.steps, self.n, self.page_size = steps, steps + 1, page_size  # topk 1: n = num_steps + 1
         self.k = torch.zeros(SLOTS, 1, 4)
         self.v = torch.zeros(SLOTS, 1, 4)
-        config = draft_config(CanaryConfig(mode=mode, d2h_delay_steps=0, stats_print_every_n_steps=0))
+        config = draft_config(CanaryConfig(mode=mode, d2h_delay_steps=0, stats_print_every_n_steps=0, **config_fields))
         group = build_group(PoolLayout(DRAFT_GROUP, [self.k], [self.v]), config, torch.device("cpu"))
         self.r2t = torch.zeros(ROWS, CTX, dtype=torch.int32)
         self.sfm_log = []

@@ -12,6 +12,7 @@ prefill, DRAFT_EXTEND over the kept tokens, variable length per request). The st
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -25,6 +26,7 @@ from kv_canary.adapter.draft import (
     DraftBatchAdapter, after_eagle_v1_worker_init, around_draft_forward, around_draft_graph_replay, draft_skip_reason,
 )
 from kv_canary.adapter.kv_stores import forget_kv_moves
+from kv_canary.config import RealData
 from kv_canary.draft_pool import DRAFT_GROUP
 from kv_canary.violations import CanaryViolationError
 
@@ -218,6 +220,7 @@ def test_a_v1_draft_step_reads_the_committed_prefix_and_writes_nothing():
         views.append(adapter.view(fb))
     assert [v.seq_lens.tolist() for v in views] == [[4, 2], [4, 2]]  # [0, c) per request, whatever the step
     assert all(v.new_lens.tolist() == [0, 0] and v.max_new_len == 0 and not v.staged for v in views)
+    assert all(v.unrecorded_stores for v in views)  # HEAD forgets the scratch slots' old records
     assert views[0].seq_lens.data_ptr() != views[1].seq_lens.data_ptr()  # a buffer per step (graph-safe)
     assert adapter.num_tokens(fb) == 0 and adapter.written_slots(fb) == []
     assert adapter.host_batch(fb).new_lens == [0, 0]
@@ -255,6 +258,59 @@ def test_a_corrupt_scratch_slot_is_not_read_as_a_prefix():
     h.v1_draft_extend([1], [2])
     _v1_rounds(h, [1], [[3], [1]])
     assert int(h.counters()[fp.C_VIOLATIONS]) == 0
+
+
+def _recycle_scratch(h):
+    """Two finished requests (rows 6, 7) whose draft prefills recorded the slots the next draft phases take as
+    scratch (and, page size > 1 with topk > 1, the branch pages the last partial page is copied into): sglang hands
+    freed slots out again, their records stay."""
+    if h.page_size == 1:
+        saved, h._next_slot = h._next_slot, SCRATCH
+    else:
+        saved, h._pages = h._pages, iter(range(SCRATCH // h.page_size, _v2.SLOTS // h.page_size))
+    h.prefill({row: [(row + i) % _v2.VOCAB for i in range(90)] for row in (6, 7)}, sampled={6: 19, 7: 20})
+    if h.page_size == 1:
+        h._next_slot = saved
+    else:
+        h._pages = saved
+
+
+@pytest.mark.parametrize("page_size,kernels,broken,graph_bs", [
+    (1, "torch", None, ()), (1, "triton", None, ()), (16, "torch", None, ()), (16, "triton", None, ()),
+    (1, "torch", None, (1, 2, 4)), (16, "torch", None, (1, 2, 4)), (1, "torch", "view", ()),
+    (16, "torch", "move", ())])
+def test_recycled_scratch_slots_are_forgotten_so_the_scrub_stays_quiet(page_size, kernels, broken, graph_bs):
+    """``all`` (the scrub over the whole draft pool every forward): a draft decode phase stores its K/V into scratch
+    slots earlier requests' draft TAILs recorded, and records none. HEAD forgets the step's ``out_cache_loc``
+    records (``unrecorded_stores``; replayed with 3 requests padded to 4: the padding lanes' slot 0), the wrapped
+    ``move_kv_cache`` the branch copies of the last partial page (page size 16): nothing is reported. Before the
+    fix the scrub read each scratch slot's new bytes against the old record (the CPU e2e's ``kv_hash rid=scrub
+    group=draft`` rows): ``broken`` puts back the view without the forget, or the move without it."""
+    h = V1DraftHarness(steps=3, page_size=page_size, kernels=kernels, graph_bs=graph_bs, real_data=RealData.ALL,
+                       scrub_slots_per_forward=_v2.SLOTS)
+    _recycle_scratch(h)
+    rows = [1, 2, 3]
+    h.prefill({1: [5, 6, 7, 8, 9, 10], 2: [11, 12, 13], 3: [16, 17]}, sampled={1: 14, 2: 15, 3: 18})
+    if broken == "view":
+        view = h.manager._adapter.view
+        h.manager._adapter.view = lambda fb: dataclasses.replace(view(fb), unrecorded_stores=False)
+    if broken == "move":
+        h.draft_pool.move_kv_cache = h.move_kv_cache
+    recorded = h.manager.groups[0].records[:, fp.F_CHAIN] != 0
+    if broken:
+        with pytest.raises(CanaryViolationError, match=f"kind=kv_hash.*group={DRAFT_GROUP}.*rid=scrub"):
+            _v1_rounds(h, rows, [[2, 1, 3], [1, 3, 2]])
+        return
+    h.v1_draft_phase(rows)
+    # the steps - 1 draft forwards' scratch slots (request-major [bs, topk, steps]; the last step only samples, its
+    # slots stay unwritten and keep their records) were recorded, and are forgotten
+    stored = torch.tensor(h.scratch).view(len(rows), TOPK, h.steps)[:, :, : h.steps - 1].flatten()
+    assert bool(recorded[stored].all()) and not h.manager.groups[0].records[stored].any()
+    h.v1_draft_extend(rows, [2, 1, 3])
+    _v1_rounds(h, rows, [[1, 3, 2], [3, 2, 1]])
+    assert int(h.counters()[fp.C_VIOLATIONS]) == 0 and h.manager.health_violations == 0
+    assert int(h.counters()[fp.C_SLOTS_SCRUBBED]) > 0 and not h.manager.groups[0].records[0].any()
+    assert h.manager.graph_forwards == (3 * (2 + 1) if graph_bs else 0)  # replayed: the phases' steps, extends
 
 
 def test_the_v1_draft_pool_is_verified_with_cuda_graphs_and_the_init_hook_starts_reporting():

@@ -33,10 +33,12 @@ Spec v1 (``EAGLEWorker``: topk > 1 or ``--disable-overlap-schedule``), eager or 
 and hooks (``EAGLEWorker.draft_forward`` AROUND is ``around_draft_forward``; ``EAGLEWorker.__init__`` AFTER starts
 reporting; the two graph runners' capture/replay hooks as above); a draft decode step runs ``bs * topk`` lanes into
 scratch slots sglang gives back right after the phase, so its view (``DraftBatchAdapter(spec_v1=True)``) reads each
-request's committed prefix ``[0, c)`` and writes nothing; the draft extend after a verify (DRAFT_EXTEND: each
-request's kept tokens, packed) is viewed with starts/lengths computed on the device, one view eager and replayed
-(``_v1_draft_extend_view``); EXTEND after a prefill is an extend view. Not verified: a step's reads of its own
-branch's earlier scratch slots (docs/speculative.md).
+request's committed prefix ``[0, c)`` and writes nothing, its HEAD forgetting the scratch slots' earlier owners'
+records (``unrecorded_stores``: the scrub would read the new bytes as corrupt; page size > 1 with topk > 1, the branch
+copies of the last partial page are forgotten by ``kv_stores.forget_kv_moves``); the draft extend after a verify
+(DRAFT_EXTEND: each request's kept tokens, packed) is viewed with starts/lengths computed on the device, one view
+eager and replayed (``_v1_draft_extend_view``); EXTEND after a prefill is an extend view. Not verified: a step's
+reads of its own branch's earlier scratch slots (docs/speculative.md).
 
 Not verified (skipped with a startup line naming why): ``--kv-canary contain`` and PD disaggregation.
 """
@@ -183,8 +185,9 @@ class DraftBatchAdapter(SglangBatchAdapter):
         ``c + i``, each reading the request's committed prefix ``[0, c)`` and its own branch's earlier scratch slots
         (not in ``req_to_token``), writing a scratch slot sglang frees right after the phase. The view: the ``bs``
         requests with ``seq_lens`` = ``c`` (a preallocated buffer per step), ``new_lens`` 0 -- HEAD verifies
-        ``[0, c)``, TAIL writes nothing. A CUDA-graph padding request (``out_cache_loc`` 0 at its first lane)
-        gets 0: it reads nothing."""
+        ``[0, c)`` and forgets the records of the ``bs * topk`` scratch slots (``unrecorded_stores``; a padding
+        lane's slot 0 holds none), TAIL writes nothing. A CUDA-graph padding request (``out_cache_loc`` 0 at its
+        first lane) gets 0: it reads nothing."""
         step = self.draft_step(fb)
         if step >= self._step_seq_lens.shape[0]:
             raise ValueError(f"kv-canary: draft decode step {step}; the draft adapter holds "
@@ -197,7 +200,7 @@ class DraftBatchAdapter(SglangBatchAdapter):
         starts, lens = self._uniform_buffers(0)
         return ForwardView(input_ids=fb.input_ids, positions=fb.positions, out_cache_loc=fb.out_cache_loc,
                            req_pool_indices=fb.req_pool_indices, seq_lens=seq_lens, new_starts=starts[:bs],
-                           new_lens=lens[:bs], batch_size=bs, max_new_len=0, staged=False)
+                           new_lens=lens[:bs], batch_size=bs, max_new_len=0, staged=False, unrecorded_stores=True)
 
     def _draft_extend_view(self, fb) -> ForwardView:
         """DRAFT_EXTEND_V2: every request is fed n tokens at ``[c, c + n)`` (``seq_lens`` = ``c + n``), eagerly or
