@@ -120,7 +120,8 @@ def record_accepted(*, staged: torch.Tensor, row_chain: torch.Tensor, sampled: t
 # slots of the row's verify slots (page size > 1 with topk > 1, move_kv_cache), which already sit there.
 #
 # So the verify forward's own TAIL writes nothing (a tree node is no sequence position until it is kept: the
-# adapter's view has new_lens 0, HEAD verifies [0, c)), and the TAIL is deferred to acceptance: one write over
+# adapter's view has new_lens 0, HEAD verifies [0, c) and forgets the n fresh slots' earlier records, since the forward
+# stores into all of them: ForwardView.unrecorded_stores), and the TAIL is deferred to acceptance: one write over
 # req_to_token[row, c + k], k < a, with the kept nodes' fed tokens and fed positions (so the position check is
 # depth == sequence index), the K/V hashed from the bytes as they are after any move. Its expected tokens: k = 0 the
 # request's own next token (next_token[row], UNKNOWN staged), k >= 1 the token the scheduler appended at c + k

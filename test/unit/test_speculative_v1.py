@@ -12,8 +12,10 @@ stand-ins with the fields sglang's verify reads. Reference kernels and the Trito
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +25,7 @@ import torch
 from kv_canary import fingerprint as fp
 from kv_canary.adapter.batch_adapter import SglangBatchAdapter
 from kv_canary.adapter.speculative import around_eagle_v1_verify
-from kv_canary.config import CanaryMode
+from kv_canary.config import CanaryMode, RealData
 from kv_canary.fingerprint import prefix_chains_np
 from kv_canary.violations import CanaryViolationError
 
@@ -313,6 +315,27 @@ def test_a_corrupt_kept_slot_is_caught_and_a_dropped_one_is_never_read(kernels):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("forget", [True, False])
+def test_rejected_nodes_in_recycled_slots_are_forgotten_so_the_scrub_stays_quiet(kernels, forget):
+    """``all``, the scrub over the whole pool every forward: the verify stores its n nodes into slots a finished
+    request recorded; HEAD forgets them (``unrecorded_stores``; the kept ones are written by the deferred TAIL), so
+    the rejected ones' new bytes are not read against the old records (without: the e2e's ``rid=scrub`` rows)."""
+    h = _harness(kernels, real_data=RealData.ALL, scrub_slots_per_forward=_v2.SLOTS)
+    reused = h.next_slot
+    h.prefill({3: list(range(20, 32))}, bonus={3: 33})  # row 3 finishes: its 12 slots are free, records kept
+    h.next_slot = reused  # handed out again: the next verify's tree nodes
+    if not forget:
+        view = h.manager._adapter.view
+        h.manager._adapter.view = lambda fb: dataclasses.replace(view(fb), unrecorded_stores=False)
+    fb, spec, res = h.round([1], [1], seed=1)
+    assert set(fb.out_cache_loc.tolist()) <= set(range(reused, reused + 12))
+    assert res.num_correct_drafts_per_req_cpu[0] + 1 < h.n  # some nodes rejected: freed, their bytes new
+    with pytest.raises(CanaryViolationError, match="kind=kv_hash.*rid=scrub") if not forget else nullcontext():
+        h.round([1], [2], seed=2)
+        assert _clean(h) == (0, 0)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
 def test_a_wrong_root_token_is_caught(kernels):
     """The tree's root is the token sampled last round: a verify fed another one is reported at acceptance."""
     h = _harness(kernels)
@@ -340,6 +363,8 @@ def test_the_tree_view_reads_the_prefix_writes_nothing_and_a_padding_lane_reads_
     adapter = SglangBatchAdapter(max_batch_size=4, device=torch.device("cpu"), tree_verify=True)
     view = adapter.view(fb)
     assert view.seq_lens.tolist() == [4] and view.new_lens.tolist() == [0] and not view.staged
+    assert view.unrecorded_stores  # HEAD forgets the tree nodes' slots (the kept ones: the deferred TAIL)
+    assert not SglangBatchAdapter(max_batch_size=4, device=torch.device("cpu")).view(fb).unrecorded_stores  # spec v2
     assert adapter.num_tokens(fb) == 0 and adapter.written_slots(fb) == []
     padded = _v2._padded(fb, 3, 4)
     assert adapter.view(padded).seq_lens.tolist() == [4, 0, 0]

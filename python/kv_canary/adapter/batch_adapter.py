@@ -18,7 +18,9 @@ With ``tree_verify`` (spec v1, ``EAGLEWorker``: a config fact fixed at install) 
 TARGET_VERIFY forward feeds a tree of drafts at positions ``c + depth``: its view reads
 ``[0, c)`` (``seq_lens`` = the committed length, padding lanes 0, same buffer) and
 writes nothing (``new_lens`` 0); the kept drafts are written after sglang's verify
-(``kv_canary.speculative.build_accepted_drafts``, ``CanaryManager.write_accepted_drafts``).
+(``kv_canary.speculative.build_accepted_drafts``, ``CanaryManager.write_accepted_drafts``). The forward still
+stores K/V into all ``n`` slots, freed ones (rejected nodes) that may hold an earlier owner's records: HEAD forgets
+those records (``ForwardView.unrecorded_stores``), so the scrub does not take the new bytes for corruption.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ class SglangBatchAdapter:
             draft_tokens_per_request=drafts,
             # the token oracle staged what an extend batch feeds (extend_requests), a verify its drafts (TAIL)
             staged=extend or drafts > 0,
+            # a tree verify stores every node, records none (the kept ones: the deferred TAIL; the rest are freed)
+            unrecorded_stores=self._deferred(fb) and bs > 0,
         )
 
     @staticmethod
