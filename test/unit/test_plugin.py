@@ -106,36 +106,28 @@ def test_the_default_is_partial_only_where_all_is_not_verified():
     assert value == "partial" and "SGLANG_KV_CANARY_KV_HASH_LAYERS" in why
 
 
-def test_eagle_spec_v1_defaults_to_partial_and_refuses_the_whole_row_hash():
-    """Spec v1's draft decode steps overwrite freed draft slots as scratch with no TAIL, so the scrub (all's or the
-    env var's) would report them (seen: 12 kv_hash rows rid=scrub group=draft on a clean CPU server): unset, the flag
-    is partial there, and all or the scrub is refused at startup naming the setting; spec v2 keeps all."""
+def test_eagle_spec_v1_defaults_to_all_and_takes_the_whole_row_hash():
+    """Spec v1 (0.5.12's EAGLEWorker, --disable-overlap-schedule) stores K/V its TAILs do not record -- the draft decode
+    steps' scratch slots, the tree verifies' nodes -- and HEAD forgets those slots' earlier records
+    (``ForwardView.unrecorded_stores``), so the scrub no longer reads them as corrupt (12 kv_hash rows rid=scrub
+    group=draft on a clean CPU server before): unset, the flag is all there as with spec v2, and all or the scrub is
+    taken (both were refused, and the default partial, until the fix)."""
     from types import SimpleNamespace
 
     from kv_canary.adapter.flags import default_real_data
     from kv_canary.adapter.install import config_from_server_args
-    from kv_canary.adapter.lines import current_line
-    from kv_canary.config import CanaryConfigError
 
-    def args(real_data, overlap_off=True):
-        return SimpleNamespace(kv_canary="log", kv_canary_sweep_interval=0, kv_canary_real_data=real_data,
+    def args(real_data, overlap_off=True, mode="log"):
+        return SimpleNamespace(kv_canary=mode, kv_canary_sweep_interval=0, kv_canary_real_data=real_data,
                                speculative_algorithm="EAGLE", disable_overlap_schedule=overlap_off, device="cpu",
                                enable_hierarchical_cache=False, disaggregation_mode="null")
 
-    v1 = current_line().spec_v1(args("all"))
-    assert default_real_data(args(None), {})[0] == ("partial" if v1 else "all")
-    assert default_real_data(args(None, overlap_off=False), {})[0] == "all"
-    assert config_from_server_args(args("partial"), environ={}).real_data.value == "partial"
-    assert config_from_server_args(args("all", overlap_off=False), environ={}).real_data.value == "all"
-    if not v1:
-        pytest.skip("this line serves EAGLE with spec v2 only")
-    with pytest.raises(CanaryConfigError, match="--kv-canary-real-data all is not verified with EAGLE spec v1"):
-        config_from_server_args(args("all"), environ={})
-    with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD=64"):
-        config_from_server_args(args("partial"), environ={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"})
-    contain = args("all")
-    contain.kv_canary = "contain"  # the draft pool is not verified under contain: no draft records, no scratch issue
-    assert config_from_server_args(contain, environ={}).real_data.value == "all"
+    for overlap_off in (True, False):  # spec v1 (on 0.5.12; 0.5.23 serves EAGLE with spec v2 only) and spec v2
+        assert default_real_data(args(None, overlap_off), {}) == ("all", "every byte of every slot (the default)")
+        for mode in ("log", "contain"):
+            assert config_from_server_args(args("all", overlap_off, mode), environ={}).real_data.value == "all"
+    config = config_from_server_args(args("partial"), environ={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"})
+    assert config.real_data.value == "partial" and config.scrub_slots_per_forward == 64
 
 
 @pytest.mark.parametrize(

@@ -152,18 +152,3 @@ def tail_anchor(model: Any) -> Optional[torch.nn.Module]:
     forward_batch)``, after every layer (and so every K/V store); the canary's TAIL can start there."""
     anchor = getattr(model, "logits_processor", None)
     return anchor if isinstance(anchor, torch.nn.Module) else None
-
-
-SPEC_V1_SCRATCH = ("EAGLE spec v1 (--disable-overlap-schedule) writes its draft decode steps' K/V into scratch slots "
-                   "without recording them")
-
-
-def spec_v1_draft(server_args) -> bool:
-    """EAGLE served by spec v1 (``EAGLEWorker``) with its draft pool verified: the draft's decode steps write scratch
-    slots the canary does not record (``adapter/draft``)."""
-    from .draft import draft_skip_reason
-    from .lines import current_line
-
-    mode = str(getattr(server_args, "kv_canary", "none") or "none")
-    return (getattr(server_args, "speculative_algorithm", None) in EAGLE_ALGORITHMS
-            and current_line().spec_v1(server_args) and not draft_skip_reason(server_args, mode))

@@ -38,7 +38,7 @@ def after_add_cli_args(_result, parser) -> None:
         "only), 'partial' (SGLANG_KV_CANARY_KV_HASH_BYTES of K and V in SGLANG_KV_CANARY_KV_HASH_LAYERS), "
         "'all' (the default: the partial window at every read, plus every byte of K and V of every layer at a "
         "slot's first read after its write and by a scrub within a bound logged at startup; docs/design.md). "
-        "Unset, it is 'partial' where 'all' is not verified (HiCache, PD, EAGLE spec v1, the window env vars), "
+        "Unset, it is 'partial' where 'all' is not verified (HiCache, PD disaggregation, the window env vars), "
         "and the startup log says why.",
     )
     group.add_argument(
@@ -102,8 +102,7 @@ def _refuse_unsupported(given, mode) -> None:
 
 def default_real_data(server_args, environ) -> tuple:
     """``--kv-canary-real-data`` when the operator did not give it: (value, why). ``all`` (every byte), or
-    ``partial`` where ``all`` is not verified: HiCache, PD disaggregation, EAGLE spec v1, or the partial window's env
-    vars set."""
+    ``partial`` where ``all`` is not verified: HiCache, PD disaggregation, or the partial window's env vars set."""
     from ..config import ENV_PREFIX, WINDOW_ENV_VARS
     from .disagg import disaggregation_mode
 
@@ -111,10 +110,6 @@ def default_real_data(server_args, environ) -> tuple:
         return "partial", "HiCache (--enable-hierarchical-cache) is verified with partial only"
     if disaggregation_mode(server_args) in ("prefill", "decode"):
         return "partial", "PD disaggregation is verified with partial only (both sides must hash the same bytes)"
-    from .facts import SPEC_V1_SCRATCH, spec_v1_draft
-
-    if spec_v1_draft(server_args):
-        return "partial", f"{SPEC_V1_SCRATCH} (all's scrub would read them as corrupt)"
     window = sorted(ENV_PREFIX + n for n in WINDOW_ENV_VARS if ENV_PREFIX + n in environ)
     if window:
         return "partial", f"{', '.join(window)} tune{'s' if len(window) == 1 else ''} partial's window"

@@ -25,7 +25,7 @@ from .lines import current_choice, current_line
 from .facts import SglangFacts, SpecFacts, max_prefill_tokens, read_facts
 from .forward_patch import _patch_model_forward
 from .pools import register_sglang_pools
-from ..config import FLAG_REAL_DATA, CanaryConfig, CanaryConfigError, RealData
+from ..config import CanaryConfig, CanaryConfigError
 from ..kernels import select_kernels
 from ..memory import canary_memory_bytes, kv_pool_bytes, tokens_per_forward_bound
 from ..views import LaunchCapacities
@@ -51,22 +51,7 @@ def config_from_server_args(server_args: Any, environ=None) -> CanaryConfig:
     )
     check_disaggregation(server_args, config, environ)  # PD: what the canary verifies, the rest refused
     check_hicache(server_args, config)  # HiCache: likewise
-    check_spec_v1_whole_rows(server_args, config)
     return config
-
-
-def check_spec_v1_whole_rows(server_args: Any, config: CanaryConfig) -> None:
-    """EAGLE spec v1: no whole-row hash (``all``, the scrub). Its draft decode steps overwrite freed slots of the
-    draft pool as scratch without a TAIL, so the scrub would find their recorded bytes changed: a false alarm."""
-    from .facts import SPEC_V1_SCRATCH, spec_v1_draft
-
-    if not (config.enabled and config.full_row_hash and not config.hicache and spec_v1_draft(server_args)):
-        return
-    flag = (f"{FLAG_REAL_DATA} all" if config.real_data is RealData.ALL else
-            f"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD={config.scrub_slots_per_forward}")
-    raise CanaryConfigError(f"{flag} is not verified with {SPEC_V1_SCRATCH}, which the scrub would report as "
-                            f"corrupt: use {FLAG_REAL_DATA} partial without the scrub, or spec v2 (drop "
-                            f"--disable-overlap-schedule)")
 
 
 def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryManager]:

@@ -64,19 +64,16 @@ def run_perturbed(tmp_path, device: str, n_requests: int, target_group: str = ""
     if target_group:
         env["SGLANG_KV_CANARY_PERTURB_TARGET_GROUP"] = target_group
     env.update({"SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS": "5", "SGLANG_KV_CANARY_PERTURB_SEED": str(perturb_seed),
-                "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu"})
-    if spec_v1:  # no whole-row hash with spec v1 (refused at startup: its draft scratch slots): flips in the window
-        env["SGLANG_KV_CANARY_PERTURB_KV_BYTES"] = "hashed"
-    else:  # all: a flip in a slot already read is the scrub's: every slot within 4 forwards of this pool
-        env["SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD"] = "4096"
+                "SGLANG_EXTERNAL_MODEL_PACKAGE": "kv_canary_testing.spec_cpu",
+                # all: a flip in a slot already read is the scrub's: every slot within 4 forwards of this pool
+                "SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "4096"})
     extra = [
         "--model-path", str(target), "--attention-backend", "triton",
         "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
         *(("--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4",
            "--disable-overlap-schedule") if spec_v1 else
           ("--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3")),
-        "--speculative-draft-load-format", "dummy", "--max-running-requests", "8",
-        "--kv-canary-real-data", "partial" if spec_v1 else "all",
+        "--speculative-draft-load-format", "dummy", "--max-running-requests", "8", "--kv-canary-real-data", "all",
     ]
     srv = canary_server("log", log_path=tmp_path / "server.log", env=env, extra_args=extra, device=device,
                         max_total_tokens=16384)

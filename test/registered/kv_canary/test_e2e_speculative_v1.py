@@ -1,8 +1,10 @@
 """EAGLE spec v1 (sglang's ``EAGLEWorker``: ``--speculative-eagle-topk`` > 1, ``--disable-overlap-schedule``) with
-``--kv-canary raise``: the target model's tree verifies read the committed prefix (HEAD) and their kept drafts are
-written after sglang's verify (the deferred TAIL); drafts are accepted and rejected, nothing is reported, and the
-greedy outputs equal the target's without speculative decoding. One EAGLE server per configuration, shared by the
-module's tests (plus a short-lived reference server without speculative decoding, canary off, for the greedy check).
+``--kv-canary raise`` and ``--kv-canary-real-data`` unset (``all``: the scrub on): the target model's tree verifies
+read the committed prefix (HEAD) and their kept drafts are written after sglang's verify (the deferred TAIL); drafts
+are accepted and rejected, nothing is reported (the scrub included: the slots spec v1 stores into without a TAIL are
+forgotten first), and the greedy outputs equal the target's without speculative decoding. One EAGLE server per
+configuration, shared by the module's tests (plus a short-lived reference server without speculative decoding, canary
+off, for the greedy check).
 
 CPU: one server (page size 1, topk 2, eager), the tiny target + tiny EAGLE draft through
 ``kv_canary_testing.spec_cpu`` (CPU stand-ins for sglang's CUDA-only EAGLE ops, any topk). GPU: CUDA graphs on
@@ -128,7 +130,8 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     print(f"kv_canary_e2e_eagle_v1 device={e2e_device()} {result.summary()} "
           f"slots_verified={log.last_stat('slots_verified')} slots_written={log.last_stat('slots_written')} "
           f"slots_swept={log.last_stat('slots_swept')} forwards={forwards} deferred_writes={writes - forwards} "
-          f"graph_replays={log.last_stat('graph_forwards')} violations={log.last_stat('violations')} "
+          f"graph_replays={log.last_stat('graph_forwards')} slots_scrubbed={log.last_stat('slots_scrubbed')} "
+          f"violations={log.last_stat('violations')} "
           f"health_violations={log.last_stat('health_violations')} "
           f"{draft_summary(draft[-1] if draft else {})}")
     assert result.failed == 0 and running, "\n".join(result.errors[:5]) + "\n" + srv.log_tail()
@@ -139,6 +142,11 @@ def test_spec_v1_raise_mixed_workload_has_no_violation(eagle_v1_server):
     assert result.uncached_prompt_tokens > MAX_TOTAL_TOKENS
     assert log.violations == [] and log.last_stat("violations") == 0
     assert log.last_stat("health_violations") == 0
+    # --kv-canary-real-data unset is all with spec v1 too, its scrub over both pools: the slots the draft decode steps
+    # (scratch) and the tree verifies (every node) store into without a TAIL -- freed slots that held earlier owners'
+    # records, under this eviction -- are forgotten first, so the scrub reports none of them
+    assert "kv_canary_real_data_default=all" in log.text and "real_data=all" in log.text
+    assert log.last_stat("slots_scrubbed") > 0 and int(draft[-1]["slots_scrubbed"]) > 0
     assert log.last_stat("slots_verified") > 0 and log.last_stat("slots_swept") > 0
     # every forward ran HEAD and TAIL; each tree verify's deferred TAIL is one more write launch (counted)
     assert log.last_stat("verify_launches") == forwards and writes > forwards
