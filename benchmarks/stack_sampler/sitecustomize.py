@@ -13,7 +13,8 @@ samples attribute to whatever frame triggered the collection).
 
 ``KVC_DIAG_CANARY_IDLE=1`` (no sampling needed): the bench ablation ``hc_ours_idle``, the canary installed with its
 per-forward work skipped (``canary_idle.py``). ``KVC_DIAG_DEVICE_BYTES=N``: the layout probe, N device bytes held
-after the KV pool of a server without the canary (``device_bytes.py``).
+after the KV pool of a server without the canary (``device_bytes.py``). ``KVC_DIAG_RESERVE_BYTES``,
+``KVC_DIAG_SKIP_PRECOMPILE``: one step of the canary's install at a time (``layout_ablations.py``).
 """
 
 import os
@@ -124,6 +125,12 @@ if os.environ.get("KVC_DIAG_DEVICE_BYTES"):  # bench ablation: the layout probe 
     import device_bytes
 
     device_bytes.install()
+
+if any(os.environ.get(f"KVC_DIAG_{name}") for name in ("RESERVE_BYTES", "SKIP_PRECOMPILE", "PRECOMPILE_POOL",
+                                                       "PRECOMPILE_EMPTY_CACHE")):  # layout_ablations.py
+    import layout_ablations
+
+    layout_ablations.install()
 
 if _DIR:
     _start(_DIR)

@@ -387,3 +387,45 @@ def test_the_layout_probe_holds_its_bytes_after_the_kv_pool_of_a_server_without_
         device_bytes.wrap(type("NoPool", (), {}), 1)
     held = runner.kvc_diag_device_bytes
     assert held.numel() == 4096 and held.device.type == "cpu"
+
+
+def test_the_install_ablations_shrink_the_pool_budget_or_skip_the_precompile_in_a_fresh_interpreter():
+    """KVC_DIAG_RESERVE_BYTES=N (stack_sampler/layout_ablations.py): 0.5.12's ``_profile_available_bytes`` returns N
+    fewer bytes; KVC_DIAG_SKIP_PRECOMPILE=1 replaces the install's ``_precompile`` (so do KVC_DIAG_PRECOMPILE_POOL and
+    _EMPTY_CACHE, wrapping it); the skip is refused without the idle
+    canary (a working canary would compile while serving); a bad N is refused naming the variable."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("sglang.srt.model_executor.model_runner_kv_cache_mixin") is None:
+        pytest.skip("the reserve ablation wraps sglang 0.5.12's ModelRunnerKVCacheMixin, absent from this line")
+    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
+    off = overhead_plan.CONFIGS["off"]
+    probe_config = type(off)(**{**off.__dict__, "env": (("KVC_DIAG_RESERVE_BYTES", "4096"),)})
+    env = overhead_plan.server_env(probe_config, plan, None, {})
+    assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
+    probe = ("from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin as M\n"
+             "print(M._profile_available_bytes.__code__.co_filename.endswith('layout_ablations.py'))\n"
+             "import kv_canary.adapter.install as i\n"
+             "print(i._precompile.__code__.co_filename.endswith('layout_ablations.py'))\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
+    got = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True,
+                         timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[-2:] == ["True", "False"]
+    skip = {**base, **env, "KVC_DIAG_SKIP_PRECOMPILE": "1", "KVC_DIAG_CANARY_IDLE": "1"}
+    got = subprocess.run([sys.executable, "-c", probe], env=skip, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[-2:] == ["True", "True"]
+    apart = {**base, **env, "KVC_DIAG_PRECOMPILE_POOL": "1", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE": "1"}
+    got = subprocess.run([sys.executable, "-c", probe], env=apart, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[-2:] == ["True", "True"]
+    refused = subprocess.run([sys.executable, "-c", "pass"], env={**skip, "KVC_DIAG_CANARY_IDLE": "0"},
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "needs KVC_DIAG_CANARY_IDLE=1" in refused.stderr
+    bad = subprocess.run([sys.executable, "-c", "pass"], env={**base, **env, "KVC_DIAG_RESERVE_BYTES": "32MB"},
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "KVC_DIAG_RESERVE_BYTES='32MB'" in bad.stderr

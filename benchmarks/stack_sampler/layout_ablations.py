@@ -1,0 +1,97 @@
+"""Bench-only ablations of the canary's install, one step at a time, to bisect its presence effect at decode bs1
+(issue 60; ``profile_decode.py --configs``). Each verifies nothing: a bench configuration, never a setting.
+
+- ``KVC_DIAG_RESERVE_BYTES=N`` (a server without the canary): sglang sizes its KV pool from N fewer available
+  bytes, as the canary's reserve does (``kv_canary_reserved_bytes``), and nothing else changes.
+- ``KVC_DIAG_SKIP_PRECOMPILE=1`` (only with ``KVC_DIAG_CANARY_IDLE=1``, where no canary kernel ever launches): the
+  install skips its kernels' precompile (``adapter/install._precompile``): no Triton module is loaded and the
+  precompile's launches never use the caching allocator.
+- ``KVC_DIAG_PRECOMPILE_POOL=1``: the precompile runs in a private pool of the caching allocator
+  (``torch.cuda.MemPool``), so the temporaries its launches free never serve sglang's later allocations.
+- ``KVC_DIAG_PRECOMPILE_EMPTY_CACHE=1``: after the precompile, ``torch.cuda.empty_cache()`` (the cached blocks it
+  freed go back to the driver).
+
+Applied when the target module is imported (an import hook installed by this directory's ``sitecustomize``).
+"""
+
+import functools
+import os
+import sys
+
+RESERVE_ENV, SKIP_PRECOMPILE_ENV = "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE"
+POOL_ENV, EMPTY_CACHE_ENV = "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE"
+SIZER = "sglang.srt.model_executor.model_runner_kv_cache_mixin"  # 0.5.12's ModelRunnerKVCacheMixin
+INSTALL = "kv_canary.adapter.install"
+
+
+def _shrink(module, nbytes: int) -> None:
+    cls = module.ModelRunnerKVCacheMixin
+    original = getattr(cls, "_profile_available_bytes", None)
+    if not callable(original):
+        raise AttributeError(f"{RESERVE_ENV}: {cls.__name__} has no _profile_available_bytes (sglang 0.5.12's)")
+
+    @functools.wraps(original)
+    def profile(self, *args, **kwargs):
+        available = original(self, *args, **kwargs)
+        print(f"kvc_diag_reserve_bytes={nbytes} available_bytes_before={available} pid={os.getpid()} "
+              "(bench ablation: the KV pool sized as if the canary held these back)", file=sys.stderr)
+        return int(available) - nbytes
+
+    cls._profile_available_bytes = profile
+
+
+def _skip_precompile(module) -> None:
+    def skipped(*_args, **_kwargs):
+        print(f"kvc_diag_skip_precompile=1 pid={os.getpid()} (bench ablation: no precompile)", file=sys.stderr)
+
+    module._precompile = skipped
+
+
+def _precompile_apart(module, pool: bool, empty_cache: bool) -> None:
+    original = module._precompile
+
+    @functools.wraps(original)
+    def precompile(*args, **kwargs):
+        import torch
+
+        if pool:
+            private = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(private):
+                original(*args, **kwargs)
+        else:
+            original(*args, **kwargs)
+        if empty_cache:
+            torch.cuda.empty_cache()
+        print(f"kvc_diag_precompile pool={int(pool)} empty_cache={int(empty_cache)} pid={os.getpid()} "
+              "(bench ablation)", file=sys.stderr)
+
+    module._precompile = precompile
+
+
+def _on_import(target: str, apply) -> None:
+    if target in sys.modules:
+        apply(sys.modules[target])
+    else:
+        from kv_canary._autoload import install_after_import
+
+        install_after_import(target, apply)
+
+
+def install() -> None:
+    raw = os.environ.get(RESERVE_ENV, "")
+    if raw:
+        try:
+            nbytes = int(raw)
+        except ValueError:
+            raise SystemExit(f"{RESERVE_ENV}={raw!r}: expected a number of bytes") from None
+        if nbytes <= 0:
+            raise SystemExit(f"{RESERVE_ENV}={raw!r}: expected a number of bytes > 0")
+        _on_import(SIZER, lambda module: _shrink(module, nbytes))
+    if os.environ.get(SKIP_PRECOMPILE_ENV) == "1":
+        if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":
+            raise SystemExit(f"{SKIP_PRECOMPILE_ENV}=1 needs KVC_DIAG_CANARY_IDLE=1: a working canary would compile "
+                             "its kernels while serving")
+        _on_import(INSTALL, _skip_precompile)
+    pool, empty = os.environ.get(POOL_ENV) == "1", os.environ.get(EMPTY_CACHE_ENV) == "1"
+    if pool or empty:
+        _on_import(INSTALL, lambda module: _precompile_apart(module, pool, empty))
