@@ -10,6 +10,10 @@
   (``torch.cuda.MemPool``), so the temporaries its launches free never serve sglang's later allocations.
 - ``KVC_DIAG_PRECOMPILE_EMPTY_CACHE=1``: after the precompile, ``torch.cuda.empty_cache()`` (the cached blocks it
   freed go back to the driver).
+- ``KVC_DIAG_PRECOMPILE_LAUNCH=load`` / ``=compile`` (only with the idle canary): during the precompile Triton's
+  launches do not reach the device: ``load`` loads each variant's module (``CompiledKernel._init_handles``) and skips
+  the launch (``CudaLauncher.__call__``); ``compile`` compiles only (no module is loaded). With lease G/H's finding
+  (the precompile moves the GEMM; its allocations do not), they tell whether loading the canary's modules is the cause.
 
 Applied when the target module is imported (an import hook installed by this directory's ``sitecustomize``).
 """
@@ -20,6 +24,7 @@ import sys
 
 RESERVE_ENV, SKIP_PRECOMPILE_ENV = "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE"
 POOL_ENV, EMPTY_CACHE_ENV = "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE"
+LAUNCH_ENV = "KVC_DIAG_PRECOMPILE_LAUNCH"
 SIZER = "sglang.srt.model_executor.model_runner_kv_cache_mixin"  # 0.5.12's ModelRunnerKVCacheMixin
 INSTALL = "kv_canary.adapter.install"
 
@@ -68,6 +73,32 @@ def _precompile_apart(module, pool: bool, empty_cache: bool) -> None:
     module._precompile = precompile
 
 
+def _precompile_without_launches(module, load: bool) -> None:
+    original = module._precompile
+
+    @functools.wraps(original)
+    def precompile(*args, **kwargs):
+        from triton.backends.nvidia.driver import CudaLauncher
+        from triton.compiler.compiler import CompiledKernel
+
+        saved = {(CudaLauncher, "__call__"): CudaLauncher.__dict__["__call__"],
+                 (CompiledKernel, "_init_handles"): CompiledKernel.__dict__["_init_handles"],
+                 (CompiledKernel, "run"): CompiledKernel.__dict__["run"]}
+        CudaLauncher.__call__ = lambda *_a, **_k: None
+        if not load:
+            CompiledKernel._init_handles = lambda self: None
+            CompiledKernel.run = property(lambda self: (lambda *_a, **_k: None))
+        try:
+            original(*args, **kwargs)
+        finally:
+            for (cls, name), value in saved.items():
+                setattr(cls, name, value)
+        print(f"kvc_diag_precompile_launch={'load' if load else 'compile'} pid={os.getpid()} (bench ablation: "
+              "no precompile launch reached the device)", file=sys.stderr)
+
+    module._precompile = precompile
+
+
 def _on_import(target: str, apply) -> None:
     if target in sys.modules:
         apply(sys.modules[target])
@@ -92,6 +123,13 @@ def install() -> None:
             raise SystemExit(f"{SKIP_PRECOMPILE_ENV}=1 needs KVC_DIAG_CANARY_IDLE=1: a working canary would compile "
                              "its kernels while serving")
         _on_import(INSTALL, _skip_precompile)
+    launch = os.environ.get(LAUNCH_ENV, "")
+    if launch:
+        if launch not in ("load", "compile"):
+            raise SystemExit(f"{LAUNCH_ENV}={launch!r}: expected load or compile")
+        if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":
+            raise SystemExit(f"{LAUNCH_ENV} needs KVC_DIAG_CANARY_IDLE=1: a working canary must launch its kernels")
+        _on_import(INSTALL, lambda module: _precompile_without_launches(module, launch == "load"))
     pool, empty = os.environ.get(POOL_ENV) == "1", os.environ.get(EMPTY_CACHE_ENV) == "1"
     if pool or empty:
         _on_import(INSTALL, lambda module: _precompile_apart(module, pool, empty))

@@ -126,8 +126,8 @@ if os.environ.get("KVC_DIAG_DEVICE_BYTES"):  # bench ablation: the layout probe 
 
     device_bytes.install()
 
-if any(os.environ.get(f"KVC_DIAG_{name}") for name in ("RESERVE_BYTES", "SKIP_PRECOMPILE", "PRECOMPILE_POOL",
-                                                       "PRECOMPILE_EMPTY_CACHE")):  # layout_ablations.py
+_ABLATIONS = ("RESERVE_BYTES", "SKIP_PRECOMPILE", "PRECOMPILE_POOL", "PRECOMPILE_EMPTY_CACHE", "PRECOMPILE_LAUNCH")
+if any(os.environ.get(f"KVC_DIAG_{name}") for name in _ABLATIONS):  # layout_ablations.py
     import layout_ablations
 
     layout_ablations.install()

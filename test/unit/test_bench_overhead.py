@@ -429,3 +429,34 @@ def test_the_install_ablations_shrink_the_pool_budget_or_skip_the_precompile_in_
     bad = subprocess.run([sys.executable, "-c", "pass"], env={**base, **env, "KVC_DIAG_RESERVE_BYTES": "32MB"},
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "KVC_DIAG_RESERVE_BYTES='32MB'" in bad.stderr
+
+
+def test_the_launch_ablations_keep_the_precompile_off_the_device_only_while_it_runs():
+    """KVC_DIAG_PRECOMPILE_LAUNCH (layout_ablations.py): while the wrapped precompile runs, Triton's CUDA launcher
+    does nothing (``load``: modules still load; ``compile``: no module loads either); afterwards Triton's own methods
+    are back."""
+    import sys
+    import types
+
+    pytest.importorskip("triton.backends.nvidia.driver")
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.compiler.compiler import CompiledKernel
+
+    sys.path.insert(0, str(overhead_plan.SAMPLER_DIR))
+    try:
+        import layout_ablations
+    finally:
+        sys.path.remove(str(overhead_plan.SAMPLER_DIR))
+    before = (CudaLauncher.__call__, CompiledKernel._init_handles, CompiledKernel.__dict__["run"])
+    seen = []
+
+    def precompile(*args):
+        seen.append((args, CudaLauncher.__call__(None, 1, 1, 1, None, None), CompiledKernel._init_handles is before[1],
+                     CompiledKernel.__dict__["run"] is before[2]))
+
+    for load, kept in ((True, True), (False, False)):
+        install = types.SimpleNamespace(_precompile=precompile)
+        layout_ablations._precompile_without_launches(install, load)
+        install._precompile("manager")
+        assert seen.pop() == (("manager",), None, kept, kept)
+        assert (CudaLauncher.__call__, CompiledKernel._init_handles, CompiledKernel.__dict__["run"]) == before
