@@ -24,6 +24,10 @@
 #   bash scripts/gpu_host.sh bench-start [args]     # benchmarks/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
 #     (KVC_BENCH_DIR=/tmp/kvc-bench-1 CUDA_VISIBLE_DEVICES=1 ...: a second bench on the second GPU, its own folder)
+#   bash scripts/gpu_host.sh prof-start [args]      # benchmarks/profile_decode.py in the background (after install-b)
+#   bash scripts/gpu_host.sh prof-wait [seconds]    # wait for it (default 570 s): profile.log, summary.json into $OUT
+#     e.g. the decode bs1 bisect (docs/results/gpu-h200-2026-12-01d-bs1-bisect): install-a; then install-b && prof-start
+#     --batches 1 --configs "off,ours_idle,load:ours_idle;KVC_DIAG_PRECOMPILE_LAUNCH=load" && prof-wait 480
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
@@ -250,6 +254,18 @@ PY
     done
     tail -40 "$bench_dir/bench.log"
     if [ -f "$bench_dir/rc" ]; then echo "BENCH_DONE rc=$(cat "$bench_dir/rc")"; else echo "BENCH_RUNNING"; fi ;;
+  prof-start)  # benchmarks/profile_decode.py in the background (setsid), after install-b; args: profile_decode's
+    mkdir -p /tmp/kvc-prof; rm -f /tmp/kvc-prof/rc
+    setsid bash -c 'python3 benchmarks/profile_decode.py --out /tmp/kvc-prof/summary.json "$@" > /tmp/kvc-prof/log 2>&1
+      echo $? > /tmp/kvc-prof/rc' prof "$@" < /dev/null > /dev/null 2>&1 &
+    sleep 3; echo "profile started in the background: /tmp/kvc-prof/log"; tail -3 /tmp/kvc-prof/log ;;
+  prof-wait)  # [seconds]: wait for it (default 570 s); its log and summary (partial until PROF_DONE) into $OUT
+    [ -d /tmp/kvc-prof ] || { echo "NO_PROFILE: none was started on this host (it went back?)" >&2; exit 3; }
+    limit="${1:-570}"; t0=$SECONDS
+    while [ ! -f /tmp/kvc-prof/rc ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
+    cp /tmp/kvc-prof/log "$out/profile.log"; [ ! -f /tmp/kvc-prof/summary.json ] || cp /tmp/kvc-prof/summary.json "$out/"
+    grep -E "starting server|FAILED" /tmp/kvc-prof/log || true
+    if [ -f /tmp/kvc-prof/rc ]; then echo "PROF_DONE rc=$(cat /tmp/kvc-prof/rc)"; else echo "PROF_RUNNING"; fi ;;
   install-a) bash .bundle/part-a/install.sh; nvidia-smi -L; python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' ;;
   install-b)
     bash .bundle/part-b/install.sh
