@@ -128,7 +128,8 @@ STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
 IDLE_ENV = "KVC_DIAG_CANARY_IDLE"
 DEVICE_BYTES_ENV = "KVC_DIAG_DEVICE_BYTES"  # the layout probe for a server without the canary (device_bytes.py)
 DIAG_ENVS = (IDLE_ENV, DEVICE_BYTES_ENV, "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE",  # layout_ablations.py
-             "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE", "KVC_DIAG_PRECOMPILE_LAUNCH")
+             "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE", "KVC_DIAG_PRECOMPILE_LAUNCH",
+             "KVC_DIAG_DUMMY_MODULES")
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 LAYOUT_ROWS = BASE_ROWS  # every row; the ``*_all`` rows compare with it through their baseline rows
 # upstream 0.5.14 ships its own kv_canary; the plugin (installed in the same site) refuses 0.5.14 unless handed over

@@ -25,7 +25,8 @@ counted apart (``small_graph_*``) and is outside work:
 environment (``KVC_DIAG_DEVICE_BYTES=N`` on ``off``: the layout probe, ``stack_sampler/device_bytes.py``; one step
 of the install at a time, ``stack_sampler/layout_ablations.py``: ``KVC_DIAG_RESERVE_BYTES=N`` on ``off``,
 ``KVC_DIAG_SKIP_PRECOMPILE=1`` or ``KVC_DIAG_PRECOMPILE_LAUNCH=load|compile`` on ``ours_idle``,
-``KVC_DIAG_PRECOMPILE_POOL=1`` / ``_EMPTY_CACHE=1``), and
+``KVC_DIAG_PRECOMPILE_POOL=1`` / ``_EMPTY_CACHE=1``; ``KVC_DIAG_DUMMY_MODULES=K`` on any: K tiny modules loaded after the
+KV pool, another draw of the placement), and
 ``PATH`` first on ``PYTHONPATH`` (another build of the canary package, an A/B of one change).
 Output: ``--out`` (the JSON summary), the traces and server logs beside it.
 

@@ -14,6 +14,9 @@
   launches do not reach the device: ``load`` loads each variant's module (``CompiledKernel._init_handles``) and skips
   the launch (``CudaLauncher.__call__``); ``compile`` compiles only (no module is loaded). With lease G/H's finding
   (the precompile moves the GEMM; its allocations do not), they tell whether loading the canary's modules is the cause.
+- ``KVC_DIAG_DUMMY_MODULES=K`` (any server, the canary or not): right after sglang has built its KV pool (where the
+  canary installs and precompiles), K tiny Triton modules are compiled, loaded and launched (``dummy_kernel.py``):
+  a different K draws another placement of what loads after, on off servers as on canary servers.
 
 Applied when the target module is imported (an import hook installed by this directory's ``sitecustomize``).
 """
@@ -24,7 +27,8 @@ import sys
 
 RESERVE_ENV, SKIP_PRECOMPILE_ENV = "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE"
 POOL_ENV, EMPTY_CACHE_ENV = "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE"
-LAUNCH_ENV = "KVC_DIAG_PRECOMPILE_LAUNCH"
+LAUNCH_ENV, DUMMY_ENV = "KVC_DIAG_PRECOMPILE_LAUNCH", "KVC_DIAG_DUMMY_MODULES"
+RUNNER = "sglang.srt.model_executor.model_runner"
 SIZER = "sglang.srt.model_executor.model_runner_kv_cache_mixin"  # 0.5.12's ModelRunnerKVCacheMixin
 INSTALL = "kv_canary.adapter.install"
 
@@ -99,6 +103,30 @@ def _precompile_without_launches(module, load: bool) -> None:
     module._precompile = precompile
 
 
+def _dummy_modules_after_pool(module, count: int) -> None:
+    from device_bytes import POOL_METHODS
+
+    runner_cls = module.ModelRunner
+    name = next((n for n in POOL_METHODS if callable(getattr(runner_cls, n, None))), None)
+    if name is None:
+        raise AttributeError(f"{DUMMY_ENV}: {runner_cls.__name__} has none of {', '.join(POOL_METHODS)}")
+    original = getattr(runner_cls, name)
+
+    @functools.wraps(original)
+    def build_pool(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        import torch
+        from dummy_kernel import load_modules
+
+        load_modules(torch.device(self.device, self.gpu_id) if self.device == "cuda" else torch.device(self.device),
+                     count)
+        print(f"kvc_diag_dummy_modules={count} pid={os.getpid()} (bench ablation: loaded after the KV pool)",
+              file=sys.stderr)
+        return result
+
+    setattr(runner_cls, name, build_pool)
+
+
 def _on_import(target: str, apply) -> None:
     if target in sys.modules:
         apply(sys.modules[target])
@@ -130,6 +158,11 @@ def install() -> None:
         if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":
             raise SystemExit(f"{LAUNCH_ENV} needs KVC_DIAG_CANARY_IDLE=1: a working canary must launch its kernels")
         _on_import(INSTALL, lambda module: _precompile_without_launches(module, launch == "load"))
+    raw = os.environ.get(DUMMY_ENV, "")
+    if raw:
+        if not raw.isdigit() or int(raw) <= 0:
+            raise SystemExit(f"{DUMMY_ENV}={raw!r}: expected a number of modules > 0")
+        _on_import(RUNNER, lambda module: _dummy_modules_after_pool(module, int(raw)))
     pool, empty = os.environ.get(POOL_ENV) == "1", os.environ.get(EMPTY_CACHE_ENV) == "1"
     if pool or empty:
         _on_import(INSTALL, lambda module: _precompile_apart(module, pool, empty))

@@ -126,7 +126,8 @@ if os.environ.get("KVC_DIAG_DEVICE_BYTES"):  # bench ablation: the layout probe 
 
     device_bytes.install()
 
-_ABLATIONS = ("RESERVE_BYTES", "SKIP_PRECOMPILE", "PRECOMPILE_POOL", "PRECOMPILE_EMPTY_CACHE", "PRECOMPILE_LAUNCH")
+_ABLATIONS = ("RESERVE_BYTES", "SKIP_PRECOMPILE", "PRECOMPILE_POOL", "PRECOMPILE_EMPTY_CACHE", "PRECOMPILE_LAUNCH",
+              "DUMMY_MODULES")
 if any(os.environ.get(f"KVC_DIAG_{name}") for name in _ABLATIONS):  # layout_ablations.py
     import layout_ablations
 

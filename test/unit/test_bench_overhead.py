@@ -460,3 +460,35 @@ def test_the_launch_ablations_keep_the_precompile_off_the_device_only_while_it_r
         install._precompile("manager")
         assert seen.pop() == (("manager",), None, kept, kept)
         assert (CudaLauncher.__call__, CompiledKernel._init_handles, CompiledKernel.__dict__["run"]) == before
+
+
+def test_the_dummy_modules_ablation_launches_k_variants_after_the_kv_pool(monkeypatch):
+    """KVC_DIAG_DUMMY_MODULES=K (layout_ablations.py): the KV pool builder returns what it returned, then K variants
+    of dummy_kernel's store (each its own module on a GPU) have run on the runner's device; a bad K is refused."""
+    import os
+    import subprocess
+    import sys
+    import types
+
+    monkeypatch.syspath_prepend(str(overhead_plan.SAMPLER_DIR))
+    import dummy_kernel
+    import layout_ablations
+
+    launched = []
+    real = dummy_kernel.load_modules
+    monkeypatch.setattr(dummy_kernel, "load_modules", lambda device, count: launched.append((device.type, count))
+                        or real(device, count))
+
+    class ModelRunner:
+        device, gpu_id = "cpu", 0
+
+        def init_memory_pool(self, total):
+            return f"pool of {total}"
+
+    layout_ablations._dummy_modules_after_pool(types.SimpleNamespace(ModelRunner=ModelRunner), 3)
+    assert ModelRunner().init_memory_pool(7) == "pool of 7"
+    assert launched == [("cpu", 3)]
+    bad = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(overhead_plan.SAMPLER_DIR),
+                              "KVC_DIAG_DUMMY_MODULES": "0"})
+    assert bad.returncode != 0 and "KVC_DIAG_DUMMY_MODULES='0'" in bad.stderr
