@@ -23,11 +23,11 @@ ENV = "KVC_DIAG_DEVICE_BYTES"
 POOL_METHODS = ("alloc_memory_pool", "init_memory_pool")  # the KV pool's builder: 0.5.15+, then 0.5.12
 
 
-def wrap(runner_cls, nbytes: int) -> None:
-    """The runner's KV pool builder then holds ``nbytes`` more device bytes (``kvc_diag_device_bytes``)."""
+def after_pool(runner_cls, env: str, action) -> None:
+    """The runner's KV pool builder then calls ``action(runner, device)`` (``env``: the ablation, named in errors)."""
     name = next((n for n in POOL_METHODS if callable(getattr(runner_cls, n, None))), None)
     if name is None:
-        raise AttributeError(f"{ENV}: {runner_cls.__name__} has none of {', '.join(POOL_METHODS)}")
+        raise AttributeError(f"{env}: {runner_cls.__name__} has none of {', '.join(POOL_METHODS)}")
     original = getattr(runner_cls, name)
 
     @functools.wraps(original)
@@ -35,23 +35,38 @@ def wrap(runner_cls, nbytes: int) -> None:
         result = original(self, *args, **kwargs)
         import torch
 
-        device = torch.device(self.device, self.gpu_id) if self.device == "cuda" else torch.device(self.device)
-        self.kvc_diag_device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        print(f"kvc_diag_device_bytes={nbytes} pid={os.getpid()} (bench ablation: held after the KV pool)",
-              file=sys.stderr)
+        action(self, torch.device(self.device, self.gpu_id) if self.device == "cuda" else torch.device(self.device))
         return result
 
     setattr(runner_cls, name, build_pool)
 
 
-def install() -> None:
-    raw = os.environ.get(ENV, "")
+def wrap(runner_cls, nbytes: int) -> None:
+    """The runner's KV pool builder then holds ``nbytes`` more device bytes (``kvc_diag_device_bytes``)."""
+    def hold(runner, device) -> None:
+        import torch
+
+        runner.kvc_diag_device_bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        print(f"kvc_diag_device_bytes={nbytes} pid={os.getpid()} (bench ablation: held after the KV pool)",
+              file=sys.stderr)
+
+    after_pool(runner_cls, ENV, hold)
+
+
+def positive_bytes(env: str) -> int:
+    """``env``'s value as a number of bytes > 0, or exit naming the variable."""
+    raw = os.environ.get(env, "")
     try:
         nbytes = int(raw)
     except ValueError:
-        raise SystemExit(f"{ENV}={raw!r}: expected a number of bytes") from None
+        raise SystemExit(f"{env}={raw!r}: expected a number of bytes") from None
     if nbytes <= 0:
-        raise SystemExit(f"{ENV}={raw!r}: expected a number of bytes > 0")
+        raise SystemExit(f"{env}={raw!r}: expected a number of bytes > 0")
+    return nbytes
+
+
+def install() -> None:
+    nbytes = positive_bytes(ENV)
     if TARGET in sys.modules:
         wrap(sys.modules[TARGET].ModelRunner, nbytes)
     else:

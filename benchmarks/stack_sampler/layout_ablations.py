@@ -104,27 +104,16 @@ def _precompile_without_launches(module, load: bool) -> None:
 
 
 def _dummy_modules_after_pool(module, count: int) -> None:
-    from device_bytes import POOL_METHODS
+    from device_bytes import after_pool
 
-    runner_cls = module.ModelRunner
-    name = next((n for n in POOL_METHODS if callable(getattr(runner_cls, n, None))), None)
-    if name is None:
-        raise AttributeError(f"{DUMMY_ENV}: {runner_cls.__name__} has none of {', '.join(POOL_METHODS)}")
-    original = getattr(runner_cls, name)
-
-    @functools.wraps(original)
-    def build_pool(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        import torch
+    def load(_runner, device) -> None:
         from dummy_kernel import load_modules
 
-        load_modules(torch.device(self.device, self.gpu_id) if self.device == "cuda" else torch.device(self.device),
-                     count)
+        load_modules(device, count)
         print(f"kvc_diag_dummy_modules={count} pid={os.getpid()} (bench ablation: loaded after the KV pool)",
               file=sys.stderr)
-        return result
 
-    setattr(runner_cls, name, build_pool)
+    after_pool(module.ModelRunner, DUMMY_ENV, load)
 
 
 def _on_import(target: str, apply) -> None:
@@ -137,14 +126,10 @@ def _on_import(target: str, apply) -> None:
 
 
 def install() -> None:
-    raw = os.environ.get(RESERVE_ENV, "")
-    if raw:
-        try:
-            nbytes = int(raw)
-        except ValueError:
-            raise SystemExit(f"{RESERVE_ENV}={raw!r}: expected a number of bytes") from None
-        if nbytes <= 0:
-            raise SystemExit(f"{RESERVE_ENV}={raw!r}: expected a number of bytes > 0")
+    if os.environ.get(RESERVE_ENV):
+        from device_bytes import positive_bytes
+
+        nbytes = positive_bytes(RESERVE_ENV)
         _on_import(SIZER, lambda module: _shrink(module, nbytes))
     if os.environ.get(SKIP_PRECOMPILE_ENV) == "1":
         if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":

@@ -342,24 +342,30 @@ def test_the_gpu_flags_follow_the_installed_line(tmp_path, monkeypatch):
     assert "--skip-server-warmup" in args
 
 
+def _off_server_env(*pairs):
+    """(an off server's environment with the ``KVC_DIAG_*`` ``pairs``, the test's own environment without the
+    sampler's variables): a fresh interpreter started with both applies the ablations as a server would."""
+    import os
+
+    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
+    off = overhead_plan.CONFIGS["off"]
+    env = overhead_plan.server_env(type(off)(**{**off.__dict__, "env": tuple(pairs)}), plan, None, {})
+    assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
+    return env, {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
+
+
 def test_the_layout_probe_holds_its_bytes_after_the_kv_pool_of_a_server_without_the_canary():
     """KVC_DIAG_DEVICE_BYTES=N (stack_sampler/device_bytes.py): the installed sglang's KV pool builder
     (ModelRunner.alloc_memory_pool, or init_memory_pool on 0.5.12) is wrapped once its module is imported in a fresh
     interpreter with the probe's environment; the wrapper returns what it returned and then holds N device bytes; a
     bad N is refused naming the variable."""
-    import os
     import subprocess
     import sys
 
-    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
-    off = overhead_plan.CONFIGS["off"]
-    probe_config = type(off)(**{**off.__dict__, "env": ((overhead_plan.DEVICE_BYTES_ENV, "4096"),)})
-    env = overhead_plan.server_env(probe_config, plan, None, {})
-    assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
+    env, base = _off_server_env((overhead_plan.DEVICE_BYTES_ENV, "4096"))
     probe = ("from sglang.srt.model_executor.model_runner import ModelRunner as M\n"
              "pool = getattr(M, 'alloc_memory_pool', None) or M.init_memory_pool\n"
              "print(pool.__code__.co_filename.endswith('device_bytes.py'))\n")
-    base = {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
     got = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True,
                          timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
@@ -395,22 +401,16 @@ def test_the_install_ablations_shrink_the_pool_budget_or_skip_the_precompile_in_
     _EMPTY_CACHE, wrapping it); the skip is refused without the idle
     canary (a working canary would compile while serving); a bad N is refused naming the variable."""
     import importlib.util
-    import os
     import subprocess
     import sys
 
     if importlib.util.find_spec("sglang.srt.model_executor.model_runner_kv_cache_mixin") is None:
         pytest.skip("the reserve ablation wraps sglang 0.5.12's ModelRunnerKVCacheMixin, absent from this line")
-    plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
-    off = overhead_plan.CONFIGS["off"]
-    probe_config = type(off)(**{**off.__dict__, "env": (("KVC_DIAG_RESERVE_BYTES", "4096"),)})
-    env = overhead_plan.server_env(probe_config, plan, None, {})
-    assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
+    env, base = _off_server_env(("KVC_DIAG_RESERVE_BYTES", "4096"))
     probe = ("from sglang.srt.model_executor.model_runner_kv_cache_mixin import ModelRunnerKVCacheMixin as M\n"
              "print(M._profile_available_bytes.__code__.co_filename.endswith('layout_ablations.py'))\n"
              "import kv_canary.adapter.install as i\n"
              "print(i._precompile.__code__.co_filename.endswith('layout_ablations.py'))\n")
-    base = {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
     got = subprocess.run([sys.executable, "-c", probe], env={**base, **env}, capture_output=True, text=True,
                          timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
