@@ -52,7 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import (  # noqa: E402
     SETTLE_TIMEOUT_S, STOP_GRACE_S, _progress, log_facts, probe_environment, run_batch, wait_settled,
 )
-from overhead_plan import IDLE_ENV, ROWS, sampler_pythonpath, server_plan  # noqa: E402 - IDLE_ENV: canary_idle.py
+from overhead_plan import (  # noqa: E402 - IDLE_ENV: canary_idle.py
+    HOST_TIMER_INTERVAL_S, IDLE_ENV, ROWS, sampler_env, sampler_pythonpath, server_plan,
+)
 from overhead_summary import pct  # noqa: E402
 from paired_rounds import paired, pooled  # noqa: E402
 from server_probes import parse_cpu_set, pin_process_tree, read_stacks, stack_lines, stack_summary  # noqa: E402
@@ -111,15 +113,15 @@ def start_server(label: str, name: str, plan: dict, args, log_dir: Path) -> tupl
     if args.device == "cpu":
         env[HICACHE_SHIM_ENV] = "1"
     sampling = args.sample_stacks or args.host_timers or args.sync_debug  # each process samples its main thread
-    if sampling or IDLE_ENV in canary_env:  # the sampler directory's sitecustomize samples / makes the canary idle
-        env["PYTHONPATH"] = sampler_pythonpath(os.environ.get("PYTHONPATH", ""))
-    if sampling:
-        if not args.sample_stacks:  # --host-timers alone: the scheduler's timers, a sample every 0.25 s
-            env["KVC_STACK_SAMPLE_INTERVAL_S"] = "0.25"
-        result["stacks_dir"] = str(log_dir / f"stacks-{label.replace('#', '')}")
-        env["KVC_STACK_SAMPLE_DIR"] = result["stacks_dir"]
+    if sampling:  # the sampler directory's sitecustomize samples (and makes the canary idle where asked)
+        stacks = log_dir / f"stacks-{label.replace('#', '')}"
+        result["stacks_dir"] = str(stacks)
+        # --host-timers alone: the scheduler's timers, few samples
+        env = sampler_env(env, stacks, None if args.sample_stacks else HOST_TIMER_INTERVAL_S)
         if args.sync_debug:
             env["KVC_SYNC_DEBUG"] = "1"
+    elif IDLE_ENV in canary_env:  # the sampler directory's sitecustomize makes the canary idle
+        env["PYTHONPATH"] = sampler_pythonpath(os.environ.get("PYTHONPATH", ""))
     extra = ["--mem-fraction-static", str(args.mem_fraction_static)] if args.mem_fraction_static else []
     extra += [a for arg in args.server_arg for a in shlex.split(arg)]  # the same on every server, off and ours
     server = SglangServer([*canary, *plan["args"], *hicache, *extra], env=env,

@@ -86,7 +86,7 @@ from overhead_client import (  # noqa: E402
 from overhead_plan import (  # noqa: E402
     CONFIGS, CPU_DEFAULT_CONFIGS, CPU_DEFAULT_SCALE, DEFAULT_CONFIGS, DEFAULT_ROWS, DEFAULT_UPSTREAM_SITE,
     IDLE_ENV, IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang,
-    plan_eagle_args, sampler_pythonpath, server_env, server_plan,
+    HOST_TIMER_INTERVAL_S, plan_eagle_args, sampler_env, server_env, server_plan,
 )
 from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
 from server_probes import read_stacks, stack_lines, stack_summary  # noqa: E402
@@ -97,10 +97,9 @@ SAMPLER_FLUSH_S = 1.2  # the stack sampler rewrites its files every second
 
 
 def host_timer_env(env: Dict[str, str], stacks_dir: Path) -> Dict[str, str]:
-    """``env`` for a server whose scheduler keeps the host timers (``--host-timers``): the sampler directory first
-    on its PYTHONPATH (its ``sitecustomize``), its files in ``stacks_dir``, a stack sample every 0.25 s."""
-    return {**env, "PYTHONPATH": sampler_pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))),
-            "KVC_STACK_SAMPLE_DIR": str(stacks_dir), "KVC_STACK_SAMPLE_INTERVAL_S": "0.25"}
+    """``env`` for a server whose scheduler keeps the host timers (``--host-timers``): the stack sampler, a sample
+    every 0.25 s (``overhead_plan.sampler_env``)."""
+    return sampler_env(env, stacks_dir, HOST_TIMER_INTERVAL_S)
 
 
 def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[str, Row], log_dir: Path,

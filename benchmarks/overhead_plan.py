@@ -394,3 +394,17 @@ def sampler_pythonpath(rest: str) -> str:
     from kv_canary_testing.server import PACKAGE_PARENT
 
     return os.pathsep.join(p for p in (str(SAMPLER_DIR), PACKAGE_PARENT, rest) if p)
+
+
+HOST_TIMER_INTERVAL_S = 0.25  # --host-timers alone: the sampler's stack samples, seldom
+
+
+def sampler_env(env: Dict[str, str], stacks_dir: Path, interval_s: Optional[float] = None) -> Dict[str, str]:
+    """``env`` for a server whose processes run the stack sampler (``stack_sampler/sitecustomize``): the sampler
+    directory first on its PYTHONPATH, its files in ``stacks_dir``, a stack sample every ``interval_s`` (None: the
+    sampler's default). The host timers alone want few samples: 0.25 s."""
+    out = {**env, "PYTHONPATH": sampler_pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))),
+           "KVC_STACK_SAMPLE_DIR": str(stacks_dir)}
+    if interval_s is not None:
+        out["KVC_STACK_SAMPLE_INTERVAL_S"] = str(interval_s)
+    return out

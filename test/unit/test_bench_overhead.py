@@ -68,6 +68,9 @@ def test_host_timers_sample_each_server_process(tmp_path):
     env = bench.host_timer_env({"PYTHONPATH": "/elsewhere"}, stacks)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(overhead_plan.SAMPLER_DIR)
     assert env["PYTHONPATH"].split(os.pathsep)[-1] == "/elsewhere" and env["KVC_STACK_SAMPLE_DIR"] == str(stacks)
+    assert env["KVC_STACK_SAMPLE_INTERVAL_S"] == "0.25"  # the timers alone: few samples
+    full = overhead_plan.sampler_env({"PYTHONPATH": "/elsewhere"}, stacks)  # full sampling: the sampler's default
+    assert "KVC_STACK_SAMPLE_INTERVAL_S" not in full and full["PYTHONPATH"] == env["PYTHONPATH"]
     code = "import gc, time\nfor _ in range(3):\n    gc.collect()\n    time.sleep(1.0)\n"
     subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, check=True, timeout=60)
     docs = probes.read_stacks(stacks)
