@@ -114,7 +114,8 @@ class SglangBatchAdapter:
             starts, lens = starts[:bs], lens[:bs]
             max_new = n
         seq_lens, drafts = fb.seq_lens, 0
-        if self._deferred(fb) and bs:  # spec v1: read [0, c), write nothing (padding lanes read nothing either)
+        tree_verify = self._deferred(fb) and bs > 0
+        if tree_verify:  # spec v1: read [0, c), write nothing (padding lanes read nothing either)
             n = max_new
             starts, lens = self._uniform_buffers(0)
             starts, lens, max_new = starts[:bs], lens[:bs], 0
@@ -146,7 +147,7 @@ class SglangBatchAdapter:
             # the token oracle staged what an extend batch feeds (extend_requests), a verify its drafts (TAIL)
             staged=extend or drafts > 0,
             # a tree verify stores every node, records none (the kept ones: the deferred TAIL; the rest are freed)
-            unrecorded_stores=self._deferred(fb) and bs > 0,
+            unrecorded_stores=tree_verify,
         )
 
     @staticmethod
