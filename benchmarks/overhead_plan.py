@@ -127,9 +127,7 @@ STORM_WARMUP_ENV = "SGLANG_KV_CANARY_PERTURB_WARMUP_STEPS"
 # its work (docs/history/performance.md, 2026-12-01): ours vs this server is what the canary's work costs.
 IDLE_ENV = "KVC_DIAG_CANARY_IDLE"
 DEVICE_BYTES_ENV = "KVC_DIAG_DEVICE_BYTES"  # the layout probe for a server without the canary (device_bytes.py)
-DIAG_ENVS = (IDLE_ENV, DEVICE_BYTES_ENV, "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE",  # layout_ablations.py
-             "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE", "KVC_DIAG_PRECOMPILE_LAUNCH",
-             "KVC_DIAG_DUMMY_MODULES")
+DIAG_PREFIX = "KVC_DIAG_"  # every bench ablation (idle, device bytes, layout_ablations.py): the sampler's sitecustomize
 SAMPLER_DIR = Path(__file__).resolve().parent / "stack_sampler"
 LAYOUT_ROWS = BASE_ROWS  # every row; the ``*_all`` rows compare with it through their baseline rows
 # upstream 0.5.14 ships its own kv_canary; the plugin (installed in the same site) refuses 0.5.14 unless handed over
@@ -383,7 +381,7 @@ def server_env(config: ServerConfig, plan: dict, upstream_site: Optional[str],
         env["PYTHONPATH"] = os.pathsep.join(p for p in (upstream_site, os.environ.get("PYTHONPATH", "")) if p)
     elif config.role in ("ours", "storm", "variant"):
         env.update(extra_canary_env)
-    if any(env.get(name) for name in DIAG_ENVS):  # applied by the sampler directory's sitecustomize
+    if any(value and name.startswith(DIAG_PREFIX) for name, value in env.items()):  # the sampler's sitecustomize
         env["PYTHONPATH"] = sampler_pythonpath(env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")))
     return env
 

@@ -28,6 +28,7 @@ import sys
 RESERVE_ENV, SKIP_PRECOMPILE_ENV = "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE"
 POOL_ENV, EMPTY_CACHE_ENV = "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE"
 LAUNCH_ENV, DUMMY_ENV = "KVC_DIAG_PRECOMPILE_LAUNCH", "KVC_DIAG_DUMMY_MODULES"
+ENVS = (RESERVE_ENV, SKIP_PRECOMPILE_ENV, POOL_ENV, EMPTY_CACHE_ENV, LAUNCH_ENV, DUMMY_ENV)  # any set: ``install``
 RUNNER = "sglang.srt.model_executor.model_runner"
 SIZER = "sglang.srt.model_executor.model_runner_kv_cache_mixin"  # 0.5.12's ModelRunnerKVCacheMixin
 INSTALL = "kv_canary.adapter.install"
@@ -125,6 +126,11 @@ def _on_import(target: str, apply) -> None:
         install_after_import(target, apply)
 
 
+def _need_idle(setting: str, why: str) -> None:
+    if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":
+        raise SystemExit(f"{setting} needs KVC_DIAG_CANARY_IDLE=1: {why}")
+
+
 def install() -> None:
     if os.environ.get(RESERVE_ENV):
         from device_bytes import positive_bytes
@@ -132,16 +138,13 @@ def install() -> None:
         nbytes = positive_bytes(RESERVE_ENV)
         _on_import(SIZER, lambda module: _shrink(module, nbytes))
     if os.environ.get(SKIP_PRECOMPILE_ENV) == "1":
-        if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":
-            raise SystemExit(f"{SKIP_PRECOMPILE_ENV}=1 needs KVC_DIAG_CANARY_IDLE=1: a working canary would compile "
-                             "its kernels while serving")
+        _need_idle(f"{SKIP_PRECOMPILE_ENV}=1", "a working canary would compile its kernels while serving")
         _on_import(INSTALL, _skip_precompile)
     launch = os.environ.get(LAUNCH_ENV, "")
     if launch:
         if launch not in ("load", "compile"):
             raise SystemExit(f"{LAUNCH_ENV}={launch!r}: expected load or compile")
-        if os.environ.get("KVC_DIAG_CANARY_IDLE") != "1":
-            raise SystemExit(f"{LAUNCH_ENV} needs KVC_DIAG_CANARY_IDLE=1: a working canary must launch its kernels")
+        _need_idle(LAUNCH_ENV, "a working canary must launch its kernels")
         _on_import(INSTALL, lambda module: _precompile_without_launches(module, launch == "load"))
     raw = os.environ.get(DUMMY_ENV, "")
     if raw:

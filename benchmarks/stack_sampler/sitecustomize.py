@@ -126,11 +126,9 @@ if os.environ.get("KVC_DIAG_DEVICE_BYTES"):  # bench ablation: the layout probe 
 
     device_bytes.install()
 
-_ABLATIONS = ("RESERVE_BYTES", "SKIP_PRECOMPILE", "PRECOMPILE_POOL", "PRECOMPILE_EMPTY_CACHE", "PRECOMPILE_LAUNCH",
-              "DUMMY_MODULES")
-if any(os.environ.get(f"KVC_DIAG_{name}") for name in _ABLATIONS):  # layout_ablations.py
-    import layout_ablations
+import layout_ablations  # noqa: E402 - light: os, sys, functools
 
+if any(os.environ.get(name) for name in layout_ablations.ENVS):  # one step of the install at a time
     layout_ablations.install()
 
 if _DIR:
