@@ -13,10 +13,18 @@
 - ``KVC_DIAG_PRECOMPILE_LAUNCH=load`` / ``=compile`` (only with the idle canary): during the precompile Triton's
   launches do not reach the device: ``load`` loads each variant's module (``CompiledKernel._init_handles``) and skips
   the launch (``CudaLauncher.__call__``); ``compile`` compiles only (no module is loaded). With lease G/H's finding
-  (the precompile moves the GEMM; its allocations do not), they tell whether loading the canary's modules is the cause.
+  (the precompile moves the GEMM; its allocations do not), they tell whether loading the canary's modules is the cause
+  (lease I: ``load`` moves it, ``compile`` does not).
+- ``KVC_DIAG_PRECOMPILE_LOAD_ONLY=NAME[+NAME...]`` (with ``KVC_DIAG_PRECOMPILE_LAUNCH=load``): only the variants of
+  the named Triton kernels (``CompiledKernel.name``: ``row_hash_kernel``, ``write_kernel``, ...) load their modules;
+  the others are compiled only (``+`` between names: ``--configs`` splits on commas). Which of the canary's modules
+  moves the GEMM.
 - ``KVC_DIAG_DUMMY_MODULES=K`` (any server, the canary or not): right after sglang has built its KV pool (where the
   canary installs and precompiles), K tiny Triton modules are compiled, loaded and launched (``dummy_kernel.py``):
-  a different K draws another placement of what loads after, on off servers as on canary servers.
+  a different K draws another placement of what loads after, on off servers as on canary servers (lease I: 8 and 64
+  modules of a few KB did not move off's GEMM). ``KVC_DIAG_DUMMY_UNROLL=U``: each module stores U words, unrolled
+  (its code grows with U: 4,096 stores are ~0.6 MB of cubin; the canary's 33 modules are ~2.2 MB), to ask whether
+  code size alone moves it.
 
 Applied when the target module is imported (an import hook installed by this directory's ``sitecustomize``).
 """
@@ -28,7 +36,9 @@ import sys
 RESERVE_ENV, SKIP_PRECOMPILE_ENV = "KVC_DIAG_RESERVE_BYTES", "KVC_DIAG_SKIP_PRECOMPILE"
 POOL_ENV, EMPTY_CACHE_ENV = "KVC_DIAG_PRECOMPILE_POOL", "KVC_DIAG_PRECOMPILE_EMPTY_CACHE"
 LAUNCH_ENV, DUMMY_ENV = "KVC_DIAG_PRECOMPILE_LAUNCH", "KVC_DIAG_DUMMY_MODULES"
-ENVS = (RESERVE_ENV, SKIP_PRECOMPILE_ENV, POOL_ENV, EMPTY_CACHE_ENV, LAUNCH_ENV, DUMMY_ENV)  # any set: ``install``
+LOAD_ONLY_ENV, UNROLL_ENV = "KVC_DIAG_PRECOMPILE_LOAD_ONLY", "KVC_DIAG_DUMMY_UNROLL"
+ENVS = (RESERVE_ENV, SKIP_PRECOMPILE_ENV, POOL_ENV, EMPTY_CACHE_ENV, LAUNCH_ENV, DUMMY_ENV,
+        LOAD_ONLY_ENV, UNROLL_ENV)  # any set: ``install``
 RUNNER = "sglang.srt.model_executor.model_runner"
 SIZER = "sglang.srt.model_executor.model_runner_kv_cache_mixin"  # 0.5.12's ModelRunnerKVCacheMixin
 INSTALL = "kv_canary.adapter.install"
@@ -78,7 +88,8 @@ def _precompile_apart(module, pool: bool, empty_cache: bool) -> None:
     module._precompile = precompile
 
 
-def _precompile_without_launches(module, load: bool) -> None:
+def _precompile_without_launches(module, load: bool, only: frozenset = frozenset()) -> None:
+    """``only`` (with ``load``): the kernel names whose variants load their modules (empty: every kernel's)."""
     original = module._precompile
 
     @functools.wraps(original)
@@ -89,30 +100,52 @@ def _precompile_without_launches(module, load: bool) -> None:
         saved = {(CudaLauncher, "__call__"): CudaLauncher.__dict__["__call__"],
                  (CompiledKernel, "_init_handles"): CompiledKernel.__dict__["_init_handles"],
                  (CompiledKernel, "run"): CompiledKernel.__dict__["run"]}
+        init_handles, run = saved[(CompiledKernel, "_init_handles")], saved[(CompiledKernel, "run")]
+        loaded, seen = set(), set()
+
+        def loads(kernel) -> bool:
+            return load and (not only or kernel.name in only)
+
+        def init_or_skip(kernel):
+            seen.add(kernel.name)
+            if loads(kernel):
+                loaded.add(kernel.name)
+                return init_handles(kernel)
+            return None
+
         CudaLauncher.__call__ = lambda *_a, **_k: None
-        if not load:
-            CompiledKernel._init_handles = lambda self: None
-            CompiledKernel.run = property(lambda self: (lambda *_a, **_k: None))
+        if not load or only:
+            CompiledKernel._init_handles = init_or_skip
+            CompiledKernel.run = property(lambda kernel: run.fget(kernel) if loads(kernel) else _no_launch)
         try:
             original(*args, **kwargs)
         finally:
             for (cls, name), value in saved.items():
                 setattr(cls, name, value)
-        print(f"kvc_diag_precompile_launch={'load' if load else 'compile'} pid={os.getpid()} (bench ablation: "
-              "no precompile launch reached the device)", file=sys.stderr)
+        if only - loaded:
+            raise SystemExit(f"{LOAD_ONLY_ENV}: no variant of {','.join(sorted(only - loaded))} was precompiled "
+                             f"(the precompile's kernels: {','.join(sorted(seen))})")
+        what = "compile" if not load else f"load only={','.join(sorted(only))} loaded={','.join(sorted(loaded))}" \
+            if only else "load"
+        print(f"kvc_diag_precompile_launch={what} pid={os.getpid()} (bench ablation: no precompile launch reached "
+              "the device)", file=sys.stderr)
 
     module._precompile = precompile
 
 
-def _dummy_modules_after_pool(module, count: int) -> None:
+def _no_launch(*_args, **_kwargs):
+    return None
+
+
+def _dummy_modules_after_pool(module, count: int, unroll: int = 1) -> None:
     from device_bytes import after_pool
 
     def load(_runner, device) -> None:
         from dummy_kernel import load_modules
 
-        load_modules(device, count)
-        print(f"kvc_diag_dummy_modules={count} pid={os.getpid()} (bench ablation: loaded after the KV pool)",
-              file=sys.stderr)
+        cubin = load_modules(device, count, unroll)
+        print(f"kvc_diag_dummy_modules={count} unroll={unroll} cubin_bytes={cubin} pid={os.getpid()} (bench "
+              "ablation: loaded after the KV pool)", file=sys.stderr)
 
     after_pool(module.ModelRunner, DUMMY_ENV, load)
 
@@ -131,6 +164,14 @@ def _need_idle(setting: str, why: str) -> None:
         raise SystemExit(f"{setting} needs KVC_DIAG_CANARY_IDLE=1: {why}")
 
 
+def _positive(env: str, what: str) -> int:
+    """The variable's value, > 0 (0: unset)."""
+    raw = os.environ.get(env, "")
+    if raw and (not raw.isdigit() or int(raw) <= 0):
+        raise SystemExit(f"{env}={raw!r}: expected {what} > 0")
+    return int(raw) if raw else 0
+
+
 def install() -> None:
     if os.environ.get(RESERVE_ENV):
         from device_bytes import positive_bytes
@@ -145,12 +186,17 @@ def install() -> None:
         if launch not in ("load", "compile"):
             raise SystemExit(f"{LAUNCH_ENV}={launch!r}: expected load or compile")
         _need_idle(LAUNCH_ENV, "a working canary must launch its kernels")
-        _on_import(INSTALL, lambda module: _precompile_without_launches(module, launch == "load"))
-    raw = os.environ.get(DUMMY_ENV, "")
-    if raw:
-        if not raw.isdigit() or int(raw) <= 0:
-            raise SystemExit(f"{DUMMY_ENV}={raw!r}: expected a number of modules > 0")
-        _on_import(RUNNER, lambda module: _dummy_modules_after_pool(module, int(raw)))
+    only = frozenset(name for name in os.environ.get(LOAD_ONLY_ENV, "").split("+") if name)
+    if os.environ.get(LOAD_ONLY_ENV) is not None and (launch != "load" or not only):
+        raise SystemExit(f"{LOAD_ONLY_ENV}={os.environ[LOAD_ONLY_ENV]!r}: expected kernel names, with "
+                         f"{LAUNCH_ENV}=load")
+    if launch:
+        _on_import(INSTALL, lambda module: _precompile_without_launches(module, launch == "load", only))
+    count, unroll = _positive(DUMMY_ENV, "a number of modules"), _positive(UNROLL_ENV, "a number of stores")
+    if unroll and not count:
+        raise SystemExit(f"{UNROLL_ENV}={unroll}: only with {DUMMY_ENV}=K")
+    if count:
+        _on_import(RUNNER, lambda module: _dummy_modules_after_pool(module, count, unroll or 1))
     pool, empty = os.environ.get(POOL_ENV) == "1", os.environ.get(EMPTY_CACHE_ENV) == "1"
     if pool or empty:
         _on_import(INSTALL, lambda module: _precompile_apart(module, pool, empty))

@@ -436,8 +436,8 @@ def test_the_install_ablations_shrink_the_pool_budget_or_skip_the_precompile_in_
 
 def test_the_launch_ablations_keep_the_precompile_off_the_device_only_while_it_runs():
     """KVC_DIAG_PRECOMPILE_LAUNCH (layout_ablations.py): while the wrapped precompile runs, Triton's CUDA launcher
-    does nothing (``load``: modules still load; ``compile``: no module loads either); afterwards Triton's own methods
-    are back."""
+    does nothing (``load``: modules still load; ``compile``: no module loads either; ``load`` with
+    KVC_DIAG_PRECOMPILE_LOAD_ONLY: only the named kernels' modules); afterwards Triton's own methods are back."""
     import sys
     import types
 
@@ -464,6 +464,33 @@ def test_the_launch_ablations_keep_the_precompile_off_the_device_only_while_it_r
         assert seen.pop() == (("manager",), None, kept, kept)
         assert (CudaLauncher.__call__, CompiledKernel._init_handles, CompiledKernel.__dict__["run"]) == before
 
+    handled = []
+    real_init = CompiledKernel.__dict__["_init_handles"]
+
+    def selective(*_args):
+        for name in ("write_kernel", "verify_kernel"):
+            kernel = object.__new__(CompiledKernel)
+            kernel.name = name
+            CompiledKernel._init_handles(kernel)
+            handled.append((name, kernel.run is layout_ablations._no_launch))
+
+    CompiledKernel._init_handles = lambda kernel: setattr(kernel, "_run", "loaded") or handled.append(kernel.name)
+    CompiledKernel.run = property(lambda kernel: kernel._init_handles() or kernel._run)
+    try:
+        install = types.SimpleNamespace(_precompile=selective)
+        layout_ablations._precompile_without_launches(install, True, frozenset({"write_kernel"}))
+        install._precompile()
+    finally:
+        CompiledKernel._init_handles, CompiledKernel.run = real_init, before[2]
+    # write_kernel loads (its handles initialized, twice: once by name, once by its run), verify_kernel never does
+    assert handled == ["write_kernel", "write_kernel", ("write_kernel", False), ("verify_kernel", True)]
+    assert (CudaLauncher.__call__, CompiledKernel._init_handles, CompiledKernel.__dict__["run"]) == before
+    install = types.SimpleNamespace(_precompile=selective)  # a name no precompiled kernel has: refused, naming both
+    layout_ablations._precompile_without_launches(install, True, frozenset({"write_kernal"}))
+    with pytest.raises(SystemExit, match="no variant of write_kernal was precompiled .*verify_kernel,write_kernel"):
+        install._precompile()
+    assert (CudaLauncher.__call__, CompiledKernel._init_handles, CompiledKernel.__dict__["run"]) == before
+
 
 def test_the_dummy_modules_ablation_launches_k_variants_after_the_kv_pool(monkeypatch):
     """KVC_DIAG_DUMMY_MODULES=K (layout_ablations.py): the KV pool builder returns what it returned, then K variants
@@ -479,8 +506,8 @@ def test_the_dummy_modules_ablation_launches_k_variants_after_the_kv_pool(monkey
 
     launched = []
     real = dummy_kernel.load_modules
-    monkeypatch.setattr(dummy_kernel, "load_modules", lambda device, count: launched.append((device.type, count))
-                        or real(device, count))
+    monkeypatch.setattr(dummy_kernel, "load_modules", lambda device, count, unroll: launched.append(
+        (device.type, count, unroll)) or real(device, count, unroll))
 
     class ModelRunner:
         device, gpu_id = "cpu", 0
@@ -488,10 +515,20 @@ def test_the_dummy_modules_ablation_launches_k_variants_after_the_kv_pool(monkey
         def init_memory_pool(self, total):
             return f"pool of {total}"
 
-    layout_ablations._dummy_modules_after_pool(types.SimpleNamespace(ModelRunner=ModelRunner), 3)
+    layout_ablations._dummy_modules_after_pool(types.SimpleNamespace(ModelRunner=ModelRunner), 3, 5)
     assert ModelRunner().init_memory_pool(7) == "pool of 7"
-    assert launched == [("cpu", 3)]
+    assert launched == [("cpu", 3, 5)]
+    out = torch.zeros(4, dtype=torch.int32)
+    dummy_kernel.dummy_store[(1,)](out, TAG=7, UNROLL=4)  # the unrolled stores: TAG + i at word i
+    assert out.tolist() == [7, 8, 9, 10]
     bad = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(overhead_plan.SAMPLER_DIR),
                               "KVC_DIAG_DUMMY_MODULES": "0"})
     assert bad.returncode != 0 and "KVC_DIAG_DUMMY_MODULES='0'" in bad.stderr
+    lone = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(overhead_plan.SAMPLER_DIR), "KVC_DIAG_DUMMY_UNROLL": "4"})
+    assert lone.returncode != 0 and "only with KVC_DIAG_DUMMY_MODULES" in lone.stderr
+    only = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(overhead_plan.SAMPLER_DIR),
+                               "KVC_DIAG_PRECOMPILE_LOAD_ONLY": "write_kernel"})
+    assert only.returncode != 0 and "with KVC_DIAG_PRECOMPILE_LAUNCH=load" in only.stderr
