@@ -36,6 +36,11 @@ row) and ``ours_scrub_rows`` (``decode_bs64_scrub``,
 ``ALL_CONFIGS`` with ``--rows decode_bs1_all,decode_bs64_all,prefill_bs8_all,decode_bs64_scrub``. The older
 ``ours_all`` / ``ours_scrub`` variants (issue 7) keep their meaning (plain rows, role variant).
 
+``--fill-pool``: before its rows, each server (off and canary alike) is sent prefill-only requests that write every
+slot of its KV pool once (``overhead_plan.fill_row``). Without it a decode row's pool is mostly never written (a
+bs1 row writes ~6k of 131k slots), so the scrub's window at bs1 holds few recorded slots and hashes little; with
+it the window holds whole rows, as in a server that has run a while (the scrub's steady cost).
+
 Outputs (``--out`` and ``--results-dir``, rewritten after every server so an
 interrupted run keeps what it measured): the full report, ``overhead.json``
 (the run's per-row summary: its rows go into docs/results/overhead.json, the
@@ -86,7 +91,7 @@ from overhead_client import (  # noqa: E402
 from overhead_plan import (  # noqa: E402
     CONFIGS, CPU_DEFAULT_CONFIGS, CPU_DEFAULT_SCALE, DEFAULT_CONFIGS, DEFAULT_ROWS, DEFAULT_UPSTREAM_SITE,
     IDLE_ENV, IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang,
-    HOST_TIMER_INTERVAL_S, plan_eagle_args, sampler_env, server_env, server_plan,
+    HOST_TIMER_INTERVAL_S, fill_row, plan_eagle_args, sampler_env, server_env, server_plan,
 )
 from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
 from server_probes import read_stacks, stack_lines, stack_summary  # noqa: E402
@@ -140,6 +145,13 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         server.start(timeout=plan["startup_timeout"])
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
+        if args.fill_pool:
+            fill = fill_row(list(rows.values()), plan["max_total_tokens"])
+            done = run_batch(server.base_url, prompts.batch(fill, -1), fill.output_len)
+            result["fill_pool"] = {"prompt_tokens": fill.prompt_tokens(), "requests": fill.batch,
+                                   "pool_tokens": plan["max_total_tokens"], "wall_s": round(done["wall_s"], 2)}
+            _progress(f"[{label}] pool filled: {fill.prompt_tokens()} prompt tokens for "
+                      f"{plan['max_total_tokens']} slots in {done['wall_s']:.1f}s")
         for row in my_rows:
             warm = run_batch(server.base_url, prompts.batch(row, -1), row.output_len)  # warmup, untimed
             if stacks_dir is not None:  # the timed repetitions' host time only
@@ -220,6 +232,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bench only: each server's scheduler host timers per row over the timed repetitions "
                         "(benchmarks/stack_sampler/host_timers.py: sglang's and the canary's methods, each batch "
                         "boundary's segments, the garbage collections; stacks sampled every 0.25 s)")
+    p.add_argument("--fill-pool", action="store_true",
+                   help="before its rows, write every slot of each server's KV pool once (prefill-only requests "
+                        "of the longest row's prompt length): the scrub's window then hashes whole rows, as in a "
+                        "server that has run a while")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
@@ -286,6 +302,7 @@ def main(argv=None) -> int:
         "scale": args.scale,
         "reps": args.reps,
         "warmup_reps": 1,
+        "fill_pool": args.fill_pool,
         "seed": args.seed,
         "canary_env": canary_env,
         "max_total_tokens": plan["max_total_tokens"],

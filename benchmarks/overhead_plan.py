@@ -281,6 +281,15 @@ def write_llama_dir(path: Path, config: Optional[dict] = None) -> Path:
     return path
 
 
+def fill_row(rows: Sequence[Row], pool_tokens: int) -> Row:
+    """Prefill-only requests (one new token each) of the longest prompt among ``rows``, in all more prompt tokens
+    than the pool has slots (a sixteenth more): every slot of the KV pool written once (sglang hands out its
+    never-used slots before any freed one), so a scrub's window then holds whole rows to hash, as in a server that
+    has run a while (``bench_overhead.py --fill-pool``). Fresh random prompts: no radix hit, none on a row."""
+    input_len = max(r.input_len for r in rows)
+    return Row("fill_pool", -(-(pool_tokens + pool_tokens // 16) // input_len), input_len, 1)
+
+
 def needed_kv_tokens(rows: Sequence[Row]) -> int:
     """KV slots the largest row needs at once (a shared prefix once), with headroom, rounded up."""
     peak = max(r.shared_prefix_len + r.batch * (r.input_len - r.shared_prefix_len + r.output_len) for r in rows)

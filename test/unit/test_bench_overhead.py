@@ -44,6 +44,22 @@ def test_kv_pool_counts_a_shared_prefix_once():
     assert overhead_plan.needed_kv_tokens(rows) == 30720  # (4096 + 64 * (64 + 256)) * 1.25, a multiple of 1024
 
 
+def test_the_pool_fill_writes_more_prompt_tokens_than_the_pool_has_slots_in_the_longest_rows_prompts():
+    """--fill-pool: prefill-only requests of the longest row's prompt length, a sixteenth more tokens than the pool's
+    slots (every slot written once), their prompts fresh (no radix hit, on the fill or on a row)."""
+    rows = [overhead_plan.ROWS[n] for n in ("decode_bs1", "prefill_bs8", "shared_prefix")]
+    fill = overhead_plan.fill_row(rows, 131072)
+    assert (fill.input_len, fill.output_len, fill.shared_prefix_len) == (8192, 1, 0)
+    assert 131072 * 17 // 16 <= fill.prompt_tokens() < 131072 * 17 // 16 + 8192
+    prompts = bench.PromptSource((10, 30000), 0)
+    fill_prompts = prompts.batch(fill, -1)
+    assert len({tuple(p[:2]) for p in fill_prompts}) == fill.batch  # each its own head: no prefix shared
+    row_prompt = prompts.batch(overhead_plan.ROWS["decode_bs1"], -1)[0]
+    assert all(p[:64] != row_prompt[:64] for p in fill_prompts)
+    assert bench.parse_args(["--device", "cpu", "--fill-pool"]).fill_pool
+    assert not bench.parse_args(["--device", "cpu"]).fill_pool
+
+
 def test_the_cli_takes_its_rows_and_configs_from_the_plan():
     """A row compared with another shape's off median brings that shape in; an upstream config needs its site."""
     args = bench.parse_args(["--device", "cpu", "--rows", "decode_bs64_sweep16", "--configs", "off,on"])
