@@ -63,7 +63,9 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import PromptSource, run_batch  # noqa: E402
-from overhead_plan import CONFIGS, ROWS, Row, ServerConfig, plan_eagle_args, server_env, server_plan  # noqa: E402
+from overhead_plan import (  # noqa: E402
+    CONFIGS, ROWS, Row, ServerConfig, fill_row, plan_eagle_args, server_env, server_plan,
+)
 from trace_summary import GPU_CATS, _union, graph_replays, is_canary_kernel, read_events, summarize  # noqa: E402
 
 from kv_canary_testing.server import SglangServer  # noqa: E402
@@ -282,6 +284,9 @@ def main(argv=None) -> int:
                    help="profile each batch's first --steps forwards (its prefill first) with Python stacks, and "
                         "summarize them with trace_summary (the prefill is eager: no per-replay numbers)")
     p.add_argument("--steps", type=int, default=40, help="forwards profiled per batch (default 40)")
+    p.add_argument("--fill-pool", action="store_true",
+                   help="before the batches, write every KV slot once (bench_overhead.py --fill-pool): the scrub's "
+                        "window then hashes whole rows")
     p.add_argument("--reps", type=int, default=2, help="timed batches before the profiled one (default 2)")
     p.add_argument("--eagle", choices=["", "v2", "v1"], default="",
                    help="EAGLE on every server, as the bench's eagle_* (v2) or eagle_v1_* (v1) configs (default off)")
@@ -308,6 +313,9 @@ def main(argv=None) -> int:
         print(f"[{name}] starting server ...", flush=True)
         try:
             server.start(timeout=600)
+            if args.fill_pool:  # every KV slot written once first (bench_overhead --fill-pool)
+                fill = fill_row(rows, plan["max_total_tokens"])
+                entry["fill_pool_s"] = round(run_batch(server.base_url, prompts.batch(fill, -1), 1)["wall_s"], 2)
             for row in rows:
                 entry[row.name] = profile_batch(server, prompts, row, args.steps, base / name, args.reps,
                                                 args.from_start)
