@@ -3,7 +3,8 @@
 
 ``docs/results/overhead.json`` is the one current table: per sglang line, device, row and canary configuration
 the most recent recorded figure, each pointing to its run (``rows``); the memory and storm tables come from the
-run ``memory_and_storm`` names. A new run (``benchmarks/bench_overhead.py`` writes its ``overhead.json`` and
+run ``memory_and_storm`` names (the memory table from the file ``memory`` names instead, when it is set: a run
+whose servers ran the current default). A new run (``benchmarks/bench_overhead.py`` writes its ``overhead.json`` and
 ``overhead_extra.json`` into its result folder) updates the rows it measured, by hand. This script rewrites the
 part of the doc between the ``<!-- overhead:begin -->`` / ``<!-- overhead:end -->`` markers and leaves everything
 else (the history) alone.
@@ -80,7 +81,11 @@ def memory_section(memory: Optional[dict]) -> str:
         return "No memory table recorded (the run had no `ours` server install line)."
     lines = [
         "Canary device memory from `kv_canary.memory.canary_memory_bytes` (the function the install log line "
-        f"uses; this run's line said {memory['logged_canary_bytes']:,} bytes) against the KV pool's bytes:",
+        f"uses; this run's line said {memory['logged_canary_bytes']:,} bytes) against the KV pool's bytes"
+        + (f" (held back from the KV pool's budget before sglang sized it: {memory['reserved_before_kv_pool']:,} "
+           "bytes, the canary's buffers for as many slots as the free memory could buy; a pool capped below that, "
+           "as the bench's `--max-total-tokens` caps it, needs fewer)" if memory.get("reserved_before_kv_pool") else "")
+        + ":",
         "",
         "| case | slots | request rows | context | records (+ sweep index) | token table | ring + counters | "
         "full-row state (`all`, scrub) | canary total | KV pool | canary / KV pool |",
@@ -118,6 +123,14 @@ def storm_section(storm: Optional[dict]) -> str:
     ])
 
 
+def _read(results: Path, relative: Optional[str]) -> Optional[dict]:
+    """The JSON file ``relative`` (to the repository root) names, or None."""
+    if not relative:
+        return None
+    path = results.parent.parent / relative
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def render(results: Path) -> str:
     current_path = results / "overhead.json"
     if not current_path.exists():
@@ -126,10 +139,9 @@ def render(results: Path) -> str:
                 "`docs/results/overhead.json` and run `python benchmarks/overhead_report.py`.")
         return f"{BEGIN}\n{body}\n{END}"
     current = json.loads(current_path.read_text())
-    extra = None
-    if current.get("memory_and_storm"):
-        extra_path = results.parent.parent / current["memory_and_storm"]
-        extra = json.loads(extra_path.read_text()) if extra_path.exists() else None
+    extra = _read(results, current.get("memory_and_storm"))
+    memory_source = current.get("memory") or current.get("memory_and_storm")
+    memory = _read(results, memory_source) if current.get("memory") else extra
     details = (extra or {}).get("row_details") or {}
     parts = [
         BEGIN,
@@ -141,7 +153,7 @@ def render(results: Path) -> str:
         "",
         "### Canary memory",
         "",
-        memory_section((extra or {}).get("memory")),
+        memory_section((memory or {}).get("memory")),
         "",
         "### Violation storm (log mode)",
         "",
@@ -149,9 +161,13 @@ def render(results: Path) -> str:
     ]
     hits = details.get("shared_prefix", {}).get("hit_rate_min")
     if hits:
-        parts += ["", f"Storm and memory: `{current['memory_and_storm']}`; its shared-prefix radix hit rate (cached prompt "
+        storm = "Storm and memory" if memory_source == current["memory_and_storm"] else "Storm"
+        parts += ["", f"{storm}: `{current['memory_and_storm']}`; its shared-prefix radix hit rate (cached prompt "
                   "tokens / prompt tokens, lowest repetition) per server: "
                   + ", ".join(f"{k} {v:.1%}" for k, v in hits.items()) + "."]
+    if memory_source and memory_source != current.get("memory_and_storm"):
+        about = (memory or {}).get("about")
+        parts += ["", f"Memory: `{memory_source}`" + (f" ({about})" if about else "") + "."]
     parts.append(END)
     return "\n".join(parts)
 

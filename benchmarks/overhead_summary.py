@@ -104,8 +104,10 @@ def memory_table(runs: Sequence[dict]) -> Optional[dict]:
     for setting, f in seen.items():
         table += _memory_cases(f, setting, f" ({setting.described})" if len(seen) > 1 else "")
     first = next(iter(seen.values()))
+    reserved = first.get("reserved_before_kv_pool", "none")
     return {"logged_canary_bytes": int(first["canary_bytes"]), "cases": table,
-            "logged_by_setting": {k.described: int(f["canary_bytes"]) for k, f in seen.items()}}
+            "logged_by_setting": {k.described: int(f["canary_bytes"]) for k, f in seen.items()},
+            "reserved_before_kv_pool": int(reserved) if reserved.isdigit() else None}
 
 
 @dataclass(frozen=True)

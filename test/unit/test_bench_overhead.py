@@ -260,6 +260,23 @@ def test_report_regenerates_the_doc_section_and_keeps_the_rest(tmp_path):
     assert "(goal ≤ 5%: **missed**)" in text  # the storm row, from the run memory_and_storm names
     assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 0
 
+    # the memory table from a run of its own (``memory``), the storm still from ``memory_and_storm``
+    case = {"case": "this run", "slots": 131073, "req_rows": 65, "context_len": 16388, "kv_pool_bytes": 2**34,
+            "canary_bytes": 7967544, "canary_pct_of_kv_pool": 0.046,
+            "breakdown": {"records": 5242920, "token_table": 266872, "ring": 262144, "counters": 120,
+                          "full_row": 2195488}}
+    (results / "run-b").mkdir()
+    (results / "run-b" / "memory.json").write_text(json.dumps({"about": "the default", "memory": {
+        "logged_canary_bytes": 7967544, "reserved_before_kv_pool": 44791272, "cases": [case]}}))
+    current = json.loads((results / "overhead.json").read_text())
+    (results / "overhead.json").write_text(json.dumps({**current, "memory": "docs/results/run-b/memory.json"}))
+    assert report.main(["--results", str(results), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "this run's line said 7,967,544 bytes" in text and "budget before sglang sized it: 44,791,272 bytes" in text
+    assert "| this run | 131,073 | 65 | 16,388 | 5.0 MiB | 0.3 MiB | 0.3 MiB | 2.1 MiB | 7.6 MiB | 16.00 GiB |" in text
+    assert "Memory: `docs/results/run-b/memory.json` (the default)." in text
+    assert "(goal ≤ 5%: **missed**)" in text
+
 
 def test_committed_performance_doc_is_up_to_date():
     assert report.main(["--check"]) == 0
