@@ -53,16 +53,21 @@ def wrap(runner_cls, nbytes: int) -> None:
     after_pool(runner_cls, ENV, hold)
 
 
-def positive_bytes(env: str) -> int:
-    """``env``'s value as a number of bytes > 0, or exit naming the variable."""
+def positive_int(env: str, what: str) -> int:
+    """``env``'s value as a number > 0 (``what`` it counts, for the message), or exit naming the variable."""
     raw = os.environ.get(env, "")
     try:
-        nbytes = int(raw)
+        value = int(raw)
     except ValueError:
-        raise SystemExit(f"{env}={raw!r}: expected a number of bytes") from None
-    if nbytes <= 0:
-        raise SystemExit(f"{env}={raw!r}: expected a number of bytes > 0")
-    return nbytes
+        raise SystemExit(f"{env}={raw!r}: expected {what}") from None
+    if value <= 0:
+        raise SystemExit(f"{env}={raw!r}: expected {what} > 0")
+    return value
+
+
+def positive_bytes(env: str) -> int:
+    """``env``'s value as a number of bytes > 0, or exit naming the variable."""
+    return positive_int(env, "a number of bytes")
 
 
 def install() -> None:

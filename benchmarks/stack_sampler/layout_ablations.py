@@ -125,8 +125,9 @@ def _precompile_without_launches(module, load: bool, only: frozenset = frozenset
         if only - loaded:
             raise SystemExit(f"{LOAD_ONLY_ENV}: no variant of {','.join(sorted(only - loaded))} was precompiled "
                              f"(the precompile's kernels: {','.join(sorted(seen))})")
-        what = "compile" if not load else f"load only={','.join(sorted(only))} loaded={','.join(sorted(loaded))}" \
-            if only else "load"
+        what = "load" if load else "compile"
+        if only:
+            what += f" only={','.join(sorted(only))} loaded={','.join(sorted(loaded))}"
         print(f"kvc_diag_precompile_launch={what} pid={os.getpid()} (bench ablation: no precompile launch reached "
               "the device)", file=sys.stderr)
 
@@ -166,10 +167,11 @@ def _need_idle(setting: str, why: str) -> None:
 
 def _positive(env: str, what: str) -> int:
     """The variable's value, > 0 (0: unset)."""
-    raw = os.environ.get(env, "")
-    if raw and (not raw.isdigit() or int(raw) <= 0):
-        raise SystemExit(f"{env}={raw!r}: expected {what} > 0")
-    return int(raw) if raw else 0
+    if not os.environ.get(env):
+        return 0
+    from device_bytes import positive_int
+
+    return positive_int(env, what)
 
 
 def install() -> None:
