@@ -86,12 +86,13 @@ from kv_canary_testing.server import SglangServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead_client import (  # noqa: E402
-    SETTLE_TIMEOUT_S, STOP_GRACE_S, PromptSource, _progress, log_facts, probe_environment, run_batch, wait_settled,
+    SETTLE_TIMEOUT_S, STOP_GRACE_S, PromptSource, _progress, fill_pool, log_facts, probe_environment, run_batch,
+    wait_settled,
 )
 from overhead_plan import (  # noqa: E402
     CONFIGS, CPU_DEFAULT_CONFIGS, CPU_DEFAULT_SCALE, DEFAULT_CONFIGS, DEFAULT_ROWS, DEFAULT_UPSTREAM_SITE,
     IDLE_ENV, IN_TREE_CONFIGS, LLAMA3_8B_CONFIG, OURS, ROWS, UPSTREAM, Row, ServerConfig, _installed_sglang,
-    HOST_TIMER_INTERVAL_S, fill_row, plan_eagle_args, sampler_env, server_env, server_plan,
+    HOST_TIMER_INTERVAL_S, plan_eagle_args, sampler_env, server_env, server_plan,
 )
 from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
 from server_probes import read_stacks, stack_lines, stack_summary  # noqa: E402
@@ -146,12 +147,10 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
         if args.fill_pool:
-            fill = fill_row(list(rows.values()), plan["max_total_tokens"])
-            done = run_batch(server.base_url, prompts.batch(fill, -1), fill.output_len)
-            result["fill_pool"] = {"prompt_tokens": fill.prompt_tokens(), "requests": fill.batch,
-                                   "pool_tokens": plan["max_total_tokens"], "wall_s": round(done["wall_s"], 2)}
-            _progress(f"[{label}] pool filled: {fill.prompt_tokens()} prompt tokens for "
-                      f"{plan['max_total_tokens']} slots in {done['wall_s']:.1f}s")
+            fill = result["fill_pool"] = fill_pool(server.base_url, prompts, list(rows.values()),
+                                                   plan["max_total_tokens"])
+            _progress(f"[{label}] pool filled: {fill['prompt_tokens']} prompt tokens for {fill['pool_tokens']} "
+                      f"slots in {fill['wall_s']:.1f}s")
         for row in my_rows:
             warm = run_batch(server.base_url, prompts.batch(row, -1), row.output_len)  # warmup, untimed
             if stacks_dir is not None:  # the timed repetitions' host time only

@@ -21,7 +21,7 @@ import requests
 
 from kv_canary.violations import PERTURB_PREFIX, STATS_PREFIX, VIOLATION_PREFIX, parse_lines
 from kv_canary_testing.server import SglangServer
-from overhead_plan import Row
+from overhead_plan import Row, fill_row
 
 REQUEST_TIMEOUT_S = 900.0
 SETTLE_TIMEOUT_S = 30.0  # wait for the canary's idle "settled=1" stats line
@@ -87,6 +87,15 @@ def run_batch(base_url: str, prompts: List[List[int]], max_new_tokens: int) -> d
             raise RuntimeError(f"a request produced {got} tokens, not {max_new_tokens}: {meta}")
         cached += int(meta.get("cached_tokens") or 0)
     return {"wall_s": wall, "cached_tokens": cached, "output_tokens": max_new_tokens * len(items)}
+
+
+def fill_pool(base_url: str, prompts: PromptSource, rows: List[Row], pool_tokens: int) -> dict:
+    """``--fill-pool``: every slot of the server's KV pool written once (``overhead_plan.fill_row``) before ``rows``
+    run; what was sent and how long it took."""
+    fill = fill_row(rows, pool_tokens)
+    done = run_batch(base_url, prompts.batch(fill, -1), fill.output_len)
+    return {"prompt_tokens": fill.prompt_tokens(), "requests": fill.batch, "pool_tokens": pool_tokens,
+            "wall_s": round(done["wall_s"], 2)}
 
 
 # ---------------------------------------------------------------- a server's log and its host

@@ -141,7 +141,7 @@ def render(results: Path) -> str:
     current = json.loads(current_path.read_text())
     extra = _read(results, current.get("memory_and_storm"))
     memory_source = current.get("memory") or current.get("memory_and_storm")
-    memory = _read(results, memory_source) if current.get("memory") else extra
+    memory = _read(results, current["memory"]) if current.get("memory") else extra
     details = (extra or {}).get("row_details") or {}
     parts = [
         BEGIN,

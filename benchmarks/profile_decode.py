@@ -62,9 +62,9 @@ from typing import Dict, List, Optional, Tuple
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead_client import PromptSource, run_batch  # noqa: E402
+from overhead_client import PromptSource, fill_pool, run_batch  # noqa: E402
 from overhead_plan import (  # noqa: E402
-    CONFIGS, ROWS, Row, ServerConfig, fill_row, plan_eagle_args, server_env, server_plan,
+    CONFIGS, ROWS, Row, ServerConfig, plan_eagle_args, server_env, server_plan,
 )
 from trace_summary import GPU_CATS, _union, graph_replays, is_canary_kernel, read_events, summarize  # noqa: E402
 
@@ -314,8 +314,7 @@ def main(argv=None) -> int:
         try:
             server.start(timeout=600)
             if args.fill_pool:  # every KV slot written once first (bench_overhead --fill-pool)
-                fill = fill_row(rows, plan["max_total_tokens"])
-                entry["fill_pool_s"] = round(run_batch(server.base_url, prompts.batch(fill, -1), 1)["wall_s"], 2)
+                entry["fill_pool"] = fill_pool(server.base_url, prompts, rows, plan["max_total_tokens"])
             for row in rows:
                 entry[row.name] = profile_batch(server, prompts, row, args.steps, base / name, args.reps,
                                                 args.from_start)
