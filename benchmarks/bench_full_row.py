@@ -10,7 +10,8 @@ per slot), slots shuffled over the pool. Only torch + triton + this repo's pytho
 Rows printed (each a CUDA-graph replay after an L2 flush, median; see kernel_timing.Timer):
 
 * ``tail_full``: TAIL (write kernel + FULL_HASH of the new slots) for decode bs1, bs64 and prefill bs8 x 8k:
-  ``write`` (the write kernel alone, partial records) vs ``new`` (write + split hash + finalize).
+  ``write`` (the write kernel alone, partial records) vs ``new`` (write + split hash; the program completing a
+  slot finalizes it).
 * ``head_all``: HEAD of one decode step of ``--kv-canary-real-data all`` at bs1 x 1k and bs64 x 1k.
   old: every byte of every read slot (the previous ``all``); new: the window + metadata of every read slot,
   plus every byte of the one slot per request the previous step wrote (its first read; the graph re-marks

@@ -159,6 +159,8 @@ class FullRowState:
     """Device state of the split whole-row hash (``kernels.full_row``), per group.
 
     acc: int64[num_slots], partial FULL_HASH sums (zero between launches)
+    tickets: int32[num_slots], row chunks of the running launch a slot's sums have (zero between launches): the
+        program that adds the last chunk finalizes the slot (``kernels.full_row``)
     tags: int64[num_slots], the FULL_HASH a first read last verified (TAIL zeroes it; a record whose
         FULL_HASH differs from its tag is unverified)
     work: int64[capacity, 3], the first-read work list (slot, batch index, req_to_token row)
@@ -169,6 +171,7 @@ class FullRowState:
     """
 
     acc: torch.Tensor
+    tickets: torch.Tensor
     tags: torch.Tensor
     work: torch.Tensor
     work_state: torch.Tensor
@@ -179,12 +182,13 @@ class FullRowState:
     def build(num_slots: int, first_read: bool, device: torch.device, capacity: int,
               clear_tags: bool = True) -> "FullRowState":
         zeros = lambda *shape: torch.zeros(shape, dtype=torch.int64, device=device)  # noqa: E731
-        return FullRowState(acc=zeros(num_slots), tags=zeros(num_slots), work=zeros(capacity if first_read else 1, 3),
+        return FullRowState(acc=zeros(num_slots), tickets=torch.zeros(num_slots, dtype=torch.int32, device=device),
+                            tags=zeros(num_slots), work=zeros(capacity if first_read else 1, 3),
                             work_state=zeros(2), first_read=first_read, clear_tags=clear_tags)
 
     @staticmethod
     def bytes(num_slots: int, first_read: bool, capacity: int) -> int:
-        return 8 * (2 * num_slots + 3 * (capacity if first_read else 1) + 2)
+        return 8 * (2 * num_slots + 3 * (capacity if first_read else 1) + 2) + 4 * num_slots
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class CanaryMemory:
     ring: int  # [ring_capacity, RING_WIDTH]
     token_table: int  # the token oracle (``token_oracle_bytes``; 0 when off)
     sweep_index: int = 0  # CachedSlotIndex: int8 + 3 x int32 per slot (0 without the sweep)
-    full_row: int = 0  # [num_groups] FullRowState (the scrub or real data all: 16 bytes per slot + the work list)
+    full_row: int = 0  # [num_groups] FullRowState (the scrub or real data all: 20 bytes per slot + the work list)
 
     @property
     def total(self) -> int:

@@ -201,22 +201,23 @@ def test_memory_table_reads_the_install_line_and_uses_the_memory_function():
 
 def test_memory_table_sizes_each_setting_with_its_own_buffers():
     """A run with the default and `all` servers: one set of cases per setting, `all`'s with the full-row state; this
-    run's case equals what each install line logged (the H200 run of 2026-12-01c)."""
+    run's case equals what each install line logged (the H200 run of 2026-12-01c's lines; `all`'s with the full-row
+    state's chunk tickets, 4 bytes a slot, added since)."""
     head = ("kv_canary_installed=1 mode=raise sweep_interval=0 real_data={rd} scrub_slots_per_forward={scrub} "
             "ring_capacity=4096 token_oracle=1 pool=MHATokenToKVPool groups=full slots=131073 kernels=triton "
             "max_batch_size=65 max_context_len=16388 max_tokens_per_forward=32837 req_rows=65 canary_bytes={b} "
             "kv_pool_bytes=17180000256")
     runs = [{"role": "off", "canary_installed_line": None},
             {"role": "ours", "canary_installed_line": head.format(rd="partial", scrub=0, b=5772056)},
-            {"role": "ours", "canary_installed_line": head.format(rd="all", scrub=256, b=7967544)},
-            {"role": "ours", "canary_installed_line": head.format(rd="all", scrub=256, b=7967544)}]
+            {"role": "ours", "canary_installed_line": head.format(rd="all", scrub=256, b=8491836)},
+            {"role": "ours", "canary_installed_line": head.format(rd="all", scrub=256, b=8491836)}]
     memory = overhead_summary.memory_table(runs)
     cases = {c["case"]: c for c in memory["cases"]}
     assert len(cases) == 6 and memory["logged_canary_bytes"] == 5772056
-    assert memory["logged_by_setting"] == {"real data partial": 5772056, "real data all, scrub 256": 7967544}
+    assert memory["logged_by_setting"] == {"real data partial": 5772056, "real data all, scrub 256": 8491836}
     partial, every = cases["this run (real data partial)"], cases["this run (real data all, scrub 256)"]
     assert partial["canary_bytes"] == 5772056 and partial["breakdown"]["full_row"] == 0
-    assert every["canary_bytes"] == 7967544 and every["breakdown"]["full_row"] == 7967544 - 5772056
+    assert every["canary_bytes"] == 8491836 and every["breakdown"]["full_row"] == 8491836 - 5772056
     text = report.memory_section(memory)
     assert "| this run (real data all, scrub 256) | 131,073 | 65 | 16,388 |" in text and "full-row state" in text
 

@@ -90,6 +90,11 @@ def _state():
     return counters, torch.zeros(64, fp.RING_WIDTH, dtype=torch.int64, device=DEVICE)
 
 
+def _left_clean(state):
+    """Between launches every slot's sums and chunk tickets are zero (the program completing a slot zeroes both)."""
+    return int(state.acc.abs().sum()) == 0 and int(state.tickets.abs().sum()) == 0
+
+
 def _rows(counters, ring, before=0):
     n = int(counters[fp.C_VIOLATIONS]) - before
     return sorted(tuple(ring[(before + i) % ring.shape[0]].tolist()) for i in range(n))
@@ -122,7 +127,7 @@ def test_tail_full_hash_is_bit_equal_to_the_reference(layout, translate, shape, 
     want = fp.full_hash_from_words(groups[1].all_words(written))
     assert torch.equal(groups[0].records[written, fp.F_FULL_HASH], want)
     assert int((groups[0].records[:, fp.F_FULL_HASH] != 0).sum()) == sum(lens)
-    assert int(groups[0].full_row.acc.abs().sum()) == 0  # the accumulator is left zeroed
+    assert _left_clean(groups[0].full_row)
 
 
 def _read_view(rows_lens):
@@ -163,6 +168,7 @@ def test_first_read_verifies_every_byte_once_and_the_scrub_finds_a_later_flip(la
     assert found[0] == found[1] == [(fp.R_KV_HASH, flipped, 5)]
     assert torch.equal(groups[0].full_row.tags, groups[1].full_row.tags)
     assert int(groups[0].full_row.work_state.abs().sum()) == 0  # the list is emptied after each forward
+    assert _left_clean(groups[0].full_row)
     for backend, group, (counters, ring) in zip((tk, ref), groups, states):  # verified: not hashed again
         before = int(counters[fp.C_VIOLATIONS])
         backend.launch_verify(group, _read_view([(0, 40), (1, 23)]), r2t, counters, ring, 2, 16)
@@ -178,6 +184,7 @@ def test_first_read_verifies_every_byte_once_and_the_scrub_finds_a_later_flip(la
             counters[fp.C_FORWARD_INDEX] += 1
         assert sorted(r[fp.V_SLOT] for r in _rows(counters, ring, before)) == sorted([flipped, other])
         assert sum(lens) <= int(counters[fp.C_SLOTS_SCRUBBED]) <= sum(lens) + 1  # never-written slots skipped
+    assert _left_clean(groups[0].full_row)
 
 
 def test_a_first_read_list_past_its_capacity_is_finished_by_later_forwards(monkeypatch):
@@ -238,3 +245,4 @@ def test_all_head_and_tail_replay_from_a_cuda_graph():
     assert torch.equal(group.records, eager.records)
     found = _rows(counters, ring, before)
     assert [(r[fp.V_REASON], r[fp.V_SLOT]) for r in found] == [(fp.R_KV_HASH, flipped)]
+    assert _left_clean(group.full_row)

@@ -6,8 +6,11 @@ of every layer's K and V row in canonical order (``fingerprint.full_hash_from_wo
 ``CanaryBufferGroup.all_words``; the 32-bit term keeps the per-word work small enough for the loads to set
 the pace). The sum is additive, so each program hashes a tile of
 ``SB`` slots x one chunk of rows (``WT`` words at a time) and adds its partial sums into ``acc[slot]``
-(int64, one per slot, zero between launches) with an atomic add; a finalize launch then mixes
-``acc[slot]``, stores or compares it, and zeroes ``acc[slot]`` again. Wrapping int64 addition is
+(int64, one per slot, zero between launches) with an atomic add, then takes a ticket per slot
+(``tickets[slot]``): the program whose ticket is the launch's last chunk for that slot mixes ``acc[slot]``,
+stores or compares it, and zeroes ``acc[slot]`` and the ticket again, in the same launch (a finalize launch
+per hash cost ~2-2.6 us on an H200, three a decode step under ``all``). Only a first-read list hashed in parts
+(a HiCache load, layer by layer) keeps a finalize launch after its last part. Wrapping int64 addition is
 associative and commutative, so the result is bit-equal to the torch reference whatever the split.
 
 Lanes (which slots a launch hashes), by the ``MODE`` constexpr:
@@ -147,12 +150,39 @@ def _list_first_reads(records, slot, m, batch_index, row, tags, work, work_state
 
 
 @triton.jit
-def _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, l, bound, start, report,
-                 forward_index, MODE: tl.constexpr, GROUP_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """SCRUB / LIST: compare the mixed ``acc`` of lanes ``l`` with their records' FULL_HASH (one ``kv_hash`` ring
-    row per mismatch), zero ``acc`` (read and zeroed in one atomic: a fused LIST's last program reads sums other
-    programs added); returns the lanes checked (int64[BLOCK] of 0/1)."""
-    slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
+def _last_chunk(tickets, slot, m, chunks, ONE_CHUNK: tl.constexpr):
+    """Lanes ``m`` whose slot's sums are complete once this program's have landed: a ticket per slot counts the
+    launch's row chunks added so far, and the lane that takes the last one finalizes the slot (and zeroes its
+    ticket). ``ONE_CHUNK`` (every row in one program): each lane completes its own slot."""
+    if ONE_CHUNK:
+        return m
+    tl.debug_barrier()  # every thread's ``acc`` adds of this program precede its tickets (release)
+    old = tl.atomic_add(tickets + slot, 1, mask=m, sem="acq_rel")
+    done = m & (old == chunks - 1)
+    tl.store(tickets + slot, tl.zeros_like(old), mask=done)
+    return done
+
+
+@triton.jit
+def _store_lanes(acc, records, tags, slot, m, CLEAR_TAGS: tl.constexpr):
+    """TAIL: the FULL_HASH of lanes ``m`` into their records, ``acc`` zeroed (read and zeroed in one atomic: other
+    programs added to it); the first-read tag: 0 (``CLEAR_TAGS``: unverified again, ``all``) or the new hash
+    (HiCache outside ``all``: only a load-back, which zeroes the tag, lists the slot)."""
+    total = tl.atomic_xchg(acc + slot, tl.zeros_like(slot), mask=m, sem="relaxed")
+    full = _mix64(total ^ _HASH_SEED)
+    tl.store(records + slot * _RW + 4, full, mask=m)
+    if CLEAR_TAGS:
+        tl.store(tags + slot, tl.zeros_like(full), mask=m)
+    else:
+        tl.store(tags + slot, full, mask=m)
+
+
+@triton.jit
+def _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m, report, forward_index,
+                   MODE: tl.constexpr, GROUP_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """SCRUB / LIST: compare the mixed ``acc`` of lanes ``m`` (``l``: their lane indices, ``slot``: their slots)
+    with their records' FULL_HASH (one ``kv_hash`` ring row per mismatch: SCRUB rows with batch index = row = -2,
+    LIST rows with the reader's), zero ``acc``; returns the lanes checked (int64[BLOCK] of 0/1)."""
     total = tl.atomic_xchg(acc + slot, tl.zeros_like(slot), mask=m, sem="relaxed")
     live = _mix64(total ^ _HASH_SEED)
     rec_full = tl.load(records + slot * _RW + 4, mask=m, other=0)
@@ -170,18 +200,21 @@ def _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, l
     return m.to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["num_rows", "rows_per_program", "per_forward", "num_slots"])
-def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_slots, counters, per_forward,
-                    work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
-                    ring, ring_capacity,
+@triton.jit(do_not_specialize=["num_rows", "rows_per_program", "chunks", "per_forward", "num_slots"])
+def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_program, records, num_slots, counters,
+                    per_forward, tags, work, work_state, work_capacity, out_cache_loc, new_starts, new_lens,
+                    slot_map, map_len, ring, ring_capacity,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
-                    ALIGN: tl.constexpr, FUSED: tl.constexpr, GROUP_BITS: tl.constexpr, FBLOCK: tl.constexpr):
-    """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``) into ``acc[slot]``.
+                    ALIGN: tl.constexpr, FINAL: tl.constexpr, ONE_CHUNK: tl.constexpr, CLEAR_TAGS: tl.constexpr,
+                    GROUP_BITS: tl.constexpr):
+    """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``, of ``chunks``) into
+    ``acc[slot]``.
 
     TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``).
-    FUSED (a LIST expected empty): the last program to finish (a ticket in ``work_state``) runs the finalize
-    itself, ``FBLOCK`` entries a step: one launch instead of two. (A decode TAIL fused the same way measured no
-    faster on an H100: its finalize launch stays.)"""
+    ``FINAL``: the launch also finalizes: the program adding a slot's last chunk (``_last_chunk``) stores its
+    FULL_HASH (TAIL) or compares it (SCRUB, LIST), and a LIST's last program to finish (a ticket in
+    ``work_state``) empties the list. Without ``FINAL`` (a HiCache load's first reads, hashed in parts as the
+    layers land) ``row_finalize_kernel`` finishes them."""
     c = tl.program_id(1)
     r0 = c * rows_per_program
     r1 = tl.minimum(r0 + rows_per_program, num_rows)
@@ -196,62 +229,10 @@ def row_hash_kernel(acc, base, table, num_rows, rows_per_program, records, num_s
             slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
             slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
             m = m & (slot > 0) & (slot < num_slots)
-            _add_rows(acc, tl.where(m, slot, 0), m, base, table, r0, r1, SB, WT, ALIGN)
-    else:
-        if MODE == 1:
-            bound = per_forward
-            start = (tl.load(counters + _C_FORWARD_INDEX) * per_forward) % (num_slots - 1)
-        else:
-            bound = tl.minimum(tl.load(work_state), work_capacity)
-            start = 0
-        for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
-            slot, m = _lane_slots(b * SB + lanes, MODE, bound, records, work, num_slots, start)
+            slot = tl.where(m, slot, 0)
             _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN)
-    if FUSED:  # LIST only
-        # every thread's acc adds precede this program's ticket (release); the last ticket acquires them all
-        tl.debug_barrier()
-        ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) - 1:
-            fl = tl.arange(0, FBLOCK)
-            report = tl.load(counters + _C_REPORT_ENABLED)
-            forward_index = tl.load(counters + _C_FORWARD_INDEX)
-            checked = tl.zeros((FBLOCK,), dtype=tl.int64)
-            for b in range(0, tl.cdiv(bound, FBLOCK)):
-                checked += _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, b * FBLOCK + fl,
-                                        bound, 0, report, forward_index, MODE, GROUP_BITS, FBLOCK)
-            tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
-            tl.store(work_state, 0)
-            tl.store(work_state + 1, 0)
-
-
-@triton.jit(do_not_specialize=["per_forward", "num_slots"])
-def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, per_forward, tags,
-                        work, work_state, work_capacity, out_cache_loc, new_starts, new_lens, slot_map, map_len,
-                        MODE: tl.constexpr, TRANSLATE: tl.constexpr, GROUP_BITS: tl.constexpr,
-                        BLOCK: tl.constexpr, CLEAR_TAGS: tl.constexpr):
-    """Mix ``acc[slot]`` into the FULL_HASH and zero it. TAIL: store it in the record and set the slot's
-    first-read tag (``CLEAR_TAGS``: 0, its full row is unverified again, ``all``; else the new FULL_HASH, so only
-    a load-back, which zeroes the tag, lists it: HiCache); SCRUB / LIST: compare it with the record's and append
-    a ``kv_hash`` ring row per mismatch (SCRUB rows: batch index = row = -2; LIST rows: the reader's)."""
-    lanes = tl.arange(0, BLOCK)
-    if MODE == 0:
-        i = tl.program_id(0)
-        start = tl.load(new_starts + i).to(tl.int64)
-        n = tl.load(new_lens + i).to(tl.int64)
-        k = tl.program_id(1) * BLOCK + lanes
-        m = k < n
-        slot = tl.load(out_cache_loc + start + k, mask=m, other=0).to(tl.int64)
-        slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
-        m = m & (slot > 0) & (slot < num_slots)
-        slot = tl.where(m, slot, 0)
-        total = tl.load(acc + slot, mask=m, other=0)
-        full = _mix64(total ^ _HASH_SEED)
-        tl.store(records + slot * _RW + 4, full, mask=m)
-        tl.store(acc + slot, tl.zeros_like(total), mask=m)
-        if CLEAR_TAGS:
-            tl.store(tags + slot, tl.zeros_like(total), mask=m)
-        else:
-            tl.store(tags + slot, full, mask=m)
+            if FINAL:
+                _store_lanes(acc, records, tags, slot, _last_chunk(tickets, slot, m, chunks, ONE_CHUNK), CLEAR_TAGS)
     else:
         forward_index = tl.load(counters + _C_FORWARD_INDEX)
         if MODE == 1:
@@ -261,18 +242,49 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
             bound = tl.minimum(tl.load(work_state), work_capacity)
             start = 0
         report = tl.load(counters + _C_REPORT_ENABLED)
-        checked = tl.zeros((BLOCK,), dtype=tl.int64)
-        for b in range(tl.program_id(0), tl.cdiv(bound, BLOCK), tl.num_programs(0)):
-            checked += _check_lanes(acc, records, num_slots, counters, ring, ring_capacity, work, b * BLOCK + lanes,
-                                    bound, start, report, forward_index, MODE, GROUP_BITS, BLOCK)
-        if MODE == 1:
-            tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
-        else:  # the last program to finish empties the list (every program has read its length by then)
-            tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
-            ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
-            if ticket == tl.num_programs(0) - 1:
-                tl.store(work_state, 0)
-                tl.store(work_state + 1, 0)
+        checked = tl.zeros((SB,), dtype=tl.int64)
+        for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
+            l = b * SB + lanes
+            slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
+            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN)
+            if FINAL:
+                done = _last_chunk(tickets, slot, m, chunks, ONE_CHUNK)
+                checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, done, report,
+                                          forward_index, MODE, GROUP_BITS, SB)
+        if FINAL:
+            if MODE == 1:
+                tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
+            else:
+                tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
+                # every program has read the list's length and finalized its lanes before its ticket
+                tl.debug_barrier()
+                ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
+                if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+                    tl.store(work_state, 0)
+                    tl.store(work_state + 1, 0)
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, work, work_state, work_capacity,
+                        GROUP_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """A first-read LIST hashed in parts (``row_hash_kernel`` without ``FINAL``: a HiCache load's layers as they
+    land): mix every listed slot's ``acc``, compare it with the record's FULL_HASH (``kv_hash`` ring rows with the
+    reader's batch index and row), zero ``acc``; the last program to finish empties the list."""
+    lanes = tl.arange(0, BLOCK)
+    forward_index = tl.load(counters + _C_FORWARD_INDEX)
+    bound = tl.minimum(tl.load(work_state), work_capacity)
+    report = tl.load(counters + _C_REPORT_ENABLED)
+    checked = tl.zeros((BLOCK,), dtype=tl.int64)
+    for b in range(tl.program_id(0), tl.cdiv(bound, BLOCK), tl.num_programs(0)):
+        l = b * BLOCK + lanes
+        slot, m = _lane_slots(l, 2, bound, records, work, num_slots, 0)
+        checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m, report,
+                                  forward_index, 2, GROUP_BITS, BLOCK)
+    tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
+    ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")  # every program has read the list's length
+    if ticket == tl.num_programs(0) - 1:
+        tl.store(work_state, 0)
+        tl.store(work_state + 1, 0)
 
 
 def tiles(group, mode: int, run: int = 0):
@@ -309,30 +321,32 @@ def _map_args(group):
 
 
 def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_forward=0, view=None,
-            rows=None, finalize=True, fused=False):
-    """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows``: (r0, r1), hash only rows
-    [r0, r1) of ``group.rows`` (default: all); ``finalize``: then mix, compare / store and zero ``acc``;
-    ``fused`` (LIST): the hash launch's last program finalizes (all rows, one launch)."""
-    table = group.full_table if rows is None else group.full_table[rows[0]:rows[1]]
-    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
-    if fused:
-        if mode != LIST:
-            raise ValueError("kv-canary: only a first-read LIST launch is fused (its last program finalizes)")
-        _launch_hash(group, state, mode, counters, table, loc, lanes=lanes, grid0=grid0, per_forward=per_forward,
-                     view=view, fused=(ring, group_index))
+            rows=None, finalize=True, whole_rows=False):
+    """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows`` (LIST): (r0, r1), hash only rows
+    [r0, r1) of ``group.rows`` (a part: its sums wait for the others); ``finalize``: then mix, compare and zero
+    ``acc`` (after a LIST's last part: ``row_finalize_kernel``). Every row in one launch finalizes in it.
+    ``whole_rows`` (LIST): ``SHAPE.fused_list_programs`` programs over every row (a list expected empty)."""
+    if rows is None and finalize:
+        _launch_hash(group, state, mode, counters, group.full_table, ring, group_index, lanes=lanes, grid0=grid0,
+                     per_forward=per_forward, view=view, final=True, whole_rows=whole_rows)
         return
+    if mode != LIST or whole_rows:
+        raise ValueError("kv-canary: only a first-read LIST is hashed in parts (rows) or finalized apart")
+    table = group.full_table if rows is None else group.full_table[rows[0]:rows[1]]
     if table.shape[0]:
-        _launch_hash(group, state, mode, counters, table, loc, lanes=lanes, grid0=grid0, per_forward=per_forward,
-                     view=view)
+        _launch_hash(group, state, mode, counters, table, ring, group_index, lanes=lanes, grid0=grid0,
+                     per_forward=per_forward, view=view, final=False)
     if finalize:
-        _launch_finalize(group, state, mode, counters, ring, group_index, loc, lanes=lanes, per_forward=per_forward,
-                         view=view)
+        _row_finalize_kernel_bound[(min(SHAPE.finalize_programs, cdiv(max(1, lanes), SHAPE.finalize_block)),)](
+            state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], state.work, state.work_state,
+            state.work.shape[0], GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=SHAPE.finalize_block)
 
 
-def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_forward, view, fused=None):
-    """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``;
-    ``loc``: the TAIL's (out_cache_loc, new_starts, new_lens), placeholders otherwise. ``fused`` (LIST): (ring,
-    group index), ``SHAPE.fused_list_programs`` programs over all rows each, the last finalizing."""
+def _launch_hash(group, state, mode, counters, table, ring, group_index, *, lanes, grid0, per_forward, view, final,
+                 whole_rows=False):
+    """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``, and
+    with ``final`` (every row) each slot's FULL_HASH stored (TAIL) or compared (SCRUB, LIST) by the program that
+    completes it."""
     num_rows = int(table.shape[0])
     rpp = min(num_rows, _rows_per_program(mode, lanes))
     sb, wt = tiles(group, mode, view.max_new_len if mode == TAIL else 0)
@@ -344,33 +358,19 @@ def _launch_hash(group, state, mode, counters, table, loc, *, lanes, grid0, per_
         if mode == LIST:
             programs = max(programs, SHAPE.target_programs // chunks)
         grid0 = min(programs, cdiv(max(1, lanes), sb))
-    if fused is not None:
-        grid0, rpp = SHAPE.fused_list_programs, num_rows
-        chunks = 1
+    if whole_rows:
+        grid0, rpp, chunks = SHAPE.fused_list_programs, num_rows, 1
     splits = 1
     if mode == TAIL:  # host-known: the batch size and the longest new run
         splits = max(1, min(cdiv(max(1, view.max_new_len), sb), SHAPE.target_programs // (grid0 * chunks)))
-    ring, group_index = fused if fused is not None else (counters, 0)
+    loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     _row_hash_kernel_bound[(grid0, chunks, splits)](
-        state.acc, group.full_base, table, num_rows, rpp, group.records, group.num_slots, counters,
-        per_forward, state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        ring, ring.shape[0],
+        state.acc, state.tickets, chunks, group.full_base, table, num_rows, rpp, group.records, group.num_slots,
+        counters, per_forward, state.tags, state.work, state.work_state, state.work.shape[0], *loc,
+        *_map_args(group), ring, ring.shape[0],
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, ALIGN=group.row_word_alignment,
-        FUSED=fused is not None,
-        GROUP_BITS=group_index << fp.GROUP_SHIFT, FBLOCK=SHAPE.finalize_block, num_warps=SHAPE.warps)
-
-
-def _launch_finalize(group, state, mode, counters, ring, group_index, loc, *, lanes, per_forward, view):
-    block = SHAPE.finalize_block
-    if mode == TAIL:
-        grid = (view.batch_size, max(1, cdiv(view.max_new_len, block)))
-    else:
-        grid = (min(SHAPE.finalize_programs, cdiv(max(1, lanes), block)),)
-    _row_finalize_kernel_bound[grid](
-        state.acc, group.records, group.num_slots, counters, ring, ring.shape[0], per_forward, state.tags,
-        state.work, state.work_state, state.work.shape[0], *loc, *_map_args(group),
-        MODE=mode, TRANSLATE=group.slot_map is not None, GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=block,
-        CLEAR_TAGS=state.clear_tags)
+        FINAL=final, ONE_CHUNK=chunks == 1, CLEAR_TAGS=state.clear_tags,
+        GROUP_BITS=group_index << fp.GROUP_SHIFT, num_warps=SHAPE.warps)
 
 
 def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> None:
@@ -393,10 +393,10 @@ def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, fi
     ``rows`` (r0, r1): only rows [r0, r1) of ``group.rows`` (a HiCache load hashed layer by layer as the layers
     land); ``finalize``: compare and empty the list (after the last part: the sums are additive).
     ``expect_empty``: the HEAD of a HiCache forward that consumes no load (its list is empty unless a loaded slot
-    is read first outside its load's forward): one launch of a few programs, whole rows, the last finalizing."""
+    is read first outside its load's forward): one launch of a few programs, each over whole rows."""
     state = group.full_row
     _launch(group, state, LIST, counters, ring, group_index, lanes=int(state.work.shape[0]), rows=rows,
-            finalize=finalize, fused=expect_empty)
+            finalize=finalize, whole_rows=expect_empty)
 
 
 # launched through their compiled launchers once Triton bound a variant (kernels/launch.py)
