@@ -11,6 +11,7 @@ pool has no V half. Pool classes are registered by the adapter layer with a
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -112,6 +113,12 @@ class CanaryBufferGroup:
         aligned = base % 16 == 0 and all(
             (r.view.data_ptr() - base) % 16 == 0 and r.view.stride(0) % 4 == 0 and r.words % 4 == 0 for r in self.rows)
         return 4 if aligned else 1
+
+    @functools.cached_property
+    def row_words_gcd(self) -> int:
+        """The greatest common divisor of the whole rows' lengths in words (a word tile that divides it never runs
+        past a row: the whole-row hash then skips its per-word masks); computed once."""
+        return functools.reduce(math.gcd, (r.words for r in self.rows), 0)
 
     def forget(self, slots: torch.Tensor) -> None:
         """The records of engine slots ``slots`` (int64[n], on the records' device) are gone: zeroed as never written

@@ -1,6 +1,6 @@
 """The split whole-row hash (``kernels/full_row.py``) against the torch reference, bit for bit, on the layouts
-the canary meets: odd row widths, rows wider than one word tile, MLA (no V half), FP8-like uint8 rows, a
-translated (SWA) group, page-size-16 slot runs; TAIL's FULL_HASH, the scrub and ``all``'s first-read
+the canary meets: odd row widths, rows wider than one word tile, rows the word tiles divide (unmasked loads), MLA
+(no V half), FP8-like uint8 rows, a translated (SWA) group, page-size-16 slot runs; TAIL's FULL_HASH, the scrub and ``all``'s first-read
 verification (including a list longer than its capacity); and a CUDA-graph replay on the GPU host.
 """
 
@@ -33,6 +33,7 @@ LAYOUTS = {
     "two_tiles": ((5, 120), torch.bfloat16, 2, True),  # 300 words: more than one 256-word tile
     "mla": ((1, 36), torch.bfloat16, 3, False),  # K only (kv_lora + rope)
     "fp8_like": ((2, 12), torch.uint8, 4, True),  # 24 one-byte elements: 6 words
+    "even_rows": ((4, 32), torch.bfloat16, 2, True),  # 64 words: word tiles divide every row (unmasked loads)
 }
 
 
@@ -145,7 +146,8 @@ def _read_view(rows_lens):
 
 @pytest.mark.parametrize("layout,translate,shape", [("odd_words", False, "interpreter"), ("mla", True, "gpu"),
                                                     ("fp8_like", False, "interpreter"), ("two_tiles", True, "gpu"),
-                                                    ("two_tiles", False, "interpreter")])
+                                                    ("two_tiles", False, "interpreter"), ("even_rows", True, "gpu"),
+                                                    ("even_rows", False, "interpreter")])
 def test_first_read_verifies_every_byte_once_and_the_scrub_finds_a_later_flip(layout, translate, shape, monkeypatch):
     monkeypatch.setattr(full_row, "SHAPE", SHAPES[shape])
     groups = _groups(layout, translate, seed=5)

@@ -102,14 +102,21 @@ def _lane_slots(l, MODE: tl.constexpr, bound, records, work, num_slots, start_or
 
 
 @triton.jit
-def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.constexpr, ALIGN: tl.constexpr):
+def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.constexpr, ALIGN: tl.constexpr,
+              EVEN: tl.constexpr):
     """acc[slot] += the partial word sums of rows [r0, r1) of lanes ``m`` (int64, wrapping).
 
     ``ALIGN`` (``CanaryBufferGroup.row_word_alignment``): the words every row's offset, stride and length are a
     multiple of. Told to the compiler, it loads ``ALIGN`` words per access (16 bytes) instead of one: the table's
     values are runtime loads, so without the hint every word was its own load and address (the bulk paths 12-27%
     slower on an H200). The terms add into a [SB, WT] int64 tile reduced once at the end: no reduction per loaded
-    tile (reducing each step kept too few loads in flight: ~3x slower on an H100)."""
+    tile (reducing each step kept too few loads in flight: ~3x slower on an H100).
+
+    ``EVEN``: every row's length is a multiple of WT, so no tile runs past a row: the loads and terms are not
+    masked (a masked lane's slot is 0, a real slot, and its sum is dropped at the atomic add). With the keys
+    advanced by one add a tile, the scrub's word loop is 58 sm90 instructions per 4 words instead of 71: a small
+    launch's hashing is bound by its instructions (a lane that hashes nothing cost as much as one that does,
+    results/gpu-h200-2026-11-30f-every-byte-kernels)."""
     tile = tl.zeros((SB, WT), dtype=tl.int64)
     cols = tl.arange(0, WT)
     for r in range(r0, r1):
@@ -118,12 +125,17 @@ def _add_rows(acc, slot, m, base, table, r0, r1, SB: tl.constexpr, WT: tl.conste
         words = tl.multiple_of(tl.load(table + r * 4 + 2), ALIGN)
         first = tl.load(table + r * 4 + 3)
         row = base + offset + slot[:, None] * stride
+        key = (first + cols + 1).to(tl.uint32) * _KEY  # [WT], shared by the SB slots: (first + w + 1) * _KEY
         for w0 in range(0, words, WT):
             w = w0 + cols
-            m2 = m[:, None] & (w < words)[None, :]
-            word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.uint32, bitcast=True)
-            key = (first + w + 1).to(tl.uint32) * _KEY  # [WT], shared by the SB slots
-            tile += tl.where(m2, _mix32(word ^ key[None, :]).to(tl.int64), 0)  # zero-extended: in [0, 2^32)
+            if EVEN:
+                word = tl.load(row + w[None, :]).to(tl.uint32, bitcast=True)
+                tile += _mix32(word ^ key[None, :]).to(tl.int64)  # zero-extended: in [0, 2^32)
+            else:
+                m2 = m[:, None] & (w < words)[None, :]
+                word = tl.load(row + w[None, :], mask=m2, other=0).to(tl.uint32, bitcast=True)
+                tile += tl.where(m2, _mix32(word ^ key[None, :]).to(tl.int64), 0)
+            key += (WT * _KEY) % 4294967296  # the next tile's keys, one add a word (mod 2^32)
     tl.atomic_add(acc + slot, tl.sum(tile, axis=1), mask=m & (r1 > r0), sem="relaxed")
 
 
@@ -205,8 +217,8 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
                     per_forward, tags, work, work_state, work_capacity, out_cache_loc, new_starts, new_lens,
                     slot_map, map_len, ring, ring_capacity,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
-                    ALIGN: tl.constexpr, FINAL: tl.constexpr, ONE_CHUNK: tl.constexpr, CLEAR_TAGS: tl.constexpr,
-                    GROUP_BITS: tl.constexpr):
+                    ALIGN: tl.constexpr, EVEN: tl.constexpr, FINAL: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                    CLEAR_TAGS: tl.constexpr, GROUP_BITS: tl.constexpr):
     """Partial FULL_HASH sums of rows [c * rows_per_program, ...) (c = ``program_id(1)``, of ``chunks``) into
     ``acc[slot]``.
 
@@ -230,7 +242,7 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
             slot = _translate(slot_map, map_len, slot, m, TRANSLATE)
             m = m & (slot > 0) & (slot < num_slots)
             slot = tl.where(m, slot, 0)
-            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN)
+            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN, EVEN)
             if FINAL:
                 _store_lanes(acc, records, tags, slot, _last_chunk(tickets, slot, m, chunks, ONE_CHUNK), CLEAR_TAGS)
     else:
@@ -246,7 +258,7 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             l = b * SB + lanes
             slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
-            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN)
+            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN, EVEN)
             if FINAL:
                 done = _last_chunk(tickets, slot, m, chunks, ONE_CHUNK)
                 checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, done, report,
@@ -369,7 +381,7 @@ def _launch_hash(group, state, mode, counters, table, ring, group_index, *, lane
         counters, per_forward, state.tags, state.work, state.work_state, state.work.shape[0], *loc,
         *_map_args(group), ring, ring.shape[0],
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, ALIGN=group.row_word_alignment,
-        FINAL=final, ONE_CHUNK=chunks == 1, CLEAR_TAGS=state.clear_tags,
+        EVEN=group.row_words_gcd % wt == 0, FINAL=final, ONE_CHUNK=chunks == 1, CLEAR_TAGS=state.clear_tags,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, num_warps=SHAPE.warps)
 
 
