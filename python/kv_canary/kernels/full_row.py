@@ -212,6 +212,19 @@ def _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m
     return m.to(tl.int64)
 
 
+@triton.jit
+def _close_list(counters, checked, work_state, programs):
+    """The end of a first-read LIST launch's program: count its checked lanes; the last of the launch's ``programs``
+    to finish (a ticket in ``work_state``: each has read the list's length and checked its lanes before taking one)
+    empties the list."""
+    tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
+    tl.debug_barrier()
+    ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
+    if ticket == programs - 1:
+        tl.store(work_state, 0)
+        tl.store(work_state + 1, 0)
+
+
 @triton.jit(do_not_specialize=["num_rows", "rows_per_program", "chunks", "per_forward", "num_slots"])
 def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_program, records, num_slots, counters,
                     per_forward, tags, work, work_state, work_capacity, out_cache_loc, new_starts, new_lens,
@@ -267,13 +280,7 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
             if MODE == 1:
                 tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
             else:
-                tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
-                # every program has read the list's length and finalized its lanes before its ticket
-                tl.debug_barrier()
-                ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
-                if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-                    tl.store(work_state, 0)
-                    tl.store(work_state + 1, 0)
+                _close_list(counters, checked, work_state, tl.num_programs(0) * tl.num_programs(1))
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -292,11 +299,7 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
         slot, m = _lane_slots(l, 2, bound, records, work, num_slots, 0)
         checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m, report,
                                   forward_index, 2, GROUP_BITS, BLOCK)
-    tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
-    ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")  # every program has read the list's length
-    if ticket == tl.num_programs(0) - 1:
-        tl.store(work_state, 0)
-        tl.store(work_state + 1, 0)
+    _close_list(counters, checked, work_state, tl.num_programs(0))
 
 
 def tiles(group, mode: int, run: int = 0):
