@@ -14,6 +14,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_decode_kernels  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    """Every test here runs the kernels on CPU tensors, so under the interpreter even on a GPU host; ``--smoke``
+    sets ``TRITON_INTERPRET=1`` in this process, which monkeypatch removes again after the test (left set, every
+    later test in the session would run its GPU kernels in the interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 @pytest.mark.parametrize("extra", [[], ["--no-hicache"]])
 def test_the_smoke_run_steps_clean_and_writes_its_report(tmp_path, extra):
     out = tmp_path / "decode.json"

@@ -92,8 +92,10 @@ def _state():
 
 
 def _left_clean(state):
-    """Between launches every slot's sums and chunk tickets are zero (the program completing a slot zeroes both)."""
-    return int(state.acc.abs().sum()) == 0 and int(state.tickets.abs().sum()) == 0
+    """Between launches every slot's sums and chunk tickets are zero (the program completing a slot zeroes both),
+    and the first-read list is empty with its ticket zero (the program completing the list empties it)."""
+    return (int(state.acc.abs().sum()) == 0 and int(state.tickets.abs().sum()) == 0
+            and int(state.work_state.abs().sum()) == 0)
 
 
 def _rows(counters, ring, before=0):

@@ -213,16 +213,21 @@ def _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m
 
 
 @triton.jit
-def _close_list(counters, checked, work_state, programs):
-    """The end of a first-read LIST launch's program: count its checked lanes; the last of the launch's ``programs``
-    to finish (a ticket in ``work_state``: each has read the list's length and checked its lanes before taking one)
-    empties the list."""
-    tl.atomic_add(counters + _C_SLOTS_FIRST_READ, tl.sum(checked, axis=0), sem="relaxed")
-    tl.debug_barrier()
-    ticket = tl.atomic_add(work_state + 1, 1, sem="acq_rel")
-    if ticket == programs - 1:
-        tl.store(work_state, 0)
-        tl.store(work_state + 1, 0)
+def _close_list(counters, checked, covered, work_state, total):
+    """The end of a first-read LIST launch's program: count its checked lanes, and add the (lane, row chunk) pairs
+    it covered (``covered``) to a ticket in ``work_state``; the program whose pairs complete the launch's ``total``
+    (listed lanes x chunks) empties the list. A program that covered none (most of a persistent grid, the list
+    being short) takes no ticket: it cannot be the last, and every one that read the list's length before it
+    was emptied covered pairs still outstanding."""
+    n = tl.sum(checked, axis=0)
+    if n > 0:
+        tl.atomic_add(counters + _C_SLOTS_FIRST_READ, n, sem="relaxed")
+    if covered > 0:
+        tl.debug_barrier()
+        ticket = tl.atomic_add(work_state + 1, covered, sem="acq_rel")
+        if ticket + covered == total:
+            tl.store(work_state, 0)
+            tl.store(work_state + 1, 0)
 
 
 @triton.jit(do_not_specialize=["num_rows", "rows_per_program", "chunks", "per_forward", "num_slots"])
@@ -268,8 +273,10 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
             start = 0
         report = tl.load(counters + _C_REPORT_ENABLED)
         checked = tl.zeros((SB,), dtype=tl.int64)
+        covered = tl.zeros((SB,), dtype=tl.int64)
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             l = b * SB + lanes
+            covered += (l < bound).to(tl.int64)
             slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
             _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN, EVEN)
             if FINAL:
@@ -278,9 +285,11 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
                                           forward_index, MODE, GROUP_BITS, SB)
         if FINAL:
             if MODE == 1:
-                tl.atomic_add(counters + _C_SLOTS_SCRUBBED, tl.sum(checked, axis=0), sem="relaxed")
+                n = tl.sum(checked, axis=0)
+                if n > 0:
+                    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, n, sem="relaxed")
             else:
-                _close_list(counters, checked, work_state, tl.num_programs(0) * tl.num_programs(1))
+                _close_list(counters, checked, tl.sum(covered, axis=0), work_state, bound * tl.num_programs(1))
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -294,12 +303,14 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
     bound = tl.minimum(tl.load(work_state), work_capacity)
     report = tl.load(counters + _C_REPORT_ENABLED)
     checked = tl.zeros((BLOCK,), dtype=tl.int64)
+    covered = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in range(tl.program_id(0), tl.cdiv(bound, BLOCK), tl.num_programs(0)):
         l = b * BLOCK + lanes
+        covered += (l < bound).to(tl.int64)
         slot, m = _lane_slots(l, 2, bound, records, work, num_slots, 0)
         checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m, report,
                                   forward_index, 2, GROUP_BITS, BLOCK)
-    _close_list(counters, checked, work_state, tl.num_programs(0))
+    _close_list(counters, checked, tl.sum(covered, axis=0), work_state, bound)
 
 
 def tiles(group, mode: int, run: int = 0):
