@@ -213,19 +213,19 @@ def _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m
 
 
 @triton.jit
-def _close_list(counters, checked, covered, work_state, total):
-    """The end of a first-read LIST launch's program: count its checked lanes, and add the (lane, row chunk) pairs
-    it covered (``covered``) to a ticket in ``work_state``; the program whose pairs complete the launch's ``total``
-    (listed lanes x chunks) empties the list. A program that covered none (most of a persistent grid, the list
-    being short) takes no ticket: it cannot be the last, and every one that read the list's length before it
-    was emptied covered pairs still outstanding."""
+def _close_list(counters, checked, finished, work_state, bound):
+    """The end of a first-read LIST launch's program: count its checked lanes, and add the listed lanes it finished
+    (``finished``: their slots compared, or never valid) to a ticket in ``work_state``; the program whose lanes
+    complete the list's ``bound`` empties it. A program that finished none (most of the grid: a short list, and
+    every row chunk but a slot's last) takes no ticket: it cannot be the last, and a program that has yet to
+    read the list's length when it is emptied had no lane left in it."""
     n = tl.sum(checked, axis=0)
     if n > 0:
         tl.atomic_add(counters + _C_SLOTS_FIRST_READ, n, sem="relaxed")
-    if covered > 0:
+    if finished > 0:
         tl.debug_barrier()
-        ticket = tl.atomic_add(work_state + 1, covered, sem="acq_rel")
-        if ticket + covered == total:
+        ticket = tl.atomic_add(work_state + 1, finished, sem="acq_rel")
+        if ticket + finished == bound:
             tl.store(work_state, 0)
             tl.store(work_state + 1, 0)
 
@@ -273,23 +273,23 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
             start = 0
         report = tl.load(counters + _C_REPORT_ENABLED)
         checked = tl.zeros((SB,), dtype=tl.int64)
-        covered = tl.zeros((SB,), dtype=tl.int64)
+        finished = tl.zeros((SB,), dtype=tl.int64)  # LIST: lanes this program finished (an invalid one: chunk 0)
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             l = b * SB + lanes
-            covered += (l < bound).to(tl.int64)
             slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
             _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN, EVEN)
             if FINAL:
                 done = _last_chunk(tickets, slot, m, chunks, ONE_CHUNK)
                 checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, done, report,
                                           forward_index, MODE, GROUP_BITS, SB)
+                finished += (done | ((l < bound) & ~m & (c == 0))).to(tl.int64)
         if FINAL:
             if MODE == 1:
                 n = tl.sum(checked, axis=0)
                 if n > 0:
                     tl.atomic_add(counters + _C_SLOTS_SCRUBBED, n, sem="relaxed")
             else:
-                _close_list(counters, checked, tl.sum(covered, axis=0), work_state, bound * tl.num_programs(1))
+                _close_list(counters, checked, tl.sum(finished, axis=0), work_state, bound)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -303,14 +303,14 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
     bound = tl.minimum(tl.load(work_state), work_capacity)
     report = tl.load(counters + _C_REPORT_ENABLED)
     checked = tl.zeros((BLOCK,), dtype=tl.int64)
-    covered = tl.zeros((BLOCK,), dtype=tl.int64)
+    finished = tl.zeros((BLOCK,), dtype=tl.int64)
     for b in range(tl.program_id(0), tl.cdiv(bound, BLOCK), tl.num_programs(0)):
         l = b * BLOCK + lanes
-        covered += (l < bound).to(tl.int64)
+        finished += (l < bound).to(tl.int64)
         slot, m = _lane_slots(l, 2, bound, records, work, num_slots, 0)
         checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m, report,
                                   forward_index, 2, GROUP_BITS, BLOCK)
-    _close_list(counters, checked, tl.sum(covered, axis=0), work_state, bound)
+    _close_list(counters, checked, tl.sum(finished, axis=0), work_state, bound)
 
 
 def tiles(group, mode: int, run: int = 0):
