@@ -4,7 +4,7 @@
 Prints the markdown table docs/history/performance.md and docs/operations.md quote: the pool of the
 recorded H200 run (131,073 slots of 128 KiB K/V each), 65 and 4,097 request rows, contexts
 from 32k to 1M tokens, sweep on and off; the last two columns add what ``--kv-canary-real-data all`` allocates
-(``FullRowState``: 16 bytes per slot and the first-read work list, for the scrub and first-read hashing) to the
+(``FullRowState``: 20 bytes per slot and the first-read work list, for the scrub and first-read hashing) to the
 total. ``--before`` adds the token table the oracle had before issue 12 (int32[rows x context]) for comparison.
 
     PYTHONPATH=python python benchmarks/memory_table.py [--before]

@@ -171,7 +171,7 @@ class FullRowState:
     tags: int64[num_slots], the FULL_HASH a first read last verified (TAIL zeroes it; a record whose
         FULL_HASH differs from its tag is unverified)
     work: int64[capacity, 3], the first-read work list (slot, batch index, req_to_token row)
-    work_state: int64[2], (entries listed this forward, finalize tickets)
+    work_state: int64[2], (entries listed this forward, listed lanes finished: the last one empties the list)
     first_read: HEAD lists unverified read slots (``--kv-canary-real-data all``, HiCache)
     clear_tags: TAIL zeroes a new slot's tag (``all``: listed at its first read); else TAIL sets it to the new
         FULL_HASH (HiCache outside ``all``: only slots a load-back filled, tag zeroed there, are listed)
