@@ -5,12 +5,20 @@ variable (no server, no GPU)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
 from script_loader import _load  # test/unit: on the path under pytest
 
 overhead_plan = _load("overhead_plan")
+# the probes import sglang in a fresh interpreter: the GPU host's unit step may run before sglang is installed
+needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                  reason="needs sglang installed (its probe imports sglang in a fresh interpreter)")
+# dummy_kernel's store runs compiled on a GPU host, in the interpreter on CPU
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def _off_server_env(*pairs):
@@ -25,6 +33,7 @@ def _off_server_env(*pairs):
     return env, {k: v for k, v in os.environ.items() if k not in ("KVC_STACK_SAMPLE_DIR", "PYTHONPATH")}
 
 
+@needs_sglang
 def test_the_layout_probe_holds_its_bytes_after_the_kv_pool_of_a_server_without_the_canary():
     """KVC_DIAG_DEVICE_BYTES=N (stack_sampler/device_bytes.py): the installed sglang's KV pool builder
     (ModelRunner.alloc_memory_pool, or init_memory_pool on 0.5.12) is wrapped once its module is imported in a fresh
@@ -66,6 +75,7 @@ def test_the_layout_probe_holds_its_bytes_after_the_kv_pool_of_a_server_without_
     assert held.numel() == 4096 and held.device.type == "cpu"
 
 
+@needs_sglang
 def test_the_install_ablations_shrink_the_pool_budget_or_skip_the_precompile_in_a_fresh_interpreter():
     """KVC_DIAG_RESERVE_BYTES=N (stack_sampler/layout_ablations.py): 0.5.12's ``_profile_available_bytes`` returns N
     fewer bytes; KVC_DIAG_SKIP_PRECOMPILE=1 replaces the install's ``_precompile`` (so do KVC_DIAG_PRECOMPILE_POOL and
@@ -178,15 +188,15 @@ def test_the_dummy_modules_ablation_launches_k_variants_after_the_kv_pool(monkey
         (device.type, count, unroll)) or real(device, count, unroll))
 
     class ModelRunner:
-        device, gpu_id = "cpu", 0
+        device, gpu_id = DEVICE, 0
 
         def init_memory_pool(self, total):
             return f"pool of {total}"
 
     layout_ablations._dummy_modules_after_pool(types.SimpleNamespace(ModelRunner=ModelRunner), 3, 5)
     assert ModelRunner().init_memory_pool(7) == "pool of 7"
-    assert launched == [("cpu", 3, 5)]
-    out = torch.zeros(4, dtype=torch.int32)
+    assert launched == [(DEVICE, 3, 5)]
+    out = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     dummy_kernel.dummy_store[(1,)](out, TAG=7, UNROLL=4)  # the unrolled stores: TAG + i at word i
     assert out.tolist() == [7, 8, 9, 10]
     bad = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=300,

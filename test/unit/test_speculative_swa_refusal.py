@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from kv_canary.adapter.facts import SpecFacts
 from kv_canary.adapter.speculative import SPEC_POOL_CLASSES, spec_pool_refusal
 
@@ -15,9 +17,7 @@ def pool(cls):
 
 
 def swa_pool():
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    return pool(SWAKVPool)
+    return pool(pytest.importorskip("sglang.srt.mem_cache.swa_memory_pool").SWAKVPool)
 
 
 LINE_0_5_23 = ("MHATokenToKVPool", "SWAKVPool")  # lines.v0_5_23.SPEC_TARGET_POOLS
@@ -59,6 +59,7 @@ def test_the_lines_spec_target_pools():
 
 
 def test_draft_from_target_reads_the_draft_model_path(tmp_path):
+    pytest.importorskip("sglang")  # SpecFacts.read asks the installed line
     def facts(**args):
         return SpecFacts.read(SimpleNamespace(speculative_algorithm="EAGLE", **args), "raise")
 

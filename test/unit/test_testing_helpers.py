@@ -3,6 +3,8 @@
 import ctypes
 import json
 
+import pytest
+
 from kv_canary_testing.libcuda_stub import STUB_SYMBOLS, ensure_libcuda_stub
 from kv_canary_testing.model_dir import ARCHITECTURE, write_model_dir
 from kv_canary_testing.server import SglangServer, free_port
@@ -35,6 +37,7 @@ def test_libcuda_stub_exports_symbols(tmp_path):
 
 
 def test_server_command_overrides_and_devices(tmp_path):
+    pytest.importorskip("sglang")  # the command follows the installed sglang line
     port = free_port()
     assert 20000 <= port < 32000
     srv = SglangServer(["--max-total-tokens", "999", "--kv-canary", "raise"],
