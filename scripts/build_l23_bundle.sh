@@ -5,8 +5,8 @@
 #   scripts/build_l23_bundle.sh DEST    (DEST: a folder git ignores; scripts/gpu_host.sh bundle uses .bundle)
 #   scripts/build_l23_bundle.sh --stamp (what the parts' MARK holds: gpu_host.sh bundle rebuilds when it changed)
 #
-# Produces DEST/l23-1 .. DEST/l23-N (each at most KVC_L23_PART_MIB, 56 MiB: the tree is ~5.4 MiB and an upload at
-# most 64 MiB). A wheel larger than a part travels split (pieces of a part's size) and is joined on the host. Every
+# Produces DEST/l23-1 .. DEST/l23-N (each at most KVC_L23_PART_MIB, 50 MiB: the tree is ~9 MiB on 2026-12-01 and
+# grows with the results, and an upload is at most 64 MiB). A wheel larger than a part travels split (pieces of a part's size) and is joined on the host. Every
 # part carries install.sh, SHA256SUMS.parts (of every piece and file), SHA256SUMS.wheels (of every whole wheel),
 # PART_OF, JOIN and N_PARTS. On the host (scripts/gpu_host.sh stage-l23 N, install-l23): copy each part into
 # /tmp/l23-parts (one call each, back to back), then install.sh checks the sums, joins, checks again and
@@ -59,7 +59,7 @@ base_reqs="${KVC_BASE_REQUIREMENTS:-$here/gpu_host_wheels_0.5.12.txt}"
 [ -f "$base_reqs" ] || { echo "build_l23_bundle: $base_reqs not found (set KVC_BASE_REQUIREMENTS)" >&2; exit 2; }
 # shellcheck source=bundle_lib.sh
 source "$here/bundle_lib.sh"
-part_bytes=$(( ${KVC_L23_PART_MIB:-56} * 1048576 ))
+part_bytes=$(( ${KVC_L23_PART_MIB:-50} * 1048576 ))
 meta_bytes=$((256 * 1024))  # install.sh, sums, lists: room left in every part
 # 0.5.23's resolved versions of the base list's wheels where they differ, and what the base list lacks
 pins=("sglang==0.5.23" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" "flashinfer-python==0.7.2"

@@ -15,7 +15,7 @@
 #   bash scripts/gpu_host.sh install-line-a         # in place of install-a (carry .bundle/line-a)
 #   bash scripts/gpu_host.sh install-line-b         # in place of install-b (carry .bundle/line-b, .bundle/kvc)
 #   KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle   # HERE: .bundle/l23-{1..N} (scripts/build_l23_bundle.sh:
-#                                                   # sglang 0.5.23 + torch 2.14.1, numbered parts of <= 56 MiB)
+#                                                   # sglang 0.5.23 + torch 2.14.1, numbered parts of <= 50 MiB)
 #   bash scripts/gpu_host.sh stage-l23 N            # copy part N into /tmp/l23-parts (carry .bundle/l23-N)
 #   bash scripts/gpu_host.sh install-l23            # join + sha256 + pip into /tmp/site23 (all parts staged)
 #   bash scripts/gpu_host.sh check-l23 [--flashinfer]  # versions, a CUDA matmul, sgl_kernel's sm90 ops, sglang's
@@ -100,7 +100,7 @@
 #      flags (each scheduler's boundary segments and the canary's and sglang's methods, in bench.log)
 #
 # sglang 0.5.23 on the GPU (issue 57), all calls back to back (the host keeps /tmp only while warm; a part's call
-# takes ~5 s; N: the number of parts that `KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle` printed, 18 since 2026-11-29):
+# takes ~5 s; N: the number of parts that `KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bundle` printed, 21 since 2026-12-01):
 #   1..N-1. stage-l23 I                               carry [.bundle/l23-I]                       timeout 120
 #   N. stage-l23 N && install-l23 && check-l23         carry [.bundle/l23-N, .bundle/kvc]          timeout 600
 #      (each step as `bash scripts/gpu_host.sh STEP`; install-l23 says which parts are missing when the host went
