@@ -5,12 +5,13 @@
 #   scripts/build_l23_bundle.sh DEST    (DEST: a folder git ignores; scripts/gpu_host.sh bundle uses .bundle)
 #   scripts/build_l23_bundle.sh --stamp (what the parts' MARK holds: gpu_host.sh bundle rebuilds when it changed)
 #
-# Produces DEST/l23-1 .. DEST/l23-N (each at most KVC_L23_PART_MIB, 50 MiB: the tree is ~9 MiB on 2026-12-01 and
-# grows with the results, and an upload is at most 64 MiB). A wheel larger than a part travels split (pieces of a part's size) and is joined on the host. Every
-# part carries install.sh, SHA256SUMS.parts (of every piece and file), SHA256SUMS.wheels (of every whole wheel),
-# PART_OF, JOIN and N_PARTS. On the host (scripts/gpu_host.sh stage-l23 N, install-l23): copy each part into
-# /tmp/l23-parts (one call each, back to back), then install.sh checks the sums, joins, checks again and
-# pip-installs everything (--no-index --no-deps) into /tmp/site23, and unpacks the trimmed sglang-kernel there.
+# Produces DEST/l23-1 .. DEST/l23-N (each at most KVC_L23_PART_MIB, 50 MiB: the tree is ~9 MiB on 2026-12-01 and grows
+# with the results, and an upload is at most 64 MiB). A wheel larger than a part travels split (pieces of a part's
+# size) and is joined on the host. Every part carries install.sh, SHA256SUMS.parts (of every piece and file),
+# SHA256SUMS.wheels (of every whole wheel), PART_OF, JOIN and N_PARTS. On the host (scripts/gpu_host.sh stage-l23 N,
+# install-l23): copy each part into /tmp/l23-parts (one call each, back to back), then install.sh checks the sums,
+# joins, checks again and pip-installs everything (--no-index --no-deps) into /tmp/site23, and unpacks the trimmed
+# sglang-kernel there.
 #
 # What is carried (checked 2026-11-29 against a CPU venv of sglang 0.5.23, by importing the server's modules -- the
 # HTTP server, tokenizer / detokenizer managers, scheduler, model runner, the triton / flashinfer / torch_native

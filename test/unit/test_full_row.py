@@ -1,7 +1,7 @@
 """The split whole-row hash (``kernels/full_row.py``) against the torch reference, bit for bit, on the layouts
 the canary meets: odd row widths, rows wider than one word tile, rows the word tiles divide (unmasked loads), MLA
-(no V half), FP8-like uint8 rows, a translated (SWA) group, page-size-16 slot runs; TAIL's FULL_HASH, the scrub and ``all``'s first-read
-verification (including a list longer than its capacity); and a CUDA-graph replay on the GPU host.
+(no V half), FP8-like uint8 rows, a translated (SWA) group, page-size-16 slot runs; TAIL's FULL_HASH, the scrub
+and ``all``'s first-read verification (including a list longer than its capacity); and a CUDA-graph replay on the GPU host.
 """
 
 from __future__ import annotations

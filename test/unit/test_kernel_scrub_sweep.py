@@ -58,7 +58,8 @@ def test_forgotten_slots_are_skipped_by_the_scrub_and_the_rest_still_checked():
         for r in s.group.rows:  # another owner's K/V stored there, no TAIL (every row, layer 0's window too)
             r.view[scratch] ^= 1 << 3
         others = s.group.records.clone()
-        s.group.forget(torch.cat([scratch, torch.zeros(3, dtype=torch.int64, device=scratch.device)]))  # + padding lanes (slot 0)
+        padding = torch.zeros(3, dtype=torch.int64, device=scratch.device)  # padding lanes (slot 0)
+        s.group.forget(torch.cat([scratch, padding]))
         assert s.group.records[scratch].eq(0).all() and s.group.full_row.tags[scratch].eq(0).all()
         keep = torch.ones(NUM_SLOTS, dtype=torch.bool)
         keep[scratch] = False

@@ -213,15 +213,22 @@ def _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, m
 
 
 @triton.jit
+def _add_count(counter, checked):
+    """``counter`` += the lanes ``checked`` (int64[BLOCK] of 0/1); a program that checked none adds nothing (most
+    of a persistent grid: no same-address atomic each)."""
+    n = tl.sum(checked, axis=0)
+    if n > 0:
+        tl.atomic_add(counter, n, sem="relaxed")
+
+
+@triton.jit
 def _close_list(counters, checked, finished, work_state, bound):
     """The end of a first-read LIST launch's program: count its checked lanes, and add the listed lanes it finished
     (``finished``: their slots compared, or never valid) to a ticket in ``work_state``; the program whose lanes
     complete the list's ``bound`` empties it. A program that finished none (most of the grid: a short list, and
     every row chunk but a slot's last) takes no ticket: it cannot be the last, and a program that has yet to
     read the list's length when it is emptied had no lane left in it."""
-    n = tl.sum(checked, axis=0)
-    if n > 0:
-        tl.atomic_add(counters + _C_SLOTS_FIRST_READ, n, sem="relaxed")
+    _add_count(counters + _C_SLOTS_FIRST_READ, checked)
     if finished > 0:
         tl.debug_barrier()
         ticket = tl.atomic_add(work_state + 1, finished, sem="acq_rel")
@@ -242,8 +249,8 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
 
     TAIL: program (i, c, s) hashes request i's new tokens in blocks s, s + splits, ... (``program_id(2)``).
     ``FINAL``: the launch also finalizes: the program adding a slot's last chunk (``_last_chunk``) stores its
-    FULL_HASH (TAIL) or compares it (SCRUB, LIST), and a LIST's last program to finish (a ticket in
-    ``work_state``) empties the list. Without ``FINAL`` (a HiCache load's first reads, hashed in parts as the
+    FULL_HASH (TAIL) or compares it (SCRUB, LIST), and the program finishing a LIST's last listed lane empties the
+    list (``_close_list``). Without ``FINAL`` (a HiCache load's first reads, hashed in parts as the
     layers land) ``row_finalize_kernel`` finishes them."""
     c = tl.program_id(1)
     r0 = c * rows_per_program
@@ -282,12 +289,11 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
                 done = _last_chunk(tickets, slot, m, chunks, ONE_CHUNK)
                 checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, done, report,
                                           forward_index, MODE, GROUP_BITS, SB)
-                finished += (done | ((l < bound) & ~m & (c == 0))).to(tl.int64)
+                if MODE == 2:
+                    finished += (done | ((l < bound) & ~m & (c == 0))).to(tl.int64)
         if FINAL:
             if MODE == 1:
-                n = tl.sum(checked, axis=0)
-                if n > 0:
-                    tl.atomic_add(counters + _C_SLOTS_SCRUBBED, n, sem="relaxed")
+                _add_count(counters + _C_SLOTS_SCRUBBED, checked)
             else:
                 _close_list(counters, checked, tl.sum(finished, axis=0), work_state, bound)
 
@@ -297,7 +303,7 @@ def row_finalize_kernel(acc, records, num_slots, counters, ring, ring_capacity, 
                         GROUP_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """A first-read LIST hashed in parts (``row_hash_kernel`` without ``FINAL``: a HiCache load's layers as they
     land): mix every listed slot's ``acc``, compare it with the record's FULL_HASH (``kv_hash`` ring rows with the
-    reader's batch index and row), zero ``acc``; the last program to finish empties the list."""
+    reader's batch index and row), zero ``acc``; the program finishing the last listed lane empties the list."""
     lanes = tl.arange(0, BLOCK)
     forward_index = tl.load(counters + _C_FORWARD_INDEX)
     bound = tl.minimum(tl.load(work_state), work_capacity)
