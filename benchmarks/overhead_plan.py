@@ -195,8 +195,10 @@ CONFIGS: Dict[str, ServerConfig] = {
         # issue 60: how much of ``all``'s serving cost is the scrub (its default 256 slots per forward vs 64)
         ServerConfig("ours_all_scrub64", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
                      ALL_ROWS, env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", "64"),)),
-        # the layout control: installed, idle (not a setting to run: it verifies nothing)
-        ServerConfig("ours_idle", OURS, ("--kv-canary", "raise"), "variant", LAYOUT_ROWS, env=((IDLE_ENV, "1"),)),
+        # the layout control: installed, idle (not a setting to run: it verifies nothing); `all` named, so that on a
+        # line whose flag defaults to none (0.5.23) it holds what ``ours_all_rows`` holds (0.5.12's default is all)
+        ServerConfig("ours_idle", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
+                     LAYOUT_ROWS, env=((IDLE_ENV, "1"),)),
         ServerConfig("ours_scrub_rows", OURS, ("--kv-canary", "raise"), "ours", SCRUB_ROWS,
                      env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", str(SCRUB_ROW_SLOTS)),)),
         # issue 8: the same decode rows with EAGLE on (target + draft pool verified), in a run of their own

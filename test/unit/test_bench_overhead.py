@@ -126,11 +126,12 @@ def test_summary_compares_each_canary_with_the_off_server_of_its_own_stack():
 
 def test_the_layout_control_splits_the_canarys_work_from_its_presence():
     """ours_idle: the canary installed and idle (its sitecustomize first on PYTHONPATH); the details give ours
-    against it (the work) and it against off (the presence), where it measured the row."""
+    against it (the work) and it against off (the presence), where it measured the row. It names `all`: the twin of
+    ``ours_all_rows`` on every line (0.5.23's flag defaults to none)."""
     plan = {"env": {"SGLANG_EXTERNAL_MODEL_PACKAGE": ""}, "storm_warmup_forwards": 256}
     config = overhead_plan.CONFIGS["ours_idle"]
     env = overhead_plan.server_env(config, plan, None, {})
-    assert env[overhead_plan.IDLE_ENV] == "1" and config.args == overhead_plan.CONFIGS["ours"].args
+    assert env[overhead_plan.IDLE_ENV] == "1" and config.args == overhead_plan.CONFIGS["ours_all_rows"].args
     assert env["PYTHONPATH"].split(":")[0] == str(overhead_plan.SAMPLER_DIR)
     # a fresh interpreter with that environment gets an idle CanaryManager
     import os
