@@ -17,6 +17,10 @@ the ``bs`` slots the step before wrote (the untimed store graph marks each prefi
 ``--prefill-backlog``: the prefill's slots left unverified, the timed steps
 draining them at the list's capacity (every run before 2026-11-30f).
 
+``--shared-prefix N``: every request's first N positions are one copy of slots (written once), as the overhead
+bench's ``shared_prefix`` row reads them (``--cases 64x4160 --shared-prefix 4096``): HEAD then verifies the same
+slot once per reader.
+
 The canary's settings are the server's (``CanaryConfig.build``, default ``--kv-canary raise`` with
 ``--enable-hierarchical-cache``; ``--canary-env`` overrides). Every timed step must stay clean: the script
 fails on any violation, and checks that HEAD verified every cached slot.
@@ -54,6 +58,9 @@ def parse_args(argv=None):
                    help="leave the prefill's slots unverified, so the timed steps drain their first reads (as "
                         "right after a prefill; every run before 2026-11-30f); default: steady decode, the prefill's "
                         "slots already verified and each step's first reads the slots the step before wrote")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every request's first N positions read the same slots (a shared system prompt, the "
+                        "overhead bench's shared_prefix row: --cases 64x4160 --shared-prefix 4096); N < every ctx")
     p.add_argument("--label", default="", help="a name for this run in the json")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes: proves it runs")
     p.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
@@ -68,6 +75,8 @@ def parse_args(argv=None):
             args.case_list.append((int(bs), int(ctx)))
         except ValueError:
             p.error(f"--cases: expected BSxCTX, got {item!r}")
+    if args.shared_prefix < 0 or any(args.shared_prefix >= ctx for _, ctx in args.case_list):
+        p.error(f"--shared-prefix {args.shared_prefix}: must be >= 0 and below every case's ctx ({args.cases})")
     env = {}
     for pair in args.canary_env:
         key, sep, value = pair.partition("=")
@@ -111,6 +120,8 @@ class DecodeRig:
         width = ctx + 1
         r2t = torch.zeros((bs + 1, width), dtype=torch.int32, device=device)
         rows = torch.arange(1, bs + 1, dtype=torch.int64, device=device)
+        shared = min(args.shared_prefix, ctx - 1)
+        slots[1:, :shared] = slots[0, :shared]  # one copy of the shared prefix, read by every request
         r2t[1:] = slots.to(torch.int32)
         self.counters = torch.zeros(fp.NUM_COUNTERS, dtype=torch.int64, device=device)
         self.counters[fp.C_REPORT_ENABLED] = 1
@@ -135,16 +146,25 @@ class DecodeRig:
         # HEAD and TAIL of the replayed step each see a clean oracle (the step repeats at the same positions)
         self.head_mgr, self.tail_mgr = manager(oracle()), manager(oracle())
         ids = torch.randint(1, 128000, (bs * ctx + bs,), generator=gen, device=device)
-        prefill = ForwardView(
-            input_ids=ids[: bs * ctx], positions=torch.arange(ctx, device=device).repeat(bs),
-            out_cache_loc=slots[:, :ctx].reshape(-1).contiguous(), req_pool_indices=rows,
-            seq_lens=torch.full((bs,), ctx, device=device), new_starts=torch.arange(bs, device=device) * ctx,
-            new_lens=torch.full((bs,), ctx, device=device), batch_size=bs, max_new_len=ctx)
-        kernels.write(self.group, prefill, r2t, self.counters, ring, True, check_fed=False)
+
+        def prefill(first, last, start):  # requests [first, last) write positions [start, ctx) of their rows
+            m, n = last - first, ctx - start
+            return ForwardView(
+                input_ids=ids[: m * n], positions=torch.arange(start, ctx, device=device).repeat(m),
+                out_cache_loc=slots[first:last, start:ctx].reshape(-1).contiguous(),
+                req_pool_indices=rows[first:last], seq_lens=torch.full((m,), ctx, device=device),
+                new_starts=torch.arange(m, device=device) * n, new_lens=torch.full((m,), n, device=device),
+                batch_size=m, max_new_len=n)
+
+        # with a shared prefix: request 0 writes it, then the others write their own tokens after it
+        for first, last, start in ((0, bs, 0),) if not shared else ((0, 1, 0), (1, bs, shared)):
+            if first < last:
+                kernels.write(self.group, prefill(first, last, start), r2t, self.counters, ring, True,
+                              check_fed=False)
         if self.group.full_row is not None and not args.prefill_backlog:
             # steady decode: the prefill's slots had their first read long ago (their tag is the FULL_HASH it
             # verified); each timed step's first reads are the slots the step before wrote (its TAIL clears them)
-            cached = slots[:, :ctx].reshape(-1)
+            cached = slots[:, :ctx].reshape(-1).unique()
             self.group.full_row.tags[cached] = self.group.records[cached, fp.F_FULL_HASH]
             # the step repeats at one position, so the slot it writes is never in its own prefix: the untimed store
             # graph marks the prefix's last slot unverified again, the slot the step before would have written
@@ -392,7 +412,8 @@ def main(argv=None):
     report = {"label": args.label, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "copy_read_gbps": copy_bandwidth(torch, device) if device.type == "cuda" else None,
               "config": {"hicache": not args.no_hicache, "real_data": args.real_data, "env": args.environ,
-                         "pool_slots": pool, "first_reads": "prefill backlog" if args.prefill_backlog else "steady"},
+                         "pool_slots": pool, "first_reads": "prefill backlog" if args.prefill_backlog else "steady",
+                         "shared_prefix": args.shared_prefix},
               "timing": "CUDA graph replay after an L2 flush, CUDA events, median (cold); kernels: profiler mean "
                         "over 50 replays without flush (hot)", "results": results}
     with open(args.out, "w") as f:

@@ -33,9 +33,33 @@ def test_the_smoke_run_steps_clean_and_writes_its_report(tmp_path, extra):
     assert all(r["step_wall_ms"] > 0 for r in report["results"])
 
 
+@ON_CPU_KERNELS
+@pytest.mark.parametrize("real_data", ["partial", "all"])
+def test_a_shared_prefix_is_one_copy_read_by_every_request_and_steps_clean(tmp_path, real_data):
+    """--shared-prefix: the smoke cases' requests read one copy of their first 4 (ctx 8) / 4 (ctx 5) positions; the
+    run fails on any violation, so the shared slots' records (written once, by request 0) verify for every reader."""
+    out = tmp_path / "decode.json"
+    assert bench_decode_kernels.main(["--smoke", "--no-hicache", "--real-data", real_data, "--shared-prefix", "4",
+                                      "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["shared_prefix"] == 4
+    import torch
+
+    args = bench_decode_kernels.parse_args(["--no-hicache", "--real-data", real_data, "--shared-prefix", "4"])
+    rig = bench_decode_kernels.DecodeRig(torch, torch.device("cpu"), 3, 8, args, 2, 2, 16, 256)
+    rows = rig.head_mgr._req_to_token[1:4]
+    assert torch.equal(rows[1, :4], rows[0, :4]) and torch.equal(rows[2, :4], rows[0, :4])
+    assert len(set(rows[:, 4:8].reshape(-1).tolist())) == 12  # the rest is each request's own
+    before = int(rig.counters[rig.fp.C_SLOTS_VERIFIED])
+    rig.step()
+    assert rig.check(before) == 3 * 8  # every reader's lanes verified, shared ones included
+
+
 def test_a_bad_case_is_refused_naming_the_flag():
     with pytest.raises(SystemExit):
         bench_decode_kernels.parse_args(["--cases", "48by2048"])
+    with pytest.raises(SystemExit):  # a shared prefix must leave each request a position of its own
+        bench_decode_kernels.parse_args(["--cases", "4x16", "--shared-prefix", "16"])
 
 
 @ON_CPU_KERNELS
