@@ -108,6 +108,14 @@
 #      install-l23 installs the plugin into /tmp/site23 too, --no-deps: its wheel pins 0.5.12's sglang)
 #   N+1. check-l23 --flashinfer                       (no carry)                                  timeout 600
 #   Later steps on sglang 0.5.23: KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh STEP (PYTHONPATH /tmp/site23)
+#   e.g. every `all` row side by side (docs/results/gpu-h200-2026-12-02-every-row-all-0.5.23, ~17 min of servers):
+#   N. ... && check-l23 && KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bench-start --fill-pool --rows decode_bs1,
+#      decode_bs32,decode_bs64,prefill_bs8,shared_prefix,decode_bs1_all,decode_bs32_all,decode_bs64_all,
+#      prefill_bs8_all,shared_prefix_all --configs off,ours_idle,ours_all_rows,intree_all_rows,off >/dev/null;
+#      sleep 3; KVC_GPU_LINE=0.5.23 bash scripts/gpu_host.sh bench-wait 440; then bench-wait 575 until BENCH_DONE
+#   The shared-prefix row's HEAD in the kernel rig (no sglang): decode-kernels --no-hicache --real-data all
+#      --cases 64x4160 --shared-prefix 4096 --pool-slots 280000 --lm-head 128256 (without --shared-prefix: every
+#      request reads slots of its own, the rig of 2026-12-01b)
 #
 # The side-by-side benchmark (off / ours / upstream 0.5.14, ~18 min of servers) as device `run` calls:
 #   1. install-a                                      carry [.bundle/part-a]            timeout 300
