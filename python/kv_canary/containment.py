@@ -7,8 +7,10 @@ the host remembered for that forward and batch index) -- with a message naming
 the kind and the slot, and the bad slots to evict from the prefix cache. The sweep's rows
 (``rid=cache``) and the scrub's (``rid=scrub``) were found at rest, with no reader to name: the engine
 evicts them too and aborts every running request whose row holds the slot at its position (it would read
-it at its next forward, where a flip outside the window HEAD hashes at every read goes unseen). Health
-violations have neither a request nor a slot: they are only logged.
+it at its next forward, where a flip outside the window HEAD hashes at every read goes unseen). A reader's
+row goes to the holders too: HEAD checks a slot that several requests of a batch read at the same position
+after the same predecessor once (``triton_kernels._verify_block``), so its row names the first of them only.
+Health violations have neither a request nor a slot: they are only logged.
 
 The engine side (``ContainmentTarget``) aborts the requests the way the engine
 aborts and evicts the cache entries holding the slots, the node and everything
@@ -53,7 +55,7 @@ def abort_message(v: Violation) -> str:
 
 
 def held_abort_message(v: Violation) -> str:
-    found = "the scrub" if v.rid == SCRUB_RID else "the sweep"
+    found = {SCRUB_RID: "the scrub", SWEEP_RID: "the sweep"}.get(v.rid, f"a read by request {v.rid}")
     return (f"kv-canary contain: aborted: the KV cache this request holds failed verification, found by {found} "
             f"(kind={v.kind} group={v.group} slot={v.slot} position={v.position} forward={v.forward})")
 
@@ -62,8 +64,8 @@ def build_order(violations: Iterable[Violation], num_slots: int, already_aborted
                 engine_group: str = "") -> ContainOrder:
     """One abort per request id not ``already_aborted`` (its first violation names the message); every
     in-range bad slot; every host slot a bad loaded slot came from (identity ``host_slot``, HiCache); and, for
-    rows found at rest (scrub, sweep) in ``engine_group`` (the group whose slots the engine's request rows hold),
-    the slot and position whose holders the engine aborts."""
+    rows found at rest (scrub, sweep) or read by a request, in ``engine_group`` (the group whose slots the engine's
+    request rows hold), the slot and position whose holders the engine aborts."""
     aborts: Dict[str, str] = {}
     slots, host_slots = set(), set()
     held: Dict[Tuple[int, int], str] = {}
@@ -72,7 +74,8 @@ def build_order(violations: Iterable[Violation], num_slots: int, already_aborted
             continue
         if 0 < v.slot < num_slots:
             slots.add(v.slot)
-            if v.rid in (SCRUB_RID, SWEEP_RID) and v.group == engine_group and v.position >= 0:
+            named = v.rid in (SCRUB_RID, SWEEP_RID) or v.rid not in UNKNOWN_RIDS  # found at rest, or read
+            if named and v.group == engine_group and v.position >= 0:
                 held.setdefault((v.slot, v.position), held_abort_message(v))
         host_slot = dict(v.identity).get("host_slot")
         if host_slot is not None:

@@ -117,6 +117,36 @@ def test_shared_prefix_verifies_for_every_sharer():
     assert sim.verify_all([(4, lengths[4]), (1, lengths[1])]) == []
 
 
+@pytest.mark.parametrize("backend", [tk, ref], ids=["triton", "torch"])
+def test_a_shared_prefix_is_checked_once_a_forward_and_a_foreign_link_still_is(backend):
+    """Row 4 reads row 1's first 40 slots. In a batch [1, 4] its lanes there are row 1's checks (same slot, same
+    predecessor): a corrupted shared slot is reported once, by row 1, and every read counts as verified. A row
+    whose link into the shared slots differs (another predecessor) or that maps a shared position to another slot
+    is still checked at that lane; the two backends report the same rows."""
+    sims = [Sim(tk), Sim(ref)]
+    lengths = [_scenario(s) for s in sims][0]
+    sim = sims[0 if backend is tk else 1]
+    pair = [(1, lengths[1]), (4, lengths[4])]
+    before = int(sim.counters[fp.C_SLOTS_VERIFIED])
+    assert sim.verify_all(pair) == []
+    assert int(sim.counters[fp.C_SLOTS_VERIFIED]) - before == lengths[1] + lengths[4]
+    slot = int(sim.r2t[1, 20])
+    sim.group.records[slot, fp.F_POSITION] += 1  # a shared slot's record corrupted
+    found = sim.verify_all(pair)
+    assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON] & fp.R_POSITION) for r in found] == [(1, 20, fp.R_POSITION)]
+    assert sim.verify_all([(4, lengths[4]), (1, lengths[1])]) and all(  # the other order: row 4 reports it
+        r[fp.V_ROW] == 4 for r in sim.verify_all([(4, lengths[4]), (1, lengths[1])]))
+    sim.group.records[slot, fp.F_POSITION] -= 1
+    # row 4's position 10 points at row 2's slot of position 10 (a foreign slot): checked, and its successor's
+    # link too (same slot as row 1's there, another predecessor)
+    sim.r2t[4, 10] = sim.r2t[2, 10]
+    found = {(r[fp.V_ROW], r[fp.V_POSITION]): r[fp.V_REASON] for r in sim.verify_all(pair)}
+    assert found[(4, 10)] & fp.R_CHAIN and found[(4, 11)] == fp.R_CHAIN and all(r == 4 for r, _ in found)
+    other = sims[1 if backend is tk else 0]
+    other.r2t[4, 10] = other.r2t[2, 10]
+    assert sim.verify_all(pair) == other.verify_all(pair)
+
+
 def test_position_shift_is_detected():
     sim = Sim(tk)
     _scenario(sim)

@@ -110,6 +110,13 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         if not group.check_chain:
             pred_known = torch.zeros_like(m)
         reason, stored, expected = _check_slots(group, raw_slot, raw_pred, pos, None, pred_known)
+        # a lane the batch's previous request reads from the same slot after the same predecessor is its check
+        full_pred = torch.zeros_like(full_slot)
+        full_pred[:, 1:] = full_slot[:, :-1]
+        same = torch.zeros_like(m)
+        same[1:] = m[1:] & m[:-1] & (full_slot[1:] == full_slot[:-1]) & (full_pred[1:] == full_pred[:-1])
+        check = m & ~same
+        reason = torch.where(check, reason, torch.zeros_like(reason))
         if token_oracle is not None and token_oracle.verify_reads:
             slot_ok = (raw_slot > 0) & (raw_slot < group.num_slots)
             last = m & (pos == prefix[:, None] - 1) & slot_ok
@@ -127,7 +134,7 @@ def launch_verify(group, view, req_to_token, counters, ring, programs_per_req: i
         ])
         counters[fp.C_SLOTS_VERIFIED] += m.sum()
         if group.full_row is not None and group.full_row.first_read:
-            _list_first_reads(group, raw_slot, m, rows)
+            _list_first_reads(group, raw_slot, check, rows)
             if not defer_first_read:
                 launch_first_read(group, counters, ring, group_index)
         if group.slot_map is not None:

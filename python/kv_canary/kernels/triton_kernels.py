@@ -29,14 +29,22 @@ def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_strid
                   counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
                   CHECK_TOKENS: tl.constexpr, GROUP_BITS: tl.constexpr, WT: tl.constexpr, BLOCK: tl.constexpr,
                   TRANSLATE: tl.constexpr, CHECK_CHAIN: tl.constexpr, NSRC: tl.constexpr, first_read,
-                  FIRST_READ: tl.constexpr):
+                  FIRST_READ: tl.constexpr, prev_row, prev_lo, prev_prefix):
     """HEAD for block ``b`` of request ``i``'s read positions [lo, prefix) (see ``verify_kernel``): append a
     ring row per failing slot; returns (verified, diverged) per lane (0 past ``prefix``: a block past the
-    end does nothing)."""
+    end does nothing). A lane whose position the batch's previous request reads from the same slot after the
+    same predecessor slot (``prev_*``: its row and read range; an empty range for request 0) is that lane's
+    check exactly: it is counted verified and not checked again (a shared prefix's slots are checked once a
+    forward, by the first of each run of its readers in batch order)."""
     pos = lo + b * BLOCK + lanes
     m = pos < prefix
     raw_slot = tl.load(req_to_token + row * r2t_stride + pos, mask=m, other=0).to(tl.int64)
     raw_pred = tl.load(req_to_token + row * r2t_stride + pos - 1, mask=m & (pos > 0), other=0).to(tl.int64)
+    pm = m & (pos >= prev_lo) & (pos < prev_prefix)
+    prev_slot = tl.load(req_to_token + prev_row * r2t_stride + pos, mask=pm, other=-1).to(tl.int64)
+    prev_pred = tl.load(req_to_token + prev_row * r2t_stride + pos - 1, mask=pm & (pos > 0), other=0).to(tl.int64)
+    same = pm & (prev_slot == raw_slot) & (prev_pred == raw_pred)
+    check = m & ~same
     full_slot = raw_slot
     raw_slot = _translate(slot_map, map_len, raw_slot, m, TRANSLATE)
     raw_pred = tl.where(pos > 0, _translate(slot_map, map_len, raw_pred, m & (pos > 0), TRANSLATE), 0)
@@ -50,7 +58,7 @@ def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_strid
         last = m & (pos == prefix - 1) & (raw_slot > 0) & (raw_slot < num_slots)
         last_chain = tl.load(records + raw_slot * _RW + 2, mask=last, other=0)
     reason, stored, expected = _check_slots(
-        records, raw_slot, raw_pred, pos, raw_slot, m, num_slots, base, sources, num_sources, False, WT,
+        records, raw_slot, raw_pred, pos, raw_slot, check, num_slots, base, sources, num_sources, False, WT,
         pred_known, table, NSRC)
     if CHECK_TOKENS:
         bad_tok = last & (last_chain != own_chain)
@@ -62,8 +70,8 @@ def _verify_block(b, i, row, prefix, lo, lanes, records, req_to_token, r2t_strid
     _append_violations(counters, ring, ring_capacity, bad, reason.to(tl.int64) | GROUP_BITS, raw_slot, pos,
                        i, row, stored, expected, forward_index)
     if FIRST_READ:
-        _list_first_reads(records, raw_slot, m & (raw_slot > 0) & (raw_slot < num_slots), i, row, first_read[0],
-                          first_read[1], first_read[2], first_read[3])
+        _list_first_reads(records, raw_slot, check & (raw_slot > 0) & (raw_slot < num_slots), i, row,
+                          first_read[0], first_read[1], first_read[2], first_read[3])
     return m.to(tl.int64), (m & (raw_slot != full_slot)).to(tl.int64)
 
 
@@ -112,6 +120,12 @@ def verify_kernel(
     prefix = tl.load(seq_lens + i).to(tl.int64) - tl.load(new_lens + i).to(tl.int64)
     prefix = tl.maximum(prefix, 0)
     lo = tl.where(window > 0, tl.maximum(prefix - window, 0), 0)
+    has_prev = i > 0  # the batch's previous request: its row and read range (empty for request 0)
+    prev_row = tl.load(req_pool_indices + i - 1, mask=has_prev, other=0).to(tl.int64)
+    prev_prefix = tl.load(seq_lens + i - 1, mask=has_prev, other=0).to(tl.int64) - tl.load(
+        new_lens + i - 1, mask=has_prev, other=0).to(tl.int64)
+    prev_prefix = tl.maximum(prev_prefix, 0)
+    prev_lo = tl.where(window > 0, tl.maximum(prev_prefix - window, 0), 0)
     report = tl.load(counters + _C_REPORT_ENABLED)
     forward_index = tl.load(counters + _C_FORWARD_INDEX)
     own_chain = 0
@@ -123,7 +137,8 @@ def verify_kernel(
         verified, diverged = _verify_block(
             j, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
             counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC, first_read, FIRST_READ)
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC, first_read, FIRST_READ,
+            prev_row, prev_lo, prev_prefix)
         first_in_loop = j + programs_per_req
     else:  # the looping hash: one copy of the block (a second would only add register spills)
         verified = tl.zeros((BLOCK,), dtype=tl.int64)
@@ -133,7 +148,8 @@ def verify_kernel(
         more_verified, more_diverged = _verify_block(
             b, i, row, prefix, lo, lanes, records, req_to_token, r2t_stride, base, sources, num_sources, table,
             counters, ring, ring_capacity, num_slots, slot_map, map_len, report, forward_index, own_chain,
-            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC, first_read, FIRST_READ)
+            CHECK_TOKENS, GROUP_BITS, WT, BLOCK, TRANSLATE, CHECK_CHAIN, NSRC, first_read, FIRST_READ,
+            prev_row, prev_lo, prev_prefix)
         verified += more_verified
         diverged += more_diverged
     if SCATTER:  # the pending samples: the first BLOCK loaded above, the rest (count > BLOCK) here
