@@ -134,8 +134,8 @@ def test_a_shared_prefix_is_checked_once_a_forward_and_a_foreign_link_still_is(b
     sim.group.records[slot, fp.F_POSITION] += 1  # a shared slot's record corrupted
     found = sim.verify_all(pair)
     assert [(r[fp.V_ROW], r[fp.V_POSITION], r[fp.V_REASON] & fp.R_POSITION) for r in found] == [(1, 20, fp.R_POSITION)]
-    assert sim.verify_all([(4, lengths[4]), (1, lengths[1])]) and all(  # the other order: row 4 reports it
-        r[fp.V_ROW] == 4 for r in sim.verify_all([(4, lengths[4]), (1, lengths[1])]))
+    reversed_order = sim.verify_all([(4, lengths[4]), (1, lengths[1])])
+    assert reversed_order and all(r[fp.V_ROW] == 4 for r in reversed_order)  # the other order: row 4 reports it
     sim.group.records[slot, fp.F_POSITION] -= 1
     # row 4's position 10 points at row 2's slot of position 10 (a foreign slot): checked, and its successor's
     # link too (same slot as row 1's there, another predecessor)
