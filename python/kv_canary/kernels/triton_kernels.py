@@ -116,16 +116,9 @@ def verify_kernel(
         me0 = lanes < count
         srow0 = tl.load(next_rows + lanes, mask=me0, other=-1)
         stok0 = tl.load(sampled + lanes, mask=me0, other=-1)
-    row = tl.load(req_pool_indices + i).to(tl.int64)
-    prefix = tl.load(seq_lens + i).to(tl.int64) - tl.load(new_lens + i).to(tl.int64)
-    prefix = tl.maximum(prefix, 0)
-    lo = tl.where(window > 0, tl.maximum(prefix - window, 0), 0)
-    has_prev = i > 0  # the batch's previous request: its row and read range (empty for request 0)
-    prev_row = tl.load(req_pool_indices + i - 1, mask=has_prev, other=0).to(tl.int64)
-    prev_prefix = tl.load(seq_lens + i - 1, mask=has_prev, other=0).to(tl.int64) - tl.load(
-        new_lens + i - 1, mask=has_prev, other=0).to(tl.int64)
-    prev_prefix = tl.maximum(prev_prefix, 0)
-    prev_lo = tl.where(window > 0, tl.maximum(prev_prefix - window, 0), 0)
+    row, prefix, lo = _read_range(req_pool_indices, seq_lens, new_lens, i, window, True)
+    # the batch's previous request: its row and read range (empty for request 0)
+    prev_row, prev_prefix, prev_lo = _read_range(req_pool_indices, seq_lens, new_lens, i - 1, window, i > 0)
     report = tl.load(counters + _C_REPORT_ENABLED)
     forward_index = tl.load(counters + _C_FORWARD_INDEX)
     own_chain = 0
@@ -169,6 +162,19 @@ def verify_kernel(
     if (i == 0) & (j == 0):
         tl.atomic_add(counters + _C_VERIFY_LAUNCHES, 1, sem="relaxed")
         tl.store(counters + _C_CURRENT_FORWARD, forward_index)  # for this forward's TAIL rows
+
+
+@triton.jit
+def _read_range(req_pool_indices, seq_lens, new_lens, k, window, present):
+    """Batch request k's req_to_token row (int64) and the positions [lo, prefix) its forward reads: the
+    prefix before its new tokens, of a windowed group (``window`` > 0) only the last ``window``. All 0 where
+    ``present`` is false (no such request)."""
+    row = tl.load(req_pool_indices + k, mask=present, other=0).to(tl.int64)
+    prefix = tl.load(seq_lens + k, mask=present, other=0).to(tl.int64) - tl.load(
+        new_lens + k, mask=present, other=0).to(tl.int64)
+    prefix = tl.maximum(prefix, 0)
+    lo = tl.where(window > 0, tl.maximum(prefix - window, 0), 0)
+    return row, prefix, lo
 
 
 @triton.jit
