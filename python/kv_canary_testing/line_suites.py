@@ -119,6 +119,7 @@ ONLY_ON_LINE = {
                "HybridLinearKVPool at startup (docs/compatibility.md)",
         "line": ("0.5.12", "0.5.23"),
         "files": ("registered/kv_canary/test_e2e_contain.py",
+                  "registered/kv_canary/test_e2e_shared_prefix_contain.py",
                   "registered/kv_canary/test_e2e_swa.py", "registered/kv_canary/test_e2e_speculative.py",
                   "registered/kv_canary/test_e2e_speculative_eagle3.py",
                   "registered/kv_canary/test_e2e_speculative_perturb.py", "registered/kv_canary/test_e2e_tp.py",
