@@ -312,6 +312,37 @@ def test_log_mode_storm_reads_only_new_rows_and_logs_each_violation_once(caplog)
     assert len(stats) == 2  # one with the new violation, one settled line: not one per forward
 
 
+def test_contain_mode_sees_a_repeat_row_that_names_a_later_reader(caplog):
+    """contain: a row that repeats a reported violation (same slot, position and bytes) in a later poll still goes
+    to the containment order (it names the request that read the bad slot in that forward): only its line is
+    left out. Here a later reader of the slot, admitted after the first order, is aborted by name."""
+    orders = []
+
+    class Target:
+        def submit(self, order):
+            orders.append(order)
+
+    h = Harness(mode=CanaryMode.CONTAIN, delay=0)
+    h.manager.attach_containment(Target())
+    h.manager.mark_init_finished()
+    h.step(h.batch({1: [5, 6, 7, 8]}))
+    h.k[int(h.r2t[1, 2]), 0, 0] += 1.0  # one persistent corruption
+    with caplog.at_level(logging.INFO, logger="kv_canary"):
+        h.step(h.batch({1: [9]}, decode=True))  # request 1 reads it
+        h.manager.poll(drain=True)
+        assert [set(o.aborts) for o in orders] == [{"r1"}]
+        # request 2 is admitted after the order with a radix hit on request 1's prefix: it reads the slot in its
+        # extend, the same row as request 1's but another reader
+        h.r2t[2, :4] = h.r2t[1, :4]
+        h.lens[2], h.own[2] = 4, [5, 6, 7, 8]
+        h.step(h.batch({2: [10]}))
+        h.manager.poll(drain=True)
+    assert [set(o.aborts) for o in orders] == [{"r1"}, {"r2"}], orders
+    assert "found by a read by request r2" in orders[1].held_slots[0][2]
+    assert len(parse_lines(caplog.text, VIOLATION_PREFIX)) == 1  # the repeat is counted, not logged again
+    assert h.manager.violations_repeated == 1 and h.manager.violations_reported == 2
+    assert h.manager.contained_requests == 2
+
 def test_ring_reads_are_budgeted_and_overwritten_rows_are_counted_lost():
     """More rows per forward than the ring holds: each poll reads at most the budget, the rest is counted lost."""
     h = Harness(mode=CanaryMode.LOG, delay=0, ring_capacity=16, max_logged_violations=1)

@@ -143,9 +143,13 @@ class Reporting:
                 "violations_read": self._violations_seen}))
 
     def _report_rows(self, first: int, rows: List[List[int]], lost: int) -> None:
-        """Ring rows (sequence numbers from ``first``): repeats of a reported violation are counted without decoding."""
+        """Ring rows (sequence numbers from ``first``): in ``log`` mode repeats of a reported violation are counted
+        without decoding. ``raise`` reports whatever it read, then stops; ``contain`` decodes every row: a repeat
+        (the same slot, position and bytes) names the request that read the bad slot in its forward, which may be
+        another than the first row's (a request admitted after the first order, with a prefix hit on the slot), and
+        ``_report`` still logs it once."""
         fresh, seqs = [], []
-        dedup = self.config.mode is not CanaryMode.RAISE  # raise reports whatever it read, then stops
+        dedup = self.config.mode is CanaryMode.LOG
         for k, r in enumerate(rows):
             key = self._row_key(r)
             if dedup and key in self._reported:
