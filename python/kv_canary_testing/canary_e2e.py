@@ -46,6 +46,19 @@ def cpu_kernel_env(cpu_kernels: str) -> Dict[str, str]:
     return {"TRITON_INTERPRET": "1", "SGLANG_KV_CANARY_KERNEL_BACKEND": choice}
 
 
+def contain_evictor_gap() -> str:
+    """On a release of the 0.5.23 line whose UnifiedRadixCache lacks what contain's evictor uses (0.5.22): what
+    (``--kv-canary contain`` is refused there); "" where contain runs."""
+    from kv_canary.adapter.lines import current_choice
+
+    line = current_choice().line
+    if line is None or line.name != "0.5.23":
+        return ""
+    from kv_canary.adapter.contain_unified import contain_evictor_gap as gap
+
+    return gap()
+
+
 def e2e_device() -> str:
     """``cpu`` unless ``KVC_TEST_DEVICE=cuda`` (set by the CUDA suite runner)."""
     return os.environ.get("KVC_TEST_DEVICE", "cpu")

@@ -18,25 +18,12 @@ import requests
 
 from kv_canary.violations import CONTAIN_PREFIX, parse_lines
 from kv_canary_testing.canary_e2e import (
-    MAX_TOTAL_TOKENS, CanaryLog, canary_server, e2e_device, register_cpu_ci, register_cuda_ci,
+    MAX_TOTAL_TOKENS, CanaryLog, canary_server, contain_evictor_gap, e2e_device, register_cpu_ci, register_cuda_ci,
 )
 from kv_canary_testing.server import ServerError
 from kv_canary_testing.workload import build_workload, run_requests
 
-
-def _evictor_gap() -> str:
-    """On a release of the 0.5.23 line whose UnifiedRadixCache lacks what contain's evictor uses (0.5.22): what."""
-    from kv_canary.adapter.lines import current_choice
-
-    line = current_choice().line
-    if line is None or line.name != "0.5.23":
-        return ""
-    from kv_canary.adapter.contain_unified import contain_evictor_gap
-
-    return contain_evictor_gap()
-
-
-GAP = _evictor_gap()
+GAP = contain_evictor_gap()
 needs_contain = pytest.mark.skipif(bool(GAP), reason=f"--kv-canary contain is refused on this release ({GAP}): "
                                    "test_contain_is_refused_where_the_evictor_interface_is_missing runs instead")
 

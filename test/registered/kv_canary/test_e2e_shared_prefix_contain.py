@@ -18,24 +18,13 @@ import random
 import pytest
 
 from kv_canary.violations import CONTAIN_PREFIX, parse_lines
-from kv_canary_testing.canary_e2e import CanaryLog, canary_server, register_cpu_ci, register_cuda_ci
+from kv_canary_testing.canary_e2e import (
+    CanaryLog, canary_server, contain_evictor_gap, register_cpu_ci, register_cuda_ci,
+)
 from kv_canary_testing.model_dir import NUM_WORDS
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-
-def _evictor_gap() -> str:
-    """On a release of the 0.5.23 line whose UnifiedRadixCache lacks what contain's evictor uses (0.5.22): what."""
-    from kv_canary.adapter.lines import current_choice
-
-    line = current_choice().line
-    if line is None or line.name != "0.5.23":
-        return ""
-    from kv_canary.adapter.contain_unified import contain_evictor_gap
-
-    return contain_evictor_gap()
-
-
-GAP = _evictor_gap()
+GAP = contain_evictor_gap()
 needs_contain = pytest.mark.skipif(bool(GAP), reason=f"--kv-canary contain is refused on this release ({GAP})")
 
 register_cpu_ci(est_time=90, suite="kv-canary-cpu")
