@@ -17,7 +17,7 @@ import torch
 
 from .. import fingerprint as fp
 from ..config import CanaryMode
-from ..containment import SCRUB_RID, SWEEP_RID, ContainmentTarget, build_order
+from ..containment import SCRUB_RID, SWEEP_RID, UNKNOWN_RIDS, ContainmentTarget, build_order
 from ..swa_divergence import SwaDivergenceLog
 from ..violations import (
     ENGINE_ERROR_PREFIX, STATS_PREFIX, SUMMARY_PREFIX, CanaryViolationError, Violation, decode_rows, format_line,
@@ -143,16 +143,17 @@ class Reporting:
                 "violations_read": self._violations_seen}))
 
     def _report_rows(self, first: int, rows: List[List[int]], lost: int) -> None:
-        """Ring rows (sequence numbers from ``first``): in ``log`` mode repeats of a reported violation are counted
-        without decoding. ``raise`` reports whatever it read, then stops; ``contain`` decodes every row: a repeat
-        (the same slot, position and bytes) names the request that read the bad slot in its forward, which may be
-        another than the first row's (a request admitted after the first order, with a prefix hit on the slot), and
-        ``_report`` still logs it once."""
+        """Ring rows (sequence numbers from ``first``): repeats of a reported violation are counted without being
+        reported again. ``raise`` reports whatever it read, then stops. ``contain`` decodes a repeat to see whom it
+        names: a request not contained yet (admitted after the first order, with a prefix hit on the bad slot) is
+        reported and contained like a fresh row; ``_report`` still logs the violation once."""
         fresh, seqs = [], []
-        dedup = self.config.mode is CanaryMode.LOG
+        dedup = self.config.mode is not CanaryMode.RAISE
+        names = [g.name for g in self.groups]
+        rows_of = [[(kv.layer, kv.half) for kv in g.rows] for g in self.groups]
         for k, r in enumerate(rows):
             key = self._row_key(r)
-            if dedup and key in self._reported:
+            if dedup and key in self._reported and not self._names_a_new_reader(r, first + k, names, rows_of):
                 self._reported.move_to_end(key)
                 self.violations_repeated += 1
                 self.violations_reported += 1
@@ -160,11 +161,16 @@ class Reporting:
             fresh.append(r)
             seqs.append(first + k)
         if fresh or lost:
-            names = [g.name for g in self.groups]
-            rows_of = [[(kv.layer, kv.half) for kv in g.rows] for g in self.groups]
             violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0]
                           for r, seq in zip(fresh, seqs)]
             self._report(violations, lost)
+
+    def _names_a_new_reader(self, r: List[int], seq: int, names, rows_of) -> bool:
+        """``contain`` only: the repeat row names a request that read the bad slot and is not contained yet."""
+        if self.config.mode is not CanaryMode.CONTAIN:
+            return False
+        rid = decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0].rid
+        return rid not in UNKNOWN_RIDS and rid not in self._contained
 
     def _row_key(self, r: List[int]) -> tuple:
         """The dedup key of a raw ring row: the same as ``_violation_key`` of its decoded ``Violation``."""
