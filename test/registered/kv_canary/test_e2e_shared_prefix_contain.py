@@ -135,8 +135,12 @@ def test_corrupt_shared_slot_gives_one_row_a_forward_and_contain_aborts_every_ho
     assert 1 <= counted <= ran < SHARERS * ran, (counted, ran)
     assert log.last_stat("violations_repeated") == counted - 1
 
-    # contain aborted every sharer: the rows' readers for their read, the others as holders of the slot
-    assert set(failed) == sharers, (result.summary(), result.errors)
+    # contain aborted every sharer that held the slot: the rows' readers for their read, the others as holders. A
+    # sharer served to the end must not have held it: its radix hit stopped before the flipped position (its own
+    # prefill wrote that position into another slot; seen once on 0.5.12, a 384-token hit)
+    served = [o for o in result.outcomes if o.status == "ok"]
+    assert all(o.cached_tokens <= position for o in served), [(o.rid, o.cached_tokens) for o in served]
+    assert set(failed) == sharers - {o.rid for o in served} and len(failed) >= 2, (result.summary(), result.errors)
     for rid, error in failed.items():
         assert MESSAGE in error and "'type': 'abort'" in error and "kind=kv_hash" in error, error
         assert f"slot={slot} position={position}" in error, error
@@ -144,8 +148,8 @@ def test_corrupt_shared_slot_gives_one_row_a_forward_and_contain_aborts_every_ho
             assert "this request holds failed verification, found by a read by request " in error, error
             assert error.split("found by a read by request ")[1].split()[0] in readers, error
     assert any(rid not in readers for rid in failed), "no holder: every sharer was named by a row"
-    assert {rid for rid, st in contained.items() if st == "aborted"} == sharers, contained
-    assert log.last_stat("contained_requests") == SHARERS
+    assert {rid for rid, st in contained.items() if st == "aborted"} == set(failed), contained
+    assert log.last_stat("contained_requests") == len(failed)
     assert f"kv_canary_contain=evict slot={slot} " in log.text, log.text[-3000:]
 
     # the server keeps serving: the same prompts again, computed fresh (the bad slot was evicted), no new row
