@@ -147,30 +147,29 @@ class Reporting:
         reported again. ``raise`` reports whatever it read, then stops. ``contain`` decodes a repeat to see whom it
         names: a request not contained yet (admitted after the first order, with a prefix hit on the bad slot) is
         reported and contained like a fresh row; ``_report`` still logs the violation once."""
-        fresh, seqs = [], []
         dedup = self.config.mode is not CanaryMode.RAISE
+        contain = self.config.mode is CanaryMode.CONTAIN
         names = [g.name for g in self.groups]
         rows_of = [[(kv.layer, kv.half) for kv in g.rows] for g in self.groups]
+
+        def decode(r: List[int], seq: int) -> Violation:
+            return decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0]
+
+        violations: List[Violation] = []
         for k, r in enumerate(rows):
             key = self._row_key(r)
-            if dedup and key in self._reported and not self._names_a_new_reader(r, first + k, names, rows_of):
+            if dedup and key in self._reported:
+                v = decode(r, first + k) if contain else None
+                if v is not None and v.rid not in UNKNOWN_RIDS and v.rid not in self._contained:
+                    violations.append(v)  # a reader not contained yet
+                    continue
                 self._reported.move_to_end(key)
                 self.violations_repeated += 1
                 self.violations_reported += 1
                 continue
-            fresh.append(r)
-            seqs.append(first + k)
-        if fresh or lost:
-            violations = [decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0]
-                          for r, seq in zip(fresh, seqs)]
+            violations.append(decode(r, first + k))
+        if violations or lost:
             self._report(violations, lost)
-
-    def _names_a_new_reader(self, r: List[int], seq: int, names, rows_of) -> bool:
-        """``contain`` only: the repeat row names a request that read the bad slot and is not contained yet."""
-        if self.config.mode is not CanaryMode.CONTAIN:
-            return False
-        rid = decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0].rid
-        return rid not in UNKNOWN_RIDS and rid not in self._contained
 
     def _row_key(self, r: List[int]) -> tuple:
         """The dedup key of a raw ring row: the same as ``_violation_key`` of its decoded ``Violation``."""
