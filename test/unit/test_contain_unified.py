@@ -270,3 +270,10 @@ def test_the_holders_of_a_bad_slot_are_aborted_and_counted():
     assert "found by the scrub" in reqs[0].to_finish.message and "slot=5" in reqs[0].to_finish.message
     assert all(r.to_finish is None for r in reqs[2:])
     assert sorted(counted) == ["a", "b"] and c_.aborted == 2
+    # a later row for the same slot (a late reader, or the scrub again) while a and b run their last forward:
+    # they are not aborted, logged or counted again
+    reqs[0].to_finish = reqs[1].to_finish = None  # a second abort would set them again
+    c_.submit(build_order([_violation("scrub", 5, 3)], num_slots=64, engine_group="full"))
+    c_.apply()
+    assert reqs[0].to_finish is None and reqs[1].to_finish is None
+    assert sorted(counted) == ["a", "b"] and c_.aborted == 2

@@ -21,7 +21,9 @@ in the meantime is matched against a tree that no longer holds the bad slots.
   releases them and are evicted then.
 * Abort the holders of a slot found at rest (the sweep's and the scrub's rows name no reader): every in-flight
   request whose ``req_to_token`` row holds the slot at the reported position (``_holder_aborts``; it reads it at
-  its next forward), before the evictions; the canary counts them (``on_holders_aborted``).
+  its next forward), before the evictions; the canary counts them (``on_holders_aborted``). A holder aborted
+  here before (it keeps the slot until its last forward) is not aborted, logged or counted again: the rids of
+  the last ``ABORTED_MEMORY`` aborts are remembered.
 * Evict: the radix node holding a bad slot and its whole subtree (HiCache: from the host too,
   ``contain_hicache``), children
   first, each freed once through the allocator and removed with the tree's own
@@ -44,6 +46,7 @@ scheduler iteration, in contain mode with ``--tp-size`` > 1 only.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Dict, List, Tuple
 
 from ..containment import ContainOrder
@@ -54,6 +57,7 @@ from .contain_hicache import (evict_hicache_subtree, host_slot_holders, is_hicac
 logger = logging.getLogger("kv_canary")
 
 PENDING_TTL = 1024  # safe points a bad slot no cache node holds stays pending
+ABORTED_MEMORY = 4096  # rids of the latest requests aborted here, not aborted again as holders
 
 
 class SchedulerContainment:
@@ -69,6 +73,7 @@ class SchedulerContainment:
         self._holders_listener = None
         # a bad copy -> safe points left; keyed (tier, slot): ("slot", device slot) or ("host_slot", HiCache host slot)
         self._slots: Dict[Tuple[str, int], int] = {}
+        self._aborted_rids: "OrderedDict[str, None]" = OrderedDict()  # bounded: ABORTED_MEMORY
         self.aborted = 0
         self.evicted_nodes = 0
         self.evicted_tokens = 0
@@ -125,7 +130,9 @@ class SchedulerContainment:
         holders: Dict[str, str] = {}
         if self._held:  # before the evictions: the holders' locks keep the node until they release it
             held, self._held = self._held, {}
-            holders = {rid: m for rid, m in self._holder_aborts(held).items() if rid not in self._aborts}
+            # a holder aborted at an earlier safe point still holds the slot until its last forward: not again
+            holders = {rid: m for rid, m in self._holder_aborts(held).items()
+                       if rid not in self._aborts and rid not in self._aborted_rids}
             self._aborts.update(holders)
         if self._aborts:
             aborts, self._aborts = self._aborts, {}
@@ -195,7 +202,12 @@ class SchedulerContainment:
             self._answer_queued(req, message)
         for rid in aborts:  # finished/gone: it completed within the detection delay (the stated bound)
             logger.error(format_line(CONTAIN_PREFIX, "abort", {"rid": rid, "state": state.get(rid, "gone")}))
-        self.aborted += sum(1 for v in state.values() if v == "aborted")
+        for rid, v in state.items():
+            if v == "aborted":
+                self.aborted += 1
+                self._aborted_rids[rid] = None
+        while len(self._aborted_rids) > ABORTED_MEMORY:
+            self._aborted_rids.popitem(last=False)
         return state
 
     # ------------------------------------------------------------------ what differs per sglang line
