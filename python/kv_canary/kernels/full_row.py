@@ -284,7 +284,8 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
         for b in range(tl.program_id(0), tl.cdiv(bound, SB), tl.num_programs(0)):
             l = b * SB + lanes
             slot, m = _lane_slots(l, MODE, bound, records, work, num_slots, start)
-            _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN, EVEN)
+            if tl.max(m.to(tl.int32), axis=0) > 0:  # a block of no live lane (the scrub over never-written slots)
+                _add_rows(acc, slot, m, base, table, r0, r1, SB, WT, ALIGN, EVEN)  # would add nothing, at full cost
             if FINAL:
                 done = _last_chunk(tickets, slot, m, chunks, ONE_CHUNK)
                 checked += _compare_lanes(acc, records, counters, ring, ring_capacity, work, l, slot, done, report,
