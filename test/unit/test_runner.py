@@ -343,6 +343,7 @@ def test_contain_mode_sees_a_repeat_row_that_names_a_later_reader(caplog):
     assert h.manager.violations_repeated == 1 and h.manager.violations_reported == 2
     assert h.manager.contained_requests == 2
 
+
 def test_ring_reads_are_budgeted_and_overwritten_rows_are_counted_lost():
     """More rows per forward than the ring holds: each poll reads at most the budget, the rest is counted lost."""
     h = Harness(mode=CanaryMode.LOG, delay=0, ring_capacity=16, max_logged_violations=1)

@@ -47,6 +47,9 @@ class Reporting:
         self.contained_requests = 0  # requests --kv-canary contain ordered aborted
         self._contained: "OrderedDict[str, None]" = OrderedDict()  # their rids (bounded)
         self.violations_by_kind: Dict[str, int] = {}  # every reported row (repeats included) by kind
+        # what decoding a ring row needs of the groups (fixed at install): their names, each row's (layer, half)
+        self._group_names = [g.name for g in self.groups]
+        self._group_rows = [[(kv.layer, kv.half) for kv in g.rows] for g in self.groups]
 
     def _reset_reporting(self) -> None:
         """What restarts with the zeroed device counters when init finishes."""
@@ -149,11 +152,9 @@ class Reporting:
         reported and contained like a fresh row; ``_report`` still logs the violation once."""
         dedup = self.config.mode is not CanaryMode.RAISE
         contain = self.config.mode is CanaryMode.CONTAIN
-        names = [g.name for g in self.groups]
-        rows_of = [[(kv.layer, kv.half) for kv in g.rows] for g in self.groups]
 
         def decode(r: List[int], seq: int) -> Violation:
-            return decode_rows(torch.tensor([r]), seq, names, self._describe_forward, rows_of)[0]
+            return decode_rows(torch.tensor([r]), seq, self._group_names, self._describe_forward, self._group_rows)[0]
 
         violations: List[Violation] = []
         for k, r in enumerate(rows):
@@ -176,7 +177,7 @@ class Reporting:
         reason = r[fp.V_REASON]
         names = self._reason_names.get(reason)
         if names is None:
-            v = decode_rows(torch.tensor([r]), 0, [g.name for g in self.groups], lambda *_: ("?", None))[0]
+            v = decode_rows(torch.tensor([r]), 0, self._group_names, lambda *_: ("?", None))[0]
             names = self._reason_names[reason] = (v.kind, v.group)
         return names + (r[fp.V_SLOT], r[fp.V_POSITION], r[fp.V_STORED], r[fp.V_EXPECTED])
 
