@@ -41,6 +41,12 @@ slot of its KV pool once (``overhead_plan.fill_row``). Without it a decode row's
 bs1 row writes ~6k of 131k slots), so the scrub's window at bs1 holds few recorded slots and hashes little; with
 it the window holds whole rows, as in a server that has run a while (the scrub's steady cost).
 
+``--cpu-set auto|LIST``: every server's processes pinned to the same CPUs once it is up (``auto``: the two fastest
+at a pinned pure-Python loop). Unpinned, a server's scheduler runs on whichever vCPU it draws; an H200 host's 16
+vCPUs ran that loop in 21-42 ms, and the full-pool shared prefix measured +1.4..+2.0% unpinned against +0.45% pinned
+(docs/results/gpu-h200-2026-12-02d-host-cpu-draw-0.5.12). Every run records each CPU's speed at its start and end,
+and each row's busiest threads over its timed repetitions (``thread_cpu``: CPU-s, switches, moves, last CPU).
+
 Outputs (``--out`` and ``--results-dir``, rewritten after every server so an
 interrupted run keeps what it measured): the full report, ``overhead.json``
 (the run's per-row summary: its rows go into docs/results/overhead.json, the
@@ -95,7 +101,10 @@ from overhead_plan import (  # noqa: E402
     HOST_TIMER_INTERVAL_S, plan_eagle_args, sampler_env, server_env, server_plan,
 )
 from overhead_summary import markdown_table, memory_table, storm_summary, summarize, write_results  # noqa: E402
-from server_probes import read_stacks, stack_lines, stack_summary  # noqa: E402
+from thread_cpu import busiest, snapshot as thread_snapshot  # noqa: E402
+from server_probes import (  # noqa: E402
+    cpu_speeds_ms, fastest_cpus, parse_cpu_set, pin_process_tree, read_stacks, stack_lines, stack_summary,
+)
 
 SAMPLER_FLUSH_S = 1.2  # the stack sampler rewrites its files every second
 
@@ -145,6 +154,9 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
     try:
         server.start(timeout=plan["startup_timeout"])
         result["startup_s"] = round(server.startup_seconds or 0.0, 1)
+        if args.cpus:  # --cpu-set: every server's processes on the same CPUs (before any timed batch)
+            result["cpu_set"] = sorted(args.cpus)
+            result["threads_pinned"] = pin_process_tree(server.proc.pid, args.cpus)
         _progress(f"[{label}] up in {result['startup_s']:.0f}s on {server.base_url}")
         if args.fill_pool:
             fill = result["fill_pool"] = fill_pool(server.base_url, prompts, list(rows.values()),
@@ -156,7 +168,9 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
             if stacks_dir is not None:  # the timed repetitions' host time only
                 time.sleep(SAMPLER_FLUSH_S)
                 base = read_stacks(stacks_dir)
+            threads_base = thread_snapshot(server.proc.pid) if server.proc is not None else None
             reps = [run_batch(server.base_url, prompts.batch(row, rep), row.output_len) for rep in range(args.reps)]
+            threads = busiest(threads_base, thread_snapshot(server.proc.pid), 4) if threads_base is not None else []
             host = None
             if stacks_dir is not None:
                 time.sleep(SAMPLER_FLUSH_S)
@@ -172,11 +186,15 @@ def run_config(label: str, config: ServerConfig, plan: dict, args, rows: Dict[st
                 "cached_tokens": [r["cached_tokens"] for r in reps],
                 "hit_rate": hit,
                 "output_tokens_per_rep": reps[0]["output_tokens"],
+                # the timed repetitions' busiest threads (thread_cpu): CPU-s, preemptions, moves, last CPU
+                "threads": threads,
             }
             if host is not None:
                 result["rows"][row.name]["host"] = host
             _progress(f"[{label}] {row.name:<20} {row.describe():<36} median {statistics.median(times):8.3f}s "
-                      f"(reps {', '.join(f'{t:.3f}' for t in times)}; radix hit rate {min(hit):.3f})")
+                      f"(reps {', '.join(f'{t:.3f}' for t in times)}; radix hit rate {min(hit):.3f}"
+                      + ("".join(f"; busiest thread {t['thread']} {t['cpu_s']:.1f} CPU-s on CPU {t['cpu']}, "
+                                 f"{t['migrations']} moves" for t in threads[:1])) + ")")
         if config.stack == OURS and config.role != "off" and IDLE_ENV not in dict(config.env):  # idle: no drain
             wait_settled(server, SETTLE_TIMEOUT_S)
     except Exception as exc:  # keep the other configs' results: record and go on
@@ -231,6 +249,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bench only: each server's scheduler host timers per row over the timed repetitions "
                         "(benchmarks/stack_sampler/host_timers.py: sglang's and the canary's methods, each batch "
                         "boundary's segments, the garbage collections; stacks sampled every 0.25 s)")
+    p.add_argument("--cpu-set", default="",
+                   help="pin every server's processes to these CPUs once it is up ('2,3', '0-3'), or 'auto': the two "
+                        "CPUs fastest at a pure-Python loop at the bench's start. The host's CPUs differ (an H200 "
+                        "host's vCPUs by up to 2x, 2026-12-02d): unpinned, each server's scheduler draws one, and a "
+                        "row bound by host work (a batch boundary) moves by more than the canary's cost. Each "
+                        "CPU's speed is probed and recorded at the start and the end either way (default: unpinned)")
     p.add_argument("--fill-pool", action="store_true",
                    help="before its rows, write every slot of each server's KV pool once (prefill-only requests "
                         "of the longest row's prompt length): the scrub's window then hashes whole rows, as in a "
@@ -238,6 +262,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.cpu_set not in ("", "auto"):
+        try:
+            cpus = parse_cpu_set(args.cpu_set)
+        except ValueError:
+            p.error(f"--cpu-set {args.cpu_set!r}: give CPU numbers and ranges ('2,3', '0-3') or 'auto'")
+        if not cpus <= os.sched_getaffinity(0):
+            p.error(f"--cpu-set {args.cpu_set!r}: this process may run on CPUs "
+                    f"{','.join(map(str, sorted(os.sched_getaffinity(0))))} only")
     if args.scale is None:
         args.scale = 1.0 if args.device == "cuda" else CPU_DEFAULT_SCALE
     if args.scale <= 0:
@@ -283,12 +315,16 @@ def main(argv=None) -> int:
     plan["storm_warmup_forwards"] = ROWS["shared_prefix"].scaled(args.scale).output_len
 
     host = probe_environment(args.device)
+    speeds = cpu_speeds_ms()
+    args.cpus = (fastest_cpus(speeds, 2) if args.cpu_set == "auto" else
+                 parse_cpu_set(args.cpu_set) if args.cpu_set else set())
     if host.get("kv_canary_plugin_entry_point") is False:
         raise SystemExit("the sglang plugin entry point 'kv_canary' is not installed in this environment "
                          "(pip install -e . or add its dist-info); --kv-canary would be an unknown flag")
     _progress(f"device={host.get('device_name')} sglang={host.get('sglang')} torch={host.get('torch')} "
               f"rows={','.join(rows)} configs={','.join(args.config_names)} reps={args.reps} "
-              f"scale={args.scale:g} upstream_site={args.upstream_site}")
+              f"scale={args.scale:g} upstream_site={args.upstream_site} "
+              f"cpu_set={','.join(map(str, sorted(args.cpus))) or 'unpinned'} cpu_speed_ms={speeds}")
     report = {
         "benchmark": "kv_canary end-to-end serving overhead, side by side with upstream sglang 0.5.14's canary",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -305,6 +341,8 @@ def main(argv=None) -> int:
         "seed": args.seed,
         "canary_env": canary_env,
         "max_total_tokens": plan["max_total_tokens"],
+        "cpu_set": sorted(args.cpus) or None,
+        "cpu_speed_ms_at_start": speeds,
         "configs": {n: CONFIGS[n].describe() for n in dict.fromkeys(args.config_names)},
         "rows": {r.name: asdict(r) for r in rows.values()},
         "timing": "wall time of one batched /generate request (all prompts at once); median of the timed reps",
@@ -324,6 +362,7 @@ def main(argv=None) -> int:
 
     table = markdown_table(report["runs"], table_rows)
     report["table_markdown"] = table
+    report["cpu_speed_ms_at_end"] = cpu_speeds_ms()
     write_results(report, out_path, results_dir)
 
     print(f"\n## kv-canary serving overhead ({host.get('device_name')}, reps={args.reps}, scale={args.scale:g})\n")

@@ -1,5 +1,5 @@
-"""A benchmarked server's processes, for ``bench_hicache_overhead.py`` and ``bench_overhead.py --host-timers``
-(bench only): pinned to a CPU set (``--cpu-sets``), and what its stack sampler and host timers
+"""A benchmarked server's processes, for ``bench_hicache_overhead.py`` and ``bench_overhead.py`` (bench only): the
+host's CPUs' speeds, pinned to a CPU set (``--cpu-sets``, ``--cpu-set``), and what its stack sampler and host timers
 (``benchmarks/stack_sampler``) recorded, summed over the timed repetitions."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -38,6 +40,31 @@ def pin_process_tree(root_pid: int, cpus: set) -> int:
             except OSError:
                 pass
     return pinned
+
+
+# A fixed pure-Python loop, run pinned to one CPU: the host's CPUs are not equal. On the H200 host (a VM, 16 vCPUs)
+# the same loop took 21-22 ms on some vCPUs and 35-42 ms on others at one time (docs/results/
+# gpu-h200-2026-12-02d-host-cpu-draw-0.5.12): a scheduler that lands on a slow one runs its host work ~1.7x slower.
+_SPEED_LOOP = ("import os, time\nos.sched_setaffinity(0, {%d})\nbest = 9.0\nfor _ in range(5):\n"
+               "    t = time.perf_counter(); s = 0\n    for i in range(300000): s += i\n"
+               "    best = min(best, time.perf_counter() - t)\nprint(best)")
+
+
+def cpu_speeds_ms() -> Dict[int, float]:
+    """CPU -> ms of the best of 5 runs of a 300k-add Python loop pinned there (lower is faster; ~2 s in all)."""
+    out: Dict[int, float] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        r = subprocess.run([sys.executable, "-c", _SPEED_LOOP % cpu], capture_output=True, text=True)
+        try:
+            out[cpu] = round(float(r.stdout.strip()) * 1000, 2)
+        except ValueError:
+            continue  # a CPU this process may not run on
+    return out
+
+
+def fastest_cpus(speeds: Dict[int, float], count: int) -> set:
+    """The ``count`` CPUs of ``speeds`` with the fastest loop."""
+    return set(sorted(speeds, key=speeds.get)[:count])
 
 
 def parse_cpu_set(text: str) -> set:

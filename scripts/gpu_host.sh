@@ -23,7 +23,7 @@
 #                                                   # (KVC_GPU_LINE=0.5.23 STEP: any later step on /tmp/site23)
 #   bash scripts/gpu_host.sh bench-start [args]     # benchmarks/bench_overhead.py in the background (setsid)
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
-#     e.g. `all` in steady state (issue 60; every KV slot written first): bench-start --fill-pool --rows
+#     e.g. `all` in steady state (issue 60; every KV slot written first): bench-start --cpu-set auto --fill-pool --rows
 #     decode_bs1,decode_bs64,decode_bs1_all,decode_bs64_all --configs off,ours_idle,ours_all_rows,ours_all_scrub64,off
 #     (KVC_BENCH_DIR=/tmp/kvc-bench-1 CUDA_VISIBLE_DEVICES=1 ...: a second bench on the second GPU, its own folder)
 #   bash scripts/gpu_host.sh prof-start [args]      # benchmarks/profile_decode.py in the background (after install-b)

@@ -95,6 +95,44 @@ def test_host_timers_sample_each_server_process(tmp_path):
     assert summary["gc"]["2"][0] >= 2  # the full collections above, counted by the sampler's gc callback
 
 
+def test_cpu_set_pins_every_server_to_the_same_cpus_and_refuses_bad_sets():
+    """--cpu-set: a list, a range or 'auto' (the fastest CPUs of the pinned speed loop, measured here on this host's
+    real CPUs); a set this process may not run on, or that does not parse, is refused naming the flag."""
+    import os
+
+    probes = _load("server_probes")
+    mine = sorted(os.sched_getaffinity(0))
+    assert bench.parse_args(["--device", "cpu", "--cpu-set", str(mine[0])]).cpu_set == str(mine[0])
+    assert bench.parse_args(["--device", "cpu"]).cpu_set == ""
+    for bad in ("a,b", f"{max(mine) + 1000}"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cpu", "--cpu-set", bad])
+    assert probes.parse_cpu_set("0-2,5") == {0, 1, 2, 5}
+    speeds = probes.cpu_speeds_ms()
+    assert sorted(speeds) == mine and all(ms > 0 for ms in speeds.values())
+    assert probes.fastest_cpus({0: 30.0, 1: 21.0, 2: 22.0, 3: 40.0}, 2) == {1, 2}
+    assert probes.fastest_cpus(speeds, 1) <= set(mine)
+
+
+def test_thread_cpu_counts_this_threads_cpu_time_moves_and_where_it_ran():
+    """thread_cpu.snapshot reads every thread of a session from /proc: this test's own thread, after a busy loop,
+    shows CPU time, a CPU it may run on, and non-negative switch and move counts in ``busiest``."""
+    import os
+    import threading
+
+    thread_cpu = _load("thread_cpu")
+    me = f"{os.getpid()}/{threading.get_native_id()}"
+    before = thread_cpu.snapshot(os.getsid(0))
+    assert me in before
+    end = __import__("time").process_time() + 0.3
+    while __import__("time").process_time() < end:
+        pass
+    rows = {r["id"]: r for r in thread_cpu.busiest(before, thread_cpu.snapshot(os.getsid(0)), top=1000)}
+    mine = rows[me]
+    assert mine["cpu_s"] >= 0.2 and mine["cpu"] in os.sched_getaffinity(0)
+    assert min(mine["preempted"], mine["voluntary"], mine["migrations"]) >= 0
+
+
 def _run(label, role, medians, **extra):
     rows = {name: {"median_s": m, "hit_rate": [0.98]} for name, m in medians.items()}
     return {"label": label, "role": role, "rows": rows, **extra}
