@@ -317,10 +317,15 @@ def time_lm_head(torch, device, rig, iters, vocab):
     ``base`` (store + GEMM, no canary), ``serial`` (HEAD, store, GEMM, TAIL: the TAIL after the forward, as the
     patched model.forward runs it today), ``forked`` (HEAD, store, then the TAIL on a side stream beside the GEMM,
     joined before the graph ends), ``forked_verify`` (HEAD's stamp, store, then the verify and the TAIL beside the
-    GEMM: the server's path with ``runner/early_tail.py``). Median µs of ``iters`` replays each, interleaved."""
+    GEMM: the server's path with ``runner/early_tail.py``), ``forked_verify_hi`` (that on a side stream of higher
+    priority) and ``forked_verify_scrub_hi`` (the scrub moved out of HEAD, after the TAIL on that stream). Median µs
+    of ``iters`` replays each, interleaved."""
     w = torch.empty((vocab, 4096), dtype=torch.bfloat16, device=device).normal_()
     h = torch.empty((rig.bs, 4096), dtype=torch.bfloat16, device=device).normal_()
     side = torch.cuda.Stream(device=device)
+    # the same side stream at a higher priority: its blocks are placed ahead of the GEMM's waiting ones (does the
+    # canary's side work then end inside the LM head instead of after it?)
+    side_hi = torch.cuda.Stream(device=device, priority=-1)  # torch: 0 (default) or negative, lower = higher
 
     def lm():
         return h @ w.t()
@@ -357,7 +362,24 @@ def time_lm_head(torch, device, rig, iters, vocab):
         lm()
         cur.wait_stream(side)
 
-    variants = (("base", base), ("serial", serial), ("forked", forked), ("forked_verify", forked_verify))
+    def forked_verify_hi(scrub_beside=False):  # forked_verify on ``side_hi``; ``scrub_beside``: the scrub too, last
+        scrub, rig.head_mgr._scrub = rig.head_mgr._scrub, 0 if scrub_beside else rig.head_mgr._scrub
+        rig.head_mgr.pre_ops_maybe_inside_graph(rig.view, verify_later=True)
+        rig.head_mgr._verify_pending, rig.head_mgr._scrub = False, scrub
+        rig.store()
+        cur = torch.cuda.current_stream(device)
+        side_hi.wait_stream(cur)
+        with torch.cuda.stream(side_hi):
+            rig.head_mgr._verify(rig.view)
+            rig.tail()
+            if scrub_beside and scrub:
+                rig.head_mgr._scrub_groups()
+        lm()
+        cur.wait_stream(side_hi)
+
+    variants = (("base", base), ("serial", serial), ("forked", forked), ("forked_verify", forked_verify),
+                ("forked_verify_hi", forked_verify_hi),
+                ("forked_verify_scrub_hi", lambda: forked_verify_hi(scrub_beside=True)))
     graphs = {}
     for name, fn in variants:
         fn()
@@ -378,9 +400,8 @@ def time_lm_head(torch, device, rig, iters, vocab):
     torch.cuda.synchronize()
     rig.check(0)
     out = {f"lm_{k}_us": round(statistics.median(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev}
-    out["lm_serial_minus_base_us"] = round(out["lm_serial_us"] - out["lm_base_us"], 2)
-    out["lm_forked_minus_base_us"] = round(out["lm_forked_us"] - out["lm_base_us"], 2)
-    out["lm_forked_verify_minus_base_us"] = round(out["lm_forked_verify_us"] - out["lm_base_us"], 2)
+    for name, _ in variants[1:]:
+        out[f"lm_{name}_minus_base_us"] = round(out[f"lm_{name}_us"] - out["lm_base_us"], 2)
     return out
 
 
