@@ -79,8 +79,9 @@ class TokenOracle:
         # be behind its copy) and of admissions / row initialisations
         self._fed_staging = PinnedStaging((self._admit_at,), torch.int64, device, count=3)
         self._admit_staging = PinnedStaging((3 * max_batch_size,), torch.int64, device)
-        # ``stage_admissions``'s: (rows, cached prefixes, remember each, the chains list it fills)
-        self._admit_pending: Optional[Tuple[List[int], List[Sequence[int]], List[bool], List[int]]] = None
+        # ``stage_admissions``'s: (rows, each request's record and cached prefix length, remember each, the chains
+        # list it fills); the prefixes are sliced there, off the extend's launch where the admissions are left
+        self._admit_pending: Optional[Tuple[List[int], List[Tuple[Record, int]], List[bool], List[int]]] = None
         self._fed_requests: Optional[Tuple[Sequence[FedRequest], List[int], List[int]]] = None  # ``stage_fed``'s
         self._row_owner: Dict[int, Hashable] = {}
         self._row_inits: List[Tuple[int, int, int]] = []  # (row, chain, next token) to apply before the next forward
@@ -151,7 +152,7 @@ class TokenOracle:
         if self._fed_pending:  # the last forward's post-ops did not run
             self.remember_fed()
         admit_rows: List[int] = []
-        admit_prefixes: List[Sequence[int]] = []
+        admit_prefixes: List[Tuple[Record, int]] = []
         admit_kept: List[bool] = []  # remember the admission's prefix (no longer fed prompt of it will be)
         admissions: List[int] = []  # per request: its admission's index, -1 (admitted uncached), -2 (continued)
         for row, key, prefix, n, record in requests:
@@ -168,7 +169,7 @@ class TokenOracle:
             rememberable = len(prompt) + len(outputs) - prefix >= n >= FED_REMEMBER_MIN_TOKENS
             admissions.append(len(admit_rows))
             admit_rows.append(row)
-            admit_prefixes.append(_slice(prompt, outputs, 0, prefix))
+            admit_prefixes.append((record, prefix))  # sliced by ``stage_admissions`` (a 4k-token prefix: ~10 us)
             admit_kept.append(not rememberable)
         chains: List[int] = []
         self._fed_requests = (requests, admissions, chains)  # ``chains`` is filled by ``stage_admissions``
@@ -187,10 +188,11 @@ class TokenOracle:
         pending, self._admit_pending = self._admit_pending, None
         if pending is None:
             return
-        rows, prefixes, kept, chains = pending
+        rows, records, kept, chains = pending
         a = len(rows)
         buf, arr = self._admit_staging.take()
-        chains.extend(self._prefix_chains(prefixes, kept))
+        # the scheduler's records are as ``stage`` read them: the forward that admits them has not sampled yet
+        chains.extend(self._prefix_chains([_slice(*record(), 0, prefix) for record, prefix in records], kept))
         arr[:a] = rows
         arr[a:2 * a] = chains
         dev = self.staged[self._admit_at:self._admit_at + 2 * a]

@@ -40,6 +40,30 @@ def test_token_oracle_leaves_the_fed_tokens_for_the_tail_and_admits_now():
     assert remembered == remembered_now == [33, 80]  # both fed prompts, their chains from the right bases
 
 
+def test_admissions_left_for_the_anchor_read_their_prefixes_there():
+    """``stage(fed_later=True, admit_later=True)`` (an extend whose verify runs at the model's last stage) leaves
+    slicing the admitted prefixes off its launch: nothing is read from the records' prefixes until
+    ``stage_admissions``, and a record that grew meanwhile (outputs appended past the prefix) gives the same
+    chain over positions [0, prefix) as one read at ``stage``."""
+    slices = []
+
+    class Tokens(list):  # the scheduler's list, counting the slices taken of it
+        def __getitem__(self, i):
+            if isinstance(i, slice):
+                slices.append((i.start, i.stop))
+            return super().__getitem__(i)
+
+    prompt, outputs = Tokens(range(300, 340)), Tokens([1, 2])
+    oracle = TokenOracle(rows=4, max_batch_size=4, max_tokens_per_forward=64, device=DEVICE)
+    assert oracle.stage([(1, "a", 41, 1, lambda: (prompt, outputs))], fed_later=True, admit_later=True) == 1
+    assert int(oracle.row_chain[1]) == 0 and slices == []  # admitted, no chain yet, no token copied
+    outputs.append(3)  # the scheduler appends a sampled token before the anchor runs
+    oracle.stage_fed()  # the anchor: the admissions first, then the fed tokens
+    assert (0, None) in slices  # the prefix [0, 41) = the prompt and outputs[:1], sliced here
+    assert int(oracle.row_chain[1]) == fp.prefix_chains_np([list(range(300, 340)) + [1]])[0]
+    assert oracle.staged[:2].tolist() == [2, 3]
+
+
 def test_token_oracle_stages_the_fed_tokens_and_admits_a_request_once():
     oracle = TokenOracle(rows=4, max_batch_size=4, max_tokens_per_forward=16, device=DEVICE)
     # request a in row 2: 3 prompt tokens cached, fed the 4th and its first output
