@@ -350,36 +350,25 @@ def time_lm_head(torch, device, rig, iters, vocab):
         lm()
         cur.wait_stream(side)
 
-    def forked_verify():  # the server's path with an anchor: HEAD stamps only, the verify runs before the TAIL
-        rig.head_mgr.pre_ops_maybe_inside_graph(rig.view, verify_later=True)
-        rig.head_mgr._verify_pending = False  # its verify runs below, on the side stream (HEAD's own oracle)
-        rig.store()
-        cur = torch.cuda.current_stream(device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            rig.head_mgr._verify(rig.view)
-            rig.tail()
-        lm()
-        cur.wait_stream(side)
-
-    def forked_verify_hi(scrub_beside=False):  # forked_verify on ``side_hi``; ``scrub_beside``: the scrub too, last
+    def forked_verify(stream=side, scrub_beside=False):  # the server's path with an anchor: HEAD stamps only, the
+        # verify runs before the TAIL (HEAD's own oracle); ``scrub_beside``: the scrub too, after the TAIL
         scrub, rig.head_mgr._scrub = rig.head_mgr._scrub, 0 if scrub_beside else rig.head_mgr._scrub
         rig.head_mgr.pre_ops_maybe_inside_graph(rig.view, verify_later=True)
-        rig.head_mgr._verify_pending, rig.head_mgr._scrub = False, scrub
+        rig.head_mgr._verify_pending, rig.head_mgr._scrub = False, scrub  # its verify runs below, on the stream
         rig.store()
         cur = torch.cuda.current_stream(device)
-        side_hi.wait_stream(cur)
-        with torch.cuda.stream(side_hi):
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):
             rig.head_mgr._verify(rig.view)
             rig.tail()
             if scrub_beside and scrub:
                 rig.head_mgr._scrub_groups()
         lm()
-        cur.wait_stream(side_hi)
+        cur.wait_stream(stream)
 
     variants = (("base", base), ("serial", serial), ("forked", forked), ("forked_verify", forked_verify),
-                ("forked_verify_hi", forked_verify_hi),
-                ("forked_verify_scrub_hi", lambda: forked_verify_hi(scrub_beside=True)))
+                ("forked_verify_hi", lambda: forked_verify(side_hi)),
+                ("forked_verify_scrub_hi", lambda: forked_verify(side_hi, scrub_beside=True)))
     graphs = {}
     for name, fn in variants:
         fn()
