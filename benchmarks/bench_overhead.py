@@ -262,12 +262,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    args.cpus = set()  # --cpu-set's CPUs (auto: chosen by main from the speed probe)
     if args.cpu_set not in ("", "auto"):
         try:
-            cpus = parse_cpu_set(args.cpu_set)
+            args.cpus = parse_cpu_set(args.cpu_set)
         except ValueError:
             p.error(f"--cpu-set {args.cpu_set!r}: give CPU numbers and ranges ('2,3', '0-3') or 'auto'")
-        if not cpus <= os.sched_getaffinity(0):
+        if not args.cpus <= os.sched_getaffinity(0):
             p.error(f"--cpu-set {args.cpu_set!r}: this process may run on CPUs "
                     f"{','.join(map(str, sorted(os.sched_getaffinity(0))))} only")
     if args.scale is None:
@@ -316,8 +317,8 @@ def main(argv=None) -> int:
 
     host = probe_environment(args.device)
     speeds = cpu_speeds_ms()
-    args.cpus = (fastest_cpus(speeds, 2) if args.cpu_set == "auto" else
-                 parse_cpu_set(args.cpu_set) if args.cpu_set else set())
+    if args.cpu_set == "auto":
+        args.cpus = fastest_cpus(speeds, 2)
     if host.get("kv_canary_plugin_entry_point") is False:
         raise SystemExit("the sglang plugin entry point 'kv_canary' is not installed in this environment "
                          "(pip install -e . or add its dist-info); --kv-canary would be an unknown flag")

@@ -58,7 +58,7 @@ def cpu_speeds_ms() -> Dict[int, float]:
         try:
             out[cpu] = round(float(r.stdout.strip()) * 1000, 2)
         except ValueError:
-            continue  # a CPU this process may not run on
+            continue  # the probe failed on that CPU (no timing printed): left out, not guessed
     return out
 
 

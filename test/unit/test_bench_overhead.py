@@ -102,8 +102,8 @@ def test_cpu_set_pins_every_server_to_the_same_cpus_and_refuses_bad_sets():
 
     probes = _load("server_probes")
     mine = sorted(os.sched_getaffinity(0))
-    assert bench.parse_args(["--device", "cpu", "--cpu-set", str(mine[0])]).cpu_set == str(mine[0])
-    assert bench.parse_args(["--device", "cpu"]).cpu_set == ""
+    assert bench.parse_args(["--device", "cpu", "--cpu-set", str(mine[0])]).cpus == {mine[0]}
+    assert bench.parse_args(["--device", "cpu"]).cpus == set()
     for bad in ("a,b", f"{max(mine) + 1000}"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--device", "cpu", "--cpu-set", bad])
