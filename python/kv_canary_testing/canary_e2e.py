@@ -86,9 +86,11 @@ def canary_server(
     max_total_tokens: Optional[int] = None,
     model_path=None,
     cpu_kernels: str = "torch",
+    spawn_children: Optional[bool] = None,
 ) -> SglangServer:
     """``model_path``: another tiny model folder (e.g. ``write_swa_model_dir()``); default the tiny model.
-    ``cpu_kernels``: the canary's kernels on a CPU server (``cpu_kernel_env``); a GPU server runs Triton's."""
+    ``cpu_kernels``: the canary's kernels on a CPU server (``cpu_kernel_env``); a GPU server runs Triton's.
+    ``spawn_children``: ``SglangServer``'s (default: sglang's own spawn on the GPU host, forked children on CPU)."""
     device = device or e2e_device()
     full_env: Dict[str, str] = {"SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(stats_every)}
     if device == "cpu":
@@ -96,7 +98,7 @@ def canary_server(
     full_env.update(env or {})
     args = ["--kv-canary", mode, "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE), *extra_args]
     return SglangServer(args, env=full_env, log_path=log_path, device=device, model_path=model_path,
-                        max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device])
+                        max_total_tokens=max_total_tokens or MAX_TOTAL_TOKENS[device], spawn_children=spawn_children)
 
 
 def canary_env_and_args(mode: str, env: Optional[Mapping[str, str]], extra_args: Sequence[str], device: str,

@@ -145,7 +145,11 @@ class SglangServer:
         python: str | None = None,
         host: str = "127.0.0.1",
         drop_default_args: Sequence[str] = (),
+        spawn_children: bool | None = None,
     ):
+        """``spawn_children``: True runs ``python -m sglang.launch_server`` (its children spawned, as operators run
+        it); None (default) does that on the GPU host and with ``KVC_TEST_SPAWN=1``, and on CPU otherwise runs
+        ``kv_canary_testing.fast_launch`` (the same entry, its children forked from one pre-imported process)."""
         if device not in DEVICE_ARGS:
             raise ValueError(f"device must be one of {sorted(DEVICE_ARGS)}, not {device!r}")
         self.device = device
@@ -155,6 +159,9 @@ class SglangServer:
         self.model_path = Path(model_path) if model_path is not None else None
         self.extra_args = list(extra_args)
         self.drop_default_args = set(drop_default_args)
+        if spawn_children is None:
+            spawn_children = device != "cpu" or os.environ.get("KVC_TEST_SPAWN", "0") == "1"
+        self.spawn_children = spawn_children
         self.max_total_tokens = (
             max_total_tokens if max_total_tokens is not None else DEFAULT_MAX_TOTAL_TOKENS[device]
         )
@@ -196,7 +203,11 @@ class SglangServer:
             i += 2 if has_value else 1
         # KVC_TEST_SERVER_ARGS: flags added to every test server (e.g. a CUDA graph backend the GPU host verifies)
         added = shlex.split(os.environ.get("KVC_TEST_SERVER_ARGS", ""))
-        return [self.python, "-m", "sglang.launch_server", *merged, *self.extra_args, *added]
+        return [self.python, "-m", self.entry_module(), *merged, *self.extra_args, *added]
+
+    def entry_module(self) -> str:
+        """The module ``python -m`` runs: sglang's entry, or ``fast_launch`` (``spawn_children``)."""
+        return "sglang.launch_server" if self.spawn_children else "kv_canary_testing.fast_launch"
 
     def environment(self) -> dict[str, str]:
         """Return the environment the server process runs with."""

@@ -2,6 +2,7 @@
 
 import ctypes
 import json
+import os
 
 import pytest
 
@@ -61,6 +62,13 @@ def test_server_command_overrides_and_devices(tmp_path):
     gcmd = gpu.command()
     assert "triton" in gcmd and "--disable-cuda-graph" not in gcmd
     assert "--load-format" not in gcmd
+    # the entry: on CPU sglang's children forked from one pre-imported process, unless asked for sglang's own spawn
+    # (KVC_TEST_SPAWN=1 or spawn_children=True); on the GPU host always sglang's own entry
+    assert gcmd[gcmd.index("-m") + 1] == "sglang.launch_server"
+    spawned = SglangServer(model_path=tmp_path, log_path=tmp_path / "log", spawn_children=True).command()
+    assert spawned[spawned.index("-m") + 1] == "sglang.launch_server"
+    if os.environ.get("KVC_TEST_SPAWN", "0") != "1":
+        assert cmd[cmd.index("-m") + 1] == "kv_canary_testing.fast_launch"
 
 
 def test_workload_plan_is_deterministic():

@@ -32,8 +32,10 @@ N_REQUESTS = 64 if e2e_device() == "cpu" and CPU_KERNELS == "triton" else 200
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    # sglang's own spawned children, as operators run it (the other CPU e2e servers fork theirs: fast_launch)
     srv = canary_server("raise", log_path=tmp_path_factory.mktemp("baseline") / "server.log",
-                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)], cpu_kernels=CPU_KERNELS)
+                        extra_args=["--kv-canary-sweep-interval", str(SWEEP_INTERVAL)], cpu_kernels=CPU_KERNELS,
+                        spawn_children=True)
     srv.start(timeout=600)
     yield srv
     srv.stop()
