@@ -24,15 +24,18 @@ plain entry too). Measured on the 2-core CI machine (sglang 0.5.23, a canary ser
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
+import socket
 import sys
+from multiprocessing import connection, resource_tracker, spawn, util
 
-# sglang's modules its children run: imported once, in the forkserver
+# sglang's modules its children run: imported once, before the forkserver is forked from the launcher
 PRELOAD = (
-    "kv_canary_testing.fast_launch",  # this module first: the forkserver's SIGQUIT hand-off and the start-method patch
     "sglang.launch_server",
     "sglang.srt.managers.scheduler",
     "sglang.srt.managers.detokenizer_manager",
@@ -51,18 +54,67 @@ def _pass_sigquit_to_launcher(signum, frame):
     os.kill(os.getpid(), signal.SIGQUIT)
 
 
-def _start_spawned_children_from_the_forkserver() -> None:
+def _run_in_environment(environ, target, *args, **kwargs):
+    """A child's target, run in the launcher's environment as of the child's start (what ``spawn`` gives it)."""
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():  # only what differs: setproctitle names the process from the environ's memory
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+    return target(*args, **kwargs)
+
+
+def _popen_from_the_forkserver(process_obj):
+    process_obj._target = functools.partial(_run_in_environment, dict(os.environ), process_obj._target)
+    return multiprocessing.context.ForkServerProcess._Popen(process_obj)
+
+
+def _fork_the_forkserver() -> None:
+    """multiprocessing's ``ForkServer.ensure_running`` with the server forked from this process (which has imported
+    ``PRELOAD`` and loaded no plugin) instead of started as a fresh interpreter that imports them again."""
+    server = multiprocessing.forkserver._forkserver
+    with server._lock:
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            try:
+                pid = os.fork()
+                if pid == 0:  # the forkserver: serves until the launcher's end of the alive pipe closes
+                    global _FORKSERVER_PID
+                    os.close(alive_w)
+                    _FORKSERVER_PID = os.getpid()
+                    signal.signal(signal.SIGQUIT, _pass_sigquit_to_launcher)
+                    try:
+                        multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+                    finally:
+                        os._exit(0)
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+            server._forkserver_address = address
+            server._forkserver_alive_fd = alive_w
+            server._forkserver_pid = pid
+
+
+def main() -> None:
+    for name in PRELOAD:
+        __import__(name)
+    _fork_the_forkserver()
     # sglang sets the start method to spawn (force=True) and some of its modules ask for the spawn context: either
-    # way a process is started through SpawnProcess._Popen, which now goes through the forkserver.
-    multiprocessing.context.SpawnProcess._Popen = multiprocessing.context.ForkServerProcess._Popen
-    multiprocessing.set_forkserver_preload(list(PRELOAD))
-
-
-_start_spawned_children_from_the_forkserver()
-if __name__ != "__main__":  # imported by the forkserver (PRELOAD), before it forks any child
-    _FORKSERVER_PID = os.getpid()
-    signal.signal(signal.SIGQUIT, _pass_sigquit_to_launcher)
-
-if __name__ == "__main__":
+    # way a process is started through SpawnProcess._Popen, which now goes through the forkserver
+    multiprocessing.context.SpawnProcess._Popen = staticmethod(_popen_from_the_forkserver)
     sys.argv = ["sglang.launch_server", *sys.argv[1:]]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":  # the helpers a child unpickles are this module's under its import name, not __main__'s
+    from kv_canary_testing.fast_launch import main as _main
+
+    _main()
