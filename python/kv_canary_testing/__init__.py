@@ -5,7 +5,8 @@ Modules:
   model_dir     writes a model folder (config + tokenizer) for the tiny model
   libcuda_stub  builds a stand-in ``libcuda.so.1`` so ``sgl_kernel`` imports on CPU
   server        ``SglangServer``: launches ``python -m sglang.launch_server`` (on CPU through ``fast_launch``)
-  fast_launch   sglang's entry with its children forked from one pre-imported forkserver (CPU test servers)
+  fast_launch   sglang's entry with its children forked from the launcher (CPU test servers)
+  launcher_zygote  one pre-imported process per environment that CPU test servers' launchers are forked from
   workload      ``run_mixed_workload``: concurrent /generate traffic
 """
 

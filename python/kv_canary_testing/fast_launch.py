@@ -1,25 +1,25 @@
 """``python -m kv_canary_testing.fast_launch ARGS``: sglang's ``launch_server`` whose child processes are forked from
-one pre-imported process instead of each importing sglang again (test servers on CPU; CI's time).
+the launcher instead of each importing sglang again (test servers on CPU; CI's time).
 
 sglang starts its scheduler(s) and detokenizer with multiprocessing's ``spawn``: each child is a fresh interpreter
-that imports sglang (~12-15 CPU-seconds on a 2-core CI machine, the detokenizer as much as the scheduler; a CPU test
-server took ~45 CPU-seconds to start, a third of it each child's import). Here every process sglang spawns is
-started by multiprocessing's forkserver instead, which imports sglang's scheduler and detokenizer modules once
-(``PRELOAD``) and forks each child from that. What a child runs is what ``spawn`` runs: the same pickled target
-and arguments, the same ``__main__`` preparation, plugins loaded by the child itself (the forkserver imports sglang
-but never calls ``load_plugins``), the environment of the launching process as of the first child it starts (sglang
-sets its environment before that; the per-child environment of its ``configure_subprocess`` helpers, memory saver
-and NUMA binding, is for GPUs and not used on CPU).
+that imports sglang (~12-15 CPU-seconds on the 2-core CI machine, the detokenizer as much as the scheduler). Here
+the launcher imports sglang's entry, scheduler and detokenizer (``PRELOAD``), forks multiprocessing's forkserver from
+itself before it loads any plugin, and every process sglang spawns is forked from that forkserver. What a child
+runs is what ``spawn`` runs: the same pickled target and arguments, the same ``__main__`` preparation, plugins
+loaded by the child itself (``load_plugins`` has not run in the forkserver), and the launcher's environment as of the
+child's start (``_run_in_environment``: what sglang set before it, or around it in its ``configure_subprocess``
+helpers).
 
-One difference is mended: a forked child's parent is the forkserver, not the launching process, and sglang's
-children send SIGQUIT to their parent (``psutil.Process().parent()``) when they fail, so that the launching process
-takes the server down. The forkserver passes that SIGQUIT on to the launching process.
+One difference is mended: a forked child's parent is the forkserver, not the launcher, and sglang's children send
+SIGQUIT to their parent (``psutil.Process().parent()``) when they fail, so that the launcher takes the server down.
+The forkserver passes that SIGQUIT on to the launcher.
 
 ``SglangServer`` uses this entry on CPU unless ``KVC_TEST_SPAWN=1`` or ``spawn_children=True`` (sglang's own
 ``spawn``, as operators run it: ``test_e2e_baseline``'s server, the GPU host, the demo; the startup refusals run the
-plain entry too). Measured on the 2-core CI machine (sglang 0.5.23, a canary server on CPU, while CI's two lines ran):
-45 CPU-seconds to serve with the plain entry (launcher 15.8, scheduler 15.3, detokenizer 14.4), 26.5 with this one
-(launcher 10.6, forkserver 10.2, scheduler 3.3, detokenizer 2.4).
+plain entry too), and forks the launcher itself from a ``launcher_zygote`` (unless ``KVC_TEST_ZYGOTE=0``).
+Measured on the 2-core CI machine (sglang 0.5.23, a canary server on CPU, CPU-seconds until it serves, while CI's
+two lines ran): sglang's own entry 45 (launcher 15.8, scheduler 15.3, detokenizer 14.4); this entry 16.7 (launcher
+11.7, scheduler 2.9, detokenizer 2.0); this entry forked from a zygote 6.7-7.5 (launcher 2.3-2.5).
 """
 
 from __future__ import annotations

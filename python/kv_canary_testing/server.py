@@ -246,14 +246,16 @@ class SglangServer:
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("$ " + " ".join(cmd) + "\n").encode())
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() kills the tree
-        )
+        self.proc = self._launch_from_zygote(cmd, env) if self._zygote_launches() else None
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() kills the tree
+            )
         try:
             self._wait_ready(t0 + timeout, check_generate)
         except BaseException:
@@ -261,6 +263,23 @@ class SglangServer:
             raise
         self.startup_seconds = time.monotonic() - t0
         return self
+
+    def _zygote_launches(self) -> bool:
+        """A ``fast_launch`` server's launcher is forked from a ``launcher_zygote`` unless ``KVC_TEST_ZYGOTE=0``."""
+        return not self.spawn_children and os.environ.get("KVC_TEST_ZYGOTE", "1") != "0"
+
+    def _launch_from_zygote(self, cmd: list[str], env: Mapping[str, str]):
+        """The launcher forked from the zygote of this environment (its own session, output into the log), or None
+        (said in the log and on stderr) when no zygote could start it: then the command runs as a process."""
+        from kv_canary_testing.launcher_zygote import zygote_for
+
+        try:
+            return zygote_for(self.python, env).launch(cmd[3:], env, str(self.log_path), os.getcwd())
+        except RuntimeError as e:
+            note = f"kvc-test: launcher zygote failed ({e}); starting the command as a process\n"
+            self._log_file.write(note.encode())
+            sys.stderr.write(note)
+            return None
 
     def _wait_ready(self, deadline: float, check_generate: bool) -> None:
         session = requests.Session()

@@ -82,3 +82,15 @@ def test_releases_that_lose_a_disconnects_abort_abort_through_the_api_only():
     assert DISCONNECT_ABORT_LOST == ("0.5.18", "0.5.19")
     assert {abort_mode_for(r) for r in DISCONNECT_ABORT_LOST} == {"api"}
     assert {abort_mode_for(r) for r in ("0.5.12", "0.5.17", "0.5.20", "0.5.21", "0.5.23", None)} == {"mixed"}
+
+
+def test_servers_share_a_launcher_zygote_only_where_their_environment_differs_in_the_canarys_variables_alone():
+    from kv_canary_testing.launcher_zygote import zygote_key
+
+    base = {"PYTHONPATH": "/a", "LD_LIBRARY_PATH": "/stub"}
+    same = zygote_key("py", {**base, "SGLANG_KV_CANARY_PERTURB_SEED": "5"})
+    assert same == zygote_key("py", base) == zygote_key("py", {**base, "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": "1"})
+    # what sglang or the tiny model may read while being imported keeps them apart, as does the interpreter
+    assert zygote_key("py", {**base, "KVC_TINY_FAIL_AT_EXTEND": "12"}) != same
+    assert zygote_key("py", {**base, "PYTHONPATH": "/real-bugs/x:/a"}) != same
+    assert zygote_key("other-py", base) != same
