@@ -27,6 +27,16 @@ from typing import Mapping, Sequence, Tuple
 ENTRIES = ("launch_server", "serve")
 
 
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the session ``proc`` leads (it was started with ``start_new_session``) and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
 class EntryForker:
     """The parent side: ``run(argv, env)`` -> (exit code, combined stdout+stderr of that run)."""
 
@@ -68,12 +78,7 @@ class EntryForker:
             os.unlink(log)
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._proc.wait(timeout=30)
+        kill_session(self._proc)
 
     def __enter__(self) -> "EntryForker":
         return self

@@ -138,12 +138,9 @@ class LauncherZygote:
             return self._exits.get(pid)
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._proc.wait(timeout=30)
+        from kv_canary_testing.entry_fork import kill_session
+
+        kill_session(self._proc)
 
 
 _ZYGOTES: Dict[tuple, LauncherZygote] = {}
