@@ -17,12 +17,13 @@ import pytest
 from kv_canary_testing.canary_e2e import e2e_device, register_cpu_ci
 from kv_canary_testing.hicache_cpu import ENV as SHIM_ENV
 from kv_canary_testing.model_dir import FIRST_WORD_ID, NUM_WORDS, write_model_dir
-from kv_canary_testing.real_bug_runs import skip_unless_by_hand, summarize_violations, three_runs
+from kv_canary_testing.real_bug_runs import summarize_violations, three_runs
 from kv_canary_testing.workload import RequestSpec, run_requests
 
-# CI runs the HiCache load-back bug's three servers (149-171 s on the 2-core machine: its own mechanism); #29352's
-# SWARadixCache half (167-212 s; its UnifiedRadixCache half runs in CI on 0.5.23) by hand (KVC_REAL_BUGS_TIMING=1)
-register_cpu_ci(est_time=180, suite="kv-canary-cpu")
+# CI runs both bugs' three servers: the HiCache load-back (149-171 s on the 2-core machine: its own mechanism) and,
+# since the test servers' start got cheap (kv_canary_testing.fast_launch, 2026-12-02), #29352's SWARadixCache half
+# (131 s alone on an idle 2-core machine; 167-212 s before; its UnifiedRadixCache half runs on 0.5.23)
+register_cpu_ci(est_time=300, suite="kv-canary-cpu")
 
 # ---- #29352's SWARadixCache half (fixed in 0.5.15): tombstone recovery frees Full KV a running request holds ------
 
@@ -67,7 +68,6 @@ def locked_tombstone_recovered(srv):
 
 @pytest.fixture(scope="module")
 def legacy_runs(tmp_path_factory):
-    skip_unless_by_hand("#29352's SWARadixCache half by hand (KVC_REAL_BUGS_TIMING=1): three more servers (CI time)")
     return three_runs(LEGACY_BUG, ["--page-size", "1"], {}, locked_tombstone_recovered, 1024, tmp_path_factory,
                       describe=lambda run: "outputs=" + str({i: (o.status, o.cached_tokens, o.output_ids[:4])
                                                              for i, o in sorted(run.result.items())}))
