@@ -94,6 +94,14 @@ class ServerError(RuntimeError):
     """The server failed to start or died."""
 
 
+class PortTaken(ServerError):
+    """Another process bound the server's port between ``free_port`` and sglang's bind (uvicorn then logs the
+    error and sglang does not exit)."""
+
+
+BIND_ERROR = "error while attempting to bind on address"
+
+
 # sglang 0.5.12 derives a gRPC port as --port + 10000 and rejects the server if it
 # exceeds 65535, so ports come from a range below the usual ephemeral one.
 PORT_RANGE = (20000, 32000)
@@ -155,6 +163,7 @@ class SglangServer:
         self.device = device
         self.host = host
         self.port = port if port is not None else free_port(host)
+        self._picked_port = None if port is not None else self.port  # a port start() may replace if it is taken
         self.base_url = f"http://{host}:{self.port}"
         self.model_path = Path(model_path) if model_path is not None else None
         self.extra_args = list(extra_args)
@@ -237,7 +246,21 @@ class SglangServer:
     # ---- lifecycle -----------------------------------------------------------------
 
     def start(self, timeout: float = 300.0, check_generate: bool = True) -> "SglangServer":
-        """Launch the server and wait until it serves; raise ServerError with the log tail."""
+        """Launch the server and wait until it serves; raise ServerError with the log tail. A port this object
+        picked that another process took before sglang bound it is replaced by a new one (twice at most)."""
+        retries = 2
+        while True:
+            try:
+                return self._start_once(timeout, check_generate)
+            except PortTaken:
+                if retries == 0 or self.port != self._picked_port:
+                    raise
+                retries -= 1
+                self.port = self._picked_port = free_port(self.host)
+                self.base_url = f"http://{self.host}:{self.port}"
+                self.proc = None
+
+    def _start_once(self, timeout: float, check_generate: bool) -> "SglangServer":
         if self.proc is not None:
             raise ServerError("server already started")
         cmd = self.command()
@@ -297,6 +320,8 @@ class SglangServer:
                     f"sglang server not ready before timeout; log {self.log_path}:\n"
                     f"{self.log_tail()}"
                 )
+            if BIND_ERROR in self.log_text() and f"'{self.host}', {self.port})" in self.log_text():
+                raise PortTaken(f"port {self.port} was taken before the server bound it; log {self.log_path}")
             try:
                 r = session.get(self.base_url + path, timeout=30)
                 if r.status_code == 200:

@@ -4,6 +4,8 @@ serving a small mixed workload with prefix sharing, chunked prefill, aborts and 
 It doubles as the ``--kv-canary none`` test: the plugin is installed and loaded,
 but the default mode must install nothing and run nothing."""
 
+import socket
+
 import pytest
 
 from kv_canary_testing.canary_e2e import register_cpu_ci
@@ -24,9 +26,22 @@ def server(tmp_path_factory):
         log_path=log,
         max_total_tokens=MAX_TOTAL_TOKENS,
     )
-    srv.start(timeout=300)
+    # the port the fixture picked is taken before sglang binds it (as another process may): start() must see
+    # uvicorn's bind error, on which sglang does not exit, and serve on a new port
+    srv.taken_port = srv.port
+    with socket.socket() as blocker:
+        blocker.bind((srv.host, srv.port))
+        blocker.listen()
+        srv.start(timeout=300)
     yield srv
     srv.stop()
+
+
+@pytest.mark.e2e
+def test_a_taken_port_is_replaced_by_a_new_one(server):
+    assert server.port != server.taken_port
+    assert "address already in use" in server.log_text()
+    assert server.base_url.endswith(f":{server.port}") and server.is_running()
 
 
 @pytest.mark.e2e
