@@ -310,6 +310,9 @@ class SglangServer:
         path = "/health"
         while True:
             code = self.proc.poll()
+            # 0.5.23 logs the bind error and hangs; 0.5.12 exits (code 3)
+            if BIND_ERROR in self.log_text() and f"'{self.host}', {self.port})" in self.log_text():
+                raise PortTaken(f"port {self.port} was taken before the server bound it; log {self.log_path}")
             if code is not None:
                 raise ServerError(
                     f"sglang server exited with code {code} during startup; "
@@ -320,8 +323,7 @@ class SglangServer:
                     f"sglang server not ready before timeout; log {self.log_path}:\n"
                     f"{self.log_tail()}"
                 )
-            if BIND_ERROR in self.log_text() and f"'{self.host}', {self.port})" in self.log_text():
-                raise PortTaken(f"port {self.port} was taken before the server bound it; log {self.log_path}")
+
             try:
                 r = session.get(self.base_url + path, timeout=30)
                 if r.status_code == 200:
