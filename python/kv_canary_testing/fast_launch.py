@@ -54,13 +54,19 @@ def _pass_sigquit_to_launcher(signum, frame):
     os.kill(os.getpid(), signal.SIGQUIT)
 
 
-def _run_in_environment(environ, target, *args, **kwargs):
-    """A child's target, run in the launcher's environment as of the child's start (what ``spawn`` gives it)."""
+def apply_environment(environ) -> None:
+    """Make ``os.environ`` exactly ``environ``, setting only what differs (setproctitle names the process from the
+    environ's memory: rewriting every variable lost sglang's process titles)."""
     for key in [k for k in os.environ if k not in environ]:
         del os.environ[key]
-    for key, value in environ.items():  # only what differs: setproctitle names the process from the environ's memory
+    for key, value in environ.items():
         if os.environ.get(key) != value:
             os.environ[key] = value
+
+
+def _run_in_environment(environ, target, *args, **kwargs):
+    """A child's target, run in the launcher's environment as of the child's start (what ``spawn`` gives it)."""
+    apply_environment(environ)
     return target(*args, **kwargs)
 
 

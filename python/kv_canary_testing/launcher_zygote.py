@@ -188,18 +188,13 @@ def _child(request, closing: Sequence[int]) -> int:
     os.dup2(log, 2)
     os.close(log)
     os.close(null)
-    env = request["env"]
-    for key in [k for k in os.environ if k not in env]:
-        del os.environ[key]
-    for key, value in env.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
+    from kv_canary_testing.fast_launch import apply_environment, main
+
+    apply_environment(request["env"])
     os.chdir(request["cwd"])
     sys.argv = ["kv_canary_testing.fast_launch", *request["argv"]]
     code = 0
     try:
-        from kv_canary_testing.fast_launch import main
-
         main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -95,8 +95,8 @@ class ServerError(RuntimeError):
 
 
 class PortTaken(ServerError):
-    """Another process bound the server's port between ``free_port`` and sglang's bind (uvicorn then logs the
-    error and sglang does not exit)."""
+    """Another process bound the server's port between ``free_port`` and sglang's bind (uvicorn logs the error;
+    sglang 0.5.23 then hangs, 0.5.12 exits with code 3)."""
 
 
 BIND_ERROR = "error while attempting to bind on address"
@@ -310,8 +310,8 @@ class SglangServer:
         path = "/health"
         while True:
             code = self.proc.poll()
-            # 0.5.23 logs the bind error and hangs; 0.5.12 exits (code 3)
-            if BIND_ERROR in self.log_text() and f"'{self.host}', {self.port})" in self.log_text():
+            log = self.log_text()  # the bind error before the exit code: 0.5.12 exits on it, 0.5.23 hangs
+            if BIND_ERROR in log and f"'{self.host}', {self.port})" in log:
                 raise PortTaken(f"port {self.port} was taken before the server bound it; log {self.log_path}")
             if code is not None:
                 raise ServerError(
