@@ -22,7 +22,8 @@
 #                                                   # HTTP server module (with --flashinfer: a JIT-built rmsnorm)
 #                                                   # (KVC_GPU_LINE=0.5.23 STEP: any later step on /tmp/site23)
 #   bash scripts/gpu_host.sh bench-start [args]     # benchmarks/bench_overhead.py in the background (setsid)
-#   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s); results + logs into $OUT
+#   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s; every *-wait stops 45 s before the
+#                                                   # call's 600 s: KVC_CALL_LIMIT_S); results + logs into $OUT
 #     e.g. `all` in steady state (issue 60; every KV slot written first): bench-start --cpu-set auto --fill-pool --rows
 #     decode_bs1,decode_bs64,decode_bs1_all,decode_bs64_all --configs off,ours_idle,ours_all_rows,ours_all_scrub64,off
 #     (KVC_BENCH_DIR=/tmp/kvc-bench-1 CUDA_VISIBLE_DEVICES=1 ...: a second bench on the second GPU, its own folder)
@@ -141,6 +142,22 @@ export PYTHONPATH="$site:$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERE
 [ ! -d "$site/nvidia_cutlass_dsl/dsl_packages" ] || export PYTHONPATH="$PYTHONPATH:$site/nvidia_cutlass_dsl/dsl_packages"
 bench_dir="${KVC_BENCH_DIR:-/tmp/kvc-bench}"  # another folder: a second bench at once (e.g. one per GPU)
 
+wait_limit() {  # SECONDS asked -> what a *-wait step may wait: never past the device call's own limit
+  # (KVC_CALL_LIMIT_S, default 600) less 45 s to copy the results, counted from when the call's shell (this
+  # script's parent) started: a wait after an install in the same call would otherwise run the call past its
+  # limit, and the results would be lost with the host (2026-12-02e)
+  local asked="$1" call_limit="${KVC_CALL_LIMIT_S:-600}" tick start up elapsed left
+  tick=$(getconf CLK_TCK); start=$(awk '{print $22}' "/proc/$PPID/stat" 2>/dev/null || echo "")
+  up=$(cut -d' ' -f1 /proc/uptime)
+  [ -n "$start" ] || { echo "$asked"; return; }
+  elapsed=$(awk -v u="$up" -v s="$start" -v t="$tick" 'BEGIN {printf "%d", u - s / t}')
+  [ "$elapsed" -lt "$call_limit" ] || { echo "$asked"; return; }  # the parent outlived any call: not the call's shell
+  left=$((call_limit - 45 - elapsed)); [ "$left" -gt 0 ] || left=0
+  if [ "$left" -lt "$asked" ]; then
+    echo "wait capped at ${left} s (asked ${asked} s): this call has run ${elapsed} s of ${call_limit} s" >&2
+    echo "$left"
+  else echo "$asked"; fi
+}
 gpu_e2e() {  # FILE SECONDS DIR LOG TGZ [pytest args]: one registered e2e file on the GPU, stopped with SIGINT after
   # SECONDS so that its logs come back; its output in $out/LOG, its servers' logs (under /tmp/DIR) in $out/TGZ
   local file="$1" limit="$2" dir="$3" log="$4" tgz="$5" rc=0; shift 5
@@ -248,7 +265,7 @@ PY
   bench-wait|pd-bench-wait|hc-bench-wait)
     [ "$step" != pd-bench-wait ] || bench_dir=/tmp/kvc-pd-bench
     [ "$step" != hc-bench-wait ] || bench_dir=/tmp/kvc-hc-bench
-    limit="${1:-570}"; t0=$SECONDS
+    limit=$(wait_limit "${1:-570}"); t0=$SECONDS
     if [ ! -f "$bench_dir/pid" ]; then  # a fresh host: the one that ran the bench went back (30 s idle); say so now
       echo "NO_BENCH: no bench was started on this host ($bench_dir/pid missing): the host that ran it went back" >&2
       exit 3
@@ -271,7 +288,7 @@ PY
     sleep 3; echo "profile started in the background: /tmp/kvc-prof/log"; tail -3 /tmp/kvc-prof/log ;;
   prof-wait)  # [seconds]: wait for it (default 570 s); its log and summary (partial until PROF_DONE) into $OUT
     [ -d /tmp/kvc-prof ] || { echo "NO_PROFILE: none was started on this host (it went back?)" >&2; exit 3; }
-    limit="${1:-570}"; t0=$SECONDS
+    limit=$(wait_limit "${1:-570}"); t0=$SECONDS
     while [ ! -f /tmp/kvc-prof/rc ] && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
     cp /tmp/kvc-prof/log "$out/profile.log"; [ ! -f /tmp/kvc-prof/summary.json ] || cp /tmp/kvc-prof/summary.json "$out/"
     grep -E "starting server|FAILED" /tmp/kvc-prof/log || true
@@ -321,7 +338,7 @@ PY
       --basetemp="$d/pt" "$@" > "$d/e2e.log" 2>&1; echo $? > "$d/rc"' "$dir" "$@" < /dev/null > /dev/null 2>&1 &
     echo "e2e $name started: $dir/e2e.log" ;;
   e2e-collect)
-    name="${1:?e2e-collect NAME [seconds]}"; dir="/tmp/kvc-e2e-$name"; wait_s="${2:-0}"
+    name="${1:?e2e-collect NAME [seconds]}"; dir="/tmp/kvc-e2e-$name"; wait_s=$(wait_limit "${2:-0}")
     [ -d "$dir" ] || { echo "NO_E2E: $dir missing (a fresh host?)"; exit 3; }
     for _ in $(seq "$wait_s"); do [ ! -f "$dir/rc" ] || break; sleep 1; done
     cp "$dir/e2e.log" "$out/e2e-$name.log"; [ ! -d "$dir/pt" ] || tar czf "$out/e2e-$name-logs.tgz" -C "$dir" pt
