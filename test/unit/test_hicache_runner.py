@@ -26,7 +26,7 @@ SLOTS, CTX = 64, 48
 class Manager(HostCopies):
     """What ``HostCopies`` reads of a ``CanaryManager``, around one single-forward manager."""
 
-    def __init__(self, events):
+    def __init__(self, events, scrub=0):
         self.config = CanaryConfig.build(mode="raise", environ={}, hicache=True)
         self.forwards = 0
         g = torch.Generator().manual_seed(0)
@@ -40,19 +40,20 @@ class Manager(HostCopies):
 
         def spy(name, fn):
             def wrapped(*a, **kw):
-                events.append((name, kw.get("defer_first_read")) if name == "verify" else name)
+                events.append((name, kw.get("defer_first_read")) if name == "verify" else
+                              (name, int(a[1][fp.C_FORWARD_INDEX]), kw["after_write"]) if name == "scrub" else name)
                 return fn(*a, **kw)
             return wrapped
 
         import dataclasses
         kernels = dataclasses.replace(ref, verify=spy("verify", ref.verify), write=spy("write", ref.write),
-                                      first_read=spy("first_read", ref.first_read))
+                                      first_read=spy("first_read", ref.first_read), scrub=spy("scrub", ref.scrub))
         self.kernels_for_tests = kernels
         self.r2t = torch.zeros(4, CTX, dtype=torch.int32)
         self.single_forward_managers = [SingleForwardManager(
             index=0, groups=self.groups, kernels=kernels, req_to_token=self.r2t, counters=self.counters,
             ring=self.ring, capacities=LaunchCapacities(max_batch_size=4, max_context_len=CTX, verify_programs_target=1),
-            on_tail=lambda: None, check_fed=False, write_witness=False)]
+            on_tail=lambda: None, check_fed=False, write_witness=False, scrub_slots_per_forward=scrub)]
         self._init_host_copies()
         self.attach_host_records(HostRecordStore(128))
 
@@ -120,6 +121,30 @@ def test_a_load_back_forward_waits_first_and_hashes_the_loaded_rows_by_layer_bef
     m._check_load_consumed()
     m.forward(1, torch.tensor([61]), 17)  # the next forward: no wait, nothing deferred, nothing listed
     assert events == [("verify", False), "write"] and int(m.counters[fp.C_SLOTS_FIRST_READ]) == 16
+
+
+def test_a_load_back_forwards_scrub_runs_after_its_write_on_its_own_forwards_window():
+    """The scrub of a forward that consumes a load runs after the write (the loaded rows' records are in place),
+    when the write has bumped the forward counter: it says so (``after_write``), so the window is its forward's and
+    the windows of consecutive forwards stay consecutive (HEAD at 0, after the write at 2 for forward 1, HEAD at 2)."""
+    events = []
+    m = Manager(events, scrub=8)
+    old = torch.arange(1, 17)
+    m.forward(0, old, 0)
+    m.backup_records(old, torch.arange(32, 48))
+    new = torch.arange(40, 56)
+    for buf in (*m.k, *m.v):
+        buf[new] = buf[old]
+    _load(m, torch.arange(32, 48), new, 2)
+    assert m.load_in_flight(lambda layer: None, load_id=2)
+    m.r2t[1, :16] = new.to(torch.int32)
+    m.forward(1, torch.tensor([60]), 16)
+    m._check_load_consumed()
+    m.forward(1, torch.tensor([61]), 17)
+    scrubs = [e for e in events if e[0] == "scrub"]
+    assert scrubs == [("scrub", 0, False), ("scrub", 2, True), ("scrub", 2, False)]
+    assert [i - after for _, i, after in scrubs] == [0, 1, 2] and m.violations() == []
+    assert events[events.index(("scrub", 2, True)) - 1] == "write"  # forward 1's: right after its write
 
 
 def test_a_load_no_head_consumed_is_an_error():

@@ -84,6 +84,29 @@ def test_a_scrub_period_checks_period_times_the_slots_every_period_th_forward_an
     assert scrubbed[0] == scrubbed[1]
 
 
+@pytest.mark.parametrize("period", [1, 2])
+def test_a_scrub_after_its_forwards_bump_checks_its_own_forwards_window(period):
+    """``after_write`` (a load-back forward's scrub runs after the TAIL's write bumped the forward counter): at
+    counter F + 1 it checks forward F's window, as a HEAD scrub at F does, and its ring rows name F; without it the
+    next forward's window would be checked twice and F's never."""
+    sims = [Sim(tk, full_hash=True), Sim(ref, full_hash=True)]
+    [_scenario(s) for s in sims]
+    for s in sims:
+        f = int(s.counters[fp.C_FORWARD_INDEX]) // period * period  # a hashing forward at either period
+        s.counters[fp.C_FORWARD_INDEX] = f
+        start = f // period * (16 * period) % (NUM_SLOTS - 1)
+        flipped = 1 + (start + 5) % (NUM_SLOTS - 1)  # in forward f's window
+        assert int(s.group.records[flipped, fp.F_CHAIN]) != 0, "a written slot"
+        s.group.rows[-1].view[flipped, 1] ^= 1 << 2
+        s.backend.launch_scrub(s.group, s.counters, s.ring, 16, period=period)  # HEAD at f
+        head = int(s.counters[fp.C_SLOTS_SCRUBBED])
+        assert [(int(r[fp.V_SLOT]), int(r[fp.V_FORWARD])) for r in s.new_violations(0)] == [(flipped, f)]
+        s.counters[fp.C_FORWARD_INDEX] = f + 1  # the write's bump
+        s.backend.launch_scrub(s.group, s.counters, s.ring, 16, period=period, after_write=True)
+        assert int(s.counters[fp.C_SLOTS_SCRUBBED]) == 2 * head > 0
+        assert [(int(r[fp.V_SLOT]), int(r[fp.V_FORWARD])) for r in s.new_violations(1)] == [(flipped, f)]
+
+
 def test_forgotten_slots_are_skipped_by_the_scrub_and_the_rest_still_checked():
     """``CanaryBufferGroup.forget``: K/V stored without a TAIL (spec v1's draft scratch slots, a tree verify's nodes)
     into recorded slots; their records forgotten (zeros, first-read tags too) the scrub skips them, a flip in a slot

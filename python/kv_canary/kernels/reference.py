@@ -296,10 +296,11 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         counters[fp.C_FORWARD_INDEX] += 1
 
 
-def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, period: int = 1) -> None:
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, period: int = 1,
+                 after_write: bool = False) -> None:
     span = group.num_slots - 1
     per_launch = min(per_forward * period, span) if group.full_row is not None else per_forward * period
-    forward_index = int(counters[fp.C_FORWARD_INDEX])
+    forward_index = int(counters[fp.C_FORWARD_INDEX]) - int(after_write)
     if forward_index % period:  # not this forward's turn: the launch every period-th forward hashes
         return
     start = forward_index // period * per_launch % span
@@ -311,7 +312,7 @@ def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, 
     minus_two = torch.full_like(slots, -2)
     _append_violations(counters, ring, bad, [
         bad.to(torch.int64) * fp.R_KV_HASH | (group_index << fp.GROUP_SHIFT), slots, rec[:, fp.F_POSITION],
-        minus_two, minus_two, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX],
+        minus_two, minus_two, rec[:, fp.F_FULL_HASH], live, counters[fp.C_FORWARD_INDEX] - int(after_write),
     ])
     counters[fp.C_SLOTS_SCRUBBED] += slots.numel()
 

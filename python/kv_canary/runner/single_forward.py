@@ -95,11 +95,12 @@ class SingleForwardManager:
     def load_pending(self) -> bool:
         return self._load_waits is not None
 
-    def _scrub_groups(self) -> None:
-        """The scrub's next window of every group (HEAD's, or after TAIL's write on a load-back forward)."""
+    def _scrub_groups(self, after_write: bool = False) -> None:
+        """The scrub's window of every group for this forward (HEAD's, or after TAIL's write on a load-back
+        forward: ``after_write``, the forward counter already bumped)."""
         for group_index, group in enumerate(self._groups):
             self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index,
-                                period=self._scrub_period)
+                                period=self._scrub_period, after_write=after_write)
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView, *, verify_later: bool = False) -> None:
         """HEAD: verify every slot the forward's attention reads, then stamp the slots it fills.
@@ -167,7 +168,7 @@ class SingleForwardManager:
             self.load_hashing.join()
         self._write(view, bump_forward=True)
         if deferred and self._scrub:  # after the write: the slots this forward filled have their records
-            self._scrub_groups()
+            self._scrub_groups(after_write=True)
         self._on_tail()
 
     def deferred_post_ops(self, view: ForwardView) -> None:
