@@ -242,8 +242,8 @@ def _close_list(counters, checked, finished, work_state, bound):
 @triton.jit(do_not_specialize=["num_rows", "rows_per_program", "chunks", "per_launch", "period", "index_lag",
                                "num_slots"])
 def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_program, records, num_slots, counters,
-                    per_launch, period, index_lag, tags, work, work_state, work_capacity, out_cache_loc, new_starts, new_lens,
-                    slot_map, map_len, ring, ring_capacity,
+                    per_launch, period, index_lag, tags, work, work_state, work_capacity, out_cache_loc, new_starts,
+                    new_lens, slot_map, map_len, ring, ring_capacity,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
                     ALIGN: tl.constexpr, EVEN: tl.constexpr, FINAL: tl.constexpr, ONE_CHUNK: tl.constexpr,
                     CLEAR_TAGS: tl.constexpr, GROUP_BITS: tl.constexpr):
@@ -403,8 +403,8 @@ def _launch_hash(group, state, mode, counters, table, ring, group_index, *, lane
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     _row_hash_kernel_bound[(grid0, chunks, splits)](
         state.acc, state.tickets, chunks, group.full_base, table, num_rows, rpp, group.records, group.num_slots,
-        counters, per_launch, period, index_lag, state.tags, state.work, state.work_state, state.work.shape[0], *loc,
-        *_map_args(group), ring, ring.shape[0],
+        counters, per_launch, period, index_lag, state.tags, state.work, state.work_state, state.work.shape[0],
+        *loc, *_map_args(group), ring, ring.shape[0],
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, ALIGN=group.row_word_alignment,
         EVEN=group.row_words_gcd % wt == 0, FINAL=final, ONE_CHUNK=chunks == 1, CLEAR_TAGS=state.clear_tags,
         GROUP_BITS=group_index << fp.GROUP_SHIFT, num_warps=SHAPE.warps)
