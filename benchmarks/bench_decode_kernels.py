@@ -25,10 +25,6 @@ The canary's settings are the server's (``CanaryConfig.build``, default ``--kv-c
 ``--enable-hierarchical-cache``; ``--canary-env`` overrides). Every timed step must stay clean: the script
 fails on any violation, and checks that HEAD verified every cached slot.
 
-With ``--canary-env SGLANG_KV_CANARY_SCRUB_PERIOD=P`` one step in P scrubs: read the ``*_mean_us`` figures (the
-medians are of the other steps). The ``--lm-head`` variants share one forward counter in an interleaved order, so
-a period splits the scrub's turns unevenly between them: compare periods on ``head_mean_us`` instead.
-
     PYTHONPATH=$PWD/python python benchmarks/bench_decode_kernels.py --out decode_kernels.json
     TRITON_INTERPRET=1 PYTHONPATH=$PWD/python python benchmarks/bench_decode_kernels.py --smoke   # CPU: runs only
 """
@@ -144,8 +140,7 @@ class DecodeRig:
             return SingleForwardManager(
                 index=0, groups=[self.group], kernels=kernels, req_to_token=r2t, counters=self.counters,
                 ring=ring, capacities=capacities, on_tail=lambda: None, token_oracle=o,
-                scrub_slots_per_forward=self.config.scrub_slots_per_forward,
-                scrub_period=self.config.scrub_period, check_fed=False,
+                scrub_slots_per_forward=self.config.scrub_slots_per_forward, check_fed=False,
                 write_witness=self.config.write_witness)
 
         # HEAD and TAIL of the replayed step each see a clean oracle (the step repeats at the same positions)
@@ -259,7 +254,7 @@ def time_case(torch, device, rig, iters):
     torch.cuda.synchronize()
     rig.check(0)
     out = {f"{k}_us": round(statistics.median(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev}
-    # the mean too: with SGLANG_KV_CANARY_SCRUB_PERIOD=P one replay in P scrubs, and the median is of the others
+    # the mean too (a step whose cost varies between replays: the median alone hides it)
     out.update({f"{k}_mean_us": round(statistics.mean(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev})
     out["forward_us"] = round(out["head_us"] + out["tail_us"], 2)
     out.update(bytes_per_step(rig, counted, iters))

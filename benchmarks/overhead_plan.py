@@ -195,9 +195,6 @@ CONFIGS: Dict[str, ServerConfig] = {
         # issue 60: how much of ``all``'s serving cost is the scrub (its default 256 slots per forward vs 64)
         ServerConfig("ours_all_scrub64", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",
                      ALL_ROWS, env=(("SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD", "64"),)),
-        # issue 60: the same scrub rate in fewer, larger launches (every 4th forward, 4 x 256 slots; the same bound)
-        ServerConfig("ours_all_scrub_period4", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"),
-                     "variant", ALL_ROWS, env=(("SGLANG_KV_CANARY_SCRUB_PERIOD", "4"),)),
         # the layout control: installed, idle (not a setting to run: it verifies nothing); `all` named, so that on a
         # line whose flag defaults to none (0.5.23) it holds what ``ours_all_rows`` holds (0.5.12's default is all)
         ServerConfig("ours_idle", OURS, ("--kv-canary", "raise", "--kv-canary-real-data", "all"), "variant",

@@ -25,7 +25,7 @@
 #   bash scripts/gpu_host.sh bench-wait [seconds]   # wait for it (default 570 s; every *-wait stops 45 s before the
 #                                                   # call's 600 s: KVC_CALL_LIMIT_S); results + logs into $OUT
 #     e.g. `all` in steady state (issue 60; every KV slot written first): bench-start --cpu-set auto --fill-pool --rows
-#     decode_bs1,decode_bs64,decode_bs1_all,decode_bs64_all --configs off,ours_idle,ours_all_rows,ours_all_scrub_period4,off
+#     decode_bs1,decode_bs64,decode_bs1_all,decode_bs64_all --configs off,ours_idle,ours_all_rows,off
 #     (KVC_BENCH_DIR=/tmp/kvc-bench-1 CUDA_VISIBLE_DEVICES=1 ...: a second bench on the second GPU, its own folder)
 #   bash scripts/gpu_host.sh prof-start [args]      # benchmarks/profile_decode.py in the background (after install-b)
 #   bash scripts/gpu_host.sh prof-wait [seconds]    # wait for it (default 570 s): profile.log, summary.json into $OUT

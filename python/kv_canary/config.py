@@ -162,10 +162,6 @@ ENV_VARS: Dict[str, Tuple[str, Callable[[str, str], Any], str]] = {
     "SCRUB_SLOTS_PER_FORWARD": ("scrub_slots_per_forward", _parse_int(0, 1 << 24),
                                 "slots per forward whose every K/V byte the scrub checks, cycling through the "
                                 "pool (0 = off, the default; with --kv-canary-real-data all the default is 256)"),
-    "SCRUB_PERIOD": ("scrub_period", _parse_int(1, 1 << 16),
-                     "forwards per scrub launch that hashes: every PERIOD-th forward the scrub checks PERIOD x "
-                     "SCRUB_SLOTS_PER_FORWARD slots, the others check none (the same slots a forward on average and "
-                     "the same bound, within PERIOD - 1 forwards; one launch's fixed cost a PERIOD; default 1)"),
     "HOST_SCRUB_SLOTS_PER_SECOND": ("host_scrub_slots_per_second", _parse_int(0, 1 << 24),
                                     "HiCache: host copies per second whose every K/V byte a scheduler-process thread "
                                     "checks against their records, cycling through the host pool (0 = off, the "
@@ -243,7 +239,6 @@ class CanaryConfig:
     sweep_interval: int = 0
     real_data: RealData = RealData.PARTIAL
     scrub_slots_per_forward: int = 0
-    scrub_period: int = 1  # forwards per scrub launch that hashes (SGLANG_KV_CANARY_SCRUB_PERIOD)
     host_scrub_slots_per_second: int = 0
     kv_hash_bytes: int = 16
     kv_hash_layers: Tuple[int, ...] = (0,)
@@ -384,10 +379,6 @@ class CanaryConfig:
         if config.perturb_host_copy_prob > 0 and not config.hicache:
             raise CanaryConfigError("SGLANG_KV_CANARY_PERTURB_HOST_COPY_PROB corrupts HiCache's host copies: add "
                                     "--enable-hierarchical-cache or unset it")
-        if config.scrub_period > 1 and config.scrub_slots_per_forward == 0:
-            raise CanaryConfigError(
-                f"SGLANG_KV_CANARY_SCRUB_PERIOD={config.scrub_period} paces the scrub, which is off: set "
-                f"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD or pass {FLAG_REAL_DATA} all, or unset it")
         if config.host_scrub_slots_per_second > 0 and not config.hicache:
             raise CanaryConfigError("SGLANG_KV_CANARY_HOST_SCRUB_SLOTS_PER_SECOND checks HiCache's host copies: add "
                                     "--enable-hierarchical-cache or unset it")
@@ -401,15 +392,11 @@ class CanaryConfig:
             )
         return config
 
-    def scrub_slots_per_launch(self, span: int) -> int:
-        """Slots one hashing scrub launch checks in a pool of ``span`` slots (slot 0 is padding)."""
-        return min(self.scrub_slots_per_forward * self.scrub_period, span)
-
     def scrub_bound_forwards(self, span: int) -> int:
         """Forwards within which the scrub has checked every slot of a ``span``-slot pool once (0: off)."""
         if not self.scrub_slots_per_forward:
             return 0
-        return -(-span // self.scrub_slots_per_launch(span)) * self.scrub_period
+        return -(-span // min(self.scrub_slots_per_forward, span))
 
     def describe(self) -> str:
         """One line for the startup log."""
@@ -429,7 +416,6 @@ class CanaryConfig:
             f"perturb_position_shift_prob={self.perturb_position_shift_prob} "
             f"perturb_next_token_swap_prob={self.perturb_next_token_swap_prob} perturb_kv_bytes={self.perturb_kv_bytes}"
             + (" hicache=1" if self.hicache else "")
-            + (f" scrub_period={self.scrub_period}" if self.scrub_period > 1 else "")
             + (f" host_scrub_slots_per_second={self.host_scrub_slots_per_second}"
                if self.host_scrub_slots_per_second else "")
             + (f" perturb_host_copy_prob={self.perturb_host_copy_prob}" if self.perturb_host_copy_prob else "")

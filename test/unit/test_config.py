@@ -100,21 +100,13 @@ def test_real_data_flag_and_its_conflicts():
     assert build(env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "64"}).scrub_slots_per_forward == 64
 
 
-def test_scrub_period_paces_the_scrub_and_states_its_bound():
-    """``SGLANG_KV_CANARY_SCRUB_PERIOD``: period x the slots every period-th forward; the bound (forwards until every
-    slot was checked once) is whole periods; with the scrub off it is refused, naming both ways to turn it on."""
-    config = build(real_data="all", env={"SGLANG_KV_CANARY_SCRUB_PERIOD": "4"})
-    assert config.scrub_period == 4 and config.scrub_slots_per_forward == ALL_SCRUB_SLOTS_PER_FORWARD
-    assert config.scrub_slots_per_launch(131072) == 4 * ALL_SCRUB_SLOTS_PER_FORWARD
-    assert config.scrub_bound_forwards(131072) == 128 * 4 and "scrub_period=4" in config.describe()
-    default = build(real_data="all", env={})
-    assert default.scrub_period == 1 and default.scrub_bound_forwards(131072) == 512
-    assert "scrub_period" not in default.describe() and build(env={}).scrub_bound_forwards(131072) == 0
-    assert build(real_data="all", env={"SGLANG_KV_CANARY_SCRUB_PERIOD": "1000"}).scrub_slots_per_launch(1000) == 1000
-    with pytest.raises(CanaryConfigError, match="SCRUB_PERIOD=4 paces the scrub, which is off.*--kv-canary-real-data"):
-        build(env={"SGLANG_KV_CANARY_SCRUB_PERIOD": "4"})
-    with pytest.raises(CanaryConfigError, match="SGLANG_KV_CANARY_SCRUB_PERIOD"):
-        build(real_data="all", env={"SGLANG_KV_CANARY_SCRUB_PERIOD": "0"})
+def test_the_scrub_states_its_bound():
+    """``scrub_bound_forwards``: the forwards within which the scrub checks every slot of the pool once (logged at
+    startup as ``every_slot_within_forwards=``); 0 with the scrub off; a window wider than the pool is the pool."""
+    assert build(real_data="all", env={}).scrub_bound_forwards(131072) == 131072 // ALL_SCRUB_SLOTS_PER_FORWARD
+    assert build(env={}).scrub_bound_forwards(131072) == 0
+    assert build(env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "100"}).scrub_bound_forwards(1000) == 10
+    assert build(env={"SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD": "4096"}).scrub_bound_forwards(1000) == 1
 
 
 @pytest.mark.parametrize("value,ok", [("anywhere", True), ("hashed", True), ("-1:k:mid", True), ("0:v:12", True),

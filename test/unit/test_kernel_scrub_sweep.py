@@ -44,65 +44,23 @@ def test_scrub_checks_every_byte_of_a_round_robin_window():
             (int(s.r2t[2, 10]), 10, fp.R_KV_HASH, -2)]
 
 
-def test_a_scrub_period_checks_period_times_the_slots_every_period_th_forward_and_keeps_the_bound():
-    """``SGLANG_KV_CANARY_SCRUB_PERIOD``: every 4th forward checks 4 x 16 slots, the forwards between check none (the
-    launch runs and reads its turn on the device, as a replayed graph does); the same windows as 64 slots a forward
-    at period 1, a flip in the last layer found within the config's stated bound; Triton equals the reference."""
-    from kv_canary.config import CanaryConfig
-
-    sims = [Sim(tk, full_hash=True), Sim(ref, full_hash=True)]
-    lengths = [_scenario(s) for s in sims][0]
-    per_forward, period, span = 16, 4, NUM_SLOTS - 1
-    config = CanaryConfig(scrub_slots_per_forward=per_forward, scrub_period=period)
-    bound = config.scrub_bound_forwards(span)
-    assert config.scrub_slots_per_launch(span) == 64 and bound == -(-span // 64) * period
-    scrubbed = []
-    for s in sims:
-        counts = []
-        for _ in range(bound):  # a clean pass over the whole pool
-            before = int(s.counters[fp.C_SLOTS_SCRUBBED])
-            s.backend.launch_scrub(s.group, s.counters, s.ring, per_forward, period=period)
-            counts.append(int(s.counters[fp.C_SLOTS_SCRUBBED]) - before)
-            s.counters[fp.C_FORWARD_INDEX] += 1
-        assert int(s.counters[fp.C_VIOLATIONS]) == 0
-        start = int(s.counters[fp.C_FORWARD_INDEX]) - bound
-        hashing = [i for i in range(bound) if (start + i) % period == 0]
-        assert len(hashing) == bound // period and all(c == 0 for i, c in enumerate(counts) if i not in hashing)
-        # every written slot at least once; a pass not aligned with the pool's end wraps onto a window's worth again
-        assert s.next_slot - 1 <= sum(counts) <= s.next_slot - 1 + 64
-        scrubbed.append(counts)
-        flipped = int(s.r2t[2, 10])
-        last_k = [r for r in s.group.rows if r.half == "k"][-1]
-        last_k.view[flipped, last_k.row_words // 2] ^= 1 << 7
-        found = []
-        for _ in range(bound):
-            before = int(s.counters[fp.C_VIOLATIONS])
-            s.backend.launch_scrub(s.group, s.counters, s.ring, per_forward, period=period)
-            s.counters[fp.C_FORWARD_INDEX] += 1
-            found += s.new_violations(before)
-        assert [(r[fp.V_SLOT], r[fp.V_REASON], r[fp.V_BATCH_INDEX]) for r in found] == [(flipped, fp.R_KV_HASH, -2)]
-    assert scrubbed[0] == scrubbed[1]
-
-
-@pytest.mark.parametrize("period", [1, 2])
-def test_a_scrub_after_its_forwards_bump_checks_its_own_forwards_window(period):
+def test_a_scrub_after_its_forwards_bump_checks_its_own_forwards_window():
     """``after_write`` (a load-back forward's scrub runs after the TAIL's write bumped the forward counter): at
     counter F + 1 it checks forward F's window, as a HEAD scrub at F does, and its ring rows name F; without it the
     next forward's window would be checked twice and F's never."""
     sims = [Sim(tk, full_hash=True), Sim(ref, full_hash=True)]
     [_scenario(s) for s in sims]
     for s in sims:
-        f = int(s.counters[fp.C_FORWARD_INDEX]) // period * period  # a hashing forward at either period
-        s.counters[fp.C_FORWARD_INDEX] = f
-        start = f // period * (16 * period) % (NUM_SLOTS - 1)
+        f = int(s.counters[fp.C_FORWARD_INDEX])
+        start = f * 16 % (NUM_SLOTS - 1)
         flipped = 1 + (start + 5) % (NUM_SLOTS - 1)  # in forward f's window
         assert int(s.group.records[flipped, fp.F_CHAIN]) != 0, "a written slot"
         s.group.rows[-1].view[flipped, 1] ^= 1 << 2
-        s.backend.launch_scrub(s.group, s.counters, s.ring, 16, period=period)  # HEAD at f
+        s.backend.launch_scrub(s.group, s.counters, s.ring, 16)  # HEAD at f
         head = int(s.counters[fp.C_SLOTS_SCRUBBED])
         assert [(int(r[fp.V_SLOT]), int(r[fp.V_FORWARD])) for r in s.new_violations(0)] == [(flipped, f)]
         s.counters[fp.C_FORWARD_INDEX] = f + 1  # the write's bump
-        s.backend.launch_scrub(s.group, s.counters, s.ring, 16, period=period, after_write=True)
+        s.backend.launch_scrub(s.group, s.counters, s.ring, 16, after_write=True)
         assert int(s.counters[fp.C_SLOTS_SCRUBBED]) == 2 * head > 0
         assert [(int(r[fp.V_SLOT]), int(r[fp.V_FORWARD])) for r in s.new_violations(1)] == [(flipped, f)]
 

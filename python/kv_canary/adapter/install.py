@@ -140,8 +140,7 @@ def install_canary(*, server_args: Any, model_runner: Any) -> Optional[CanaryMan
     if config.scrub_slots_per_forward:
         span = groups[0].num_slots - 1
         logger.info(format_line("kv_canary_scrub", config.scrub_slots_per_forward, {
-            "pool_slots": span, "period": config.scrub_period,
-            "every_slot_within_forwards": config.scrub_bound_forwards(span)}))
+            "pool_slots": span, "every_slot_within_forwards": config.scrub_bound_forwards(span)}))
     log_coverage(config, groups[0])
     logger.info(installed_line(config, facts.pool_name, groups, kernels.name, capacities, facts.pd_mode, memory={
         "req_rows": req_rows, "canary_bytes": memory.total, "kv_pool_bytes": kv_bytes,

@@ -7,8 +7,8 @@ signature in both backends:
            defer_first_read=)
     first_read(group, counters, ring, group_index=, rows=, finalize=)   (the deferred first-read LIST, or a part)
     write(group, view, req_to_token, counters, ring, bump_forward, group_index=, check_fed=, token_oracle=)
-    scrub(group, counters, ring, per_forward, group_index=, period=, after_write=)   (every period-th forward:
-          period x the slots; after_write: launched after the forward's bump, the window still its forward's)
+    scrub(group, counters, ring, per_forward, group_index=, after_write=)   (after_write: launched after the
+          forward's bump, the window still its forward's)
     sweep_index(group, cached_slot_index, counters, ring, group_index=)
     record_accepted(staged=, row_chain=, sampled=, req_pool_indices=, committed=, next_token_ids=,
                     accept_lens=, batch_size=, n=)   (EAGLE's accepted drafts into the token oracle)

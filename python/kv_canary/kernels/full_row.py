@@ -17,10 +17,8 @@ Lanes (which slots a launch hashes), by the ``MODE`` constexpr:
 
 * ``TAIL``: the new tokens of a forward, ``out_cache_loc[new_starts[i] + k]`` for ``k < new_lens[i]``
   (translated through the group's slot map), as the write kernel maps them; grid ``(batch, chunks)``.
-* ``SCRUB``: every ``period``-th forward, ``per_launch`` slots of a round-robin window ``1 + ((forward index //
-  period) * per_launch + l) mod (num_slots - 1)``, skipping slots never written (chain 0); the other forwards'
-  launches hash nothing (read on the device: a replayed graph runs the same launch every forward); persistent
-  grid ``(P, chunks)``.
+* ``SCRUB``: ``per_forward`` slots of a round-robin window ``1 + (forward index * per_forward + l) mod
+  (num_slots - 1)``, skipping slots never written (chain 0); persistent grid ``(P, chunks)``.
 * ``LIST``: the first-read work list (``FullRowState.work``, filled by HEAD's verify kernel with the read
   slots whose FULL_HASH was not verified since their record was written); persistent grid ``(P, chunks)``.
 
@@ -239,10 +237,10 @@ def _close_list(counters, checked, finished, work_state, bound):
             tl.store(work_state + 1, 0)
 
 
-@triton.jit(do_not_specialize=["num_rows", "rows_per_program", "chunks", "per_launch", "period", "index_lag",
+@triton.jit(do_not_specialize=["num_rows", "rows_per_program", "chunks", "per_forward", "index_lag",
                                "num_slots"])
 def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_program, records, num_slots, counters,
-                    per_launch, period, index_lag, tags, work, work_state, work_capacity, out_cache_loc, new_starts,
+                    per_forward, index_lag, tags, work, work_state, work_capacity, out_cache_loc, new_starts,
                     new_lens, slot_map, map_len, ring, ring_capacity,
                     MODE: tl.constexpr, TRANSLATE: tl.constexpr, SB: tl.constexpr, WT: tl.constexpr,
                     ALIGN: tl.constexpr, EVEN: tl.constexpr, FINAL: tl.constexpr, ONE_CHUNK: tl.constexpr,
@@ -275,9 +273,9 @@ def row_hash_kernel(acc, tickets, chunks, base, table, num_rows, rows_per_progra
                 _store_lanes(acc, records, tags, slot, _last_chunk(tickets, slot, m, chunks, ONE_CHUNK), CLEAR_TAGS)
     else:
         forward_index = tl.load(counters + _C_FORWARD_INDEX) - index_lag  # 1: a scrub after its forward's bump
-        if MODE == 1:  # this forward's turn or none: the launch every ``period``-th forward hashes
-            bound = per_launch * (forward_index % period == 0).to(tl.int64)
-            start = ((forward_index // period) * per_launch) % (num_slots - 1)
+        if MODE == 1:
+            bound = per_forward
+            start = (forward_index * per_forward) % (num_slots - 1)
         else:
             bound = tl.minimum(tl.load(work_state), work_capacity)
             start = 0
@@ -356,16 +354,15 @@ def _map_args(group):
     return [group.slot_map, int(group.slot_map.shape[0])]
 
 
-def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_launch=0, period=1,
-            index_lag=0, view=None, rows=None, finalize=True, whole_rows=False):
+def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, per_forward=0, index_lag=0,
+            view=None, rows=None, finalize=True, whole_rows=False):
     """grid0: TAIL's batch size (SCRUB / LIST: derived from ``lanes``). ``rows`` (LIST): (r0, r1), hash only rows
     [r0, r1) of ``group.rows`` (a part: its sums wait for the others); ``finalize``: then mix, compare and zero
     ``acc`` (after a LIST's last part: ``row_finalize_kernel``). Every row in one launch finalizes in it.
     ``whole_rows`` (LIST): ``SHAPE.fused_list_programs`` programs over every row (a list expected empty)."""
     if rows is None and finalize:
         _launch_hash(group, state, mode, counters, group.full_table, ring, group_index, lanes=lanes, grid0=grid0,
-                     per_launch=per_launch, period=period, index_lag=index_lag, view=view, final=True,
-                     whole_rows=whole_rows)
+                     per_forward=per_forward, index_lag=index_lag, view=view, final=True, whole_rows=whole_rows)
         return
     if mode != LIST or whole_rows:
         raise ValueError("kv-canary: only a first-read LIST is hashed in parts (rows) or finalized apart")
@@ -379,8 +376,8 @@ def _launch(group, state, mode, counters, ring, group_index, *, lanes, grid0=0, 
             state.work.shape[0], GROUP_BITS=group_index << fp.GROUP_SHIFT, BLOCK=SHAPE.finalize_block)
 
 
-def _launch_hash(group, state, mode, counters, table, ring, group_index, *, lanes, grid0, view, final, per_launch=0,
-                 period=1, index_lag=0, whole_rows=False):
+def _launch_hash(group, state, mode, counters, table, ring, group_index, *, lanes, grid0, view, final, per_forward=0,
+                 index_lag=0, whole_rows=False):
     """The partial sums of the rows ``table`` (int64[rows, 4], a slice of ``group.full_table``) into ``acc``, and
     with ``final`` (every row) each slot's FULL_HASH stored (TAIL) or compared (SCRUB, LIST) by the program that
     completes it."""
@@ -403,7 +400,7 @@ def _launch_hash(group, state, mode, counters, table, ring, group_index, *, lane
     loc = (view.out_cache_loc, view.new_starts, view.new_lens) if view is not None else (counters,) * 3
     _row_hash_kernel_bound[(grid0, chunks, splits)](
         state.acc, state.tickets, chunks, group.full_base, table, num_rows, rpp, group.records, group.num_slots,
-        counters, per_launch, period, index_lag, state.tags, state.work, state.work_state, state.work.shape[0],
+        counters, per_forward, index_lag, state.tags, state.work, state.work_state, state.work.shape[0],
         *loc, *_map_args(group), ring, ring.shape[0],
         MODE=mode, TRANSLATE=group.slot_map is not None, SB=sb, WT=wt, ALIGN=group.row_word_alignment,
         EVEN=group.row_words_gcd % wt == 0, FINAL=final, ONE_CHUNK=chunks == 1, CLEAR_TAGS=state.clear_tags,
@@ -417,15 +414,13 @@ def launch_tail_full_hash(group, view, counters, ring, group_index: int = 0) -> 
                 lanes=view.batch_size * max(1, view.max_new_len), view=view)
 
 
-def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, period: int = 1,
-                 after_write: bool = False) -> None:
-    """Check ``per_forward`` slots' every K/V byte a forward on average against their FULL_HASH (round-robin
-    window): ``period`` x as many every ``period``-th forward (one launch's fixed cost a period), none between.
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, after_write: bool = False) -> None:
+    """Check ``per_forward`` slots' every K/V byte against their FULL_HASH (round-robin window).
     ``after_write``: launched after the forward's write bumped the forward counter (a load-back forward's scrub):
     its window is still its forward's, not the next one's (which would be scrubbed twice and its own never)."""
-    per_launch = min(per_forward * period, group.num_slots - 1)
-    _launch(group, group.full_row, SCRUB, counters, ring, group_index, lanes=per_launch, per_launch=per_launch,
-            period=period, index_lag=int(after_write))
+    per_forward = min(per_forward, group.num_slots - 1)
+    _launch(group, group.full_row, SCRUB, counters, ring, group_index, lanes=per_forward, per_forward=per_forward,
+            index_lag=int(after_write))
 
 
 def launch_first_read(group, counters, ring, group_index: int = 0, rows=None, finalize: bool = True,

@@ -296,15 +296,11 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         counters[fp.C_FORWARD_INDEX] += 1
 
 
-def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, period: int = 1,
-                 after_write: bool = False) -> None:
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, after_write: bool = False) -> None:
     span = group.num_slots - 1
-    per_launch = min(per_forward * period, span) if group.full_row is not None else per_forward * period
-    forward_index = int(counters[fp.C_FORWARD_INDEX]) - int(after_write)
-    if forward_index % period:  # not this forward's turn: the launch every period-th forward hashes
-        return
-    start = forward_index // period * per_launch % span
-    slots = 1 + (start + torch.arange(per_launch, device=group.records.device)) % span
+    per_forward = min(per_forward, span) if group.full_row is not None else per_forward
+    start = (int(counters[fp.C_FORWARD_INDEX]) - int(after_write)) * per_forward % span
+    slots = 1 + (start + torch.arange(per_forward, device=group.records.device)) % span
     slots = slots[group.records[slots, fp.F_CHAIN] != 0]
     rec = group.records[slots]
     live = _full_hash(group, slots)

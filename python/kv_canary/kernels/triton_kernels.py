@@ -380,13 +380,12 @@ def launch_write(group, view, req_to_token, counters, ring, bump_forward: bool, 
         full_row.launch_tail_full_hash(group, view, counters, ring, group_index)
 
 
-def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, period: int = 1,
-                 after_write: bool = False) -> None:
-    """Check ``per_forward`` slots' every K/V byte a forward on average: ``period`` x as many every ``period``-th
-    forward, none in the others (grid fixed by both: graph-safe); ``after_write``: after the forward's bump."""
+def launch_scrub(group, counters, ring, per_forward: int, group_index: int = 0, after_write: bool = False) -> None:
+    """Check ``per_forward`` slots' every K/V byte (grid fixed by ``per_forward``: graph-safe); ``after_write``:
+    launched after the forward's bump."""
     if group.full_row is None:
         raise ValueError(f"kv-canary: group '{group.name}' keeps no FULL_HASH (built without the scrub or all)")
-    full_row.launch_scrub(group, counters, ring, per_forward, group_index, period, after_write)
+    full_row.launch_scrub(group, counters, ring, per_forward, group_index, after_write)
 
 
 def write_block(max_new_len: int) -> int:

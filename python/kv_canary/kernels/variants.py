@@ -82,10 +82,9 @@ def track(kernels, tracker: VariantTracker, write_block: Callable[[int], object]
         return kernels.write(group, view, req_to_token, counters, ring, bump_forward, block=block,
                              group_index=group_index, check_fed=check_fed, token_oracle=token_oracle)
 
-    def scrub(group, counters, ring, per_forward, group_index=0, period=1, after_write=False):
+    def scrub(group, counters, ring, per_forward, group_index=0, after_write=False):
         tracker.note(("scrub", *_group_key(group), group_index, _spec(per_forward)))
-        return kernels.scrub(group, counters, ring, per_forward, group_index=group_index, period=period,
-                             after_write=after_write)
+        return kernels.scrub(group, counters, ring, per_forward, group_index=group_index, after_write=after_write)
 
     def first_read(group, counters, ring, group_index=0, rows=None, finalize=True):
         # a part hashes rows with the same kernel variant as the whole (a row range is a table slice)

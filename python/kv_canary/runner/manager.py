@@ -141,7 +141,6 @@ class CanaryManager(Arrivals, DeferredWrites, HostCopies, Reporting):
                 index=i, groups=self.groups, kernels=kernels, req_to_token=req_to_token,
                 counters=self.counters, ring=self.ring, capacities=capacities, on_tail=self._on_eager_tail,
                 token_oracle=self.token_oracle, scrub_slots_per_forward=config.scrub_slots_per_forward,
-                scrub_period=config.scrub_period,
                 check_fed=config.write_input_assert, write_witness=config.write_witness,
             )
             for i in range(num_single_forward_managers)

@@ -55,7 +55,6 @@ class SingleForwardManager:
         on_tail: Callable[[], None],
         token_oracle: Optional[TokenOracle] = None,
         scrub_slots_per_forward: int = 0,
-        scrub_period: int = 1,
         check_fed: bool = True,
         write_witness: bool = True,
     ):
@@ -72,7 +71,6 @@ class SingleForwardManager:
         self._oracle = token_oracle
         self._check_fed = check_fed
         self._scrub = scrub_slots_per_forward  # slots per forward whose every K/V byte is checked (0: off)
-        self._scrub_period = scrub_period  # forwards per scrub launch that hashes (period x the slots)
         self._witness = write_witness  # stamp the slots to fill in HEAD, require every stamp gone in TAIL
         self._load_waits: Optional[LoadWaits] = None  # a HiCache load the next forward consumes
         self._defer_full_rows = False  # this forward's scrub runs after its TAIL, its first reads beside it
@@ -100,7 +98,7 @@ class SingleForwardManager:
         forward: ``after_write``, the forward counter already bumped)."""
         for group_index, group in enumerate(self._groups):
             self._kernels.scrub(group, self._counters, self._ring, self._scrub, group_index=group_index,
-                                period=self._scrub_period, after_write=after_write)
+                                after_write=after_write)
 
     def pre_ops_maybe_inside_graph(self, view: ForwardView, *, verify_later: bool = False) -> None:
         """HEAD: verify every slot the forward's attention reads, then stamp the slots it fills.

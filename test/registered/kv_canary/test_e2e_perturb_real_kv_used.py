@@ -95,20 +95,15 @@ MAX_SCRUBBED_INJECTIONS = 8
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("real_data,scrub,period", [("all", 0, 1), ("partial", 0, 1), ("partial", SCRUB_SLOTS, 1),
-                                                   ("partial", SCRUB_SLOTS, 2)],
-                         ids=["all", "partial", "partial+scrub", "partial+scrub-period2"])
-def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub, period):
+@pytest.mark.parametrize("real_data,scrub", [("all", 0), ("partial", 0), ("partial", SCRUB_SLOTS)],
+                         ids=["all", "partial", "partial+scrub"])
+def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub):
     """Caught with real-data all (the first read after the write, else its scrub) and with partial + the scrub
-    within the scrub's stated bound; missed with partial alone (its window is the first 16 bytes of layer 0).
-    ``period`` 2 (``SGLANG_KV_CANARY_SCRUB_PERIOD``): twice the slots every other forward, the same bound."""
+    within the scrub's stated bound; missed with partial alone (its window is the first 16 bytes of layer 0)."""
     env = {**PERTURB_ENV, "SGLANG_KV_CANARY_PERTURB_KV_BYTES": "-1:k:mid"}
     if real_data == "all":  # the roomy pool: all's scrub at the same pace (its default 256 would take 128)
         scrub = SCRUB_SLOTS
-    # forwards the scrub takes over the pool: whole periods of period x scrub slots
-    bound = -(-ROOMY_POOL_TOKENS // (scrub * period)) * period if scrub else 0
-    if period > 1:
-        env["SGLANG_KV_CANARY_SCRUB_PERIOD"] = str(period)
+    bound = -(-ROOMY_POOL_TOKENS // scrub) if scrub else 0  # forwards the scrub takes over the pool
     if scrub:
         env["SGLANG_KV_CANARY_SCRUB_SLOTS_PER_FORWARD"] = str(scrub)
         env["SGLANG_KV_CANARY_PERTURB_MAX_INJECTIONS"] = str(MAX_SCRUBBED_INJECTIONS)
@@ -132,7 +127,7 @@ def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub,
     injections = log.perturbations
     caught = len(injections) - len(log.unmatched_injections())
     latencies = log.detection_latencies()
-    print(f"kv_canary_e2e_full_slot_flip real_data={real_data} scrub={scrub} period={period} "
+    print(f"kv_canary_e2e_full_slot_flip real_data={real_data} scrub={scrub} "
           f"injections={len(injections)} "
           f"caught={caught} latency_forwards={sorted(latencies)}")
     assert result.failed == 0 and running
@@ -141,7 +136,7 @@ def test_flip_in_the_middle_of_the_last_layers_k_row(tmp_path, real_data, scrub,
     # outside the window checked at every read (all: every byte at the first read, then the scrub's)
     assert all(p["hashed"] == "0" for p in injections)
     if scrub:
-        assert f"period={period} every_slot_within_forwards={bound}" in log.text and bound == 8
+        assert f"every_slot_within_forwards={bound}" in log.text and bound == 8
         assert caught == len(injections) and max(latencies) <= bound
         # all: the first read after the write (its request's rid) or the scrub
         assert all(v["kind"] == "kv_hash" and (v["rid"] == "scrub" or real_data == "all") for v in log.violations)
