@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+
+from decode_lm_head import time_lm_head
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 L2_FLUSH_BYTES = 512 << 20
@@ -66,8 +69,18 @@ def parse_args(argv=None):
     p.add_argument("--lm-head", type=int, default=0, metavar="VOCAB",
                    help="also time the step with the model's last GEMM (hidden 4096 x VOCAB bf16, e.g. 128256): "
                         "TAIL after it (today) and TAIL on a side stream beside it (fork/join inside the graph)")
+    p.add_argument("--full-row-shape", action="append", default=[], metavar="FIELD=N[,N,N]",
+                   help="a field of kernels.full_row.SHAPE replaced (launch-shape sweeps), e.g. "
+                        "persistent_programs=0,128,16 or target_programs=1024")
     p.add_argument("--out", default="decode_kernels.json")
     args = p.parse_args(argv)
+    args.shape = {}
+    for pair in args.full_row_shape:
+        key, sep, value = pair.partition("=")
+        nums = tuple(int(v) for v in value.split(",") if v.strip().isdigit())
+        if not sep or not nums or len(nums) != len(value.split(",")):
+            p.error(f"--full-row-shape expects FIELD=N or FIELD=N,N,N (non-negative integers), got {pair!r}")
+        args.shape[key] = nums[0] if len(nums) == 1 else nums
     args.case_list = []
     for item in args.cases.split(","):
         bs, _, ctx = item.partition("x")
@@ -314,94 +327,33 @@ def copy_bandwidth(torch, device, mib=1024, iters=20):
     return round((mib << 20) / statistics.median(times) / 1e9, 1)
 
 
-def time_lm_head(torch, device, rig, iters, vocab):
-    """The step's wall time on the GPU with the LM head's GEMM last (no L2 flush: the GEMM's 1 GB read is one):
-    ``base`` (store + GEMM, no canary), ``serial`` (HEAD, store, GEMM, TAIL: the TAIL after the forward, as the
-    patched model.forward runs it today), ``forked`` (HEAD, store, then the TAIL on a side stream beside the GEMM,
-    joined before the graph ends), ``forked_verify`` (HEAD's stamp, store, then the verify and the TAIL beside the
-    GEMM: the server's path with ``runner/early_tail.py``), ``forked_verify_hi`` (that on a side stream of higher
-    priority) and ``forked_verify_scrub_hi`` (the scrub moved out of HEAD, after the TAIL on that stream). Median µs
-    of ``iters`` replays each, interleaved."""
-    w = torch.empty((vocab, 4096), dtype=torch.bfloat16, device=device).normal_()
-    h = torch.empty((rig.bs, 4096), dtype=torch.bfloat16, device=device).normal_()
-    side = torch.cuda.Stream(device=device)
-    # the same side stream at a higher priority: its blocks are placed ahead of the GEMM's waiting ones (does the
-    # canary's side work then end inside the LM head instead of after it?)
-    side_hi = torch.cuda.Stream(device=device, priority=-1)  # torch: 0 (default) or negative, lower = higher
-
-    def lm():
-        return h @ w.t()
-
-    def base():
-        rig.store()
-        lm()
-
-    def serial():
-        rig.head()
-        rig.store()
-        lm()
-        rig.tail()
-
-    def forked():
-        rig.head()
-        rig.store()
-        cur = torch.cuda.current_stream(device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            rig.tail()
-        lm()
-        cur.wait_stream(side)
-
-    def forked_verify(stream=side, scrub_beside=False):  # the server's path with an anchor: HEAD stamps only, the
-        # verify runs before the TAIL (HEAD's own oracle); ``scrub_beside``: the scrub too, after the TAIL
-        scrub, rig.head_mgr._scrub = rig.head_mgr._scrub, 0 if scrub_beside else rig.head_mgr._scrub
-        rig.head_mgr.pre_ops_maybe_inside_graph(rig.view, verify_later=True)
-        rig.head_mgr._verify_pending, rig.head_mgr._scrub = False, scrub  # its verify runs below, on the stream
-        rig.store()
-        cur = torch.cuda.current_stream(device)
-        stream.wait_stream(cur)
-        with torch.cuda.stream(stream):
-            rig.head_mgr._verify(rig.view)
-            rig.tail()
-            if scrub_beside and scrub:
-                rig.head_mgr._scrub_groups()
-        lm()
-        cur.wait_stream(stream)
-
-    variants = (("base", base), ("serial", serial), ("forked", forked), ("forked_verify", forked_verify),
-                ("forked_verify_hi", lambda: forked_verify(side_hi)),
-                ("forked_verify_scrub_hi", lambda: forked_verify(side_hi, scrub_beside=True)))
-    graphs = {}
-    for name, fn in variants:
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs[name] = g
-    torch.cuda.synchronize()
-    ev = {k: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-          for k in graphs}
-    for i in range(iters):
-        names = [name for name, _ in variants]
-        for k in (names if i % 2 else names[::-1]):
-            ev[k][i][0].record()
-            graphs[k].replay()
-            ev[k][i][1].record()
-    torch.cuda.synchronize()
-    rig.check(0)
-    out = {f"lm_{k}_us": round(statistics.median(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev}
-    out.update({f"lm_{k}_mean_us": round(statistics.mean(s.elapsed_time(e) for s, e in ev[k]) * 1e3, 2) for k in ev})
-    for name, _ in variants[1:]:
-        out[f"lm_{name}_minus_base_us"] = round(out[f"lm_{name}_us"] - out["lm_base_us"], 2)
-        out[f"lm_{name}_minus_base_mean_us"] = round(out[f"lm_{name}_mean_us"] - out["lm_base_mean_us"], 2)
-    return out
+def shape_override(shape, fields):
+    """``shape`` (a ``full_row.LaunchShape``) with ``fields`` replaced; an unknown field, or a value whose arity is
+    not the field's (an int, or one per mode), exits naming the flag."""
+    for key, value in fields.items():
+        old = getattr(shape, key, None)
+        if old is None or len(old if isinstance(old, tuple) else (old,)) != len(value if isinstance(value, tuple)
+                                                                              else (value,)):
+            names = ", ".join(f"{f.name} ({getattr(shape, f.name)!r})" for f in dataclasses.fields(shape))
+            raise SystemExit(f"--full-row-shape {key}: expected one of {names}, with that value's arity")
+    return dataclasses.replace(shape, **fields)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+    from kv_canary.kernels import full_row
+
+    before = full_row.SHAPE
+    full_row.SHAPE = shape_override(before, args.shape)
+    try:
+        return _run(args, full_row.SHAPE)
+    finally:
+        full_row.SHAPE = before
+
+
+def _run(args, shape):
     import torch
 
     if args.smoke:
@@ -427,7 +379,7 @@ def main(argv=None):
               "copy_read_gbps": copy_bandwidth(torch, device) if device.type == "cuda" else None,
               "config": {"hicache": not args.no_hicache, "real_data": args.real_data, "env": args.environ,
                          "pool_slots": pool, "first_reads": "prefill backlog" if args.prefill_backlog else "steady",
-                         "shared_prefix": args.shared_prefix},
+                         "shared_prefix": args.shared_prefix, "full_row_shape": dataclasses.asdict(shape)},
               "timing": "CUDA graph replay after an L2 flush, CUDA events, median (cold); kernels: profiler mean "
                         "over 50 replays without flush (hot)", "results": results}
     with open(args.out, "w") as f:

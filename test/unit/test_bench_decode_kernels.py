@@ -80,3 +80,36 @@ def test_the_rig_check_fails_on_a_wrong_tail_hash_and_on_a_violation():
     rig.counters[fp.C_VIOLATIONS] = 1
     with pytest.raises(SystemExit, match="violation"):
         rig.check(0)
+
+
+@ON_CPU_KERNELS
+def test_a_launch_shape_override_runs_clean_is_reported_and_restored(tmp_path):
+    """--full-row-shape: the whole-row hash's launch shape replaced for the run (a first-read grid of one slot block,
+    one row a program for every mode); the steps stay clean, the report names the shape used, and the module's shape
+    is restored after the run."""
+    from kv_canary.kernels import full_row
+
+    before = full_row.SHAPE
+    out = tmp_path / "decode.json"
+    assert bench_decode_kernels.main(["--smoke", "--no-hicache", "--real-data", "all", "--out", str(out),
+                                      "--full-row-shape", "persistent_programs=0,2,1",
+                                      "--full-row-shape", "rows_per_program=1,1,1"]) == 0
+    shape = json.loads(out.read_text())["config"]["full_row_shape"]
+    assert shape["persistent_programs"] == [0, 2, 1] and shape["rows_per_program"] == [1, 1, 1]
+    assert shape["tile_elements"] == before.tile_elements and full_row.SHAPE is before
+
+
+@pytest.mark.parametrize("value", ["target_programs", "target_programs=x", "rows_per_program=1,-1,1"])
+def test_a_malformed_shape_override_is_refused_naming_the_flag(value, capsys):
+    with pytest.raises(SystemExit):
+        bench_decode_kernels.parse_args(["--full-row-shape", value])
+    assert "--full-row-shape" in capsys.readouterr().err
+
+
+def test_an_unknown_shape_field_or_arity_is_refused_naming_the_flag():
+    from kv_canary.kernels import full_row
+
+    for fields in ({"no_such_field": 3}, {"target_programs": (1, 2, 3)}, {"rows_per_program": 4}):
+        with pytest.raises(SystemExit, match="--full-row-shape"):
+            bench_decode_kernels.shape_override(full_row.SHAPE, fields)
+    assert bench_decode_kernels.shape_override(full_row.SHAPE, {"warps": 8}).warps == 8
