@@ -33,6 +33,7 @@
 #     --batches 1 --configs "off,ours_idle,load:ours_idle;KVC_DIAG_PRECOMPILE_LAUNCH=load" && prof-wait 480
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
+#   bash scripts/gpu_host.sh hash-term [args]       # bench_hash_term.py: read / mix32 / linear word terms, GB/s
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh e2e-bg NAME FILES.. [-k ..]  # e2e files in the background (one per GPU with
 #   bash scripts/gpu_host.sh e2e-collect NAME [s]   #   CUDA_VISIBLE_DEVICES); collect: wait up to s, logs into $OUT
@@ -330,6 +331,9 @@ PY
       PYTHONPATH="$PWD/.bench-base/python" python3 benchmarks/bench_decode_kernels.py --label base \
         --out "$out/decode-base.json" "$@" 2>&1 | grep -v -i "warn" | tee "$out/decode-base.log"
     fi ;;
+  hash-term)  # bench_hash_term.py: a FULL_HASH word term's cost at memory speed (no sglang needed)
+    PYTHONPATH="$PWD/python" python3 benchmarks/bench_hash_term.py --out "$out/hash_term.json" "$@" 2>&1 \
+      | grep -v -i "warn" | tee "$out/hash_term.log" ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
   e2e-bg)  # NAME [pytest args]: registered e2e files on the GPU in the background (setsid), in /tmp/kvc-e2e-NAME
     # (one per GPU with CUDA_VISIBLE_DEVICES); e2e-collect NAME [seconds] waits for it and copies its logs into $OUT
