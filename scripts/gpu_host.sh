@@ -34,6 +34,8 @@
 #   bash scripts/gpu_host.sh unit [pytest args]     # kernel/runner unit tests on the GPU (CUDA graphs too)
 #   bash scripts/gpu_host.sh decode-kernels [args]  # bench_decode_kernels.py: this tree (and .bench-base/python)
 #   bash scripts/gpu_host.sh hash-term [args]       # bench_hash_term.py: read / mix32 / linear word terms, GB/s
+#   bash scripts/gpu_host.sh fused-attention-hash [args]  # bench_fused_attention_hash.py: decode attention, one
+#                                                   # layer, alone and with each term hashed where it loads K and V
 #   bash scripts/gpu_host.sh e2e [pytest args]      # the registered CUDA suite (real sglang, CUDA graphs)
 #   bash scripts/gpu_host.sh e2e-bg NAME FILES.. [-k ..]  # e2e files in the background (one per GPU with
 #   bash scripts/gpu_host.sh e2e-collect NAME [s]   #   CUDA_VISIBLE_DEVICES); collect: wait up to s, logs into $OUT
@@ -334,6 +336,9 @@ PY
   hash-term)  # bench_hash_term.py: a FULL_HASH word term's cost at memory speed (no sglang needed)
     PYTHONPATH="$PWD/python" python3 benchmarks/bench_hash_term.py --out "$out/hash_term.json" "$@" 2>&1 \
       | grep -v -i "warn" | tee "$out/hash_term.log" ;;
+  fused-attention-hash)  # bench_fused_attention_hash.py: one layer's decode attention with and without a hash term
+    PYTHONPATH="$PWD/python" python3 benchmarks/bench_fused_attention_hash.py --out "$out/fused_attention_hash.json" \
+      "$@" 2>&1 | grep -v -i "warn" | tee "$out/fused_attention_hash.log" ;;
   e2e) python3 scripts/run_suite.py --hw cuda -- -p no:cacheprovider -s "$@" 2>&1 | tee "$out/gpu-e2e.log" ;;
   e2e-bg)  # NAME [pytest args]: registered e2e files on the GPU in the background (setsid), in /tmp/kvc-e2e-NAME
     # (one per GPU with CUDA_VISIBLE_DEVICES); e2e-collect NAME [seconds] waits for it and copies its logs into $OUT
