@@ -77,12 +77,10 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from kernel_timing import Timer, device_info
+    from kernel_timing import Timer, bench_device, device_info
     from kv_canary import fingerprint as fp
 
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU, or pass --smoke on CPU")
+    device = bench_device(torch, args.smoke)
     cases, splits = ([(2, 40)], 2) if args.smoke else (args.case_list, args.splits)
     if splits & (splits - 1):
         raise SystemExit(f"--splits {splits}: a power of two (the merge's lanes)")

@@ -99,12 +99,10 @@ def main(argv=None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from kernel_timing import Timer, device_info, measured_copy_gbps, nominal_hbm_gbps
+    from kernel_timing import Timer, bench_device, device_info, measured_copy_gbps, nominal_hbm_gbps
     from kv_canary import fingerprint as fp
 
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: run on a GPU, or pass --smoke on CPU")
+    device = bench_device(torch, args.smoke)
     shapes = SMOKE_SHAPES if args.smoke else GPU_SHAPES
     unit = max(b for b, _, _ in shapes)
     n_words = (4 * unit if args.smoke else (args.mib << 20) // 4) // unit * unit

@@ -2,7 +2,7 @@
 between CUDA events, "cold", or replays back to back, "hot"; CPU: eager calls, wall clock), the graph floor, the
 measured device-to-device copy bandwidth and the nominal HBM bandwidth by device name.
 
-Shared by ``bench_kernels.py`` and ``bench_full_row.py``.
+Shared by ``bench_kernels.py``, ``bench_full_row.py``, ``bench_hash_term.py`` and ``bench_fused_attention_hash.py``.
 """
 
 from __future__ import annotations
@@ -147,3 +147,12 @@ def graph_floor_us(torch, timer: Timer) -> Optional[float]:
         return None
     x = torch.zeros(1, device=timer.device)
     return timer.cold_us(lambda: x.add_(1))
+
+
+def bench_device(torch, smoke: bool):
+    """CPU for a ``--smoke`` run (the Triton interpreter), else the GPU; none there exits saying what to do."""
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or pass --smoke on CPU")
+    return torch.device("cuda")

@@ -16,3 +16,24 @@ def _load(name):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def kernel_bench(name):
+    """A kernel benchmark as a module, with ``benchmarks/`` on ``sys.path`` (it imports its helpers by name)."""
+    folder = str(ROOT / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return sys.modules.get(name) or _load(name)
+
+
+def on_cpu_kernels(step: str):
+    """Skip unless the Triton interpreter was on from the start: a benchmark's CPU smoke runs its kernels on CPU
+    tensors, and Triton picks the interpreter when the kernels' modules are imported (a GPU host runs the
+    benchmark itself: ``gpu_host.sh STEP``)."""
+    import os
+
+    import pytest
+
+    return pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                              reason=f"the CPU smoke needs TRITON_INTERPRET=1 from the start (a GPU host runs the "
+                                     f"bench itself: gpu_host.sh {step})")

@@ -5,21 +5,13 @@ from the reference), with HiCache's settings and without."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_decode_kernels  # noqa: E402
+from script_loader import kernel_bench, on_cpu_kernels  # test/unit: on the path under pytest
 
-
-# The smoke run and the rig run the kernels on CPU tensors: under the interpreter only, which Triton chooses when the
-# kernels' modules are imported (a GPU host runs the bench itself: scripts/gpu_host.sh decode-kernels).
-ON_CPU_KERNELS = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                    reason="the CPU smoke needs TRITON_INTERPRET=1 from the start (a GPU host runs "
-                                           "the bench itself: gpu_host.sh decode-kernels)")
+bench_decode_kernels = kernel_bench("bench_decode_kernels")
+ON_CPU_KERNELS = on_cpu_kernels("decode-kernels")
 
 
 @ON_CPU_KERNELS

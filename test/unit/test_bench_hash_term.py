@@ -5,21 +5,15 @@ checked against the fingerprint's own word term."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import bench_hash_term  # noqa: E402
+from kv_canary import fingerprint as fp
+from script_loader import kernel_bench, on_cpu_kernels  # test/unit: on the path under pytest
 
-from kv_canary import fingerprint as fp  # noqa: E402
-
-ON_CPU_KERNELS = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                    reason="the CPU smoke needs TRITON_INTERPRET=1 from the start (a GPU host runs "
-                                           "the bench itself: gpu_host.sh hash-term)")
+bench_hash_term = kernel_bench("bench_hash_term")
+ON_CPU_KERNELS = on_cpu_kernels("hash-term")
 
 
 @ON_CPU_KERNELS
